@@ -1,0 +1,122 @@
+"""The small interfaces through which the algorithm reaches engines, retrievers and caches.
+
+`pipeline/` imports nothing heavier than these; `infra/` provides the implementations.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Literal, Protocol, runtime_checkable
+
+FinishReason = Literal["eos", "stop_token", "sentence", "length"]
+
+
+@dataclass(frozen=True)
+class TokenScoreRequest:
+    """Ask for the log-probabilities of `candidates` as the token right after `prompt`."""
+
+    prompt: Sequence[int]
+    candidates: Sequence[int]
+
+
+@dataclass(frozen=True)
+class TokenScores:
+    """Log-probabilities aligned with the request's candidates (`-inf` for an impossible token)."""
+
+    logprobs: list[float]
+    prefill_tokens: int
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """Greedy continuation of `prompt` for at most `max_tokens` tokens.
+
+    Generation stops at an end-of-generation token, at any token in `stop_token_ids`
+    (kept out of the text, reported in `Generation.stop_token`), or, when
+    `stop_at_sentence_end` is set, once the text so far ends a sentence.
+    """
+
+    prompt: Sequence[int]
+    max_tokens: int
+    stop_token_ids: frozenset[int] = frozenset()
+    stop_at_sentence_end: bool = True
+
+
+@dataclass(frozen=True)
+class Generation:
+    tokens: list[int]
+    text: str
+    logprobs: list[float]
+    finish_reason: FinishReason
+    prefill_tokens: int
+    stop_token: int | None = None
+
+    @property
+    def logprob(self) -> float:
+        return float(sum(self.logprobs))
+
+
+@dataclass(frozen=True)
+class ContinuationRequest:
+    """Ask for the log-probability of each token of `continuation` given `prompt`."""
+
+    prompt: Sequence[int]
+    continuation: Sequence[int]
+
+
+@dataclass(frozen=True)
+class ContinuationScores:
+    logprobs: list[float]
+    prefill_tokens: int
+
+
+@runtime_checkable
+class LanguageModel(Protocol):
+    """A tokenizer plus batched scoring and greedy generation.
+
+    Every batched call takes all its requests at once so that an implementation can run
+    them as one multi-sequence forward pass and compute shared prompt prefixes only once.
+    """
+
+    @property
+    def model_id(self) -> str: ...
+
+    @property
+    def chat_template(self) -> str | None: ...
+
+    def tokenize(self, text: str, *, special: bool = False) -> list[int]:
+        """Tokenize without adding BOS. With `special=False` no control token can appear."""
+        ...
+
+    def detokenize(self, tokens: Sequence[int]) -> str: ...
+
+    def special_token_id(self, piece: str) -> int | None:
+        """The id of `piece` when the vocabulary holds it as one token, else None."""
+        ...
+
+    def bos_tokens(self) -> list[int]:
+        """Tokens every prompt starts with (empty when the model adds no BOS)."""
+        ...
+
+    def next_token_logprobs(self, requests: Sequence[TokenScoreRequest]) -> list[TokenScores]: ...
+
+    def generate(self, requests: Sequence[GenerationRequest]) -> list[Generation]: ...
+
+    def continuation_logprobs(
+        self, requests: Sequence[ContinuationRequest]
+    ) -> list[ContinuationScores]: ...
+
+
+@dataclass(frozen=True)
+class Passage:
+    id: str
+    text: str
+    title: str | None = None
+    score: float = 0.0
+    metadata: dict[str, str] = field(default_factory=dict)
+
+
+@runtime_checkable
+class Retriever(Protocol):
+    def search(self, query: str, k: int) -> list[Passage]: ...

@@ -1,0 +1,80 @@
+"""Request and response of one answered question."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from schemas.decoding import DecodingConfig, DecodingOverrides
+
+MAX_QUESTION_CHARS = 2000
+
+
+class AnswerRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    question: str = Field(..., min_length=1, max_length=MAX_QUESTION_CHARS)
+    config: DecodingOverrides = Field(default_factory=DecodingOverrides)
+
+    @field_validator("question")
+    @classmethod
+    def _not_blank(cls, value: str) -> str:
+        value = value.strip()
+        if not value:
+            raise ValueError("question must contain non-whitespace text")
+        return value
+
+
+class Citation(BaseModel):
+    passage_id: str
+    title: str | None = None
+
+
+class SegmentOut(BaseModel):
+    """One generated segment with the critique that selected it."""
+
+    text: str
+    citation: Citation | None = Field(
+        None, description="The passage this segment was drafted from."
+    )
+    retrieved: bool = Field(description="Whether retrieval fired for this segment's step.")
+    p_ret: float | None = Field(None, ge=0.0, le=1.0, description="None when mode is always/never.")
+    s_rel: float | None = Field(None, ge=0.0, le=1.0)
+    s_sup: float | None = Field(None, ge=0.0, le=1.0)
+    s_use: float | None = Field(None, ge=-1.0, le=1.0)
+    is_sup: str | None = Field(None, description="Most likely IsSup label: full, partial or none.")
+    logprob: float = Field(description="log p(segment | question, passage), summed over tokens.")
+    n_tokens: int
+    score: float = Field(description="S, the ranking score of the segment.")
+
+
+class PassageOut(BaseModel):
+    id: str
+    title: str | None = None
+    text: str
+    score: float = Field(description="Retrieval score from the store.")
+
+
+class Usage(BaseModel):
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+    branches_opened: int = 0
+    branches_pruned: int = 0
+    branches_filtered: int = 0
+    retrievals: int = 0
+    steps: int = 0
+    stopped_by: str | None = Field(
+        None, description="Budget that ended decoding early: max_prefill_tokens, timeout_s, ..."
+    )
+
+
+class AnswerResponse(BaseModel):
+    question: str
+    answer: str
+    abstained: bool
+    segments: list[SegmentOut]
+    passages: list[PassageOut]
+    usage: Usage
+    timings_ms: dict[str, float]
+    model_id: str
+    critique: str = Field(description="Critique source actually used.")
+    config: DecodingConfig

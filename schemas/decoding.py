@@ -1,0 +1,91 @@
+"""Per-request decoding configuration: every Self-RAG dial, with its bounds."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+RetrievalMode = Literal["adaptive", "always", "never"]
+CritiqueSource = Literal["auto", "native", "prompted"]
+SupportLevel = Literal["none", "partial", "full"]
+UnsupportedPolicy = Literal["abstain", "no_retrieval"]
+
+
+class DecodingConfig(BaseModel):
+    """How one question is answered. All fields are per request; none needs retraining."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    mode: RetrievalMode = Field(
+        "adaptive", description="adaptive: retrieve when p_ret > threshold; always; never."
+    )
+    threshold: float = Field(0.5, ge=0.0, le=1.0, description="δ for adaptive retrieval.")
+    top_k: int = Field(3, ge=1, le=50, description="Passages retrieved per step (K).")
+    beam: int = Field(1, ge=1, le=8, description="Segment-level beam width (B).")
+    max_segments: int = Field(3, ge=1, le=32)
+    max_segment_tokens: int = Field(48, ge=4, le=512)
+    w_rel: float = Field(1.0, ge=0.0, le=100.0, description="Weight of s_rel in S.")
+    w_sup: float = Field(1.0, ge=0.0, le=100.0, description="Weight of s_sup in S.")
+    w_use: float = Field(0.5, ge=0.0, le=100.0, description="Weight of s_use in S.")
+    length_normalize: bool = Field(
+        False, description="Use the mean token log-probability in S instead of the sum."
+    )
+    min_relevance: float = Field(
+        0.0,
+        ge=0.0,
+        le=1.0,
+        description="Branches with s_rel below this are pruned before drafting.",
+    )
+    min_support: SupportLevel = Field(
+        "none", description="Hard filter: the most likely IsSup label must reach this level."
+    )
+    require_relevant: bool = Field(
+        False, description="Hard filter: the most likely IsRel label must be 'relevant'."
+    )
+    on_unsupported: UnsupportedPolicy = Field(
+        "abstain",
+        description="When every branch of a retrieval step is filtered out: abstain, or keep "
+        "the no-retrieval draft.",
+    )
+    critique: CritiqueSource = Field(
+        "auto", description="auto picks native when the model has reflection tokens, else prompted."
+    )
+    max_retrievals: int = Field(4, ge=0, le=64, description="Retrieval steps allowed per question.")
+    max_prefill_tokens: int = Field(
+        200_000,
+        ge=1,
+        description="Stop opening new steps once this many prompt tokens were computed.",
+    )
+    timeout_s: float = Field(
+        120.0, gt=0.0, le=3600.0, description="Wall-clock budget per question."
+    )
+
+
+class DecodingOverrides(BaseModel):
+    """A partial `DecodingConfig`: only the fields a request wants to change."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    mode: RetrievalMode | None = None
+    threshold: float | None = Field(None, ge=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=1, le=50)
+    beam: int | None = Field(None, ge=1, le=8)
+    max_segments: int | None = Field(None, ge=1, le=32)
+    max_segment_tokens: int | None = Field(None, ge=4, le=512)
+    w_rel: float | None = Field(None, ge=0.0, le=100.0)
+    w_sup: float | None = Field(None, ge=0.0, le=100.0)
+    w_use: float | None = Field(None, ge=0.0, le=100.0)
+    length_normalize: bool | None = None
+    min_relevance: float | None = Field(None, ge=0.0, le=1.0)
+    min_support: SupportLevel | None = None
+    require_relevant: bool | None = None
+    on_unsupported: UnsupportedPolicy | None = None
+    critique: CritiqueSource | None = None
+    max_retrievals: int | None = Field(None, ge=0, le=64)
+    max_prefill_tokens: int | None = Field(None, ge=1)
+    timeout_s: float | None = Field(None, gt=0.0, le=3600.0)
+
+    def apply_to(self, base: DecodingConfig) -> DecodingConfig:
+        changes = self.model_dump(exclude_none=True)
+        return DecodingConfig.model_validate({**base.model_dump(), **changes})

@@ -1,0 +1,60 @@
+"""Deployment settings: where the model, index and caches live. Loaded by `infra.settings`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from schemas.decoding import DecodingConfig
+
+WeightFormat = Literal["auto", "original", "bf16", "f16", "q8_0", "q4_0"]
+
+
+class ModelSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    path: str | None = Field(
+        None, description="GGUF path or http(s) URL; default: the embedded SmolLM2-135M-Instruct."
+    )
+    weights: WeightFormat = Field(
+        "auto",
+        description="Derive a faster copy of the weights once and cache it; auto picks the fastest "
+        "measured format for the model's original type.",
+    )
+    n_ctx: int = Field(
+        8192, ge=512, le=131072, description="Total KV cells shared by all sequences."
+    )
+    n_seq_max: int = Field(16, ge=1, le=256, description="Sequences (branches) per context.")
+    n_threads: int = Field(0, ge=0, description="0: all available cores.")
+    n_batch: int = Field(2048, ge=32)
+
+
+class RetrievalSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    qdrant_url: str | None = Field(
+        None, description="Qdrant server URL; default: embedded on disk."
+    )
+    qdrant_api_key: str | None = None
+    collection: str = "passages"
+    embedding_model: str | None = Field(
+        None,
+        description="sentence-transformers model folder; default: the embedded all-MiniLM-L6-v2.",
+    )
+    hybrid: bool = Field(False, description="Fuse dense and BM25 sparse results with RRF.")
+    passage_words: int = Field(150, ge=20, le=2000, description="Long documents are split here.")
+    passage_overlap_words: int = Field(30, ge=0, le=500)
+
+
+class Settings(BaseModel):
+    """Everything a deployment configures. Defaults < TOML file < SELFRAG_* environment."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    home: Path = Field(description="Data folder: index, derived model files, caches.")
+    model: ModelSettings = Field(default_factory=ModelSettings)
+    retrieval: RetrievalSettings = Field(default_factory=RetrievalSettings)
+    decoding: DecodingConfig = Field(default_factory=DecodingConfig)
+    redis_url: str | None = None

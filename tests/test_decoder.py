@@ -1,0 +1,213 @@
+import pytest
+
+from pipeline.decoder import ABSTAIN_MESSAGE, SelfRAGDecoder
+from pipeline.protocols import Passage
+from schemas.decoding import DecodingConfig
+from tests.fakes import ListRetriever, ScriptedCritic
+
+PASSAGES = [
+    Passage("p1", "Normandy is a region of France.", "Normandy", 0.9),
+    Passage("p2", "Rollo was a Viking leader.", "Rollo", 0.8),
+    Passage("p3", "Bananas are yellow.", "Banana", 0.7),
+]
+
+
+def make(critic: ScriptedCritic, passages=PASSAGES, clock=None):
+    retriever = ListRetriever(list(passages))
+    kwargs = {"clock": clock} if clock else {}
+    return SelfRAGDecoder(lambda _: critic, retriever, "test-model", **kwargs), retriever
+
+
+def cfg(**kw) -> DecodingConfig:
+    base = {"max_segments": 1, "top_k": 3}
+    return DecodingConfig(**{**base, **kw})
+
+
+def test_best_branch_wins_and_carries_citation_and_scores():
+    critic = ScriptedCritic(
+        relevance_of={"p1": 0.9, "p2": 0.8, "p3": 0.1},
+        drafts={
+            "p1": (" Normandy is in France.", -1.0, "eos"),
+            "p2": (" Rollo led Vikings.", -1.0, "eos"),
+            "p3": (" Bananas.", -1.0, "eos"),
+            None: (" I think France.", -0.5, "eos"),
+        },
+        support_of={"p1": {"full": 0.9, "partial": 0.05, "none": 0.05}, "p2": {"none": 1.0}},
+    )
+    decoder, retriever = make(critic)
+    out = decoder.answer("Where is Normandy?", cfg())
+    assert out.answer == "Normandy is in France."
+    seg = out.segments[0]
+    assert seg.citation is not None and seg.citation.passage_id == "p1"
+    assert seg.s_rel == pytest.approx(0.9)
+    assert seg.s_sup == pytest.approx(0.925)
+    assert seg.s_use == pytest.approx(1.0)
+    assert seg.p_ret == pytest.approx(0.9)
+    assert seg.score == pytest.approx(-1.0 + 0.9 + 0.925 + 0.5)
+    assert out.usage.retrievals == 1
+    assert out.usage.branches_opened == 4
+    assert retriever.queries == ["Where is Normandy?"]
+    assert out.passages[0].id == "p1"
+
+
+def test_weights_change_the_winner():
+    critic = ScriptedCritic(
+        relevance_of={"p1": 0.95, "p2": 0.80},
+        drafts={"p1": (" A.", -0.9, "eos"), "p2": (" B.", -1.3, "eos"), None: (" C.", -9.0, "eos")},
+        support_of={"p1": {"full": 0.4, "none": 0.6}, "p2": {"full": 0.95, "none": 0.05}},
+        utility_of={"p1": {"5": 0.9, "1": 0.1}, "p2": {"5": 0.8, "1": 0.2}},
+    )
+    decoder, _ = make(critic, PASSAGES[:2])
+    assert decoder.answer("q", cfg(w_sup=1.0)).segments[0].citation.passage_id == "p1"
+    assert decoder.answer("q", cfg(w_sup=2.0)).segments[0].citation.passage_id == "p2"
+
+
+def test_low_relevance_branches_are_pruned_before_drafting():
+    critic = ScriptedCritic(relevance_of={"p1": 0.9, "p2": 0.2, "p3": 0.1})
+    decoder, _ = make(critic)
+    out = decoder.answer("q", cfg(min_relevance=0.5))
+    assert out.usage.branches_pruned == 2
+    assert "draft:2" in critic.calls  # p1 and the no-retrieval branch only
+
+
+def test_never_mode_does_not_retrieve_or_ask():
+    critic = ScriptedCritic()
+    decoder, retriever = make(critic)
+    out = decoder.answer("q", cfg(mode="never"))
+    assert retriever.queries == []
+    assert not any(c.startswith("retrieval") for c in critic.calls)
+    assert out.segments[0].citation is None and out.segments[0].p_ret is None
+
+
+def test_adaptive_threshold_decides():
+    critic = ScriptedCritic(p_retrieve=0.3)
+    decoder, retriever = make(critic)
+    decoder.answer("q", cfg(mode="adaptive", threshold=0.5))
+    assert retriever.queries == []
+    decoder.answer("q", cfg(mode="adaptive", threshold=0.2))
+    assert len(retriever.queries) == 1
+
+
+def test_always_mode_retrieves_without_asking():
+    critic = ScriptedCritic(p_retrieve=0.0)
+    decoder, retriever = make(critic)
+    out = decoder.answer("q", cfg(mode="always"))
+    assert len(retriever.queries) == 1
+    assert not any(c.startswith("retrieval") for c in critic.calls)
+    assert out.segments[0].p_ret is None
+
+
+def test_min_support_filter_makes_branch_unavailable_not_just_worse():
+    critic = ScriptedCritic(
+        relevance_of={"p1": 0.99, "p2": 0.5},
+        drafts={"p1": (" Great.", -0.1, "eos"), "p2": (" Fine.", -5.0, "eos")},
+        support_of={"p1": {"none": 0.9, "full": 0.1}, "p2": {"partial": 0.8, "none": 0.2}},
+    )
+    decoder, _ = make(critic, PASSAGES[:2])
+    out = decoder.answer("q", cfg(min_support="partial"))
+    assert out.segments[0].citation.passage_id == "p2"
+    assert out.usage.branches_filtered == 2  # p1 and the no-retrieval branch
+
+
+def test_everything_filtered_abstains_with_a_message():
+    critic = ScriptedCritic(
+        support_of={"p1": {"none": 1.0}, "p2": {"none": 1.0}, "p3": {"none": 1.0}}
+    )
+    decoder, _ = make(critic)
+    out = decoder.answer("q", cfg(min_support="full"))
+    assert out.abstained
+    assert out.answer == ABSTAIN_MESSAGE
+    assert out.segments == []
+
+
+def test_everything_filtered_can_fall_back_to_no_retrieval():
+    critic = ScriptedCritic(
+        support_of={"p1": {"none": 1.0}, "p2": {"none": 1.0}, "p3": {"none": 1.0}},
+        drafts={None: (" From memory.", -2.0, "eos")},
+    )
+    decoder, _ = make(critic)
+    out = decoder.answer("q", cfg(min_support="full", on_unsupported="no_retrieval"))
+    assert not out.abstained
+    assert out.answer == "From memory."
+    assert out.segments[0].citation is None
+
+
+def test_require_relevant_filter():
+    critic = ScriptedCritic(
+        relevance_of={"p1": 0.4, "p2": 0.6}, drafts={"p1": (" x.", -0.1, "eos")}
+    )
+    decoder, _ = make(critic, PASSAGES[:2])
+    out = decoder.answer("q", cfg(require_relevant=True))
+    assert out.segments[0].citation.passage_id == "p2"
+
+
+def test_multiple_segments_and_retrieval_query_uses_answer_so_far():
+    critic = ScriptedCritic(
+        drafts={"p1": (" First part.", -1.0, "sentence"), None: (" x.", -9.0, "sentence")},
+    )
+    decoder, retriever = make(critic, PASSAGES[:1])
+    out = decoder.answer("q", cfg(max_segments=3))
+    assert len(out.segments) == 3
+    assert out.answer == "First part. First part. First part."
+    assert retriever.queries[1] == "q First part."
+    assert out.usage.steps == 3
+
+
+def test_eos_stops_decoding():
+    critic = ScriptedCritic(drafts={"p1": (" Done.", -1.0, "eos"), None: (" x.", -9.0, "eos")})
+    decoder, _ = make(critic, PASSAGES[:1])
+    out = decoder.answer("q", cfg(max_segments=5))
+    assert len(out.segments) == 1 and out.usage.steps == 1
+
+
+def test_max_retrievals_budget():
+    critic = ScriptedCritic(
+        drafts={"p1": (" Part.", -1.0, "sentence"), None: (" y.", -9, "sentence")}
+    )
+    decoder, retriever = make(critic, PASSAGES[:1])
+    out = decoder.answer("q", cfg(max_segments=3, max_retrievals=1))
+    assert len(retriever.queries) == 1
+    assert out.usage.retrievals == 1
+    assert out.segments[1].citation is None and not out.segments[1].retrieved
+
+
+def test_prefill_budget_stops_early():
+    critic = ScriptedCritic(drafts={"p1": (" Part.", -1.0, "sentence")})
+    decoder, _ = make(critic, PASSAGES[:1])
+    out = decoder.answer("q", cfg(max_segments=5, max_prefill_tokens=50))
+    assert out.usage.stopped_by == "max_prefill_tokens"
+    assert len(out.segments) == 1
+
+
+def test_timeout_budget_stops_before_next_step():
+    ticks = iter(range(0, 1000, 10))
+    critic = ScriptedCritic(drafts={"p1": (" Part.", -1.0, "sentence")})
+    decoder, _ = make(critic, PASSAGES[:1], clock=lambda: float(next(ticks)))
+    out = decoder.answer("q", cfg(max_segments=5, timeout_s=1.0))
+    assert out.usage.stopped_by == "timeout_s"
+    assert out.answer  # never empty
+
+
+def test_beam_keeps_best_cumulative_hypotheses():
+    critic = ScriptedCritic(
+        relevance_of={"p1": 0.9, "p2": 0.9},
+        drafts={
+            "p1": (" One.", -1.0, "sentence"),
+            "p2": (" Two.", -1.2, "sentence"),
+            None: (" Three.", -8.0, "sentence"),
+        },
+    )
+    decoder, _ = make(critic, PASSAGES[:2])
+    out = decoder.answer("q", cfg(beam=2, max_segments=2))
+    assert len(out.segments) == 2
+    assert out.answer == "One. One."
+    # Two hypotheses expanded at step 2: 2 x (2 passages + 1 no-retrieval) branches.
+    assert out.usage.branches_opened == 3 + 6
+
+
+def test_empty_drafts_never_give_an_empty_answer():
+    critic = ScriptedCritic(drafts={"p1": ("  ", -1.0, "eos"), None: ("", -1.0, "eos")})
+    decoder, _ = make(critic, PASSAGES[:1])
+    out = decoder.answer("q", cfg())
+    assert out.answer.strip()
+    assert out.abstained
