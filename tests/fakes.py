@@ -78,3 +78,96 @@ class ListRetriever:
     def search(self, query: str, k: int) -> list[Passage]:
         self.queries.append(query)
         return self.passages[:k]
+
+
+class WordModel:
+    """A toy `LanguageModel`: one token per word or special piece, scripted next-token logprobs.
+
+    `script(prompt_text, candidate_pieces)` returns a dict piece -> probability; unlisted
+    candidates get probability 0 (logprob -inf).
+    """
+
+    def __init__(self, specials=(), script=None, template=None, draft_text=" It is so."):
+        import re
+
+        self._re = re
+        self.specials = list(specials)
+        self.vocab: dict[str, int] = {}
+        self.pieces: list[str] = []
+        for piece in self.specials:
+            self._id(piece)
+        self.script = script or (lambda prompt, pieces: {})
+        self.template = template
+        self.draft_text = draft_text
+        self.prompts: list[str] = []
+
+    def _id(self, piece: str) -> int:
+        if piece not in self.vocab:
+            self.vocab[piece] = len(self.pieces)
+            self.pieces.append(piece)
+        return self.vocab[piece]
+
+    @property
+    def model_id(self) -> str:
+        return "word-model"
+
+    @property
+    def chat_template(self):
+        return self.template
+
+    def tokenize(self, text: str, *, special: bool = False) -> list[int]:
+        if special and self.specials:
+            pattern = "(" + "|".join(self._re.escape(s) for s in self.specials) + ")"
+            parts = self._re.split(pattern, text)
+        else:
+            parts = [text]
+        ids: list[int] = []
+        for part in parts:
+            if special and part in self.specials:
+                ids.append(self.vocab[part])
+            else:
+                # Plain text never yields a special id: a word equal to a special piece gets
+                # its own "text" entry.
+                ids.extend(self._id("txt:" + w) for w in self._re.findall(r"\s*\S+|\s+", part))
+        return ids
+
+    def detokenize(self, tokens) -> str:
+        return "".join(self.pieces[t].removeprefix("txt:") for t in tokens)
+
+    def special_token_id(self, piece: str):
+        return self.vocab.get(piece) if piece in self.specials else None
+
+    def bos_tokens(self) -> list[int]:
+        return []
+
+    def next_token_logprobs(self, requests):
+        import math
+
+        from pipeline.protocols import TokenScores
+
+        out = []
+        for r in requests:
+            text = self.detokenize(r.prompt)
+            self.prompts.append(text)
+            pieces = [self.pieces[c].removeprefix("txt:") for c in r.candidates]
+            probs = self.script(text, pieces)
+            out.append(
+                TokenScores(
+                    [math.log(probs[p]) if probs.get(p, 0) > 0 else -math.inf for p in pieces],
+                    len(r.prompt),
+                )
+            )
+        return out
+
+    def generate(self, requests):
+        from pipeline.protocols import Generation
+
+        out = []
+        for r in requests:
+            self.prompts.append(self.detokenize(r.prompt))
+            ids = self.tokenize(self.draft_text)
+            out.append(Generation(ids, self.draft_text, [-0.5] * len(ids), "eos", len(r.prompt)))
+        return out
+
+    def continuation_logprobs(self, requests):
+        raise NotImplementedError

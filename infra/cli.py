@@ -1,0 +1,234 @@
+"""The `selfrag` command line: index, ask, config."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import typing
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+
+from schemas.answer import AnswerRequest, AnswerResponse
+from schemas.decoding import DecodingOverrides
+from schemas.settings import Settings
+
+EXIT_USAGE = 2
+EXIT_PARTIAL = 1
+
+
+class CLIError(Exception):
+    """A problem the user can fix; printed without a traceback."""
+
+
+def _decoding_flags(parser: argparse.ArgumentParser) -> None:
+    """One flag per `DecodingOverrides` field, so the CLI and the API share their dials."""
+    group = parser.add_argument_group("decoding (per request; defaults from `selfrag config`)")
+    for name, field in DecodingOverrides.model_fields.items():
+        flag = "--" + name.replace("_", "-")
+        inner = [a for a in typing.get_args(field.annotation) if a is not type(None)]
+        kind = inner[0] if inner else field.annotation
+        help_text = field.description or _DESCRIPTIONS.get(name, "")
+        if kind is bool:
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=None,
+                               help=help_text)
+        elif typing.get_origin(kind) is typing.Literal:
+            group.add_argument(flag, choices=typing.get_args(kind), default=None, help=help_text)
+        elif kind in (int, float):
+            group.add_argument(flag, type=kind, default=None, help=help_text)
+        else:  # pragma: no cover - guards new field types
+            raise TypeError(f"no CLI flag type for {name}: {kind}")
+
+
+def _field_docs() -> dict[str, str]:
+    from schemas.decoding import DecodingConfig
+
+    return {n: f.description or "" for n, f in DecodingConfig.model_fields.items()}
+
+
+_DESCRIPTIONS = _field_docs()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="selfrag",
+        description="Self-RAG: retrieval-augmented answers with per-segment citations and "
+        "critique scores.",
+    )
+    parser.add_argument("--config", type=Path, help="TOML settings file.")
+    parser.add_argument("--home", type=Path, help="Data folder (default: $SELFRAG_HOME).")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p_index = sub.add_parser("index", help="Index JSONL, SQuAD JSON, or a folder of .txt/.md.")
+    p_index.add_argument("paths", nargs="+", type=Path)
+    p_index.add_argument("--no-progress", action="store_true")
+
+    p_ask = sub.add_parser("ask", help="Answer a question from the index.")
+    p_ask.add_argument("question")
+    p_ask.add_argument("--json", action="store_true", help="Print the full response as JSON.")
+    _decoding_flags(p_ask)
+
+    p_config = sub.add_parser("config", help="Print the effective settings.")
+    p_config.add_argument("--json", action="store_true")
+    return parser
+
+
+def _settings(args: argparse.Namespace) -> Settings:
+    from infra.settings import load_settings
+
+    overrides: dict[str, Any] = {}
+    if args.home is not None:
+        overrides["home"] = str(args.home)
+    return load_settings(config_path=args.config, overrides=overrides)
+
+
+def cmd_config(args: argparse.Namespace) -> int:
+    settings = _settings(args)
+    data = settings.model_dump(mode="json")
+    if args.json:
+        print(json.dumps(data, indent=2))
+        return 0
+    for section, values in data.items():
+        if isinstance(values, dict):
+            print(f"[{section}]")
+            for key, value in values.items():
+                print(f"{key} = {json.dumps(value)}")
+            print()
+        else:
+            print(f"{section} = {json.dumps(values)}")
+    return 0
+
+
+def cmd_index(args: argparse.Namespace) -> int:
+    from infra.indexing import index_corpus
+    from infra.runtime import SelfRAG
+
+    for path in args.paths:
+        if not path.exists():
+            raise CLIError(f"no such file or folder: {path}")
+    settings = _settings(args)
+    failed = 0
+    with SelfRAG(settings) as rag:
+        for path in args.paths:
+            report = index_corpus(
+                path,
+                rag.store,
+                progress=not args.no_progress,
+                passage_words=settings.retrieval.passage_words,
+                overlap=settings.retrieval.passage_overlap_words,
+            )
+            for error in report.errors:
+                where = f"{error.path}:{error.line}" if error.line else str(error.path)
+                print(f"error: {where}: {error.reason}", file=sys.stderr)
+            failed += len(report.errors)
+            print(
+                f"{path}: {report.documents} documents, {report.passages} passages indexed"
+                + (f", {len(report.errors)} skipped" if report.errors else "")
+            )
+        print(f"index: {rag.store.count()} passages in {settings.home}")
+    return EXIT_PARTIAL if failed else 0
+
+
+def _request_from_args(args: argparse.Namespace) -> AnswerRequest:
+    overrides = {
+        name: getattr(args, name)
+        for name in DecodingOverrides.model_fields
+        if getattr(args, name, None) is not None
+    }
+    return AnswerRequest.model_validate({"question": args.question, "config": overrides})
+
+
+def cmd_ask(args: argparse.Namespace) -> int:
+    from infra.runtime import SelfRAG
+
+    request = _request_from_args(args)
+    settings = _settings(args)
+    with SelfRAG(settings) as rag:
+        if rag.store.count() == 0:
+            raise CLIError(
+                f"the index in {settings.home} is empty: run `selfrag index PATH` first"
+            )
+        response = rag.answer(request)
+    if args.json:
+        print(response.model_dump_json(indent=2))
+    else:
+        print(render_answer(response))
+    return 0
+
+
+def render_answer(r: AnswerResponse) -> str:
+    """The answer with numbered citations, a per-segment score table and the sources."""
+    numbers: dict[str, int] = {}
+    body = []
+    for seg in r.segments:
+        text = seg.text.strip()
+        if seg.citation is not None:
+            n = numbers.setdefault(seg.citation.passage_id, len(numbers) + 1)
+            text += f" [{n}]"
+        body.append(text)
+    lines = [" ".join(body) if body else r.answer]
+    if r.abstained and body:
+        lines.append(r.answer)
+    lines.append("")
+    if r.segments:
+        header = f"{'#':>2}  {'cite':>4}  {'p_ret':>5}  {'s_rel':>5}  {'s_sup':>5}  {'s_use':>6}"
+        header += f"  {'logp':>7}  {'S':>7}  segment"
+        lines.append(header)
+        for i, seg in enumerate(r.segments, 1):
+            cite = str(numbers[seg.citation.passage_id]) if seg.citation else "-"
+            text = seg.text.strip()
+            lines.append(
+                f"{i:>2}  {cite:>4}  {_fmt(seg.p_ret):>5}  {_fmt(seg.s_rel):>5}  "
+                f"{_fmt(seg.s_sup):>5}  {_fmt(seg.s_use, signed=True):>6}  {seg.logprob:>7.2f}  "
+                f"{seg.score:>7.2f}  {text[:60] + ('…' if len(text) > 60 else '')}"
+            )
+        lines.append("")
+    if numbers:
+        by_id = {p.id: p for p in r.passages}
+        for pid, n in numbers.items():
+            p = by_id.get(pid)
+            title = p.title if p is not None and p.title else pid
+            lines.append(f"[{n}] {title} ({pid})")
+        lines.append("")
+    u = r.usage
+    lines.append(
+        f"critique={r.critique} retrievals={u.retrievals} branches={u.branches_opened} "
+        f"pruned={u.branches_pruned} filtered={u.branches_filtered} "
+        f"prefill={u.prefill_tokens} decode={u.decode_tokens} "
+        f"time={r.timings_ms.get('total', 0.0) / 1000:.1f}s"
+        + (f" stopped_by={u.stopped_by}" if u.stopped_by else "")
+    )
+    return "\n".join(lines)
+
+
+def _fmt(value: float | None, signed: bool = False) -> str:
+    if value is None:
+        return "-"
+    return f"{value:+.2f}" if signed else f"{value:.2f}"
+
+
+COMMANDS = {"index": cmd_index, "ask": cmd_ask, "config": cmd_config}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return COMMANDS[args.command](args)
+    except ValidationError as exc:
+        from infra.settings import describe_validation_error
+
+        print(f"selfrag: invalid request: {describe_validation_error(exc)}", file=sys.stderr)
+    except (CLIError, ValueError, OSError) as exc:
+        print(f"selfrag: {exc}", file=sys.stderr)
+    except KeyboardInterrupt:
+        print("selfrag: interrupted", file=sys.stderr)
+        return 130
+    return EXIT_USAGE
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,112 @@
+"""Wires settings into a working Self-RAG system: engine, store, critique and decoder.
+
+Components are built lazily, so `selfrag index` never loads the language model and
+`selfrag config` loads nothing.
+"""
+
+from __future__ import annotations
+
+import threading
+from functools import cached_property
+from pathlib import Path
+from types import TracebackType
+from typing import TYPE_CHECKING
+
+from pipeline.critique import Critic, make_critic
+from pipeline.decoder import SelfRAGDecoder
+from schemas.answer import AnswerRequest, AnswerResponse
+from schemas.decoding import DecodingConfig
+from schemas.settings import Settings
+
+if TYPE_CHECKING:  # heavy modules (torch, llama.cpp) load only when a component is built
+    from infra.embedder import SentenceEmbedder
+    from infra.llama_engine import LlamaEngine
+    from infra.qdrant_store import QdrantStore
+
+
+class SelfRAG:
+    """One process's Self-RAG system. Thread-safe; the engine serialises its own calls."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        settings.home.mkdir(parents=True, exist_ok=True)
+        self._critics: dict[str, Critic] = {}
+        self._lock = threading.Lock()
+
+    # --- components -----------------------------------------------------------------------------
+
+    @cached_property
+    def embedder(self) -> SentenceEmbedder:
+        from infra.embedder import SentenceEmbedder
+
+        return SentenceEmbedder(self.settings.retrieval.embedding_model)
+
+    @cached_property
+    def store(self) -> QdrantStore:
+        from infra.qdrant_store import QdrantStore
+
+        return QdrantStore.open(self.settings.retrieval, self.settings.home, self.embedder)
+
+    @cached_property
+    def model_path(self) -> Path:
+        from infra.model_files import derive_weights, resolve_model
+
+        source = resolve_model(self.settings.model, self.settings.home)
+        return derive_weights(source, self.settings.model.weights, self.settings.home)
+
+    @cached_property
+    def engine(self) -> LlamaEngine:
+        from infra.llama_engine import LlamaEngine
+
+        m = self.settings.model
+        path = self.model_path
+        return LlamaEngine(
+            path,
+            n_ctx=m.n_ctx,
+            n_seq_max=m.n_seq_max,
+            n_threads=m.n_threads,
+            n_batch=m.n_batch,
+            model_id=model_id_for(m.path, path),
+        )
+
+    @cached_property
+    def decoder(self) -> SelfRAGDecoder:
+        return SelfRAGDecoder(self.critic, self.store, self.engine.model_id)
+
+    def critic(self, source: str) -> Critic:
+        with self._lock:
+            if source not in self._critics:
+                self._critics[source] = make_critic(self.engine, source)
+            return self._critics[source]
+
+    # --- operations -----------------------------------------------------------------------------
+
+    def effective_config(self, request: AnswerRequest) -> DecodingConfig:
+        return request.config.apply_to(self.settings.decoding)
+
+    def answer(self, request: AnswerRequest) -> AnswerResponse:
+        return self.decoder.answer(request.question, self.effective_config(request))
+
+    def close(self) -> None:
+        for name in ("engine", "store"):
+            component = self.__dict__.pop(name, None)
+            if component is not None:
+                component.close()
+
+    def __enter__(self) -> SelfRAG:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+
+def model_id_for(configured: str | None, path: Path) -> str:
+    """A readable model id: the configured name, or the file the engine loads."""
+    if configured is None:
+        return f"SmolLM2-135M-Instruct ({path.name})"
+    return f"{Path(configured).name} ({path.name})"
