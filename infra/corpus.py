@@ -1,0 +1,240 @@
+"""Reading corpora into documents and splitting documents into passages (pure I/O, no model).
+
+Supported inputs:
+- JSONL, one object a line: `{"id"?, "title"?, "text" | "contents"}`. A FlashRAG-style `contents`
+  whose first line is a double-quoted title gives that title and the rest as text.
+- SQuAD-format JSON: every paragraph is a document, id `squad:{article title}:{paragraph index}`.
+- A folder of `.txt` / `.md` files (or one such file): id = path relative to the folder.
+
+Bad records never stop a read: each becomes a `CorpusError` in the stream and reading goes on.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pipeline.protocols import Passage
+
+TEXT_SUFFIXES = frozenset({".txt", ".md", ".markdown"})
+JSONL_SUFFIXES = frozenset({".jsonl", ".ndjson"})
+
+# A FlashRAG `contents` field starts with `"Title"` alone on its first line.
+_QUOTED_TITLE = re.compile(r'\A"(?P<title>[^"\n]*)"[ \t]*\r?\n(?P<text>.*)\Z', re.DOTALL)
+_MD_HEADING = re.compile(r"^\s{0,3}#{1,6}[ \t]+(?P<title>.+?)[ \t#]*$", re.MULTILINE)
+
+
+@dataclass(frozen=True)
+class Document:
+    """One source document; `id` is stable across re-reads of the same corpus."""
+
+    id: str
+    title: str | None
+    text: str
+
+
+@dataclass(frozen=True)
+class CorpusError:
+    """A record that could not be read; `line` is 1-based, None when no line applies."""
+
+    path: str
+    line: int | None
+    reason: str
+
+    def __str__(self) -> str:
+        where = self.path if self.line is None else f"{self.path}:{self.line}"
+        return f"{where}: {self.reason}"
+
+
+class CorpusFormatError(ValueError):
+    """The path exists but is not a corpus format this module reads."""
+
+
+def read_documents(path: str | Path) -> Iterator[Document | CorpusError]:
+    """Yield the documents of the corpus at `path`, with a `CorpusError` for every bad record.
+
+    Raises FileNotFoundError when `path` does not exist and CorpusFormatError for an unknown
+    format. Both are raised when the iterator is created, before the first item is read.
+    """
+    source = Path(path)
+    if not source.exists():
+        raise FileNotFoundError(f"corpus not found: {source}")
+    if source.is_dir():
+        return _read_folder(source)
+    suffix = source.suffix.lower()
+    if suffix in JSONL_SUFFIXES:
+        return _read_jsonl(source)
+    if suffix == ".json":
+        return _read_squad(source)
+    if suffix in TEXT_SUFFIXES:
+        return _read_text_files(source.parent, [source])
+    raise CorpusFormatError(
+        f"unknown corpus format for {source}: expected .jsonl, SQuAD .json, "
+        f"or a folder of {'/'.join(sorted(TEXT_SUFFIXES))} files"
+    )
+
+
+def _read_jsonl(path: Path) -> Iterator[Document | CorpusError]:
+    seen: dict[str, int] = {}
+    # Bytes, not text mode: a bad byte then costs one line instead of aborting the whole file.
+    with path.open("rb") as lines:
+        for number, raw in enumerate(lines, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as error:
+                yield CorpusError(
+                    str(path), number, f"not UTF-8 ({error.reason} at byte {error.start})"
+                )
+                continue
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as error:
+                yield CorpusError(
+                    str(path), number, f"invalid JSON: {error.msg} (column {error.colno})"
+                )
+                continue
+            item = _jsonl_document(record, path, number)
+            if isinstance(item, Document):
+                if item.id in seen:
+                    item = CorpusError(
+                        str(path),
+                        number,
+                        f"duplicate id {item.id!r} (first at line {seen[item.id]})",
+                    )
+                else:
+                    seen[item.id] = number
+            yield item
+
+
+def _jsonl_document(record: Any, path: Path, number: int) -> Document | CorpusError:
+    if not isinstance(record, dict):
+        return CorpusError(
+            str(path), number, f"expected a JSON object, got {type(record).__name__}"
+        )
+    title = record.get("title")
+    if title is not None and not isinstance(title, str):
+        return CorpusError(str(path), number, "'title' is not a string")
+    if "text" in record:
+        text = record["text"]
+    elif "contents" in record:
+        text = record["contents"]
+        if isinstance(text, str) and (match := _QUOTED_TITLE.match(text)):
+            title = title or match["title"].strip() or None
+            text = match["text"]
+    else:
+        return CorpusError(str(path), number, "no 'text' or 'contents' field")
+    if not isinstance(text, str) or not text.strip():
+        return CorpusError(str(path), number, "empty or non-string text")
+    raw_id = record.get("id")
+    if raw_id is None or (isinstance(raw_id, str) and not raw_id.strip()):
+        # File name rather than full path so the id survives moving the corpus folder.
+        doc_id = f"{path.name}:{number}"
+    elif isinstance(raw_id, (str, int)) and not isinstance(raw_id, bool):
+        doc_id = str(raw_id)
+    else:
+        return CorpusError(str(path), number, "'id' must be a string or an integer")
+    return Document(id=doc_id, title=title.strip() if title else None, text=text.strip())
+
+
+def _read_squad(path: Path) -> Iterator[Document | CorpusError]:
+    raw = path.read_bytes()
+    try:
+        content = raw.decode("utf-8")
+    except UnicodeDecodeError as error:
+        yield CorpusError(str(path), raw[: error.start].count(b"\n") + 1, "not UTF-8")
+        return
+    try:
+        data = json.loads(content)
+    except json.JSONDecodeError as error:
+        # One JSON value for the whole file: nothing past the error can be recovered.
+        yield CorpusError(str(path), error.lineno, f"invalid JSON: {error.msg}")
+        return
+    if not (isinstance(data, dict) and isinstance(data.get("data"), list)):
+        raise CorpusFormatError(f"{path} is JSON but not SQuAD format (no 'data' list of articles)")
+    for a, article in enumerate(data["data"]):
+        if not isinstance(article, dict) or not isinstance(article.get("paragraphs"), list):
+            yield CorpusError(str(path), None, f"article {a} has no 'paragraphs' list")
+            continue
+        raw_title = str(article.get("title") or f"article{a}")
+        title = raw_title.replace("_", " ")
+        for p, paragraph in enumerate(article["paragraphs"]):
+            context = paragraph.get("context") if isinstance(paragraph, dict) else None
+            if not isinstance(context, str) or not context.strip():
+                yield CorpusError(
+                    str(path), None, f"article {raw_title!r} paragraph {p}: no context"
+                )
+                continue
+            yield Document(id=f"squad:{raw_title}:{p}", title=title, text=context.strip())
+
+
+def _read_folder(folder: Path) -> Iterator[Document | CorpusError]:
+    files = sorted(
+        file
+        for file in folder.rglob("*")
+        if file.is_file()
+        and file.suffix.lower() in TEXT_SUFFIXES
+        # Hidden files and folders are editor and VCS state, not corpus content.
+        and not any(part.startswith(".") for part in file.relative_to(folder).parts)
+    )
+    if not files:
+        raise CorpusFormatError(
+            f"folder {folder} holds no {'/'.join(sorted(TEXT_SUFFIXES))} files to index"
+        )
+    return _read_text_files(folder, files)
+
+
+def _read_text_files(root: Path, files: list[Path]) -> Iterator[Document | CorpusError]:
+    for file in files:
+        raw = file.read_bytes()
+        try:
+            text = raw.decode("utf-8-sig")
+        except UnicodeDecodeError as error:
+            line = raw[: error.start].count(b"\n") + 1
+            yield CorpusError(str(file), line, f"not UTF-8 ({error.reason} at byte {error.start})")
+            continue
+        if not text.strip():
+            yield CorpusError(str(file), None, "empty file")
+            continue
+        title = file.stem
+        if file.suffix.lower() != ".txt" and (heading := _MD_HEADING.search(text)):
+            title = heading["title"]
+        yield Document(id=file.relative_to(root).as_posix(), title=title, text=text.strip())
+
+
+def split_passages(doc: Document, words: int, overlap: int) -> list[Passage]:
+    """Split `doc` into windows of at most `words` words, consecutive windows sharing `overlap`.
+
+    Ids are `{doc.id}` for a one-passage document and `{doc.id}#{n}` (n from 0) otherwise, so
+    re-indexing the same document overwrites its passages. Whitespace is normalised to single
+    spaces. Windows start every `words - overlap` words; the last one may be shorter.
+    """
+    if words < 1:
+        raise ValueError(f"words must be >= 1, got {words}")
+    if not 0 <= overlap < words:
+        raise ValueError(f"overlap must be in [0, words), got {overlap} with words={words}")
+    tokens = doc.text.split()
+    metadata = {"doc_id": doc.id}
+    if len(tokens) <= words:
+        return [Passage(id=doc.id, text=" ".join(tokens), title=doc.title, metadata=metadata)]
+    step = words - overlap
+    passages: list[Passage] = []
+    start = 0
+    while True:
+        end = min(start + words, len(tokens))
+        passages.append(
+            Passage(
+                id=f"{doc.id}#{len(passages)}",
+                text=" ".join(tokens[start:end]),
+                title=doc.title,
+                metadata=dict(metadata),
+            )
+        )
+        if end == len(tokens):
+            return passages
+        start += step

