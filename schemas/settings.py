@@ -43,7 +43,11 @@ class RetrievalSettings(BaseModel):
         None,
         description="sentence-transformers model folder; default: the embedded all-MiniLM-L6-v2.",
     )
-    hybrid: bool = Field(False, description="Fuse dense and BM25 sparse results with RRF.")
+    hybrid: bool = Field(
+        True,
+        description="Fuse dense and BM25 sparse results with RRF (hit@1 0.72 vs 0.63 dense-only "
+        "on the Normans questions, bench/retrieval.py).",
+    )
     passage_words: int = Field(150, ge=20, le=2000, description="Long documents are split here.")
     passage_overlap_words: int = Field(30, ge=0, le=500)
 

@@ -1,0 +1,41 @@
+"""Shared fixtures: the evaluation data beside the checkout and a session-wide indexed home."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+
+
+@pytest.fixture(scope="session")
+def shared_data() -> Path:
+    if not (SHARED_DATA / "squad_v2_small.json").exists():
+        pytest.fail(f"evaluation data not found at {SHARED_DATA} (see README)")
+    return SHARED_DATA
+
+
+@pytest.fixture(scope="session")
+def normans_squad(shared_data: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The SQuAD file reduced to the "Normans" article (the tuning split)."""
+    data = json.loads((shared_data / "squad_v2_small.json").read_text())
+    data["data"] = [a for a in data["data"] if a["title"] == "Normans"]
+    path = tmp_path_factory.mktemp("data") / "normans.json"
+    path.write_text(json.dumps(data))
+    return path
+
+
+@pytest.fixture(scope="session")
+def indexed_home(
+    tmp_path_factory: pytest.TempPathFactory, normans_squad: Path, shared_data: Path
+) -> Path:
+    """A data folder indexed once per session: the Normans paragraphs + 1,000 Wikipedia
+    passages, through the real CLI, embedder and embedded Qdrant."""
+    from infra.cli import main
+
+    home = tmp_path_factory.mktemp("home")
+    corpus = [str(normans_squad), str(shared_data / "wiki_sample_1000.jsonl")]
+    assert main(["--home", str(home), "index", "--no-progress", *corpus]) == 0
+    return home

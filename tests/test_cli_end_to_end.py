@@ -1,0 +1,66 @@
+"""The CLI end to end with the real model and store (one process per command, like a user)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from infra.cli import main
+from infra.runtime import SelfRAG
+from infra.settings import load_settings
+
+pytestmark = pytest.mark.real
+
+
+def test_cli_ask_json(indexed_home: Path, capsys: pytest.CaptureFixture[str]):
+    code = main(
+        [
+            "--home",
+            str(indexed_home),
+            "ask",
+            "In what country is Normandy located?",
+            "--json",
+            "--mode",
+            "always",
+            "--top-k",
+            "2",
+            "--max-segments",
+            "1",
+        ]
+    )
+    assert code == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["answer"].strip()
+    assert data["config"]["top_k"] == 2
+    assert set(data["usage"]) >= {"prefill_tokens", "branches_opened", "retrievals"}
+
+
+def test_cli_ask_table(indexed_home: Path, capsys: pytest.CaptureFixture[str]):
+    code = main(
+        [
+            "--home",
+            str(indexed_home),
+            "ask",
+            "When did the Normans conquer England?",
+            "--mode",
+            "always",
+            "--top-k",
+            "2",
+            "--max-segments",
+            "1",
+        ]
+    )
+    assert code == 0
+    out = capsys.readouterr().out
+    assert "s_sup" in out and "critique=prompted" in out
+
+
+def test_reindexing_does_not_duplicate(indexed_home: Path, normans_squad: Path):
+    settings = load_settings(environ={"SELFRAG_HOME": str(indexed_home)})
+    with SelfRAG(settings) as system:
+        before = system.store.count()
+    assert main(["--home", str(indexed_home), "index", "--no-progress", str(normans_squad)]) == 0
+    with SelfRAG(settings) as system:
+        assert system.store.count() == before
