@@ -4,58 +4,22 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
-from pipeline.critique import (
-    RELEVANCE_LABELS,
-    SUPPORT_LABELS,
-    Branch,
-    Critic,
-    LabelProbs,
-)
-from pipeline.protocols import Generation, Passage, Retriever
-from pipeline.scoring import (
-    CritiqueWeights,
-    most_likely,
-    relevance_score,
-    retrieval_probability,
-    segment_score,
-    should_retrieve,
-    support_rank,
-    support_score,
-    utility_score,
-)
-from schemas.answer import AnswerResponse, Citation, PassageOut, SegmentOut, Usage
+from pipeline.critique import Branch, Critic
+from pipeline.protocols import Passage, Retriever
+from pipeline.ranking import Candidate, Hypothesis, StepRanking, rank_step
+from pipeline.scoring import relevance_score, retrieval_probability, should_retrieve
+from schemas.answer import AnswerResponse, PassageOut, Usage
 from schemas.decoding import DecodingConfig
+
+Ranker = Callable[
+    [Sequence[Hypothesis], Sequence[Hypothesis], Sequence[Candidate], DecodingConfig], StepRanking
+]
+StepListener = Callable[[Hypothesis], None]
 
 ABSTAIN_MESSAGE = "The retrieved evidence does not support an answer to this question."
 NO_ANSWER_MESSAGE = "The model produced no answer to this question."
-
-
-@dataclass(frozen=True)
-class Hypothesis:
-    """A partial answer in the beam: its segments and cumulative score."""
-
-    segments: tuple[SegmentOut, ...] = ()
-    score: float = 0.0
-    done: bool = False
-    abstained: bool = False
-
-    @property
-    def text(self) -> str:
-        return "".join(s.text for s in self.segments)
-
-
-@dataclass
-class _Candidate:
-    parent: Hypothesis
-    branch: Branch
-    retrieved: bool
-    p_ret: float | None
-    rel: LabelProbs | None = None
-    draft: Generation | None = None
-    sup: LabelProbs | None = None
-    use: LabelProbs | None = None
 
 
 @dataclass
@@ -91,14 +55,20 @@ class SelfRAGDecoder:
         critic_for: Callable[[str], Critic],
         retriever: Retriever,
         model_id: str,
+        *,
+        ranker: Ranker = rank_step,
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         self._critic_for = critic_for
         self._retriever = retriever
         self._model_id = model_id
+        self._ranker = ranker
         self._clock = clock
 
-    def answer(self, question: str, config: DecodingConfig) -> AnswerResponse:
+    def answer(
+        self, question: str, config: DecodingConfig, on_step: StepListener | None = None
+    ) -> AnswerResponse:
+        """Answer `question`. `on_step` sees the leading hypothesis after every step."""
         run = _Run(config=config, clock=self._clock, started=self._clock())
         critic = self._critic_for(config.critique)
         beam: list[Hypothesis] = [Hypothesis()]
@@ -112,6 +82,8 @@ class SelfRAGDecoder:
                 break
             run.usage.steps += 1
             beam = self._step(question, beam, live, critic, run)
+            if on_step is not None and beam:
+                on_step(beam[0])
         best = max(beam, key=lambda h: h.score) if beam else Hypothesis()
         run.timings["total"] = (self._clock() - run.started) * 1e3
         return self._response(question, best, critic.name, run)
@@ -135,7 +107,7 @@ class SelfRAGDecoder:
             c.rel = rel
             run.usage.prefill_tokens += rel.prefill_tokens
         run.timed("relevance", t)
-        kept: list[_Candidate] = []
+        kept: list[Candidate] = []
         for c in candidates:
             if c.rel is not None and relevance_score(c.rel.probs) < cfg.min_relevance:
                 run.usage.branches_pruned += 1
@@ -163,11 +135,15 @@ class SelfRAGDecoder:
             run.usage.prefill_tokens += use.prefill_tokens
         run.timed("critique", t)
 
-        return self._select(beam, live, candidates, kept, run)
+        t = run.clock()
+        ranking = self._ranker(beam, live, kept, cfg)
+        run.usage.branches_filtered += ranking.filtered
+        run.timed("rank", t)
+        return ranking.beam
 
     def _open_branches(
         self, question: str, live: list[Hypothesis], critic: Critic, run: _Run
-    ) -> list[_Candidate]:
+    ) -> list[Candidate]:
         cfg = run.config
         p_rets: list[float | None] = [None] * len(live)
         if cfg.mode == "adaptive":
@@ -178,8 +154,8 @@ class SelfRAGDecoder:
                 p_rets[i] = retrieval_probability(d.probs)
                 run.usage.prefill_tokens += d.prefill_tokens
 
-        candidates: list[_Candidate] = []
-        for h, p_ret in zip(live, p_rets, strict=True):
+        candidates: list[Candidate] = []
+        for index, (h, p_ret) in enumerate(zip(live, p_rets, strict=True)):
             wants = cfg.mode == "always" or (
                 cfg.mode == "adaptive"
                 and p_ret is not None
@@ -196,102 +172,10 @@ class SelfRAGDecoder:
                 for p in passages:
                     run.passages.setdefault(p.id, p)
             for p in passages:
-                candidates.append(_Candidate(h, Branch(question, h.text, p), True, p_ret))
-            candidates.append(_Candidate(h, Branch(question, h.text, None), retrieve, p_ret))
+                candidates.append(Candidate(index, Branch(question, h.text, p), True, p_ret))
+            candidates.append(Candidate(index, Branch(question, h.text, None), retrieve, p_ret))
         run.usage.branches_opened += len(candidates)
         return candidates
-
-    def _select(
-        self,
-        beam: list[Hypothesis],
-        live: list[Hypothesis],
-        candidates: Sequence[_Candidate],
-        kept: Sequence[_Candidate],
-        run: _Run,
-    ) -> list[Hypothesis]:
-        cfg = run.config
-        weights = CritiqueWeights(cfg.w_rel, cfg.w_sup, cfg.w_use)
-        pool: list[Hypothesis] = [h for h in beam if h.done]
-        for parent in live:
-            own = [c for c in kept if c.parent is parent]
-            available: list[tuple[float, SegmentOut, bool]] = []
-            fallback: tuple[float, SegmentOut, bool] | None = None
-            for c in own:
-                scored = self._score(c, weights, cfg.length_normalize)
-                if c.branch.passage is None and c.retrieved:
-                    fallback = scored
-                if self._passes_filters(c, run):
-                    available.append(scored)
-                else:
-                    run.usage.branches_filtered += 1
-            if not available and fallback is not None and cfg.on_unsupported == "no_retrieval":
-                available.append(fallback)
-            if not available:
-                # Every branch failed: this hypothesis ends here (abstaining if it has nothing).
-                pool.append(replace(parent, done=True, abstained=not parent.segments))
-                continue
-            for s, seg, finished in available:
-                pool.append(
-                    Hypothesis(
-                        segments=(*parent.segments, seg),
-                        score=parent.score + s,
-                        done=finished or len(parent.segments) + 1 >= cfg.max_segments,
-                    )
-                )
-        pool.sort(key=lambda h: h.score, reverse=True)
-        return pool[: cfg.beam]
-
-    @staticmethod
-    def _passes_filters(c: _Candidate, run: _Run) -> bool:
-        """Hard filters apply to every branch of a retrieval step; a branch without evidence
-        cannot meet an evidence requirement."""
-        cfg = run.config
-        if not c.retrieved:
-            return True
-        if cfg.require_relevant:
-            if c.rel is None or most_likely(c.rel.probs, RELEVANCE_LABELS) != "relevant":
-                return False
-        if cfg.min_support != "none":
-            if c.sup is None:
-                return False
-            label = most_likely(c.sup.probs, SUPPORT_LABELS)
-            if support_rank(label) < support_rank(cfg.min_support):
-                return False
-        return True
-
-    @staticmethod
-    def _score(
-        c: _Candidate, weights: CritiqueWeights, length_normalize: bool
-    ) -> tuple[float, SegmentOut, bool]:
-        assert c.draft is not None
-        d = c.draft
-        s_rel = relevance_score(c.rel.probs) if c.rel is not None else None
-        s_sup = support_score(c.sup.probs) if c.sup is not None else None
-        s_use = utility_score(c.use.probs) if c.use is not None else None
-        score = segment_score(
-            d.logprob,
-            s_rel=s_rel,
-            s_sup=s_sup,
-            s_use=s_use,
-            weights=weights,
-            n_tokens=len(d.tokens),
-            length_normalize=length_normalize,
-        )
-        p = c.branch.passage
-        segment = SegmentOut(
-            text=d.text,
-            citation=Citation(passage_id=p.id, title=p.title) if p is not None else None,
-            retrieved=c.retrieved,
-            p_ret=c.p_ret,
-            s_rel=s_rel,
-            s_sup=s_sup,
-            s_use=s_use,
-            is_sup=most_likely(c.sup.probs, SUPPORT_LABELS) if c.sup is not None else None,
-            logprob=d.logprob,
-            n_tokens=len(d.tokens),
-            score=score,
-        )
-        return score, segment, d.finish_reason == "eos"
 
     def _response(
         self, question: str, best: Hypothesis, critique: str, run: _Run

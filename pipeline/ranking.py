@@ -1,0 +1,146 @@
+"""Ranking a step's branches: critique-weighted scores, hard filters, and the segment beam."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+from pipeline.critique import RELEVANCE_LABELS, SUPPORT_LABELS, Branch, LabelProbs
+from pipeline.protocols import Generation
+from pipeline.scoring import (
+    CritiqueWeights,
+    most_likely,
+    relevance_score,
+    segment_score,
+    support_rank,
+    support_score,
+    utility_score,
+)
+from schemas.answer import Citation, SegmentOut
+from schemas.decoding import DecodingConfig
+
+
+@dataclass(frozen=True)
+class Hypothesis:
+    """A partial answer in the beam: its segments and cumulative score."""
+
+    segments: tuple[SegmentOut, ...] = ()
+    score: float = 0.0
+    done: bool = False
+    abstained: bool = False
+
+    @property
+    def text(self) -> str:
+        return "".join(s.text for s in self.segments)
+
+
+@dataclass
+class Candidate:
+    """A drafted (or pruned) branch of the live hypothesis at index `parent` of a step."""
+
+    parent: int
+    branch: Branch
+    retrieved: bool
+    p_ret: float | None
+    rel: LabelProbs | None = None
+    draft: Generation | None = None
+    sup: LabelProbs | None = None
+    use: LabelProbs | None = None
+
+
+@dataclass(frozen=True)
+class StepRanking:
+    beam: list[Hypothesis]
+    filtered: int
+
+
+def passes_filters(c: Candidate, cfg: DecodingConfig) -> bool:
+    """Hard filters apply to every branch of a retrieval step; a branch without evidence
+    cannot meet an evidence requirement."""
+    if not c.retrieved:
+        return True
+    if cfg.require_relevant and (
+        c.rel is None or most_likely(c.rel.probs, RELEVANCE_LABELS) != "relevant"
+    ):
+        return False
+    if cfg.min_support != "none":
+        if c.sup is None:
+            return False
+        label = most_likely(c.sup.probs, SUPPORT_LABELS)
+        if support_rank(label) < support_rank(cfg.min_support):
+            return False
+    return True
+
+
+def score_candidate(c: Candidate, cfg: DecodingConfig) -> tuple[float, SegmentOut, bool]:
+    """S for a drafted branch, the segment it would add, and whether it ends the answer."""
+    assert c.draft is not None
+    d = c.draft
+    s_rel = relevance_score(c.rel.probs) if c.rel is not None else None
+    s_sup = support_score(c.sup.probs) if c.sup is not None else None
+    s_use = utility_score(c.use.probs) if c.use is not None else None
+    score = segment_score(
+        d.logprob,
+        s_rel=s_rel,
+        s_sup=s_sup,
+        s_use=s_use,
+        weights=CritiqueWeights(cfg.w_rel, cfg.w_sup, cfg.w_use),
+        n_tokens=len(d.tokens),
+        length_normalize=cfg.length_normalize,
+    )
+    p = c.branch.passage
+    segment = SegmentOut(
+        text=d.text,
+        citation=Citation(passage_id=p.id, title=p.title) if p is not None else None,
+        retrieved=c.retrieved,
+        p_ret=c.p_ret,
+        s_rel=s_rel,
+        s_sup=s_sup,
+        s_use=s_use,
+        is_sup=most_likely(c.sup.probs, SUPPORT_LABELS) if c.sup is not None else None,
+        logprob=d.logprob,
+        n_tokens=len(d.tokens),
+        score=score,
+    )
+    return score, segment, d.finish_reason == "eos"
+
+
+def rank_step(
+    beam: Sequence[Hypothesis],
+    live: Sequence[Hypothesis],
+    drafted: Sequence[Candidate],
+    cfg: DecodingConfig,
+) -> StepRanking:
+    """Score the drafted branches, drop those failing hard filters, keep the best `cfg.beam`.
+
+    A live hypothesis whose branches all fail ends where it is (abstaining if it has no
+    segment yet), unless `on_unsupported` lets its no-retrieval draft through.
+    """
+    filtered = 0
+    pool: list[Hypothesis] = [h for h in beam if h.done]
+    for index, parent in enumerate(live):
+        available: list[tuple[float, SegmentOut, bool]] = []
+        fallback: tuple[float, SegmentOut, bool] | None = None
+        for c in (c for c in drafted if c.parent == index):
+            scored = score_candidate(c, cfg)
+            if c.branch.passage is None and c.retrieved:
+                fallback = scored
+            if passes_filters(c, cfg):
+                available.append(scored)
+            else:
+                filtered += 1
+        if not available and fallback is not None and cfg.on_unsupported == "no_retrieval":
+            available.append(fallback)
+        if not available:
+            pool.append(replace(parent, done=True, abstained=not parent.segments))
+            continue
+        for s, seg, finished in available:
+            pool.append(
+                Hypothesis(
+                    segments=(*parent.segments, seg),
+                    score=parent.score + s,
+                    done=finished or len(parent.segments) + 1 >= cfg.max_segments,
+                )
+            )
+    pool.sort(key=lambda h: h.score, reverse=True)
+    return StepRanking(beam=pool[: cfg.beam], filtered=filtered)
