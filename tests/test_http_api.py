@@ -1,0 +1,276 @@
+"""The HTTP layer (actors/http.py) with FastAPI's TestClient and a scripted answer service."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import dataclass, field
+
+import pytest
+from fastapi.testclient import TestClient
+
+from actors.http import (
+    Answer,
+    DeadlineExceeded,
+    DependencyDown,
+    Overloaded,
+    ServiceError,
+    StepListener,
+    build_http_app,
+    parse_api_keys,
+)
+from actors.metrics import BatchStats, Metrics
+from pipeline.ranking import Hypothesis
+from schemas.answer import (
+    MAX_QUESTION_CHARS,
+    AnswerRequest,
+    AnswerResponse,
+    Citation,
+    SegmentOut,
+    Usage,
+)
+from schemas.decoding import DecodingConfig
+
+
+def _segment(text: str, pid: str | None) -> SegmentOut:
+    return SegmentOut(
+        text=text,
+        citation=Citation(passage_id=pid, title="T") if pid else None,
+        retrieved=pid is not None,
+        p_ret=0.8,
+        s_rel=0.9 if pid else None,
+        s_sup=0.75 if pid else None,
+        s_use=0.5,
+        is_sup="full" if pid else None,
+        logprob=-1.5,
+        n_tokens=4,
+        score=1.2,
+    )
+
+
+def _response(question: str, config: DecodingConfig) -> AnswerResponse:
+    segs = [_segment(" Rollo founded it.", "p1"), _segment(" In 911.", None)]
+    return AnswerResponse(
+        question=question,
+        answer="".join(s.text for s in segs).strip(),
+        abstained=False,
+        segments=segs,
+        passages=[],
+        usage=Usage(
+            steps=2, retrievals=1, branches_opened=5, branches_pruned=1, branches_filtered=1
+        ),
+        timings_ms={"total": 12.0},
+        model_id="fake",
+        critique="prompted",
+        config=config,
+    )
+
+
+@dataclass
+class FakeService:
+    """Answers from a script; `fail` raises instead; records the requests it saw."""
+
+    fail: ServiceError | None = None
+    ready: dict[str, bool] = field(
+        default_factory=lambda: {"model": True, "store": True, "cache": True}
+    )
+    seen: list[AnswerRequest] = field(default_factory=list)
+    metrics: Metrics | None = None
+
+    async def answer(self, request: AnswerRequest, on_step: StepListener | None = None) -> Answer:
+        self.seen.append(request)
+        if self.fail is not None:
+            raise self.fail
+        r = _response(request.question, request.config.apply_to(DecodingConfig()))
+        if on_step is not None:
+            # Steps come from a worker thread in the real service.
+            def steps() -> None:
+                on_step(Hypothesis(segments=(r.segments[0],)))
+                on_step(Hypothesis(segments=tuple(r.segments)))
+
+            await asyncio.to_thread(steps)
+        if self.metrics is not None:
+            self.metrics.observe_answer(r)
+        return Answer(r, "miss")
+
+    async def readiness(self) -> dict[str, bool]:
+        return dict(self.ready)
+
+    async def metrics_text(self) -> list[str]:
+        stats = BatchStats()
+        stats.record("draft", 3, 7)
+        return stats.render()
+
+
+@pytest.fixture
+def service() -> FakeService:
+    return FakeService()
+
+
+@pytest.fixture
+def client(service: FakeService) -> TestClient:
+    metrics = Metrics()
+    service.metrics = metrics
+    return TestClient(build_http_app(service, metrics))
+
+
+def test_answer_round_trip_uses_request_dials(client: TestClient, service: FakeService):
+    r = client.post(
+        "/v1/answer",
+        json={"question": "Who founded Normandy?", "config": {"mode": "always", "top_k": 5}},
+    )
+    assert r.status_code == 200, r.text
+    body = AnswerResponse.model_validate(r.json())
+    assert body.segments[0].citation.passage_id == "p1"
+    assert body.config.top_k == 5 and body.config.mode == "always"
+    assert r.headers["x-cache"] == "miss"
+    assert service.seen[0].config.top_k == 5
+
+
+@pytest.mark.parametrize(
+    ("payload", "field"),
+    [
+        ({"question": "x" * (MAX_QUESTION_CHARS + 1)}, "question"),
+        ({"question": "q", "colour": "blue"}, "colour"),
+        ({"question": "q", "config": {"top_k": 0}}, "config.top_k"),
+        ({"question": "q", "config": {"beam_width": 2}}, "config.beam_width"),
+        ({"question": "   "}, "question"),
+        ({}, "question"),
+    ],
+)
+def test_validation_errors_are_422_naming_the_field(client: TestClient, payload, field):
+    r = client.post("/v1/answer", json=payload)
+    assert r.status_code == 422
+    body = r.json()
+    assert body["error"] == "invalid_request"
+    assert field in [d["field"] for d in body["detail"]], body
+
+
+def test_bad_json_is_422(client: TestClient):
+    r = client.post(
+        "/v1/answer", content=b'{"question": ', headers={"content-type": "application/json"}
+    )
+    assert r.status_code == 422
+    assert r.json()["error"] == "invalid_request"
+    assert r.json()["detail"][0]["type"] == "json_invalid"
+
+
+def test_oversized_body_is_413(client: TestClient):
+    r = client.post(
+        "/v1/answer", content=b"x" * 70_000, headers={"content-type": "application/json"}
+    )
+    assert r.status_code == 413
+    assert r.json()["error"] == "payload_too_large"
+
+
+@pytest.mark.parametrize(
+    ("exc", "status", "slug"),
+    [
+        (Overloaded("busy"), 503, "overloaded"),
+        (DependencyDown("pool gone"), 503, "dependency_unavailable"),
+        (DeadlineExceeded("too slow"), 504, "deadline_exceeded"),
+    ],
+)
+def test_service_errors_map_to_status_and_json(service, client, exc, status, slug):
+    service.fail = exc
+    r = client.post("/v1/answer", json={"question": "q"})
+    assert r.status_code == status
+    assert r.json() == {"error": slug, "detail": exc.detail}
+    # The stream reports the same status when it fails before its first event.
+    r = client.post("/v1/answer/stream", json={"question": "q"})
+    assert r.status_code == status and r.json()["error"] == slug
+
+
+def test_unknown_route_is_json_404(client: TestClient):
+    r = client.get("/v2/nothing")
+    assert r.status_code == 404
+    assert r.json()["error"] == "not_found"
+
+
+def _events(text: str) -> list[tuple[str, dict]]:
+    out = []
+    for block in text.strip().split("\n\n"):
+        lines = dict(line.split(": ", 1) for line in block.splitlines())
+        out.append((lines["event"], json.loads(lines["data"])))
+    return out
+
+
+def test_stream_sends_each_segment_then_the_answer(client: TestClient):
+    with client.stream("POST", "/v1/answer/stream", json={"question": "Who?"}) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        text = "".join(r.iter_text())
+    events = _events(text)
+    assert [e for e, _ in events] == ["segment", "segment", "answer"]
+    first, second = events[0][1], events[1][1]
+    assert first["index"] == 0 and first["segment"]["citation"]["passage_id"] == "p1"
+    assert first["segment"]["s_sup"] == 0.75
+    assert second["index"] == 1 and second["segment"]["citation"] is None
+    assert AnswerResponse.model_validate(events[2][1]).answer.startswith("Rollo")
+
+
+def test_health_and_readiness(client: TestClient, service: FakeService):
+    assert client.get("/healthz").json() == {"status": "ok"}
+    r = client.get("/readyz")
+    assert r.status_code == 200 and r.json()["ready"] is True
+    service.ready["cache"] = False
+    r = client.get("/readyz")
+    assert r.status_code == 503
+    assert r.json() == {"ready": False, "checks": {"model": True, "store": True, "cache": False}}
+
+
+def test_metrics_text_format(client: TestClient):
+    client.post("/v1/answer", json={"question": "q"})
+    client.post("/v1/answer", json={"question": ""})
+    r = client.get("/metrics")
+    assert r.status_code == 200
+    assert r.headers["content-type"].startswith("text/plain; version=0.0.4")
+    text = r.text
+    assert 'selfrag_http_requests_total{method="POST",path="/v1/answer",status="200"} 1' in text
+    assert 'selfrag_http_requests_total{method="POST",path="/v1/answer",status="422"} 1' in text
+    assert "# TYPE selfrag_http_request_duration_seconds histogram" in text
+    assert 'selfrag_http_request_duration_seconds_bucket{le="+Inf",path="/v1/answer"} 2' in text
+    assert 'selfrag_batch_requests_bucket{le="2",method="draft"} 0' in text
+    assert 'selfrag_batch_requests_bucket{le="4",method="draft"} 1' in text
+    assert 'selfrag_batch_branches_sum{method="draft"} 7' in text
+    assert 'selfrag_branches_total{outcome="pruned"} 1' in text
+    assert 'selfrag_branches_total{outcome="filtered"} 1' in text
+    assert "selfrag_retrieval_rate 0.5" in text
+    assert 'selfrag_query_cache_total{outcome="hit"} 0' in text
+    for line in text.splitlines():  # every sample line is `name{labels} number`
+        if line and not line.startswith("#"):
+            float(line.rsplit(" ", 1)[1].replace("+Inf", "inf"))
+
+
+def test_openapi_documents_the_api(client: TestClient):
+    spec = client.get("/openapi.json").json()
+    assert {"/v1/answer", "/v1/answer/stream", "/healthz", "/readyz", "/metrics"} <= set(
+        spec["paths"]
+    )
+    assert "AnswerRequest" in spec["components"]["schemas"]
+    assert client.get("/docs").status_code == 200
+
+
+def test_api_keys_when_configured(service: FakeService):
+    app = build_http_app(service, Metrics(), api_keys=parse_api_keys(" k1, k2 ,"))
+    c = TestClient(app)
+    assert c.post("/v1/answer", json={"question": "q"}).status_code == 401
+    r = c.post("/v1/answer", json={"question": "q"}, headers={"Authorization": "Bearer nope"})
+    assert r.status_code == 401 and r.json()["error"] == "unauthorized"
+    assert r.headers["www-authenticate"] == "Bearer"
+    assert "k1" not in r.text
+    ok = c.post("/v1/answer", json={"question": "q"}, headers={"Authorization": "Bearer k2"})
+    assert ok.status_code == 200
+    assert (
+        c.post("/v1/answer", json={"question": "q"}, headers={"X-API-Key": "k1"}).status_code == 200
+    )
+    assert c.get("/metrics").status_code == 401
+    assert c.get("/metrics", headers={"X-API-Key": "k1"}).status_code == 200
+    # Probes and the API description stay open for load balancers and clients.
+    assert c.get("/healthz").status_code == 200
+    assert c.get("/readyz").status_code == 200
+    assert c.get("/openapi.json").status_code == 200
+
+
+def test_auth_is_off_by_default():
+    assert parse_api_keys(None) == [] and parse_api_keys(" , ") == []
