@@ -73,7 +73,42 @@ def build_parser() -> argparse.ArgumentParser:
 
     p_config = sub.add_parser("config", help="Print the effective settings.")
     p_config.add_argument("--json", action="store_true")
+
+    _eval_parsers(sub)
     return parser
+
+
+def _dataset_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("dataset", type=Path, help="SQuAD-format JSON or JSONL {question, "
+                   "golden_answers}.")
+    p.add_argument("--corpus", type=Path, nargs="+", required=True,
+                   help="Corpus files or folders; indexed first when the index lacks them.")
+    p.add_argument("--article", help="Keep one SQuAD article (e.g. Normans).")
+    p.add_argument("--limit", type=int, help="Keep the first N questions.")
+    p.add_argument("--no-progress", action="store_true")
+
+
+def _eval_parsers(sub: Any) -> None:
+    from infra.evaluation import DEFAULT_SYSTEMS, SYSTEMS
+
+    p_eval = sub.add_parser("eval", help="Run QA systems on a dataset and write a report.")
+    _dataset_args(p_eval)
+    p_eval.add_argument("--systems", default=",".join(DEFAULT_SYSTEMS),
+                        help=f"Comma-separated, from: {', '.join(SYSTEMS)}.")
+    p_eval.add_argument("--out", type=Path, default=Path("eval-out"),
+                        help="Report folder; a rerun resumes from its records.jsonl.")
+    p_eval.add_argument("--plot", action="store_true",
+                        help="Also write accuracy-vs-δ and s_sup reliability PNGs.")
+    _decoding_flags(p_eval)
+
+    p_cal = sub.add_parser("calibrate", help="Fit the likelihood critique's calibration on a "
+                           "labelled SQuAD dev set and write HOME/calibration.toml.")
+    _dataset_args(p_cal)
+    p_cal.add_argument("--top-k", type=int, default=5, help="Retrieved passages per question.")
+    p_cal.add_argument("--max-segment-tokens", type=int, default=None,
+                       help="Draft length (default: the decoding setting).")
+    p_cal.add_argument("--samples", type=Path, help="Also write the raw samples (JSONL) here.")
+    p_cal.add_argument("--dry-run", action="store_true", help="Fit and print; write nothing.")
 
 
 def _settings(args: argparse.Namespace) -> Settings:
@@ -211,6 +246,76 @@ def _fmt(value: float | None, signed: bool = False) -> str:
 
 
 COMMANDS = {"index": cmd_index, "ask": cmd_ask, "config": cmd_config}
+
+
+def _limit(args: argparse.Namespace) -> int | None:
+    if args.limit is not None and args.limit < 1:
+        raise CLIError("--limit must be at least 1")
+    return args.limit
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    from infra.evaluation import (
+        ensure_indexed,
+        load_questions,
+        parse_systems,
+        render_table,
+        run_evaluation,
+        write_plots,
+    )
+    from infra.runtime import SelfRAG
+
+    systems = parse_systems(args.systems)
+    questions = load_questions(args.dataset, article=args.article, limit=_limit(args))
+    chosen = {n: getattr(args, n) for n in DecodingOverrides.model_fields}
+    overrides = DecodingOverrides.model_validate(
+        {n: v for n, v in chosen.items() if v is not None}
+    )
+    settings = _settings(args)
+    with SelfRAG(settings) as rag:
+        ensure_indexed(rag, args.corpus, progress=not args.no_progress)
+        config = overrides.apply_to(settings.decoding)
+        report = run_evaluation(rag, questions, systems, args.out, config,
+                                progress=not args.no_progress, probe_p_ret=args.plot)
+    print(render_table(report))
+    if args.plot:
+        for path in write_plots(args.out, questions, systems):
+            print(f"wrote {path}")
+    print(f"wrote {args.out / 'report.json'} and {args.out / 'report.md'}")
+    return 0
+
+
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    from infra.calibrate import (
+        collect_samples,
+        dataset_label,
+        describe,
+        fit_samples,
+        write_calibration,
+    )
+    from infra.evaluation import ensure_indexed, load_questions
+    from infra.runtime import SelfRAG
+
+    questions = load_questions(args.dataset, article=args.article, limit=_limit(args))
+    if all(q.context is None for q in questions):
+        raise CLIError("calibrate needs SQuAD-format questions (their gold paragraphs label "
+                       "the samples)")
+    settings = _settings(args)
+    tokens = args.max_segment_tokens or settings.decoding.max_segment_tokens
+    with SelfRAG(settings) as rag:
+        ensure_indexed(rag, args.corpus, progress=not args.no_progress)
+        samples = collect_samples(rag, questions, args.top_k, tokens,
+                                  progress=not args.no_progress)
+    if args.samples is not None:
+        args.samples.write_text("".join(json.dumps(s) + "\n" for s in samples))
+    cal, stats = fit_samples(samples, dataset_label(args.dataset, args.article, len(questions)))
+    print(describe(stats, cal))
+    if not args.dry_run:
+        print(f"wrote {write_calibration(settings.home, cal)}")
+    return 0
+
+
+COMMANDS.update({"eval": cmd_eval, "calibrate": cmd_calibrate})
 
 
 def main(argv: Sequence[str] | None = None) -> int:

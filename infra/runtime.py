@@ -76,7 +76,9 @@ class SelfRAG:
     def critic(self, source: str) -> Critic:
         with self._lock:
             if source not in self._critics:
-                self._critics[source] = make_critic(self.engine, source)
+                self._critics[source] = make_critic(
+                    self.engine, source, self.settings.calibration
+                )
             return self._critics[source]
 
     # --- operations -----------------------------------------------------------------------------

@@ -93,7 +93,8 @@ def load_settings(
             raise SettingsError(f"config file not found: {path}") from exc
         except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
             raise SettingsError(f"config file {path} is not valid TOML: {exc}") from exc
-    merged = _merge({"home": str(home)}, file_values)
+    merged = _merge({"home": str(home)}, _calibration_values(home))
+    merged = _merge(merged, file_values)
     merged = _merge(merged, env_values)
     merged = _merge(merged, overrides or {})
     try:
@@ -102,6 +103,21 @@ def load_settings(
         source = f" (from {path} and SELFRAG_* variables)" if path else ""
         raise SettingsError(f"invalid settings{source}: {describe_validation_error(exc)}") from exc
     return settings.model_copy(update={"home": settings.home.expanduser()})
+
+
+CALIBRATION_FILE = "calibration.toml"
+
+
+def _calibration_values(home: Path) -> dict[str, Any]:
+    """`HOME/calibration.toml` (written by `selfrag calibrate`) as the `calibration` section;
+    it ranks below the config file so an explicit setting there still wins."""
+    path = home / CALIBRATION_FILE
+    if not path.exists():
+        return {}
+    try:
+        return {"calibration": tomllib.loads(path.read_text(encoding="utf-8"))}
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise SettingsError(f"calibration file {path} is not valid TOML: {exc}") from exc
 
 
 def describe_validation_error(exc: ValidationError) -> str:

@@ -23,6 +23,7 @@ from pipeline.protocols import (
     Passage,
     TokenScoreRequest,
 )
+from schemas.calibration import CalibrationSettings
 
 RETRIEVE_LABELS = ("yes", "no", "continue")
 RELEVANCE_LABELS = ("relevant", "irrelevant")
@@ -363,8 +364,17 @@ class PromptedCritic:
         return _read_groups(self._model, prompts, self._labels["utility"])
 
 
-def make_critic(model: LanguageModel, source: str) -> Critic:
-    """Build the critique source named by `source` (auto: native when the model has the tokens)."""
+def make_critic(
+    model: LanguageModel, source: str, calibration: CalibrationSettings | None = None
+) -> Critic:
+    """Build the critique source named by `source` (auto: native when the model has the tokens).
+
+    `calibration` parameterises the `likelihood` source (defaults when None).
+    """
+    if source == "likelihood":
+        from pipeline.likelihood import LikelihoodCritic  # imports this module
+
+        return LikelihoodCritic(model, calibration)
     groups = native_token_ids(model)
     if source == "native":
         if groups is None:

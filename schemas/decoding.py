@@ -7,7 +7,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 RetrievalMode = Literal["adaptive", "always", "never"]
-CritiqueSource = Literal["auto", "native", "prompted"]
+CritiqueSource = Literal["auto", "native", "prompted", "likelihood"]
 SupportLevel = Literal["none", "partial", "full"]
 UnsupportedPolicy = Literal["abstain", "no_retrieval"]
 

@@ -7,6 +7,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from schemas.calibration import CalibrationSettings
 from schemas.decoding import DecodingConfig
 
 WeightFormat = Literal["auto", "original", "bf16", "f16", "q8_0", "q4_0"]
@@ -61,4 +62,9 @@ class Settings(BaseModel):
     model: ModelSettings = Field(default_factory=ModelSettings)
     retrieval: RetrievalSettings = Field(default_factory=RetrievalSettings)
     decoding: DecodingConfig = Field(default_factory=DecodingConfig)
+    calibration: CalibrationSettings = Field(
+        default_factory=CalibrationSettings,
+        description="Logistic calibration of the likelihood critique ($SELFRAG_HOME/"
+        "calibration.toml, written by `selfrag calibrate`).",
+    )
     redis_url: str | None = None

@@ -1,0 +1,479 @@
+"""`selfrag eval`: run QA systems over a question set against an indexed corpus and report.
+
+Per-question records are appended to `OUT/records.jsonl` as they finish, so an interrupted
+run resumes where it stopped (a record is keyed by system and question id). The report is
+always rebuilt from every record of the requested systems and questions.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from tqdm import tqdm
+
+from pipeline.critique import Branch, native_token_ids
+from pipeline.metrics import Outcome, contains_answer, summarize
+from pipeline.scoring import retrieval_probability
+from schemas.answer import AnswerResponse
+from schemas.decoding import DecodingConfig
+
+if TYPE_CHECKING:
+    from infra.runtime import SelfRAG
+
+SYSTEMS = ("closed-book", "vanilla-rag", "selfrag-prompted", "selfrag-likelihood", "selfrag-native")
+DEFAULT_SYSTEMS = ("closed-book", "vanilla-rag", "selfrag-prompted", "selfrag-likelihood")
+RECORDS_FILE = "records.jsonl"
+REPORT_COLUMNS = (
+    "accuracy",
+    "f1",
+    "abstain_rate",
+    "wrong_confident_rate",
+    "overall",
+    "retrieval_rate",
+    "citation_precision",
+    "s_sup_correct",
+    "s_sup_wrong",
+    "p50_ms",
+    "p95_ms",
+    "prefill_tokens",
+)
+
+
+class EvalError(ValueError):
+    """Bad evaluation input (missing file, unknown format or system)."""
+
+
+@dataclass(frozen=True)
+class EvalQuestion:
+    id: str
+    question: str
+    golds: tuple[str, ...]
+    answerable: bool
+    article: str | None = None
+    context: str | None = None
+    paragraph_id: str | None = None
+
+
+# --- datasets ---------------------------------------------------------------------------------
+
+
+def load_questions(
+    path: Path, *, article: str | None = None, limit: int | None = None
+) -> list[EvalQuestion]:
+    """Questions of a SQuAD-format JSON file or a JSONL file of `{question, golden_answers}`.
+
+    SQuAD v2 `is_impossible` questions are unanswerable (their `plausible_answers` are traps and
+    are not gold). `article` keeps one SQuAD article (underscores and spaces match alike);
+    `limit` keeps the first N questions after that filter.
+    """
+    if not path.exists():
+        raise EvalError(f"dataset not found: {path}")
+    if path.suffix.lower() in (".jsonl", ".ndjson"):
+        if article is not None:
+            raise EvalError("--article applies to SQuAD-format JSON only")
+        questions = list(_read_jsonl_questions(path))
+    elif path.suffix.lower() == ".json":
+        questions = list(_read_squad_questions(path, article))
+        if article is not None and not questions:
+            raise EvalError(f"no article titled {article!r} in {path}")
+    else:
+        raise EvalError(f"unknown dataset format for {path}: expected SQuAD .json or .jsonl")
+    if limit is not None:
+        questions = questions[:limit]
+    if not questions:
+        raise EvalError(f"no questions in {path}")
+    return questions
+
+
+def _read_squad_questions(path: Path, article: str | None) -> Iterable[EvalQuestion]:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise EvalError(f"{path} is not valid JSON: {exc}") from exc
+    if not isinstance(data, dict) or not isinstance(data.get("data"), list):
+        raise EvalError(f"{path} is not SQuAD format (no 'data' list of articles)")
+    wanted = article.replace(" ", "_") if article else None
+    for a, art in enumerate(data["data"]):
+        raw_title = str(art.get("title") or f"article{a}")
+        if wanted is not None and raw_title.replace(" ", "_") != wanted:
+            continue
+        for p, para in enumerate(art.get("paragraphs", [])):
+            for qa in para.get("qas", []):
+                impossible = bool(qa.get("is_impossible", False))
+                golds = () if impossible else tuple(x["text"] for x in qa.get("answers", []))
+                yield EvalQuestion(
+                    id=str(qa["id"]),
+                    question=str(qa["question"]).strip(),
+                    golds=golds,
+                    answerable=not impossible and bool(golds),
+                    article=raw_title,
+                    context=para.get("context"),
+                    # Matches the document ids of infra.corpus for SQuAD files.
+                    paragraph_id=f"squad:{raw_title}:{p}",
+                )
+
+
+def _read_jsonl_questions(path: Path) -> Iterable[EvalQuestion]:
+    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+            golds = tuple(str(g) for g in record.get("golden_answers", []))
+            question = str(record["question"]).strip()
+        except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as exc:
+            raise EvalError(f"{path}:{n}: not a {{question, golden_answers}} record") from exc
+        yield EvalQuestion(
+            id=str(record.get("id", n)), question=question, golds=golds, answerable=bool(golds)
+        )
+
+
+# --- corpus -----------------------------------------------------------------------------------
+
+
+def corpus_indexed(rag: SelfRAG, corpus: Path) -> bool:
+    """True when the first and last passages of `corpus` are found in the index by their own
+    text (a cheap check through the public search API; re-indexing is idempotent anyway)."""
+    from infra.corpus import CorpusError, read_documents, split_passages
+
+    docs = [d for d in read_documents(corpus) if not isinstance(d, CorpusError)]
+    if not docs:
+        return True
+    r = rag.settings.retrieval
+    for doc in (docs[0], docs[-1]):
+        passage = split_passages(doc, r.passage_words, r.passage_overlap_words)[0]
+        hits = rag.store.search(passage.text, 3)
+        if passage.id not in {h.id for h in hits}:
+            return False
+    return True
+
+
+def ensure_indexed(rag: SelfRAG, corpora: Sequence[Path], progress: bool) -> None:
+    """Index every corpus the store does not hold yet."""
+    from infra.indexing import index_corpus
+
+    for corpus in corpora:
+        if not corpus.exists():
+            raise EvalError(f"corpus not found: {corpus}")
+    for corpus in corpora:
+        if rag.store.count() and corpus_indexed(rag, corpus):
+            continue
+        print(f"indexing {corpus} ...", file=sys.stderr)
+        report = index_corpus(
+            corpus,
+            rag.store,
+            progress=progress,
+            passage_words=rag.settings.retrieval.passage_words,
+            overlap=rag.settings.retrieval.passage_overlap_words,
+        )
+        print(f"{corpus}: {report.passages} passages indexed", file=sys.stderr)
+
+
+# --- running systems --------------------------------------------------------------------------
+
+
+def parse_systems(spec: str, rag: SelfRAG | None = None) -> list[str]:
+    names = [s.strip() for s in spec.split(",") if s.strip()]
+    if not names:
+        raise EvalError("--systems names no system")
+    unknown = [s for s in names if s not in SYSTEMS]
+    if unknown:
+        raise EvalError(f"unknown system(s) {', '.join(unknown)}; choose from {', '.join(SYSTEMS)}")
+    return list(dict.fromkeys(names))
+
+
+def runner_for(
+    rag: SelfRAG, system: str, config: DecodingConfig, probe_p_ret: bool
+) -> Callable[[EvalQuestion], tuple[AnswerResponse, float | None, int]]:
+    """A function answering one question with `system`: (response, first-step p_ret, extra
+    prefill tokens spent on a p_ret probe)."""
+    from pipeline.baselines import BaselineAnswerer
+
+    if system in ("closed-book", "vanilla-rag"):
+        baseline = BaselineAnswerer(rag.engine, rag.store)
+        retrieve = system == "vanilla-rag"
+        return lambda q: (baseline.answer(q.question, config, retrieve=retrieve), None, 0)
+    source = system.removeprefix("selfrag-")
+    if source == "native" and native_token_ids(rag.engine) is None:
+        raise EvalError("selfrag-native needs a Self-RAG checkpoint; this model has no tokens")
+    cfg = config.model_copy(update={"critique": source})
+
+    def run(q: EvalQuestion) -> tuple[AnswerResponse, float | None, int]:
+        extra = 0
+        p_ret: float | None = None
+        if probe_p_ret and cfg.mode != "adaptive":
+            # The δ curve needs p_ret even when decoding did not ask for it. The likelihood
+            # critic caches this closed-book draft and reuses it as the no-retrieval branch.
+            (decision,) = rag.critic(source).retrieval([Branch(q.question, "", None)])
+            p_ret, extra = retrieval_probability(decision.probs), decision.prefill_tokens
+        response = rag.decoder.answer(q.question, cfg)
+        if p_ret is None and response.segments and response.segments[0].p_ret is not None:
+            p_ret = response.segments[0].p_ret
+        return response, p_ret, extra
+
+    return run
+
+
+def make_record(
+    system: str, q: EvalQuestion, r: AnswerResponse, p_ret: float | None, extra: int, ms: float
+) -> dict[str, Any]:
+    """The per-question record kept in records.jsonl (everything the report needs)."""
+    sups = [s.s_sup for s in r.segments if s.s_sup is not None]
+    by_id = {p.id: p for p in r.passages}
+    cited_ids = list(
+        dict.fromkeys(s.citation.passage_id for s in r.segments if s.citation is not None)
+    )
+    if system == "vanilla-rag":
+        # Vanilla RAG cites nothing per segment: it is credited with every passage it was given.
+        cited_ids = list(by_id)
+    cited = [
+        contains_answer(by_id[i].text, q.golds) if i in by_id else False for i in cited_ids
+    ]
+    return {
+        "system": system,
+        "id": q.id,
+        "question": q.question,
+        "answerable": q.answerable,
+        "golds": list(q.golds),
+        "answer": r.answer,
+        "abstained": r.abstained,
+        "retrieved": r.usage.retrievals > 0,
+        "s_sup": sum(sups) / len(sups) if sups else None,
+        "p_ret": p_ret,
+        "cited": cited_ids,
+        "cited_has_answer": cited,
+        "latency_ms": round(ms, 1),
+        "prefill_tokens": r.usage.prefill_tokens + extra,
+        "decode_tokens": r.usage.decode_tokens,
+    }
+
+
+def outcome(record: dict[str, Any]) -> Outcome:
+    return Outcome(
+        answerable=bool(record["answerable"]),
+        golds=tuple(record["golds"]),
+        answer=str(record["answer"]),
+        abstained=bool(record["abstained"]),
+        retrieved=bool(record["retrieved"]),
+        s_sup=record.get("s_sup"),
+        cited_has_answer=tuple(record.get("cited_has_answer", [])),
+        latency_ms=float(record["latency_ms"]),
+        prefill_tokens=int(record["prefill_tokens"]),
+    )
+
+
+def read_records(path: Path) -> list[dict[str, Any]]:
+    """Records of an earlier (maybe interrupted) run; a torn last line is ignored."""
+    if not path.exists():
+        return []
+    records = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return records
+
+
+def run_evaluation(
+    rag: SelfRAG,
+    questions: Sequence[EvalQuestion],
+    systems: Sequence[str],
+    out: Path,
+    config: DecodingConfig,
+    *,
+    progress: bool = True,
+    probe_p_ret: bool = False,
+    clock: Callable[[], float] = time.perf_counter,
+) -> dict[str, Any]:
+    """Answer every question with every system (skipping records already in `out`), then
+    write and return the report."""
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / RECORDS_FILE
+    done = {(r["system"], r["id"]) for r in read_records(path)}
+    todo = [(s, q) for s in systems for q in questions if (s, q.id) not in done]
+    bar = tqdm(total=len(todo), desc="eval", unit="answer", file=sys.stderr, disable=not progress)
+    runners: dict[str, Callable[[EvalQuestion], tuple[AnswerResponse, float | None, int]]] = {}
+    with path.open("a", encoding="utf-8") as sink:
+        if sink.tell() and not path.read_bytes().endswith(b"\n"):
+            sink.write("\n")  # end a line torn by an interrupted run; reading skips it
+        for system, q in todo:
+            if system not in runners:
+                runners[system] = runner_for(rag, system, config, probe_p_ret)
+            bar.set_postfix(system=system)
+            started = clock()
+            response, p_ret, extra = runners[system](q)
+            ms = (clock() - started) * 1e3
+            sink.write(json.dumps(make_record(system, q, response, p_ret, extra, ms)) + "\n")
+            sink.flush()
+            bar.update(1)
+    bar.close()
+    return write_report(out, questions, systems, config)
+
+
+def build_report(
+    records: Sequence[dict[str, Any]],
+    questions: Sequence[EvalQuestion],
+    systems: Sequence[str],
+    config: DecodingConfig | None = None,
+) -> dict[str, Any]:
+    """Summaries per system over the records of the given questions (latest record wins)."""
+    ids = {q.id for q in questions}
+    latest: dict[tuple[str, str], dict[str, Any]] = {}
+    for r in records:
+        if r["id"] in ids and r["system"] in systems:
+            latest[(r["system"], r["id"])] = r
+    report: dict[str, Any] = {"systems": {}}
+    for system in systems:
+        rows = [latest[(system, q.id)] for q in questions if (system, q.id) in latest]
+        report["systems"][system] = summarize([outcome(r) for r in rows])
+    report["questions"] = len(questions)
+    if config is not None:
+        report["config"] = config.model_dump(mode="json")
+    return report
+
+
+def write_report(
+    out: Path,
+    questions: Sequence[EvalQuestion],
+    systems: Sequence[str],
+    config: DecodingConfig | None = None,
+) -> dict[str, Any]:
+    report = build_report(read_records(out / RECORDS_FILE), questions, systems, config)
+    (out / "report.json").write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+    (out / "report.md").write_text(render_table(report) + "\n", encoding="utf-8")
+    return report
+
+
+def render_table(report: dict[str, Any]) -> str:
+    """The report as one Markdown table (rates in %, latency in ms)."""
+    head = ["system", "n", *REPORT_COLUMNS]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for name, row in report["systems"].items():
+        cells = [name, str(row["questions"])]
+        for col in REPORT_COLUMNS:
+            cells.append(_cell(col, row.get(col)))
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _cell(column: str, value: float | int | None) -> str:
+    if value is None:
+        return "–"
+    if column.endswith("_ms") or column == "prefill_tokens":
+        return f"{value:.0f}"
+    if column.startswith("s_sup"):
+        return f"{value:.2f}"
+    return f"{100 * value:.1f}%"
+
+
+# --- plots ------------------------------------------------------------------------------------
+
+
+def threshold_curve(
+    own: Sequence[dict[str, Any]], closed: dict[str, dict[str, Any]], thresholds: Sequence[float]
+) -> list[tuple[float, float]]:
+    """Accuracy (answerable questions) at each δ, from one system's first-step p_ret.
+
+    At δ a question is answered with evidence when p_ret > δ, else without. An outcome is
+    known from the system's own record when it took that path, else, for the no-evidence path,
+    from the closed-book record. A δ at which some needed outcome is unknown is left out, so
+    the curve is exact for runs in `--mode always` with a closed-book run beside them.
+    """
+    points: list[tuple[float, float]] = []
+    rows = [r for r in own if r["answerable"] and r.get("p_ret") is not None]
+    if not rows:
+        return points
+    for delta in thresholds:
+        correct: list[float] = []
+        for r in rows:
+            wants = r["p_ret"] > delta
+            if wants == bool(r["retrieved"]):
+                correct.append(float(outcome(r).correct))
+            elif not wants and r["id"] in closed:
+                correct.append(float(outcome(closed[r["id"]]).correct))
+            else:
+                break
+        else:
+            points.append((delta, sum(correct) / len(correct)))
+    return points
+
+
+def reliability(rows: Sequence[dict[str, Any]], bins: int = 5) -> list[tuple[float, float, int]]:
+    """(mean s_sup, fraction correct, count) per s_sup bin over answered answerable questions."""
+    buckets: list[list[tuple[float, bool]]] = [[] for _ in range(bins)]
+    for r in rows:
+        o = outcome(r)
+        if r["answerable"] and not o.abstained and o.s_sup is not None:
+            buckets[min(int(o.s_sup * bins), bins - 1)].append((o.s_sup, o.correct))
+    return [
+        (sum(s for s, _ in b) / len(b), sum(c for _, c in b) / len(b), len(b)) for b in buckets if b
+    ]
+
+
+def write_plots(out: Path, questions: Sequence[EvalQuestion], systems: Sequence[str]) -> list[Path]:
+    """accuracy_vs_threshold.png and support_reliability.png for the self-RAG systems."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ids = {q.id for q in questions}
+    records = [r for r in read_records(out / RECORDS_FILE) if r["id"] in ids]
+    by_system: dict[str, dict[str, dict[str, Any]]] = {}
+    for r in records:
+        by_system.setdefault(r["system"], {})[r["id"]] = r
+    closed = by_system.get("closed-book", {})
+    selfrag = [s for s in systems if s.startswith("selfrag-") and s in by_system]
+    written: list[Path] = []
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    deltas = [i / 50 for i in range(51)]
+    for s in selfrag:
+        pts = threshold_curve(list(by_system[s].values()), closed, deltas)
+        if pts:
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=".", label=s)
+    for s in ("closed-book", "vanilla-rag"):
+        if s in by_system:
+            rows = [outcome(r) for r in by_system[s].values() if r["answerable"]]
+            if rows:
+                acc = sum(o.correct for o in rows) / len(rows)
+                ax.axhline(acc, linestyle="--", linewidth=1, label=s, color="grey" if
+                           s == "closed-book" else "black")
+    ax.set_xlabel("retrieval threshold δ (retrieve when p_ret > δ)")
+    ax.set_ylabel("accuracy (answerable questions)")
+    ax.set_ylim(0, 1)
+    ax.set_title("Accuracy vs retrieval threshold")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path = out / "accuracy_vs_threshold.png"
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    written.append(path)
+
+    fig, ax = plt.subplots(figsize=(5, 5))
+    ax.plot([0, 1], [0, 1], linestyle=":", color="grey", label="perfectly calibrated")
+    for s in selfrag:
+        pts = reliability(list(by_system[s].values()))
+        if pts:
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=s)
+            for x, y, n in pts:
+                ax.annotate(str(n), (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points")
+    ax.set_xlabel("mean s_sup of the answer")
+    ax.set_ylabel("fraction correct (answerable questions)")
+    ax.set_xlim(0, 1)
+    ax.set_ylim(0, 1)
+    ax.set_title("Support score reliability")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path = out / "support_reliability.png"
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    written.append(path)
+    return written

@@ -1,0 +1,254 @@
+"""Critique from the generator's own token log-probabilities (no extra model, no trained tokens).
+
+Small instruct models answer yes/no critique questions almost independently of the passage, but
+their likelihoods still carry the signal. Every raw signal is a mean per-token log-probability
+(difference), mapped to a probability by a fitted logistic calibration, p = sigmoid(a·x + b):
+
+* relevance: query-likelihood gain, mean over question tokens of
+  log p(q | system, passage) − log p(q | system);
+* support: segment-likelihood gain, mean over segment tokens of
+  log p(y | x, passage) − log p(y | x), with the same prompt apart from the passage;
+* retrieval need: the mean token log-probability of a first segment drafted without evidence
+  (low confidence → retrieve). That closed-book draft is kept and reused as the no-retrieval
+  branch of the same step, so it is never generated twice;
+* utility: the mean token log-probability of the drafted segment itself, calibrated on whether
+  drafts contain the gold answer, i.e. p("this segment is a right answer").
+
+The probabilities are laid out so the published formulas give back p exactly:
+p_ret = p, s_rel = p, s_use = 2p − 1, and support uses the binomial split
+(full, partial, none) = (p², 2p(1−p), (1−p)²), for which s_sup = p and the most likely label is
+"full" when p > 2/3 and "none" when p < 1/3 — so `min_support` keeps its meaning.
+
+Prompts put the passage first: "system + passage" is a prefix shared by the relevance request,
+the draft and every later step of a branch, so the engine computes it once.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from pipeline.critique import NATIVE_TOKENS, SYSTEM_PROMPT, Branch, LabelProbs, _passage_text
+from pipeline.prompts import ChatGlue, Part, PromptBuilder, Trusted, Untrusted, chat_glue
+from pipeline.protocols import ContinuationRequest, Generation, GenerationRequest, LanguageModel
+from schemas.calibration import CalibrationSettings
+
+DRAFT_TASK = "Answer the question in one or two sentences."
+# Closed-book drafts cached for reuse as the no-retrieval branch; one entry per live hypothesis.
+_CACHE_SIZE = 64
+
+
+@dataclass(frozen=True)
+class Signal:
+    """A raw likelihood signal: its value (mean per token) and the prompt tokens it cost."""
+
+    value: float
+    prefill_tokens: int
+
+
+def mean(values: Sequence[float]) -> float:
+    return sum(values) / len(values) if values else 0.0
+
+
+def support_probs(p: float) -> dict[str, float]:
+    """(full, partial, none) = (p², 2p(1−p), (1−p)²): s_sup = p, label thresholds 1/3 and 2/3."""
+    return {"full": p * p, "partial": 2.0 * p * (1.0 - p), "none": (1.0 - p) ** 2}
+
+
+class LikelihoodCritic:
+    """The `Critic` protocol from likelihood gains of the generating model itself."""
+
+    name = "likelihood"
+
+    def __init__(
+        self,
+        model: LanguageModel,
+        calibration: CalibrationSettings | None = None,
+        *,
+        probe_tokens: int = 48,
+    ) -> None:
+        self._model = model
+        self.calibration = calibration or CalibrationSettings()
+        self._probe_tokens = probe_tokens
+        self._glue: ChatGlue = chat_glue(model.chat_template)
+        self._builder = PromptBuilder(
+            model, reserved=[p for g in NATIVE_TOKENS.values() for p in g.values()]
+        )
+        self._lock = threading.Lock()
+        self._closed: OrderedDict[tuple[str, str], Generation] = OrderedDict()
+        self._question_lp: OrderedDict[str, tuple[float, int]] = OrderedDict()
+
+    # --- prompt layout ----------------------------------------------------------------------------
+
+    def _head(self, passage_text: str | None) -> list[Part]:
+        g = self._glue
+        parts: list[Part] = [Trusted(g.start)]
+        if g.has_system:
+            parts += [Trusted(SYSTEM_PROMPT), Trusted(g.system_to_user)]
+        if passage_text is not None:
+            parts += [Trusted("Passage: "), Untrusted(passage_text), Trusted("\n\n")]
+        return [*parts, Trusted("Question: ")]
+
+    def _answer(self, question: str, prefix: str, passage_text: str | None) -> list[int]:
+        parts = [
+            *self._head(passage_text),
+            Untrusted(question),
+            Trusted("\n\n" + DRAFT_TASK),
+            Trusted(self._glue.assistant_start),
+        ]
+        if prefix:
+            parts.append(Untrusted(prefix))
+        return self._builder.build(parts)
+
+    def _question_tokens(self, question: str) -> list[int]:
+        return self._builder.build([Untrusted(question)], bos=False)
+
+    @staticmethod
+    def _text(b: Branch) -> str | None:
+        return _passage_text(b.passage) if b.passage is not None else None
+
+    # --- raw signals (also used by `selfrag calibrate`) -----------------------------------------
+
+    def relevance_signals(self, branches: Sequence[Branch]) -> list[Signal]:
+        """Mean per-token log p(q | passage) − log p(q), all branches in one batched call."""
+        if not branches:
+            return []
+        requests: list[ContinuationRequest] = []
+        with self._lock:
+            missing = list(
+                dict.fromkeys(b.question for b in branches if b.question not in self._question_lp)
+            )
+        for q in missing:
+            requests.append(
+                ContinuationRequest(self._builder.build(self._head(None)), self._question_tokens(q))
+            )
+        for b in branches:
+            prompt = self._builder.build(self._head(self._text(b)))
+            requests.append(ContinuationRequest(prompt, self._question_tokens(b.question)))
+        scores = self._model.continuation_logprobs(requests)
+        base_cost = 0
+        with self._lock:
+            for q, s in zip(missing, scores[: len(missing)], strict=True):
+                self._remember(self._question_lp, q, (sum(s.logprobs), len(s.logprobs)))
+                base_cost += s.prefill_tokens
+            baselines = {b.question: self._question_lp[b.question] for b in branches}
+        out: list[Signal] = []
+        for i, (b, s) in enumerate(zip(branches, scores[len(missing) :], strict=True)):
+            total, n = baselines[b.question]
+            gain = (sum(s.logprobs) - total) / max(n, 1)
+            out.append(Signal(gain, s.prefill_tokens + (base_cost if i == 0 else 0)))
+        return out
+
+    def support_signals(
+        self, branches: Sequence[Branch], drafts: Sequence[Generation]
+    ) -> list[Signal]:
+        """Mean per-token log p(y | x, d) − log p(y | x); log p(y | x, d) comes with the draft."""
+        pairs = list(zip(branches, drafts, strict=True))
+        scored = [(b, d) for b, d in pairs if d.tokens]
+        requests = [
+            ContinuationRequest(self._answer(b.question, b.prefix, None), list(d.tokens))
+            for b, d in scored
+        ]
+        closed = iter(self._model.continuation_logprobs(requests) if requests else [])
+        out: list[Signal] = []
+        for _, d in pairs:
+            if not d.tokens:
+                out.append(Signal(0.0, 0))
+                continue
+            s = next(closed)
+            gain = (sum(d.logprobs) - sum(s.logprobs)) / len(d.tokens)
+            out.append(Signal(gain, s.prefill_tokens))
+        return out
+
+    def closed_book_drafts(self, branches: Sequence[Branch]) -> list[Generation]:
+        """The first segment each branch's hypothesis would get without evidence (cached)."""
+        keys = [(b.question, b.prefix) for b in branches]
+        with self._lock:
+            have = {k: self._closed[k] for k in keys if k in self._closed}
+        todo = list(dict.fromkeys(k for k in keys if k not in have))
+        if todo:
+            requests = [
+                GenerationRequest(self._answer(q, prefix, None), self._probe_tokens)
+                for q, prefix in todo
+            ]
+            generated = self._model.generate(requests)
+            with self._lock:
+                for k, g in zip(todo, generated, strict=True):
+                    self._remember(self._closed, k, g)
+                    have[k] = g
+        return [have[k] for k in keys]
+
+    # --- the Critic protocol ----------------------------------------------------------------------
+
+    def retrieval(self, branches: Sequence[Branch]) -> list[LabelProbs]:
+        out = []
+        for g in self.closed_book_drafts(branches):
+            # An empty closed-book draft is no evidence of knowledge: treat it as least confident.
+            x = mean(g.logprobs) if g.tokens else -20.0
+            p = self.calibration.retrieval.probability(x)
+            out.append(LabelProbs({"yes": p, "no": 1.0 - p}, g.prefill_tokens))
+        return out
+
+    def relevance(self, branches: Sequence[Branch]) -> list[LabelProbs]:
+        out = []
+        for s in self.relevance_signals(branches):
+            p = self.calibration.relevance.probability(s.value)
+            out.append(LabelProbs({"relevant": p, "irrelevant": 1.0 - p}, s.prefill_tokens))
+        return out
+
+    def draft(self, branches: Sequence[Branch], max_tokens: int) -> list[Generation]:
+        out: list[Generation | None] = [None] * len(branches)
+        with self._lock:
+            for i, b in enumerate(branches):
+                if b.passage is not None:
+                    continue
+                g = self._closed.pop((b.question, b.prefix), None)
+                # The cached probe fits when it ended on its own within max_tokens, or when it
+                # was drafted with the same budget.
+                if g is not None and (
+                    max_tokens == self._probe_tokens
+                    or (g.finish_reason != "length" and len(g.tokens) <= max_tokens)
+                ):
+                    # Its prompt was already paid for by the retrieval decision.
+                    out[i] = Generation(
+                        g.tokens, g.text, g.logprobs, g.finish_reason, 0, g.stop_token
+                    )
+        todo = [i for i, g in enumerate(out) if g is None]
+        requests = [
+            GenerationRequest(
+                self._answer(branches[i].question, branches[i].prefix, self._text(branches[i])),
+                max_tokens,
+            )
+            for i in todo
+        ]
+        for i, g in zip(todo, self._model.generate(requests) if requests else [], strict=True):
+            out[i] = g
+        return [g for g in out if g is not None]
+
+    def support(self, branches: Sequence[Branch], drafts: Sequence[Generation]) -> list[LabelProbs]:
+        return [
+            LabelProbs(
+                support_probs(self.calibration.support.probability(s.value)), s.prefill_tokens
+            )
+            for s in self.support_signals(branches, drafts)
+        ]
+
+    def utility(self, branches: Sequence[Branch], drafts: Sequence[Generation]) -> list[LabelProbs]:
+        out = []
+        for d in drafts:
+            p = self.calibration.utility.probability(mean(d.logprobs)) if d.tokens else 0.0
+            # s_use = Σ w_i·p_i with w_1 = −1, w_5 = +1 gives 2p − 1.
+            out.append(LabelProbs({"5": p, "1": 1.0 - p}, 0))
+        return out
+
+    # --- helpers ----------------------------------------------------------------------------------
+
+    @staticmethod
+    def _remember(cache: OrderedDict, key: object, value: object) -> None:  # type: ignore[type-arg]
+        cache[key] = value
+        cache.move_to_end(key)
+        while len(cache) > _CACHE_SIZE:
+            cache.popitem(last=False)
+

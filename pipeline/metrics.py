@@ -1,0 +1,143 @@
+"""QA evaluation metrics as pure functions: SQuAD normalisation, accuracy, token F1, aggregates."""
+
+from __future__ import annotations
+
+import math
+import re
+import string
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+_ARTICLES = re.compile(r"\b(a|an|the)\b")
+_PUNCTUATION = frozenset(string.punctuation)
+
+
+def normalize_answer(text: str) -> str:
+    """SQuAD normalisation: lower case, drop punctuation and articles, collapse whitespace."""
+    text = text.lower()
+    text = "".join(ch for ch in text if ch not in _PUNCTUATION)
+    text = _ARTICLES.sub(" ", text)
+    return " ".join(text.split())
+
+
+def contains_answer(text: str, golds: Sequence[str]) -> bool:
+    """True when some non-empty normalised gold answer occurs in the normalised text, on word
+    boundaries (so "1066" is not found in "10666")."""
+    hay = f" {normalize_answer(text)} "
+    for gold in golds:
+        g = normalize_answer(gold)
+        if g and f" {g} " in hay:
+            return True
+    return False
+
+
+def token_f1(prediction: str, gold: str) -> float:
+    """SQuAD token F1 between one prediction and one gold answer."""
+    pred = normalize_answer(prediction).split()
+    ref = normalize_answer(gold).split()
+    if not pred or not ref:
+        return float(pred == ref)
+    common = Counter(pred) & Counter(ref)
+    overlap = sum(common.values())
+    if overlap == 0:
+        return 0.0
+    precision = overlap / len(pred)
+    recall = overlap / len(ref)
+    return 2 * precision * recall / (precision + recall)
+
+
+def best_f1(prediction: str, golds: Sequence[str]) -> float:
+    """The best token F1 over the gold answers (0 without any)."""
+    return max((token_f1(prediction, g) for g in golds), default=0.0)
+
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """The q-th percentile (0–100) by linear interpolation; None for no values."""
+    if not values:
+        return None
+    xs = sorted(values)
+    pos = (len(xs) - 1) * q / 100.0
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def mean_or_none(values: Sequence[float]) -> float | None:
+    return sum(values) / len(values) if values else None
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """One system's answer to one question, reduced to what the metrics need.
+
+    `s_sup` is the mean support score of the answer's grounded segments (None when the system
+    has no support score or the answer has no grounded segment); `cited_has_answer` holds one
+    flag per cited passage (does it contain a gold answer).
+    """
+
+    answerable: bool
+    golds: tuple[str, ...]
+    answer: str
+    abstained: bool
+    retrieved: bool
+    s_sup: float | None
+    cited_has_answer: tuple[bool, ...]
+    latency_ms: float
+    prefill_tokens: int
+
+    @property
+    def correct(self) -> bool:
+        """Answerable: a gold answer appears in the (non-abstained) answer. Unanswerable: the
+        system abstained."""
+        if not self.answerable:
+            return self.abstained
+        return not self.abstained and contains_answer(self.answer, self.golds)
+
+    @property
+    def f1(self) -> float:
+        return 0.0 if self.abstained else best_f1(self.answer, self.golds)
+
+    @property
+    def confident(self) -> bool:
+        """An answer given without a low support score (s_sup ≥ 0.5, or no score at all)."""
+        return not self.abstained and (self.s_sup is None or self.s_sup >= 0.5)
+
+
+CONFIDENT_SUPPORT = 0.5
+
+
+def summarize(outcomes: Sequence[Outcome]) -> dict[str, float | int | None]:
+    """The report row of one system. Rates are fractions in [0, 1]; None where undefined.
+
+    accuracy, f1: over answerable questions; abstain_rate and wrong_confident_rate: over
+    unanswerable questions (any answer to one is wrong; confident = s_sup ≥ 0.5 or no score);
+    overall: answerable answered right plus unanswerable abstained, over all questions;
+    citation_precision: over all passages cited by answers to answerable questions;
+    s_sup_correct / s_sup_wrong: mean s_sup of right / wrong answers to answerable questions.
+    """
+    answerable = [o for o in outcomes if o.answerable]
+    impossible = [o for o in outcomes if not o.answerable]
+    cited = [flag for o in answerable if not o.abstained for flag in o.cited_has_answer]
+    latencies = [o.latency_ms for o in outcomes]
+    sup_right = [o.s_sup for o in answerable if o.correct and o.s_sup is not None]
+    sup_wrong = [
+        o.s_sup for o in answerable if not o.correct and not o.abstained and o.s_sup is not None
+    ]
+    return {
+        "questions": len(outcomes),
+        "answerable": len(answerable),
+        "unanswerable": len(impossible),
+        "accuracy": mean_or_none([float(o.correct) for o in answerable]),
+        "f1": mean_or_none([o.f1 for o in answerable]),
+        "abstain_rate": mean_or_none([float(o.abstained) for o in impossible]),
+        "wrong_confident_rate": mean_or_none([float(o.confident) for o in impossible]),
+        "answerable_abstain_rate": mean_or_none([float(o.abstained) for o in answerable]),
+        "overall": mean_or_none([float(o.correct) for o in outcomes]),
+        "retrieval_rate": mean_or_none([float(o.retrieved) for o in outcomes]),
+        "citation_precision": mean_or_none([float(f) for f in cited]),
+        "s_sup_correct": mean_or_none(sup_right),
+        "s_sup_wrong": mean_or_none(sup_wrong),
+        "p50_ms": percentile(latencies, 50),
+        "p95_ms": percentile(latencies, 95),
+        "prefill_tokens": mean_or_none([float(o.prefill_tokens) for o in outcomes]),
+    }

@@ -1,0 +1,52 @@
+"""Logistic calibration of the likelihood critique: raw log-probability signals → probabilities.
+
+Each signal x gets p = sigmoid(a·x + b). `selfrag calibrate` fits (a, b) per signal on a labelled
+dev set and writes them to `$SELFRAG_HOME/calibration.toml`; the defaults below are the values it
+fitted for the embedded SmolLM2-135M-Instruct on the "Normans" questions (docs/evaluation.md).
+"""
+
+from __future__ import annotations
+
+import math
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class LogisticParams(BaseModel):
+    """p = sigmoid(a·x + b)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    a: float = Field(1.0, ge=-1000.0, le=1000.0, description="Slope.")
+    b: float = Field(0.0, ge=-1000.0, le=1000.0, description="Intercept.")
+
+    def probability(self, x: float) -> float:
+        """sigmoid(a·x + b), numerically safe for large |a·x + b|; 0.5 for a NaN signal."""
+        z = self.a * x + self.b
+        if math.isnan(z):
+            return 0.5
+        if z >= 0:
+            return 1.0 / (1.0 + math.exp(-z))
+        e = math.exp(z)
+        return e / (1.0 + e)
+
+
+class CalibrationSettings(BaseModel):
+    """Parameters of the four likelihood signals (see `pipeline.likelihood`).
+
+    - relevance: x = mean per-token query-likelihood gain log p(q | d) − log p(q);
+    - support: x = mean per-token segment-likelihood gain log p(y | x, d) − log p(y | x);
+    - retrieval: x = mean token log-probability of the closed-book first segment
+      (the slope is negative: low confidence → retrieve);
+    - utility: x = mean token log-probability of the drafted segment (p = "the draft is right").
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    relevance: LogisticParams = Field(default_factory=lambda: LogisticParams(a=4.0, b=-1.0))
+    support: LogisticParams = Field(default_factory=lambda: LogisticParams(a=2.0, b=-1.0))
+    retrieval: LogisticParams = Field(default_factory=lambda: LogisticParams(a=-2.0, b=0.0))
+    utility: LogisticParams = Field(default_factory=lambda: LogisticParams(a=2.0, b=2.0))
+    fitted_on: str | None = Field(
+        None, description="What the parameters were fitted on (written by `selfrag calibrate`)."
+    )

@@ -1,0 +1,131 @@
+"""`selfrag eval` logic on fakes: dataset reading, resume from partial output, report shape."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from infra.cli import main
+from infra.evaluation import (
+    REPORT_COLUMNS,
+    EvalError,
+    load_questions,
+    parse_systems,
+    read_records,
+    run_evaluation,
+    threshold_curve,
+)
+from pipeline.decoder import SelfRAGDecoder
+from pipeline.protocols import Passage
+from schemas.decoding import DecodingConfig
+from tests.fakes import ListRetriever, ScriptedCritic, WordModel
+
+SQUAD = {
+    "data": [
+        {
+            "title": "Normans",
+            "paragraphs": [
+                {
+                    "context": "Rollo founded Normandy in France.",
+                    "qas": [
+                        {"id": "q1", "question": "Who founded Normandy?", "is_impossible": False,
+                         "answers": [{"text": "Rollo", "answer_start": 0}]},
+                        {"id": "q2", "question": "Where is Normandy?", "is_impossible": False,
+                         "answers": [{"text": "France", "answer_start": 26}]},
+                        {"id": "q3", "question": "Who unfounded Normandy?", "is_impossible": True,
+                         "answers": [], "plausible_answers": [{"text": "Rollo"}]},
+                    ],
+                }
+            ],
+        },
+        {"title": "Other", "paragraphs": [{"context": "x", "qas": [
+            {"id": "o1", "question": "?", "is_impossible": False,
+             "answers": [{"text": "x", "answer_start": 0}]}]}]},
+    ]
+}
+
+
+class FakeRag:
+    """What the evaluation uses of `SelfRAG`: engine, store, critic(), decoder."""
+
+    def __init__(self) -> None:
+        self.engine = WordModel(draft_text=" Rollo founded it.")
+        self.store = ListRetriever([Passage("p1", "Rollo founded Normandy in France.", "Normans")])
+        self.critic_obj = ScriptedCritic(drafts={"p1": (" Rollo founded it.", -1.0, "eos")})
+        self.decoder = SelfRAGDecoder(lambda _: self.critic_obj, self.store, "fake")
+
+    def critic(self, source: str) -> ScriptedCritic:
+        return self.critic_obj
+
+
+@pytest.fixture()
+def squad_file(tmp_path: Path) -> Path:
+    path = tmp_path / "squad.json"
+    path.write_text(json.dumps(SQUAD))
+    return path
+
+
+def test_load_squad_and_jsonl(squad_file: Path, tmp_path: Path):
+    qs = load_questions(squad_file, article="Normans")
+    assert [q.id for q in qs] == ["q1", "q2", "q3"]
+    assert qs[2].answerable is False and qs[2].golds == ()  # plausible answers are not gold
+    assert qs[0].paragraph_id == "squad:Normans:0"
+    assert len(load_questions(squad_file, limit=2)) == 2
+    jsonl = tmp_path / "nq.jsonl"
+    jsonl.write_text('{"id": "a", "question": "q?", "golden_answers": ["x"]}\n')
+    (q,) = load_questions(jsonl)
+    assert q.golds == ("x",) and q.answerable
+    with pytest.raises(EvalError):
+        load_questions(tmp_path / "missing.json")
+    with pytest.raises(EvalError):
+        load_questions(squad_file, article="Nope")
+    with pytest.raises(EvalError):
+        parse_systems("closed-book,magic")
+
+
+def test_resume_skips_done_records(squad_file: Path, tmp_path: Path):
+    rag = FakeRag()
+    out = tmp_path / "out"
+    qs = load_questions(squad_file, article="Normans")
+    systems = ["closed-book", "selfrag-prompted"]
+    cfg = DecodingConfig(mode="always", max_segments=1)
+    run_evaluation(rag, qs[:2], systems, out, cfg, progress=False)  # type: ignore[arg-type]
+    assert len(read_records(out / "records.jsonl")) == 4
+    # An interrupted write leaves a torn line; the rerun ignores it and answers only what is new.
+    with (out / "records.jsonl").open("a") as f:
+        f.write('{"system": "closed-book", "id": "q3", "answ')
+    calls, drafts = len(rag.engine.prompts), rag.critic_obj.calls.count("draft:2")
+    report = run_evaluation(rag, qs, systems, out, cfg, progress=False)  # type: ignore[arg-type]
+    assert len(rag.engine.prompts) == calls + 1  # only q3 for closed-book
+    assert rag.critic_obj.calls.count("draft:2") == drafts + 1  # and only q3 for self-RAG
+    assert len([r for r in read_records(out / "records.jsonl")]) == 6
+    row = report["systems"]["selfrag-prompted"]
+    assert set(REPORT_COLUMNS) <= set(row)
+    assert row["questions"] == 3 and row["accuracy"] == pytest.approx(0.5)
+    assert row["retrieval_rate"] == 1.0 and row["citation_precision"] == 1.0
+    assert (out / "report.md").read_text().startswith("| system")
+
+
+def test_threshold_curve_uses_closed_book_where_retrieval_is_skipped():
+    own = [
+        {"id": "a", "answerable": True, "golds": ["x"], "answer": "x", "abstained": False,
+         "retrieved": True, "p_ret": 0.8, "latency_ms": 1, "prefill_tokens": 1},
+        {"id": "b", "answerable": True, "golds": ["y"], "answer": "y", "abstained": False,
+         "retrieved": True, "p_ret": 0.2, "latency_ms": 1, "prefill_tokens": 1},
+    ]
+    closed = {i: {**r, "answer": "no", "retrieved": False} for i, r in
+              (("a", own[0]), ("b", own[1]))}
+    pts = dict(threshold_curve(own, closed, [0.0, 0.5, 0.9]))
+    assert pts == {0.0: 1.0, 0.5: 0.5, 0.9: 0.0}
+    assert threshold_curve(own, {}, [0.5]) == []  # unknown closed-book outcome: left out
+
+
+def test_cli_rejects_bad_input(squad_file: Path, tmp_path: Path, capsys):
+    assert main(["--home", str(tmp_path), "eval", str(tmp_path / "no.json"), "--corpus",
+                 str(squad_file)]) == 2
+    assert "dataset not found" in capsys.readouterr().err
+    assert main(["--home", str(tmp_path), "eval", str(squad_file), "--corpus", str(squad_file),
+                 "--systems", "closed-book,oracle"]) == 2
+    assert "unknown system" in capsys.readouterr().err
