@@ -71,6 +71,13 @@ def build_parser() -> argparse.ArgumentParser:
     p_ask.add_argument("--json", action="store_true", help="Print the full response as JSON.")
     _decoding_flags(p_ask)
 
+    p_serve = sub.add_parser("serve", help="Run the HTTP API (Ray Serve) in the foreground.")
+    p_serve.add_argument("--host", help="Bind address (default: serve.host, 127.0.0.1).")
+    p_serve.add_argument("--port", type=int, help="Port (default: serve.port, 8000).")
+    p_serve.add_argument(
+        "--address", help="Join this Ray cluster instead of starting a local Ray instance."
+    )
+
     p_config = sub.add_parser("config", help="Print the effective settings.")
     p_config.add_argument("--json", action="store_true")
 
@@ -245,7 +252,49 @@ def _fmt(value: float | None, signed: bool = False) -> str:
     return f"{value:+.2f}" if signed else f"{value:.2f}"
 
 
-COMMANDS = {"index": cmd_index, "ask": cmd_ask, "config": cmd_config}
+def cmd_serve(args: argparse.Namespace) -> int:
+    """Start the Serve application and block until SIGINT/SIGTERM, then shut it down (and
+    the local Ray instance when this command started it)."""
+    import os
+    import signal
+    import threading
+
+    settings = _settings(args)
+    host = args.host or settings.serve.host
+    port = args.port or settings.serve.port
+    local = args.address is None
+    if local:
+        # A private single-machine instance: cluster ports on loopback, no cluster token.
+        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+        os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    import ray
+    from ray import serve
+
+    from ray_app import APP_NAME, build_app
+
+    ray.init(address=args.address, include_dashboard=False, log_to_driver=True)
+    stop = threading.Event()
+    # Installed after ray.init, which sets handlers of its own.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        serve.start(http_options={"host": host, "port": port})
+        serve.run(build_app(settings), name=APP_NAME, route_prefix="/", blocking=False)
+        print(f"selfrag: serving on http://{host}:{port} (docs at /docs); Ctrl-C stops",
+              file=sys.stderr, flush=True)
+        while not stop.wait(1.0):
+            pass
+        print("selfrag: shutting down", file=sys.stderr, flush=True)
+    finally:
+        if local:
+            serve.shutdown()
+            ray.shutdown()
+        else:
+            serve.delete(APP_NAME)
+    return 0
+
+
+COMMANDS = {"index": cmd_index, "ask": cmd_ask, "serve": cmd_serve, "config": cmd_config}
 
 
 def _limit(args: argparse.Namespace) -> int | None:

@@ -20,6 +20,9 @@ from schemas.settings import Settings
 
 ENV_PREFIX = "SELFRAG_"
 CONFIG_ENV = "SELFRAG_CONFIG"
+# Read by the HTTP ingress itself and kept out of `Settings`, so `selfrag config` and the
+# deployment arguments never carry the keys.
+API_KEYS_ENV = "SELFRAG_API_KEYS"
 
 
 class SettingsError(ValueError):
@@ -52,7 +55,7 @@ def _merge(base: dict[str, Any], extra: Mapping[str, Any]) -> dict[str, Any]:
 def _from_env(environ: Mapping[str, str]) -> dict[str, Any]:
     values: dict[str, Any] = {}
     for name, raw in environ.items():
-        if not name.startswith(ENV_PREFIX) or name == CONFIG_ENV:
+        if not name.startswith(ENV_PREFIX) or name in (CONFIG_ENV, API_KEYS_ENV):
             continue
         path = name[len(ENV_PREFIX) :].lower().split("__")
         node = values

@@ -53,6 +53,28 @@ class RetrievalSettings(BaseModel):
     passage_overlap_words: int = Field(30, ge=0, le=500)
 
 
+class ServeSettings(BaseModel):
+    """The HTTP endpoint (`selfrag serve`, `ray_app.py`)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    host: str = Field("127.0.0.1", description="Bind address; loopback unless asked otherwise.")
+    port: int = Field(8000, ge=1, le=65535)
+    max_batch_size: int = Field(
+        16,
+        ge=1,
+        le=256,
+        description="Critique calls of concurrent requests merged into one engine call "
+        "(@serve.batch); 1 turns cross-request batching off.",
+    )
+    batch_wait_ms: float = Field(
+        5.0, ge=0.0, le=1000.0, description="How long a batch waits to fill before it runs."
+    )
+    max_inflight: int = Field(
+        32, ge=1, le=4096, description="Answers in progress per ingress replica; beyond: 503."
+    )
+
+
 class Settings(BaseModel):
     """Everything a deployment configures. Defaults < TOML file < SELFRAG_* environment."""
 
@@ -67,4 +89,5 @@ class Settings(BaseModel):
         description="Logistic calibration of the likelihood critique ($SELFRAG_HOME/"
         "calibration.toml, written by `selfrag calibrate`).",
     )
+    serve: ServeSettings = Field(default_factory=ServeSettings)
     redis_url: str | None = None

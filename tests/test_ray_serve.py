@@ -1,0 +1,149 @@
+"""The Ray Serve application for real: SmolLM2 through llama.cpp, embedded Qdrant, HTTP.
+
+Ray starts once for the session (`ray_session`) and the app once for this module; requests
+are kept small (one segment, two passages) so the whole module stays within a few minutes
+on two cores.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+
+from infra.settings import load_settings
+
+pytestmark = pytest.mark.real
+
+SMALL = {"mode": "always", "top_k": 2, "max_segments": 1, "max_segment_tokens": 16}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="session")
+def ray_session() -> Iterator[int]:
+    """A local Ray instance on loopback with Serve's HTTP proxy; yields the HTTP port."""
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    import ray
+    from ray import serve
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    port = _free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    try:
+        yield port
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def api(ray_session: int, indexed_home: Path) -> Iterator[httpx.Client]:
+    from ray import serve
+
+    from ray_app import APP_NAME, build_app
+
+    settings = load_settings(environ={"SELFRAG_HOME": str(indexed_home)})
+    serve.run(build_app(settings), name=APP_NAME, route_prefix="/")
+    with httpx.Client(base_url=f"http://127.0.0.1:{ray_session}", timeout=180) as client:
+        yield client
+    # Frees the embedded Qdrant folder for other modules.
+    serve.delete(APP_NAME)
+
+
+def _metric(text: str, name: str) -> dict[str, float]:
+    """`{labels: value}` for every sample of `name`."""
+    out = {}
+    for line in text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            labels, value = line[len(name) :].rsplit(" ", 1)
+            out[labels] = float(value)
+    return out
+
+
+def test_readiness_and_health(api: httpx.Client):
+    assert api.get("/healthz").json() == {"status": "ok"}
+    r = api.get("/readyz")
+    assert r.status_code == 200, r.text
+    assert r.json() == {"ready": True, "checks": {"model": True, "store": True, "cache": True}}
+    assert "/v1/answer" in api.get("/openapi.json").json()["paths"]
+
+
+def test_answer_end_to_end_with_the_real_model(api: httpx.Client):
+    r = api.post(
+        "/v1/answer",
+        json={"question": "Who was the Norse leader who founded Normandy?", "config": SMALL},
+    )
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["answer"].strip()
+    assert body["critique"] == "prompted" and "SmolLM2" in body["model_id"]
+    assert body["config"]["top_k"] == 2 and body["usage"]["retrievals"] == 1
+    cited = [s for s in body["segments"] if s["citation"] is not None]
+    if cited:
+        assert cited[0]["citation"]["passage_id"] in {p["id"] for p in body["passages"]}
+        assert 0.0 <= cited[0]["s_rel"] <= 1.0 and 0.0 <= cited[0]["s_sup"] <= 1.0
+    assert body["usage"]["branches_opened"] == 3
+
+
+def test_invalid_requests_are_422_through_the_proxy(api: httpx.Client):
+    bad_json = api.post(
+        "/v1/answer", content=b'{"question": "x"', headers={"content-type": "application/json"}
+    )
+    assert bad_json.status_code == 422 and bad_json.json()["error"] == "invalid_request"
+    long = api.post("/v1/answer", json={"question": "why? " * 1000})
+    assert long.status_code == 422
+    assert long.json()["detail"][0]["field"] == "question"
+    unknown = api.post("/v1/answer", json={"question": "q", "config": {"temperature": 0.7}})
+    assert unknown.status_code == 422
+    assert unknown.json()["detail"][0]["field"] == "config.temperature"
+
+
+def test_concurrent_requests_share_engine_batches(api: httpx.Client):
+    questions = [
+        "Who founded Normandy?",
+        "When were the Normans in Normandy?",
+        "What language did the Normans speak?",
+        "Who was Rollo?",
+    ]
+
+    def ask(q: str) -> int:
+        return api.post("/v1/answer", json={"question": q, "config": SMALL}).status_code
+
+    with ThreadPoolExecutor(len(questions)) as pool:
+        assert list(pool.map(ask, questions)) == [200] * 4
+    text = api.get("/metrics").text
+    sums = _metric(text, "selfrag_batch_requests_sum")
+    counts = _metric(text, "selfrag_batch_requests_count")
+    # Some engine call carried more than one request's branches.
+    assert any(sums[k] > counts[k] for k in counts), text
+    ok = _metric(text, "selfrag_http_requests_total")
+    assert ok['{method="POST",path="/v1/answer",status="200"}'] >= 5
+    assert _metric(text, "selfrag_retrieval_rate")[""] == 1.0
+
+
+def test_stream_sends_segments_then_the_answer(api: httpx.Client):
+    events = []
+    payload = {"question": "Who was Rollo?", "config": {**SMALL, "max_segments": 2}}
+    with api.stream("POST", "/v1/answer/stream", json=payload) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        for block in r.read().decode().strip().split("\n\n"):
+            fields = dict(line.split(": ", 1) for line in block.splitlines())
+            events.append((fields["event"], json.loads(fields["data"])))
+    kinds = [k for k, _ in events]
+    assert kinds[-1] == "answer" and kinds[:-1] and set(kinds[:-1]) == {"segment"}
+    final = events[-1][1]
+    streamed = {e["index"]: e["segment"] for k, e in events if k == "segment"}
+    assert [streamed[i] for i in range(len(final["segments"]))] == final["segments"]
