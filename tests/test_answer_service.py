@@ -1,0 +1,221 @@
+"""actors/service.py without Ray: deployment handles replaced by in-process stand-ins around
+the scripted critic, to check the cache hook, the in-flight limit and the deadline."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from actors.http import DeadlineExceeded, Overloaded, Unprocessable
+from actors.metrics import BatchStats, Metrics
+from actors.service import ServeAnswerService, query_key
+from pipeline.protocols import Passage
+from pipeline.ranking import rank_step
+from schemas.answer import AnswerRequest, AnswerResponse
+from schemas.decoding import DecodingConfig
+from tests.fakes import ListRetriever, ScriptedCritic
+
+
+class _Response:
+    """Stands in for a DeploymentResponse: `.result()` from threads, `await` in the loop."""
+
+    def __init__(self, fn: Callable[[], Any]) -> None:
+        self._fn = fn
+
+    def result(self) -> Any:
+        return self._fn()
+
+    def __await__(self):  # type: ignore[no-untyped-def]
+        async def run() -> Any:
+            return self._fn()
+
+        return run().__await__()
+
+
+class _Method:
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        self._fn = fn
+
+    def remote(self, *args: Any) -> _Response:
+        return _Response(lambda: self._fn(*args))
+
+
+class Handle:
+    """Routes `handle.name.remote(...)` to `target.name(...)` in process."""
+
+    def __init__(self, target: Any) -> None:
+        self._target = target
+
+    def __getattr__(self, name: str) -> _Method:
+        return _Method(getattr(self._target, name))
+
+
+class Pool:
+    def __init__(self, critic: ScriptedCritic, delay_s: float = 0.0) -> None:
+        self.critic = critic
+        self.delay_s = delay_s
+
+    def model_id(self) -> str:
+        return "scripted-model"
+
+    def critic_name(self, source: str) -> str:
+        if source == "native":
+            raise ValueError("critique 'native' needs a Self-RAG checkpoint")
+        return self.critic.name
+
+    def ready(self) -> bool:
+        return True
+
+    def stats(self) -> BatchStats:
+        return BatchStats()
+
+    def relevance(self, source, branches):  # type: ignore[no-untyped-def]
+        return self.critic.relevance(branches)
+
+    def draft(self, source, branches, max_tokens):  # type: ignore[no-untyped-def]
+        time.sleep(self.delay_s)
+        return self.critic.draft(branches, max_tokens)
+
+    def support(self, source, branches, drafts):  # type: ignore[no-untyped-def]
+        return self.critic.support(branches, drafts)
+
+    def utility(self, source, branches, drafts):  # type: ignore[no-untyped-def]
+        return self.critic.utility(branches, drafts)
+
+
+class Decider:
+    def __init__(self, critic: ScriptedCritic) -> None:
+        self.critic = critic
+
+    def decide(self, source, branches):  # type: ignore[no-untyped-def]
+        return self.critic.retrieval(branches)
+
+
+class Store(ListRetriever):
+    def index_version(self) -> str:
+        return "v1"
+
+    def ready(self) -> bool:
+        return True
+
+
+class Ranker:
+    def rank(self, beam, live, drafted, cfg):  # type: ignore[no-untyped-def]
+        return rank_step(beam, live, drafted, cfg)
+
+
+class DictCache:
+    def __init__(self, broken: bool = False) -> None:
+        self.data: dict[str, AnswerResponse] = {}
+        self.broken = broken
+
+    def get(self, key: str) -> AnswerResponse | None:
+        if self.broken:
+            raise ConnectionError("redis down")
+        return self.data.get(key)
+
+    def put(self, key: str, response: AnswerResponse) -> None:
+        if self.broken:
+            raise ConnectionError("redis down")
+        self.data[key] = response
+
+
+def _service(
+    *, cache: DictCache | None = None, delay_s: float = 0.0, max_inflight: int = 4
+) -> tuple[ServeAnswerService, Metrics]:
+    critic = ScriptedCritic(relevance_of={"p1": 0.9})
+    metrics = Metrics()
+    service = ServeAnswerService(
+        pool=Handle(Pool(critic, delay_s)),  # type: ignore[arg-type]
+        decider=Handle(Decider(critic)),  # type: ignore[arg-type]
+        retriever=Handle(Store([Passage("p1", "Rollo founded Normandy.", "Normans")])),  # type: ignore[arg-type]
+        ranker=Handle(Ranker()),  # type: ignore[arg-type]
+        defaults=DecodingConfig(max_segments=1),
+        max_inflight=max_inflight,
+        metrics=metrics,
+        cache=cache,
+    )
+    return service, metrics
+
+
+REQUEST = AnswerRequest(question="Who founded Normandy?", config={"mode": "always"})
+
+
+def test_answers_through_the_handles_with_the_pipeline_decoder():
+    service, metrics = _service()
+    answer = asyncio.run(service.answer(REQUEST))
+    assert answer.cache == "off"
+    r = answer.response
+    assert r.model_id == "scripted-model" and r.critique == "scripted"
+    assert r.segments[0].citation is not None and r.segments[0].citation.passage_id == "p1"
+    assert "selfrag_answers_total 1" in metrics.render()
+
+
+def test_repeated_query_is_a_cache_hit_and_the_key_covers_config():
+    cache = DictCache()
+    service, metrics = _service(cache=cache)
+
+    async def twice() -> tuple:
+        return await service.answer(REQUEST), await service.answer(REQUEST)
+
+    first, second = asyncio.run(twice())
+    assert (first.cache, second.cache) == ("miss", "hit")
+    assert second.response == first.response
+    text = metrics.render()
+    assert 'selfrag_query_cache_total{outcome="hit"} 1' in text
+    assert 'selfrag_query_cache_total{outcome="miss"} 1' in text
+    cfg = DecodingConfig()
+    base = query_key("Who founded  NORMANDY?", cfg, "v1", "m")
+    assert base == query_key("who founded normandy?", cfg, "v1", "m")
+    assert base != query_key("who founded normandy?", cfg, "v2", "m")
+    assert base != query_key("who founded normandy?", DecodingConfig(top_k=4), "v1", "m")
+    assert base != query_key("who founded normandy?", cfg, "v1", "other-model")
+
+
+def test_a_broken_cache_is_bypassed_and_counted():
+    service, metrics = _service(cache=DictCache(broken=True))
+    answer = asyncio.run(service.answer(REQUEST))
+    assert answer.cache == "error" and answer.response.answer
+    assert 'selfrag_query_cache_total{outcome="error"} 2' in metrics.render()
+    assert asyncio.run(service.readiness())["cache"] is False
+
+
+def test_past_the_deadline_is_504_and_frees_its_slot_when_the_thread_ends():
+    service, metrics = _service(delay_s=0.5, max_inflight=1)
+    slow = AnswerRequest(question="q", config={"mode": "never", "timeout_s": 0.1})
+
+    async def run() -> None:
+        with pytest.raises(DeadlineExceeded):
+            await service.answer(slow)
+        # The decoder thread still runs: the slot stays taken until it ends.
+        with pytest.raises(Overloaded):
+            await service.answer(slow)
+        await asyncio.sleep(0.8)
+        assert (await service.answer(AnswerRequest(question="q"))).response.answer
+
+    asyncio.run(run())
+    assert 'selfrag_rejected_total{reason="deadline"} 1' in metrics.render()
+
+
+def test_over_the_inflight_limit_is_503():
+    service, _ = _service(delay_s=0.3, max_inflight=1)
+    req = AnswerRequest(question="q", config={"mode": "never"})
+
+    async def run() -> list[Any]:
+        return await asyncio.gather(
+            service.answer(req), service.answer(req), return_exceptions=True
+        )
+
+    first, second = asyncio.run(run())
+    assert first.response.answer
+    assert isinstance(second, Overloaded)
+
+
+def test_an_unusable_critique_source_is_422():
+    service, _ = _service()
+    with pytest.raises(Unprocessable, match="native"):
+        asyncio.run(service.answer(AnswerRequest(question="q", config={"critique": "native"})))
