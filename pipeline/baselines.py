@@ -26,7 +26,14 @@ _TASK_RAG = (
     "Answer the question in one or two sentences using the passages above. If they do not "
     f"contain the answer, reply exactly: {ABSTAIN_REPLY}."
 )
-_ABSTAIN_MARKERS = ("i dont know", "i do not know", "passages do not contain")
+# "I'm not sure" is how SmolLM2 usually declines, despite the instruction.
+_ABSTAIN_MARKERS = (
+    "i dont know",
+    "i do not know",
+    "im not sure",
+    "i am not sure",
+    "passages do not contain",
+)
 
 
 def is_abstention(answer: str) -> bool:

@@ -129,3 +129,18 @@ def test_cli_rejects_bad_input(squad_file: Path, tmp_path: Path, capsys):
     assert main(["--home", str(tmp_path), "eval", str(squad_file), "--corpus", str(squad_file),
                  "--systems", "closed-book,oracle"]) == 2
     assert "unknown system" in capsys.readouterr().err
+
+
+def test_baselines_put_passages_in_one_prompt_and_detect_abstention():
+    from pipeline.baselines import BaselineAnswerer, is_abstention
+
+    model = WordModel(draft_text=" I'm not sure.")
+    passages = [Passage("a", "Rollo founded Normandy.", "N"), Passage("b", "Bees.", "B")]
+    answerer = BaselineAnswerer(model, ListRetriever(passages))
+    r = answerer.answer("Who founded Normandy?", DecodingConfig(top_k=2), retrieve=True)
+    assert r.abstained and r.usage.retrievals == 1 and [p.id for p in r.passages] == ["a", "b"]
+    assert "Rollo founded Normandy." in model.prompts[-1] and "Bees." in model.prompts[-1]
+    closed = answerer.answer("Who founded Normandy?", DecodingConfig(), retrieve=False)
+    assert closed.passages == [] and "Rollo" not in model.prompts[-1]
+    assert is_abstention("I don't know.") and is_abstention("")
+    assert not is_abstention("Rollo founded it.")

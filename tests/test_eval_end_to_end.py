@@ -1,0 +1,65 @@
+"""`selfrag eval` and `selfrag calibrate` end to end with the real model and the session index."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from infra.cli import main
+from infra.evaluation import REPORT_COLUMNS
+
+pytestmark = pytest.mark.real
+
+RATES = ("accuracy", "f1", "abstain_rate", "wrong_confident_rate", "overall", "retrieval_rate",
+         "citation_precision", "s_sup_correct", "s_sup_wrong")
+
+
+def test_eval_reports_every_system_and_column(
+    indexed_home: Path, normans_squad: Path, shared_data: Path, tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+):
+    out = tmp_path / "eval"
+    args = ["--home", str(indexed_home), "eval", str(normans_squad),
+            "--corpus", str(normans_squad), str(shared_data / "wiki_sample_1000.jsonl"),
+            "--systems", "closed-book,vanilla-rag,selfrag-likelihood", "--limit", "3",
+            "--out", str(out), "--no-progress", "--plot",
+            "--top-k", "2", "--max-segments", "1", "--max-segment-tokens", "24"]
+    assert main(args) == 0
+    printed = capsys.readouterr().out
+    assert "| selfrag-likelihood |" in printed
+    report = json.loads((out / "report.json").read_text())
+    assert set(report["systems"]) == {"closed-book", "vanilla-rag", "selfrag-likelihood"}
+    for name, row in report["systems"].items():
+        assert set(REPORT_COLUMNS) <= set(row), name
+        assert row["questions"] == 3
+        for col in RATES:
+            assert row[col] is None or 0.0 <= row[col] <= 1.0, (name, col)
+        assert 0 < row["p50_ms"] <= row["p95_ms"]
+        assert row["prefill_tokens"] > 0
+    assert report["systems"]["closed-book"]["retrieval_rate"] == 0.0
+    assert report["systems"]["vanilla-rag"]["retrieval_rate"] == 1.0
+    assert (out / "accuracy_vs_threshold.png").stat().st_size > 0
+    assert (out / "support_reliability.png").stat().st_size > 0
+    # A rerun resumes: every record is already there, nothing is answered again.
+    lines = (out / "records.jsonl").read_text().count("\n")
+    assert main(args) == 0
+    assert (out / "records.jsonl").read_text().count("\n") == lines
+
+
+def test_calibrate_dry_run_fits_every_signal(
+    indexed_home: Path, normans_squad: Path, shared_data: Path, tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+):
+    samples = tmp_path / "samples.jsonl"
+    assert main(["--home", str(indexed_home), "calibrate", str(normans_squad),
+                 "--corpus", str(normans_squad), str(shared_data / "wiki_sample_1000.jsonl"),
+                 "--limit", "2", "--top-k", "2", "--max-segment-tokens", "16",
+                 "--samples", str(samples), "--dry-run", "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    for signal in ("relevance", "support", "retrieval", "utility"):
+        assert signal in out
+    rows = [json.loads(line) for line in samples.read_text().splitlines()]
+    assert {r["signal"] for r in rows} == {"relevance", "support", "retrieval", "utility"}
+    assert not (indexed_home / "calibration.toml").exists()
