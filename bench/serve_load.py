@@ -1,0 +1,233 @@
+"""Load on the HTTP endpoint from a second process on loopback.
+
+Without `--url` it starts `selfrag serve` itself (a child process, stopped with SIGTERM), once
+with cross-request batching and once with it off (`SELFRAG_SERVE__MAX_BATCH_SIZE=1`), and
+prints side by side: throughput and p50/p95 latency at each client count, then the latency of
+one question asked again and again. With `--url` it measures that endpoint only (no
+batching-off column). Bounded by `--requests-per-client` and `--level-seconds` per level.
+The last line holds the figures as `name=value`.
+
+    .venv/bin/python -m bench.serve_load --home /path/to/indexed/home
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+SQUAD = Path(__file__).resolve().parents[2] / "shared" / "data" / "squad_v2_small.json"
+FALLBACK_QUESTIONS = [
+    "Who was the Norse leader who founded Normandy?",
+    "In what country is Normandy located?",
+    "When were the Normans in Normandy?",
+    "What religion were the Normans?",
+]
+SMALL_CONFIG = {"mode": "always", "top_k": 2, "max_segments": 1, "max_segment_tokens": 16}
+
+
+def questions(n: int = 64) -> list[str]:
+    """Distinct questions of the Normans article (so no two requests are the same)."""
+    if not SQUAD.exists():
+        return FALLBACK_QUESTIONS
+    data = json.loads(SQUAD.read_text())
+    out = [
+        qa["question"]
+        for article in data["data"]
+        if article["title"] == "Normans"
+        for para in article["paragraphs"]
+        for qa in para["qas"]
+    ]
+    return out[:n] or FALLBACK_QUESTIONS
+
+
+@dataclass
+class Level:
+    clients: int
+    done: int
+    errors: int
+    seconds: float
+    latencies: list[float]
+
+    @property
+    def throughput(self) -> float:
+        return self.done / self.seconds if self.seconds else 0.0
+
+    def pct(self, q: float) -> float:
+        if not self.latencies:
+            return float("nan")
+        xs = sorted(self.latencies)
+        return xs[min(len(xs) - 1, round(q * (len(xs) - 1)))]
+
+
+def drive(
+    url: str, qs: Sequence[str], clients: int, per_client: int, limit_s: float, config: dict
+) -> Level:
+    """`clients` threads, each posting up to `per_client` questions, stopping at `limit_s`."""
+    latencies: list[float] = []
+    errors = 0
+    lock = threading.Lock()
+    counter = iter(range(10**9))
+    deadline = time.perf_counter() + limit_s
+
+    def worker() -> None:
+        nonlocal errors
+        with httpx.Client(base_url=url, timeout=max(limit_s, 30.0)) as client:
+            for _ in range(per_client):
+                if time.perf_counter() >= deadline:
+                    return
+                with lock:
+                    q = qs[next(counter) % len(qs)]
+                t = time.perf_counter()
+                r = client.post("/v1/answer", json={"question": q, "config": config})
+                with lock:
+                    if r.status_code == 200:
+                        latencies.append(time.perf_counter() - t)
+                    else:
+                        errors += 1
+
+    start = time.perf_counter()
+    with ThreadPoolExecutor(clients) as pool:
+        for f in [pool.submit(worker) for _ in range(clients)]:
+            f.result()
+    return Level(clients, len(latencies), errors, time.perf_counter() - start, latencies)
+
+
+def repeated(url: str, question: str, times: int, config: dict) -> tuple[list[float], list[str]]:
+    """Latency of one question asked `times` times in a row, and each X-Cache header."""
+    out: list[float] = []
+    cache: list[str] = []
+    with httpx.Client(base_url=url, timeout=300) as client:
+        for _ in range(times):
+            t = time.perf_counter()
+            r = client.post("/v1/answer", json={"question": question, "config": config})
+            r.raise_for_status()
+            out.append(time.perf_counter() - t)
+            cache.append(r.headers.get("x-cache", "?"))
+    return out, cache
+
+
+def _wait_ready(url: str, proc: subprocess.Popen[bytes] | None, limit_s: float) -> None:
+    deadline = time.time() + limit_s
+    while time.time() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"selfrag serve exited with {proc.returncode}")
+        try:
+            if httpx.get(url + "/readyz", timeout=5).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(1.0)
+    raise RuntimeError(f"{url} not ready within {limit_s:.0f} s")
+
+
+@contextmanager
+def served(home: str | None, port: int, batch_size: int | None) -> Iterator[str]:
+    """`selfrag serve` in a child process; SIGTERM on exit."""
+    env = dict(os.environ)
+    if home:
+        env["SELFRAG_HOME"] = home
+    if batch_size is not None:
+        env["SELFRAG_SERVE__MAX_BATCH_SIZE"] = str(batch_size)
+    cmd = [sys.executable, "-m", "infra.cli", "serve", "--port", str(port)]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait_ready(url, proc, 300)
+        yield url
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(120)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def run_levels(url: str, args: argparse.Namespace, qs: Sequence[str]) -> dict[int, Level]:
+    out = {}
+    # Warm the engine and the embedder so the first level does not pay for loading.
+    drive(url, qs[-1:], 1, 1, args.level_seconds, SMALL_CONFIG)
+    for c in args.clients:
+        out[c] = drive(url, qs, c, args.requests_per_client, args.level_seconds, SMALL_CONFIG)
+        print(f"  {c} clients: {out[c].done} answers in {out[c].seconds:.1f} s", flush=True)
+    return out
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--url", help="Measure this running endpoint instead of starting one.")
+    p.add_argument("--home", help="SELFRAG_HOME of the server this script starts.")
+    p.add_argument("--port", type=int, default=8765)
+    p.add_argument("--clients", type=int, nargs="+", default=[1, 4, 8])
+    p.add_argument("--requests-per-client", type=int, default=2)
+    p.add_argument("--level-seconds", type=float, default=120.0)
+    p.add_argument("--repeats", type=int, default=5)
+    args = p.parse_args(argv)
+    qs = questions()
+
+    results: dict[str, dict[int, Level]] = {}
+    repeat: tuple[list[float], list[str]]
+    if args.url:
+        print(f"measuring {args.url}", flush=True)
+        results["batched"] = run_levels(args.url, args, qs)
+        repeat = repeated(args.url, qs[0], args.repeats, SMALL_CONFIG)
+    else:
+        print("batching on (serve.max_batch_size from settings)", flush=True)
+        with served(args.home, args.port, None) as url:
+            results["batched"] = run_levels(url, args, qs)
+            repeat = repeated(url, qs[0], args.repeats, SMALL_CONFIG)
+        print("batching off (serve.max_batch_size=1)", flush=True)
+        with served(args.home, args.port, 1) as url:
+            results["unbatched"] = run_levels(url, args, qs)
+    # The passage-KV cold-vs-warm comparison belongs here once the KV-state cache lands
+    # (infra/kv_cache.py): same passages, different questions, per-branch-step latency.
+
+    print()
+    header = f"{'clients':>7}  {'mode':<9}  {'answers':>7}  {'err':>3}  {'answers/s':>9}"
+    print(header + f"  {'p50 s':>6}  {'p95 s':>6}")
+    figures: dict[str, str] = {}
+    for c in args.clients:
+        for mode, levels in results.items():
+            lv = levels[c]
+            print(
+                f"{c:>7}  {mode:<9}  {lv.done:>7}  {lv.errors:>3}  {lv.throughput:>9.3f}  "
+                f"{lv.pct(0.5):>6.2f}  {lv.pct(0.95):>6.2f}"
+            )
+            tag = "" if mode == "batched" else "_nobatch"
+            figures[f"rps_c{c}{tag}"] = f"{lv.throughput:.3f}"
+            figures[f"p50_c{c}{tag}_s"] = f"{lv.pct(0.5):.2f}"
+            figures[f"p95_c{c}{tag}_s"] = f"{lv.pct(0.95):.2f}"
+    top = max(args.clients)
+    if "unbatched" in results and results["unbatched"][top].throughput:
+        gain = results["batched"][top].throughput / results["unbatched"][top].throughput
+        print(f"\nbatching gain at {top} clients: {gain:.2f}x throughput")
+        figures[f"batching_gain_c{top}"] = f"{gain:.2f}"
+    times, cache = repeat
+    ms = [t * 1e3 for t in times]
+    print(
+        f"\nrepeated query x{len(ms)}: first {ms[0]:.0f} ms, then p50 "
+        f"{statistics.median(ms[1:] or ms):.0f} ms, max {max(ms[1:] or ms):.0f} ms; "
+        f"X-Cache: {' '.join(cache)}"
+    )
+    figures["repeat_first_ms"] = f"{ms[0]:.0f}"
+    figures["repeat_p50_ms"] = f"{statistics.median(ms[1:] or ms):.0f}"
+    figures["repeat_hits"] = str(cache.count("hit"))
+    print(" ".join(f"{k}={v}" for k, v in figures.items()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
