@@ -96,7 +96,9 @@ def load_settings(
             raise SettingsError(f"config file not found: {path}") from exc
         except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
             raise SettingsError(f"config file {path} is not valid TOML: {exc}") from exc
-    merged = _merge({"home": str(home)}, _calibration_values(home))
+    # The calibration belongs to the data folder actually used, which an override may name.
+    data_home = Path((overrides or {}).get("home") or home).expanduser()
+    merged = _merge({"home": str(home)}, _calibration_values(data_home))
     merged = _merge(merged, file_values)
     merged = _merge(merged, env_values)
     merged = _merge(merged, overrides or {})

@@ -61,3 +61,6 @@ def test_fitted_calibration_round_trips_through_the_home(tmp_path):
     loaded = load_settings(environ={"SELFRAG_HOME": str(tmp_path)}).calibration
     assert loaded == cal
     assert loaded.fitted_on == "synthetic"
+    # `--home` arrives as an override, not through the environment: same file.
+    via_flag = load_settings(environ={}, overrides={"home": str(tmp_path)}).calibration
+    assert via_flag == cal
