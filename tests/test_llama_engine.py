@@ -1,0 +1,410 @@
+"""LlamaEngine and model_files against the real embedded SmolLM2-135M model.
+
+Tolerances: llama.cpp's CPU kernels accumulate in a different order for different batch
+shapes, so the same prompt decoded alone or inside a multi-sequence batch gives slightly
+different logits. With the F16 weights the engine derives by default the largest difference
+measured over the whole vocabulary is ~0.025 nats (~0.01 on the 20 likeliest tokens); 1e-3 is
+not reachable. (The shipped Q4_1 file differs by up to ~0.7: its kernels quantise activations.)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import http.server
+import os
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from infra.llama_engine import LlamaEngine
+from infra.model_files import (
+    ModelFileError,
+    default_model_path,
+    derive_weights,
+    file_sha256,
+    gguf_file_type,
+    resolve_model,
+)
+from pipeline.protocols import (
+    ContinuationRequest,
+    GenerationRequest,
+    LanguageModel,
+    TokenScoreRequest,
+)
+from pipeline.segmenting import ends_sentence
+from schemas.settings import ModelSettings
+
+pytestmark = pytest.mark.real
+
+LOGPROB_TOL = 0.05
+THREADS = min(2, os.cpu_count() or 1)
+
+INSTRUCTION = (
+    "<|im_start|>system\nAnswer the question using the passage.<|im_end|>\n<|im_start|>user\n"
+    "Question: where was the author born?\nPassage: "
+)
+PASSAGES = [
+    "The author was born in Lisbon in 1911 and moved to Paris as a young man.",
+    "Born in a small village near Krakow, she later taught at the university there.",
+    "He grew up in Ohio, although his family came from Norway two generations earlier.",
+    "The river runs for two hundred miles before it reaches the sea at the old harbour.",
+]
+
+
+@pytest.fixture(scope="module")
+def home(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("selfrag-home")
+
+
+@pytest.fixture(scope="module")
+def weights(home: Path) -> Path:
+    return derive_weights(default_model_path(), "auto", home)
+
+
+@pytest.fixture(scope="module")
+def engine(weights: Path) -> Iterator[LlamaEngine]:
+    with LlamaEngine(
+        weights, n_ctx=2048, n_seq_max=8, n_threads=THREADS, n_batch=512, model_id="smollm2"
+    ) as eng:
+        yield eng
+
+
+@contextmanager
+def configured(engine: LlamaEngine, *, prefix_cache: bool, share_prefix: bool) -> Iterator[None]:
+    """Switch the engine's reuse modes for one block, starting from an empty cache."""
+    saved = (engine.prefix_cache, engine.share_prefix)
+    engine.clear_cache()
+    engine.prefix_cache, engine.share_prefix = prefix_cache, share_prefix
+    try:
+        yield
+    finally:
+        engine.prefix_cache, engine.share_prefix = saved
+        engine.clear_cache()
+
+
+def prompts(engine: LlamaEngine) -> list[list[int]]:
+    head = engine.tokenize(INSTRUCTION, special=True)
+    tail = engine.tokenize("<|im_end|>\n<|im_start|>assistant\n", special=True)
+    return [head + engine.tokenize(p) + tail for p in PASSAGES]
+
+
+def top_candidates(engine: LlamaEngine, prompt: list[int], k: int = 20) -> list[int]:
+    everything = list(range(engine.n_vocab))
+    scores = engine.next_token_logprobs([TokenScoreRequest(prompt, everything)])[0].logprobs
+    return [int(t) for t in np.argsort(scores)[::-1][:k]]
+
+
+def assert_close(a: list[float], b: list[float], tol: float = LOGPROB_TOL) -> None:
+    assert len(a) == len(b)
+    assert np.max(np.abs(np.array(a) - np.array(b))) <= tol
+
+
+# ----------------------------------------------------------------------------- tokenizer
+
+
+def test_engine_is_a_language_model(engine: LlamaEngine) -> None:
+    assert isinstance(engine, LanguageModel)
+    assert engine.model_id == "smollm2"
+    assert engine.chat_template is not None and "<|im_start|>" in engine.chat_template
+
+
+def test_control_tokens_only_parsed_when_special(engine: LlamaEngine) -> None:
+    im_start = engine.special_token_id("<|im_start|>")
+    assert im_start is not None
+    plain = engine.tokenize("<|im_start|>user")
+    assert im_start not in plain and len(plain) > 2
+    assert engine.tokenize("<|im_start|>user", special=True)[0] == im_start
+    assert engine.special_token_id("hello") is None
+    assert engine.special_token_id("two words") is None
+    text = "<|im_start|>user\nWhere is Lisbon?"
+    assert engine.detokenize(engine.tokenize(text, special=True)) == text
+    assert engine.detokenize(engine.tokenize(text)) == text
+
+
+def test_tokenize_adds_no_bos(engine: LlamaEngine) -> None:
+    bos = engine.bos_tokens()
+    assert len(bos) <= 1
+    assert engine.tokenize("") == []
+    tokens = engine.tokenize("Hello world")
+    assert tokens and (not bos or tokens[0] != bos[0])
+
+
+# ----------------------------------------------------------------------------- scoring
+
+
+def test_batched_scores_match_one_at_a_time(engine: LlamaEngine) -> None:
+    all_prompts = prompts(engine)
+    candidates = top_candidates(engine, all_prompts[0])
+    with configured(engine, prefix_cache=False, share_prefix=True):
+        batch = engine.next_token_logprobs([TokenScoreRequest(p, candidates) for p in all_prompts])
+        alone = [
+            engine.next_token_logprobs([TokenScoreRequest(p, candidates)])[0] for p in all_prompts
+        ]
+    for b, a in zip(batch, alone, strict=True):
+        assert_close(b.logprobs, a.logprobs)
+    # The shared instruction is decoded once for the batch, attributed to one request.
+    assert sum(r.prefill_tokens for r in batch) < sum(r.prefill_tokens for r in alone)
+    assert sum(r.prefill_tokens for r in alone) == sum(len(p) for p in all_prompts)
+
+
+def test_share_prefix_and_prefix_cache_do_not_change_scores(engine: LlamaEngine) -> None:
+    all_prompts = prompts(engine)
+    candidates = top_candidates(engine, all_prompts[1])
+    requests = [TokenScoreRequest(p, candidates) for p in all_prompts]
+    results = {}
+    for cache in (False, True):
+        for share in (False, True):
+            with configured(engine, prefix_cache=cache, share_prefix=share):
+                engine.next_token_logprobs(requests[:2])  # warm the cache for the cached runs
+                results[cache, share] = engine.next_token_logprobs(requests)
+    reference = results[False, False]
+    for key, result in results.items():
+        for r, ref in zip(result, reference, strict=True):
+            assert_close(r.logprobs, ref.logprobs), key
+    assert sum(r.prefill_tokens for r in results[False, False]) == sum(map(len, all_prompts))
+    assert sum(r.prefill_tokens for r in results[True, True]) < sum(
+        r.prefill_tokens for r in results[False, True]
+    )
+
+
+def test_continuation_matches_next_token_scores(engine: LlamaEngine) -> None:
+    prompt = prompts(engine)[0]
+    continuation = engine.tokenize("The author was born in Lisbon.")
+    with configured(engine, prefix_cache=False, share_prefix=True):
+        scores = engine.continuation_logprobs([ContinuationRequest(prompt, continuation)])[0]
+        expected = [
+            r.logprobs[0]
+            for r in engine.next_token_logprobs(
+                [
+                    TokenScoreRequest(prompt + continuation[:i], [continuation[i]])
+                    for i in range(len(continuation))
+                ]
+            )
+        ]
+    assert len(scores.logprobs) == len(continuation)
+    assert scores.prefill_tokens == len(prompt) + len(continuation) - 1
+    assert_close(scores.logprobs, expected)
+    assert all(lp <= 0.0 for lp in scores.logprobs)
+
+
+def test_empty_continuation_costs_nothing(engine: LlamaEngine) -> None:
+    prompt = prompts(engine)[0]
+    result = engine.continuation_logprobs([ContinuationRequest(prompt, [])])[0]
+    assert result.logprobs == [] and result.prefill_tokens == 0
+
+
+# ----------------------------------------------------------------------------- generation
+
+
+def test_batched_generation_matches_generation_alone(engine: LlamaEngine) -> None:
+    all_prompts = prompts(engine)[:3]
+    requests = [
+        GenerationRequest(p, max_tokens=16, stop_at_sentence_end=False) for p in all_prompts
+    ]
+    engine.clear_cache()
+    before = engine.stats
+    batch = engine.generate(requests)
+    after = engine.stats
+    # Every step decodes the three sequences together.
+    assert after.batch_sizes[3] - before.batch_sizes[3] >= max(len(g.tokens) for g in batch) - 1
+    for request, generated in zip(requests, batch, strict=True):
+        engine.clear_cache()
+        alone = engine.generate([request])[0]
+        assert generated.tokens == alone.tokens
+        assert generated.text == alone.text == engine.detokenize(alone.tokens)
+        assert generated.finish_reason == alone.finish_reason
+        assert_close(generated.logprobs, alone.logprobs)
+        assert len(generated.logprobs) == len(generated.tokens)
+
+
+def test_finish_reasons(engine: LlamaEngine) -> None:
+    chat = "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n"
+    short = engine.tokenize(chat.format("What is 2+2? Answer with a number only."), special=True)
+    eos = engine.generate([GenerationRequest(short, max_tokens=40, stop_at_sentence_end=False)])[0]
+    assert eos.finish_reason == "eos" and eos.stop_token is None
+    assert 0 < len(eos.tokens) < 40 and "4" in eos.text
+
+    prompt = prompts(engine)[0]
+    free = engine.generate([GenerationRequest(prompt, max_tokens=6, stop_at_sentence_end=False)])[0]
+    assert free.finish_reason == "length" and len(free.tokens) == 6
+    stop_at = next(i for i in range(1, 6) if free.tokens[i] not in free.tokens[:i])
+    stop_id = free.tokens[stop_at]
+    stopped, sentence = engine.generate(
+        [
+            GenerationRequest(prompt, max_tokens=6, stop_token_ids=frozenset({stop_id})),
+            GenerationRequest(prompt, max_tokens=60, stop_at_sentence_end=True),
+        ]
+    )
+    assert stopped.finish_reason == "stop_token" and stopped.stop_token == stop_id
+    assert stopped.tokens == free.tokens[:stop_at]
+    assert sentence.finish_reason == "sentence" and ends_sentence(sentence.text)
+    assert not ends_sentence(engine.detokenize(sentence.tokens[:-1]))
+    empty = engine.generate([GenerationRequest(prompt, max_tokens=0)])[0]
+    assert empty.tokens == [] and empty.finish_reason == "length"
+
+
+def test_follow_up_call_reuses_generation_from_cache(engine: LlamaEngine) -> None:
+    prompt = prompts(engine)[2]
+    critique = engine.tokenize(" [Relevant] The passage supports it.")
+    with configured(engine, prefix_cache=True, share_prefix=True):
+        generated = engine.generate([GenerationRequest(prompt, 8, stop_at_sentence_end=False)])[0]
+        assert generated.prefill_tokens == len(prompt)
+        follow_up = engine.continuation_logprobs(
+            [ContinuationRequest(prompt + generated.tokens, critique)]
+        )[0]
+        # Only the last generated token (never decoded) and the critique are new.
+        assert follow_up.prefill_tokens == len(critique)
+    with configured(engine, prefix_cache=False, share_prefix=True):
+        cold = engine.continuation_logprobs(
+            [ContinuationRequest(prompt + generated.tokens, critique)]
+        )[0]
+    assert cold.prefill_tokens == len(prompt) + len(generated.tokens) + len(critique) - 1
+    assert_close(follow_up.logprobs, cold.logprobs)
+
+
+def test_concurrent_calls_are_serialised(engine: LlamaEngine) -> None:
+    all_prompts = prompts(engine)
+    candidates = [11, 12, 13]
+    expected = [
+        engine.next_token_logprobs([TokenScoreRequest(p, candidates)])[0].logprobs
+        for p in all_prompts
+    ]
+    results: dict[int, list[float]] = {}
+
+    def work(i: int) -> None:
+        results[i] = engine.next_token_logprobs([TokenScoreRequest(all_prompts[i], candidates)])[
+            0
+        ].logprobs
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(all_prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for i, exp in enumerate(expected):
+        assert_close(results[i], exp)
+
+
+# ----------------------------------------------------------------------------- limits
+
+
+def test_bad_input_raises_clear_errors(engine: LlamaEngine) -> None:
+    with pytest.raises(ValueError, match=r"n_ctx=2048"):
+        engine.next_token_logprobs([TokenScoreRequest([42] * 2100, [1])])
+    with pytest.raises(ValueError, match="generate"):
+        engine.generate([GenerationRequest([42] * 2000, max_tokens=100)])
+    with pytest.raises(ValueError, match="vocabulary"):
+        engine.next_token_logprobs([TokenScoreRequest([42, 10**7], [1])])
+    with pytest.raises(ValueError, match="vocabulary"):
+        engine.next_token_logprobs([TokenScoreRequest([42], [-1])])
+    with pytest.raises(ValueError, match="empty"):
+        engine.generate([GenerationRequest([], max_tokens=3)])
+    # The engine still works afterwards.
+    assert len(engine.next_token_logprobs([TokenScoreRequest([42, 43], [1])])[0].logprobs) == 1
+
+
+def test_small_context_splits_batches_and_evicts(weights: Path) -> None:
+    with LlamaEngine(
+        weights, n_ctx=512, n_seq_max=2, n_threads=THREADS, n_batch=64, model_id="small"
+    ) as small:
+        head = small.tokenize(INSTRUCTION, special=True)
+        long_prompts = [head + small.tokenize(p * 4)[:150] for p in PASSAGES[:3]]
+        requests = [TokenScoreRequest(p, [11, 12, 13]) for p in long_prompts]
+        batch = small.next_token_logprobs(requests)  # 3 > n_seq_max: two groups
+        small.clear_cache()
+        alone = [small.next_token_logprobs([r])[0] for r in requests]
+        for b, a in zip(batch, alone, strict=True):
+            assert_close(b.logprobs, a.logprobs)
+        # Three prompts of ~170 tokens plus 100 generated each exceed 512 cells together.
+        generated = small.generate(
+            [GenerationRequest(p, 100, stop_at_sentence_end=False) for p in long_prompts]
+        )
+        assert all(g.tokens for g in generated)
+        assert max(small.stats.batch_sizes) <= 2
+
+
+# ----------------------------------------------------------------------------- model files
+
+
+def test_missing_model_file_is_named(tmp_path: Path) -> None:
+    missing = tmp_path / "nowhere" / "model.gguf"
+    with pytest.raises(ModelFileError, match=r"nowhere/model\.gguf"):
+        resolve_model(ModelSettings(path=str(missing)), tmp_path)
+
+
+def test_non_gguf_file_is_rejected(tmp_path: Path) -> None:
+    fake = tmp_path / "fake.gguf"
+    fake.write_bytes(b"PK\x03\x04 definitely a zip file")
+    with pytest.raises(ModelFileError, match="not a GGUF"):
+        resolve_model(ModelSettings(path=str(fake)), tmp_path)
+    with pytest.raises(ModelFileError, match="not a GGUF"):
+        derive_weights(fake, "f16", tmp_path)
+
+
+def test_local_gguf_and_default_resolve(tmp_path: Path) -> None:
+    fake = tmp_path / "tiny.gguf"
+    fake.write_bytes(b"GGUF" + b"\0" * 60)
+    assert resolve_model(ModelSettings(path=str(fake)), tmp_path) == fake
+    assert resolve_model(ModelSettings(), tmp_path) == default_model_path()
+    assert gguf_file_type(default_model_path()) == 3  # LLAMA_FTYPE_MOSTLY_Q4_1
+
+
+class _Handler(http.server.BaseHTTPRequestHandler):
+    hits = 0
+
+    def do_GET(self) -> None:
+        type(self).hits += 1
+        if self.path != "/m/tiny.gguf":
+            self.send_error(404)
+            return
+        body = b"GGUF" + b"\1" * 100
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, format: str, *args: object) -> None:
+        pass
+
+
+def test_url_is_downloaded_once_and_failures_are_clear(tmp_path: Path) -> None:
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        base = f"http://127.0.0.1:{server.server_address[1]}"
+        first = resolve_model(ModelSettings(path=f"{base}/m/tiny.gguf"), tmp_path)
+        second = resolve_model(ModelSettings(path=f"{base}/m/tiny.gguf"), tmp_path)
+        assert first == second and first.parent == tmp_path / "models"
+        assert first.read_bytes().startswith(b"GGUF") and _Handler.hits == 1
+        assert [p.name for p in first.parent.iterdir()] == [first.name]  # no temp file left
+        with pytest.raises(ModelFileError, match="could not download"):
+            resolve_model(ModelSettings(path=f"{base}/missing.gguf"), tmp_path)
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert not any(p.name.endswith(".tmp") for p in (tmp_path / "models").iterdir())
+
+
+def test_derived_weights_are_cached(home: Path, weights: Path) -> None:
+    src = default_model_path()
+    assert weights.parent == home / "models" and weights.name.endswith(".f16.gguf")
+    mtime = weights.stat().st_mtime_ns
+    assert derive_weights(src, "auto", home) == weights
+    assert derive_weights(src, "f16", home) == weights
+    assert weights.stat().st_mtime_ns == mtime  # reused, not converted again
+    assert derive_weights(src, "original", home) == src
+    assert file_sha256(src)[:16] in weights.name
+    assert not any(p.name.endswith(".tmp") for p in weights.parent.iterdir())
+
+
+def test_file_sha256_matches_hashlib(tmp_path: Path) -> None:
+    f = tmp_path / "data.bin"
+    f.write_bytes(b"abc" * 1000)
+    assert file_sha256(f) == hashlib.sha256(b"abc" * 1000).hexdigest()
+    f.write_bytes(b"changed content")
+    assert file_sha256(f) == hashlib.sha256(b"changed content").hexdigest()
