@@ -52,6 +52,9 @@ def _merge(base: dict[str, Any], extra: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
+_TEXT_FIELDS = frozenset({"home", "path", "qdrant_url", "redis_url", "vllm_url", "vllm_model"})
+
+
 def _from_env(environ: Mapping[str, str]) -> dict[str, Any]:
     values: dict[str, Any] = {}
     for name, raw in environ.items():
@@ -62,9 +65,7 @@ def _from_env(environ: Mapping[str, str]) -> dict[str, Any]:
         for part in path[:-1]:
             node = node.setdefault(part, {})
         # Text fields like paths and URLs stay text even when they look like JSON numbers.
-        node[path[-1]] = raw if path[-1] in {"home", "path", "qdrant_url", "redis_url"} else (
-            _parse_env_value(raw)
-        )
+        node[path[-1]] = raw if path[-1] in _TEXT_FIELDS else _parse_env_value(raw)
     return values
 
 

@@ -11,6 +11,7 @@ from schemas.calibration import CalibrationSettings
 from schemas.decoding import DecodingConfig
 
 WeightFormat = Literal["auto", "original", "bf16", "f16", "q8_0", "q4_0"]
+Backend = Literal["llama_cpp", "vllm"]
 
 
 class ModelSettings(BaseModel):
@@ -30,6 +31,18 @@ class ModelSettings(BaseModel):
     n_seq_max: int = Field(16, ge=1, le=256, description="Sequences (branches) per context.")
     n_threads: int = Field(0, ge=0, description="0: all available cores.")
     n_batch: int = Field(2048, ge=32)
+    backend: Backend = Field(
+        "llama_cpp",
+        description="llama_cpp: load the GGUF in-process; vllm: a vLLM server's OpenAI-compatible "
+        "completions API (GPU clusters).",
+    )
+    vllm_url: str | None = Field(
+        None, description="Base URL of the vLLM server (backend = vllm), e.g. http://vllm:8000."
+    )
+    vllm_model: str | None = Field(
+        None, description="Served model name; default: the first one /v1/models lists."
+    )
+    vllm_timeout_s: float = Field(120.0, gt=0.0, le=3600.0)
 
 
 class RetrievalSettings(BaseModel):
@@ -75,6 +88,35 @@ class ServeSettings(BaseModel):
     )
 
 
+class CacheSettings(BaseModel):
+    """The query cache and the passage KV-state cache. Redis (`redis_url`) is an optional
+    second tier behind an in-process LRU; when it is down or slow it is bypassed."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    query: bool = Field(True, description="Answer a repeated query from the cache.")
+    query_memory_entries: int = Field(1024, ge=1, description="In-process LRU entries.")
+    query_ttl_s: int = Field(86400, ge=1, description="Redis TTL of a cached answer.")
+    query_redis_mb: int = Field(256, ge=1, description="Redis size cap of cached answers.")
+    passage_kv: bool = Field(
+        True,
+        description="Restore the saved KV state of a prompt's template + passage prefix instead "
+        "of recomputing it (llama.cpp backend).",
+    )
+    kv_memory_mb: int = Field(512, ge=0, description="In-process LRU of KV states; 0: none.")
+    kv_ttl_s: int = Field(86400, ge=1, description="Redis TTL of a KV state.")
+    kv_redis_mb: int = Field(2048, ge=1, description="Redis size cap of KV states.")
+    kv_min_tokens: int = Field(
+        32, ge=1, description="Shorter reusable prefixes are recomputed, not cached."
+    )
+    redis_timeout_ms: float = Field(
+        250.0, gt=0.0, le=10000.0, description="Socket timeout; slower Redis calls are bypassed."
+    )
+    redis_retry_s: float = Field(
+        5.0, ge=0.0, le=3600.0, description="After a Redis failure, bypass it this long."
+    )
+
+
 class Settings(BaseModel):
     """Everything a deployment configures. Defaults < TOML file < SELFRAG_* environment."""
 
@@ -90,4 +132,7 @@ class Settings(BaseModel):
         "calibration.toml, written by `selfrag calibrate`).",
     )
     serve: ServeSettings = Field(default_factory=ServeSettings)
-    redis_url: str | None = None
+    cache: CacheSettings = Field(default_factory=CacheSettings)
+    redis_url: str | None = Field(
+        None, description="redis://host:port/db: the shared cache tier; default: in-process only."
+    )
