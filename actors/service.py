@@ -31,7 +31,7 @@ from actors.http import (
     StepListener,
     Unprocessable,
 )
-from actors.metrics import Metrics
+from actors.metrics import Metrics, family
 from pipeline.critique import Branch, LabelProbs
 from pipeline.decoder import SelfRAGDecoder
 from pipeline.protocols import Generation, Passage
@@ -340,8 +340,16 @@ class ServeAnswerService:
         model, store = await asyncio.gather(probe(self._pool), probe(self._retriever))
         cache = True
         if self._cache is not None:
+            # A cache with a `ping` (infra.cache.AnswerCache) says whether its Redis answers;
+            # its get/put never raise, so a probe get would always pass.
+            ping = getattr(self._cache, "ping", None)
             try:
-                await asyncio.wait_for(asyncio.to_thread(self._cache.get, READY_PROBE_KEY), 2.0)
+                if callable(ping):
+                    cache = bool(await asyncio.wait_for(asyncio.to_thread(ping), 2.0))
+                else:
+                    await asyncio.wait_for(
+                        asyncio.to_thread(self._cache.get, READY_PROBE_KEY), 2.0
+                    )
             except Exception as exc:
                 log.warning("readiness: cache: %s", exc)
                 cache = False
@@ -349,7 +357,17 @@ class ServeAnswerService:
 
     async def metrics_text(self) -> list[str]:
         stats = await asyncio.wait_for(self._pool.stats.remote(), 5.0)
-        return stats.render()
+        lines: list[str] = stats.render()
+        counters = getattr(self._cache, "counters", None)
+        if callable(counters):
+            lines += family(
+                "selfrag_query_cache_tier_total",
+                "counter",
+                "Query cache by tier: memory/redis hits, misses, Redis errors and calls bypassed "
+                "while Redis is down.",
+                [({"event": k}, v) for k, v in counters().items()],
+            )
+        return lines
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)

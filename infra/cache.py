@@ -1,0 +1,365 @@
+"""Two-tier caches: an in-process LRU first, then Redis (optional) with a TTL and a size cap.
+
+`AnswerCache` is the query cache of the HTTP ingress (`actors.service.QueryCache`); the
+passage KV-state store (`infra.kv_cache`) reuses `MemoryLRU` and `RedisTier`.
+
+Redis is never allowed to fail a request: every Redis call has short socket timeouts, a
+failure is logged and counted, and Redis is then bypassed for `retry_s` seconds (so an
+outage costs one timeout per window, not one per request) before it is tried again.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from pydantic import ValidationError
+
+from schemas.answer import AnswerResponse
+from schemas.settings import Settings
+
+log = logging.getLogger("selfrag.cache")
+
+MB = 1 << 20
+
+
+class MemoryLRU:
+    """Thread-safe LRU of byte strings, capped by total bytes and entry count, with an
+    optional TTL (so the first tier never outlives the Redis tier behind it)."""
+
+    def __init__(
+        self, max_bytes: int, max_entries: int | None = None, ttl_s: float | None = None
+    ) -> None:
+        self.max_bytes = max_bytes
+        self.max_entries = max_entries
+        self.ttl_s = ttl_s
+        self._data: OrderedDict[str, tuple[float, bytes]] = OrderedDict()
+        self._bytes = 0
+        self._lock = threading.Lock()
+
+    def get(self, key: str) -> bytes | None:
+        with self._lock:
+            entry = self._data.get(key)
+            if entry is None:
+                return None
+            expires, value = entry
+            if expires < time.monotonic():
+                del self._data[key]
+                self._bytes -= len(value)
+                return None
+            self._data.move_to_end(key)
+            return value
+
+    def put(self, key: str, value: bytes) -> bool:
+        """Store `value`, evicting the least recently used; False when it alone is too big."""
+        if len(value) > self.max_bytes:
+            return False
+        expires = time.monotonic() + self.ttl_s if self.ttl_s is not None else float("inf")
+        with self._lock:
+            old = self._data.pop(key, None)
+            if old is not None:
+                self._bytes -= len(old[1])
+            self._data[key] = (expires, value)
+            self._bytes += len(value)
+            while self._bytes > self.max_bytes or (
+                self.max_entries is not None and len(self._data) > self.max_entries
+            ):
+                _, (_, dropped) = self._data.popitem(last=False)
+                self._bytes -= len(dropped)
+        return True
+
+    def clear(self) -> None:
+        with self._lock:
+            self._data.clear()
+            self._bytes = 0
+
+    @property
+    def nbytes(self) -> int:
+        return self._bytes
+
+    def __len__(self) -> int:
+        return len(self._data)
+
+
+# Stores a value and keeps the namespace under its byte cap, oldest first. The books (insert
+# time per key, size per key, total bytes) live next to the values; entries whose TTL ran out
+# are dropped from them on the next put. Server time, so clients with skewed clocks agree.
+_PUT_SCRIPT = """
+local index, sizes, total_key = KEYS[2], KEYS[3], KEYS[4]
+local ttl = tonumber(ARGV[2])
+local cap = tonumber(ARGV[3])
+local t = redis.call('TIME')
+local now = tonumber(t[1]) + tonumber(t[2]) / 1e6
+local function forget(k)
+  local s = tonumber(redis.call('HGET', sizes, k) or '0')
+  redis.call('HDEL', sizes, k)
+  redis.call('ZREM', index, k)
+  redis.call('DECRBY', total_key, s)
+end
+for _, k in ipairs(redis.call('ZRANGEBYSCORE', index, '-inf', now - ttl)) do forget(k) end
+if redis.call('HEXISTS', sizes, KEYS[1]) == 1 then forget(KEYS[1]) end
+local size = string.len(ARGV[1])
+redis.call('SET', KEYS[1], ARGV[1], 'EX', ttl)
+redis.call('ZADD', index, now, KEYS[1])
+redis.call('HSET', sizes, KEYS[1], size)
+local total = redis.call('INCRBY', total_key, size)
+while total > cap do
+  local oldest = redis.call('ZRANGE', index, 0, 0)
+  if #oldest == 0 or oldest[1] == KEYS[1] then break end
+  redis.call('DEL', oldest[1])
+  forget(oldest[1])
+  total = tonumber(redis.call('GET', total_key))
+end
+for i = 2, 4 do redis.call('EXPIRE', KEYS[i], ttl) end
+return total
+"""
+
+
+@dataclass
+class RedisCounters:
+    hits: int = 0
+    misses: int = 0
+    puts: int = 0
+    errors: int = 0
+    """Calls that failed or timed out."""
+    bypassed: int = 0
+    """Calls not made because Redis failed less than `retry_s` ago."""
+    too_big: int = 0
+    """Values over the namespace's whole byte cap, never stored."""
+
+
+class RedisTier:
+    """One namespace of a Redis server: values with a TTL under a total byte cap.
+
+    `get` and `put` never raise: failures are logged, counted in `counters`, and open a
+    `retry_s` window during which Redis is bypassed.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        namespace: str,
+        *,
+        ttl_s: int,
+        max_bytes: int,
+        timeout_s: float = 0.25,
+        retry_s: float = 5.0,
+    ) -> None:
+        import redis
+        from redis.backoff import NoBackoff
+        from redis.retry import Retry
+
+        self.url = url
+        self.namespace = namespace
+        self.ttl_s = ttl_s
+        self.max_bytes = max_bytes
+        self.retry_s = retry_s
+        # No client-side retries: a retry would multiply the wait of a request on a dead server.
+        self._client = redis.Redis.from_url(
+            url,
+            socket_timeout=timeout_s,
+            socket_connect_timeout=timeout_s,
+            retry=Retry(NoBackoff(), 0),
+            health_check_interval=0,
+        )
+        self._put = self._client.register_script(_PUT_SCRIPT)
+        self._books = [f"{namespace}:~index", f"{namespace}:~sizes", f"{namespace}:~bytes"]
+        self._down_until = 0.0
+        self._lock = threading.Lock()
+        self.counters = RedisCounters()
+
+    def key(self, name: str) -> str:
+        """The Redis key of `name` (names already in the namespace are used as they are)."""
+        prefix = self.namespace + ":"
+        return name if name.startswith(prefix) else prefix + name
+
+    def get(self, name: str) -> bytes | None:
+        if self._skip():
+            return None
+        try:
+            value = self._client.get(self.key(name))
+        except Exception as exc:  # redis.RedisError, OSError: bypass, never fail the caller
+            self._failed("get", exc)
+            return None
+        self._up()
+        with self._lock:
+            if value is None:
+                self.counters.misses += 1
+            else:
+                self.counters.hits += 1
+        return value  # type: ignore[return-value]
+
+    def put(self, name: str, value: bytes) -> bool:
+        """Store `value`; False when it was not stored (too big, or Redis unavailable)."""
+        if len(value) > self.max_bytes:
+            with self._lock:
+                self.counters.too_big += 1
+            return False
+        if self._skip():
+            return False
+        try:
+            self._put(keys=[self.key(name), *self._books], args=[value, self.ttl_s, self.max_bytes])
+        except Exception as exc:
+            self._failed("put", exc)
+            return False
+        self._up()
+        with self._lock:
+            self.counters.puts += 1
+        return True
+
+    def ping(self) -> bool:
+        """Whether Redis answers now (ignores the bypass window; success closes it)."""
+        try:
+            ok = bool(self._client.ping())
+        except Exception as exc:
+            self._failed("ping", exc)
+            return False
+        self._up()
+        return ok
+
+    def stored_bytes(self) -> int:
+        """Bytes this namespace holds in Redis by its own books (0 when unavailable)."""
+        try:
+            return int(self._client.get(self._books[2]) or 0)  # type: ignore[arg-type]
+        except Exception:
+            return 0
+
+    def close(self) -> None:
+        self._client.close()
+
+    def _skip(self) -> bool:
+        with self._lock:
+            if time.monotonic() < self._down_until:
+                self.counters.bypassed += 1
+                return True
+            return False
+
+    def _failed(self, op: str, exc: BaseException) -> None:
+        with self._lock:
+            self.counters.errors += 1
+            was_up = self._down_until == 0.0
+            self._down_until = time.monotonic() + self.retry_s
+        # One warning per outage; the counters keep the exact number.
+        (log.warning if was_up else log.debug)(
+            "redis %s %s failed, bypassing it for %.1f s: %s: %s",
+            self.namespace,
+            op,
+            self.retry_s,
+            type(exc).__name__,
+            exc,
+        )
+
+    def _up(self) -> None:
+        with self._lock:
+            if self._down_until != 0.0:
+                log.warning("redis %s answers again", self.namespace)
+                self._down_until = 0.0
+
+
+class AnswerCache:
+    """The query cache (`actors.service.QueryCache`): answers by `actors.service.query_key`,
+    in an in-process LRU and, when configured, in Redis shared by all ingress replicas.
+
+    Never raises from `get`/`put`: a Redis outage degrades to the in-process tier.
+    """
+
+    NAMESPACE = "selfrag:answer"
+
+    def __init__(self, memory: MemoryLRU, redis_tier: RedisTier | None = None) -> None:
+        self.memory = memory
+        self.redis = redis_tier
+        self._lock = threading.Lock()
+        self.memory_hits = 0
+        self.redis_hits = 0
+        self.misses = 0
+        self.corrupt = 0
+
+    def get(self, key: str) -> AnswerResponse | None:
+        raw = self.memory.get(key)
+        tier = "memory"
+        if raw is None and self.redis is not None:
+            raw = self.redis.get(key)
+            tier = "redis"
+        if raw is None:
+            self._count("misses")
+            return None
+        try:
+            response = AnswerResponse.model_validate_json(raw)
+        except ValidationError as exc:
+            # Written by another version of the schema: treat as absent, it will be replaced.
+            log.warning("query cache entry %s does not parse, ignoring it: %s", key, exc)
+            self._count("corrupt")
+            return None
+        if tier == "redis":
+            self.memory.put(key, raw)
+        self._count("memory_hits" if tier == "memory" else "redis_hits")
+        return response
+
+    def put(self, key: str, response: AnswerResponse) -> None:
+        raw = response.model_dump_json().encode()
+        self.memory.put(key, raw)
+        if self.redis is not None:
+            self.redis.put(key, raw)
+
+    def ping(self) -> bool:
+        """Readiness: True without Redis; with Redis, whether it answers now."""
+        return self.redis.ping() if self.redis is not None else True
+
+    def counters(self) -> Mapping[str, int]:
+        """Per-tier outcomes for `/metrics` (the ingress counts hit/miss itself)."""
+        with self._lock:
+            out = {
+                "memory_hit": self.memory_hits,
+                "redis_hit": self.redis_hits,
+                "miss": self.misses,
+                "corrupt": self.corrupt,
+            }
+        if self.redis is not None:
+            c = self.redis.counters
+            out |= {"redis_error": c.errors, "redis_bypassed": c.bypassed, "redis_put": c.puts}
+        return out
+
+    def close(self) -> None:
+        if self.redis is not None:
+            self.redis.close()
+
+    def _count(self, name: str) -> None:
+        with self._lock:
+            setattr(self, name, getattr(self, name) + 1)
+
+
+def open_redis_tier(
+    settings: Settings, namespace: str, *, ttl_s: int, max_bytes: int
+) -> RedisTier | None:
+    """A `RedisTier` on `settings.redis_url`, or None when no URL is configured."""
+    if not settings.redis_url:
+        return None
+    c = settings.cache
+    return RedisTier(
+        settings.redis_url,
+        namespace,
+        ttl_s=ttl_s,
+        max_bytes=max_bytes,
+        timeout_s=c.redis_timeout_ms / 1000,
+        retry_s=c.redis_retry_s,
+    )
+
+
+def open_query_cache(settings: Settings) -> AnswerCache | None:
+    """The query cache `settings` ask for (None when `cache.query` is off). Opening never
+    contacts Redis, so a server that is down at start is bypassed like one that fails later."""
+    c = settings.cache
+    if not c.query:
+        return None
+    # Answers are a few KB; the entry count is the cap that matters in memory.
+    memory = MemoryLRU(
+        max_bytes=64 * MB, max_entries=c.query_memory_entries, ttl_s=float(c.query_ttl_s)
+    )
+    tier = open_redis_tier(
+        settings, AnswerCache.NAMESPACE, ttl_s=c.query_ttl_s, max_bytes=c.query_redis_mb * MB
+    )
+    return AnswerCache(memory, tier)
