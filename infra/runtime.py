@@ -22,6 +22,7 @@ if TYPE_CHECKING:  # heavy modules (torch, llama.cpp) load only when a component
     from infra.embedder import SentenceEmbedder
     from infra.llama_engine import LlamaEngine
     from infra.qdrant_store import QdrantStore
+    from infra.vllm_engine import VLLMEngine
 
 
 class SelfRAG:
@@ -55,10 +56,16 @@ class SelfRAG:
         return derive_weights(source, self.settings.model.weights, self.settings.home)
 
     @cached_property
-    def engine(self) -> LlamaEngine:
+    def engine(self) -> LlamaEngine | VLLMEngine:
+        m = self.settings.model
+        if m.backend == "vllm":
+            from infra.vllm_engine import VLLMEngine
+
+            if not m.vllm_url:
+                raise ValueError("model.backend = 'vllm' needs model.vllm_url")
+            return VLLMEngine(m.vllm_url, model=m.vllm_model, timeout_s=m.vllm_timeout_s)
         from infra.llama_engine import LlamaEngine
 
-        m = self.settings.model
         path = self.model_path
         return LlamaEngine(
             path,
