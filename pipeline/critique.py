@@ -91,11 +91,18 @@ class LabelTokens:
 
 
 def _read_groups(
-    model: LanguageModel, prompts: Sequence[list[int]], labels: LabelTokens
+    model: LanguageModel,
+    prompts: Sequence[list[int]],
+    labels: LabelTokens,
+    reusable: Sequence[int] | None = None,
 ) -> list[LabelProbs]:
     if not prompts:
         return []
-    requests = [TokenScoreRequest(prompt=p, candidates=labels.candidates) for p in prompts]
+    prefixes = reusable if reusable is not None else [0] * len(prompts)
+    requests = [
+        TokenScoreRequest(prompt=p, candidates=labels.candidates, reusable_prefix=n)
+        for p, n in zip(prompts, prefixes, strict=True)
+    ]
     return [
         LabelProbs(labels.probabilities(r.logprobs), r.prefill_tokens)
         for r in model.next_token_logprobs(requests)
@@ -293,14 +300,26 @@ class PromptedCritic:
 
     # The conversation is [system, user(evidence + task), assistant(answer), user(critique)].
     def _user(self, b: Branch, task: str) -> list[Part]:
+        parts = self._evidence_head(b)
+        parts += [Trusted("Question: "), Untrusted(b.question), Trusted("\n\n" + task)]
+        return parts
+
+    def _evidence_head(self, b: Branch) -> list[Part]:
+        """The start of every prompt of `b` up to the end of its passage: the same for any
+        question, so its KV state is reusable (`reusable_prefix`)."""
         g = self._glue
         parts: list[Part] = [Trusted(g.start)]
         if g.has_system:
             parts += [Trusted(SYSTEM_PROMPT), Trusted(g.system_to_user)]
         if b.passage is not None:
             parts += [Trusted("Passage: "), Untrusted(_passage_text(b.passage)), Trusted("\n\n")]
-        parts += [Trusted("Question: "), Untrusted(b.question), Trusted("\n\n" + task)]
         return parts
+
+    def _build(self, b: Branch, parts: Sequence[Part]) -> tuple[list[int], int]:
+        """Prompt tokens and the reusable prefix length (0 without a passage)."""
+        if b.passage is None:
+            return self._builder.build(parts), 0
+        return self._builder.build_split(parts, len(self._evidence_head(b)))
 
     def _answer(self, b: Branch) -> list[Part]:
         task = self._q.draft if b.passage is not None else self._q.draft_closed
@@ -309,14 +328,15 @@ class PromptedCritic:
             parts.append(Untrusted(b.prefix))
         return parts
 
-    def _follow_up(self, b: Branch, d: Generation, question: str) -> list[int]:
+    def _follow_up(self, b: Branch, d: Generation, question: str) -> tuple[list[int], int]:
         g = self._glue
-        return self._builder.build(
+        return self._build(
+            b,
             [
                 *self._answer(b),
                 Tokens(tuple(d.tokens)),
                 Trusted(g.assistant_to_user + question + g.assistant_start),
-            ]
+            ],
         )
 
     def retrieval(self, branches: Sequence[Branch]) -> list[LabelProbs]:
@@ -337,31 +357,36 @@ class PromptedCritic:
         return _read_groups(self._model, prompts, self._labels["retrieve"])
 
     def relevance(self, branches: Sequence[Branch]) -> list[LabelProbs]:
-        prompts = [
-            self._builder.build(
-                [*self._user(b, self._q.relevance), Trusted(self._glue.assistant_start)]
-            )
+        built = [
+            self._build(b, [*self._user(b, self._q.relevance), Trusted(self._glue.assistant_start)])
             for b in branches
         ]
-        return _read_groups(self._model, prompts, self._labels["relevance"])
+        return _read_groups(
+            self._model, [p for p, _ in built], self._labels["relevance"], [n for _, n in built]
+        )
 
     def draft(self, branches: Sequence[Branch], max_tokens: int) -> list[Generation]:
-        requests = [
-            GenerationRequest(self._builder.build(self._answer(b)), max_tokens) for b in branches
-        ]
+        requests = []
+        for b in branches:
+            prompt, reusable = self._build(b, self._answer(b))
+            requests.append(GenerationRequest(prompt, max_tokens, reusable_prefix=reusable))
         return self._model.generate(requests) if requests else []
 
     def support(self, branches: Sequence[Branch], drafts: Sequence[Generation]) -> list[LabelProbs]:
-        prompts = [
+        built = [
             self._follow_up(b, d, self._q.support) for b, d in zip(branches, drafts, strict=True)
         ]
-        return _read_groups(self._model, prompts, self._labels["support"])
+        return _read_groups(
+            self._model, [p for p, _ in built], self._labels["support"], [n for _, n in built]
+        )
 
     def utility(self, branches: Sequence[Branch], drafts: Sequence[Generation]) -> list[LabelProbs]:
-        prompts = [
+        built = [
             self._follow_up(b, d, self._q.utility) for b, d in zip(branches, drafts, strict=True)
         ]
-        return _read_groups(self._model, prompts, self._labels["utility"])
+        return _read_groups(
+            self._model, [p for p, _ in built], self._labels["utility"], [n for _, n in built]
+        )
 
 
 def make_critic(

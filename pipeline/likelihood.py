@@ -82,16 +82,28 @@ class LikelihoodCritic:
 
     # --- prompt layout ----------------------------------------------------------------------------
 
-    def _head(self, passage_text: str | None) -> list[Part]:
+    def _evidence(self, passage_text: str | None) -> list[Part]:
+        """System and passage: the reusable prefix of a passage's prompts (any question)."""
         g = self._glue
         parts: list[Part] = [Trusted(g.start)]
         if g.has_system:
             parts += [Trusted(SYSTEM_PROMPT), Trusted(g.system_to_user)]
         if passage_text is not None:
             parts += [Trusted("Passage: "), Untrusted(passage_text), Trusted("\n\n")]
-        return [*parts, Trusted("Question: ")]
+        return parts
 
-    def _answer(self, question: str, prefix: str, passage_text: str | None) -> list[int]:
+    def _head(self, passage_text: str | None) -> list[Part]:
+        return [*self._evidence(passage_text), Trusted("Question: ")]
+
+    def _build(self, parts: list[Part], passage_text: str | None) -> tuple[list[int], int]:
+        """Prompt tokens and the reusable prefix length (0 without a passage)."""
+        if passage_text is None:
+            return self._builder.build(parts), 0
+        return self._builder.build_split(parts, len(self._evidence(passage_text)))
+
+    def _answer_split(
+        self, question: str, prefix: str, passage_text: str | None
+    ) -> tuple[list[int], int]:
         parts = [
             *self._head(passage_text),
             Untrusted(question),
@@ -100,7 +112,10 @@ class LikelihoodCritic:
         ]
         if prefix:
             parts.append(Untrusted(prefix))
-        return self._builder.build(parts)
+        return self._build(parts, passage_text)
+
+    def _answer(self, question: str, prefix: str, passage_text: str | None) -> list[int]:
+        return self._answer_split(question, prefix, passage_text)[0]
 
     def _question_tokens(self, question: str) -> list[int]:
         return self._builder.build([Untrusted(question)], bos=False)
@@ -125,8 +140,10 @@ class LikelihoodCritic:
                 ContinuationRequest(self._builder.build(self._head(None)), self._question_tokens(q))
             )
         for b in branches:
-            prompt = self._builder.build(self._head(self._text(b)))
-            requests.append(ContinuationRequest(prompt, self._question_tokens(b.question)))
+            prompt, reusable = self._build(self._head(self._text(b)), self._text(b))
+            requests.append(
+                ContinuationRequest(prompt, self._question_tokens(b.question), reusable)
+            )
         scores = self._model.continuation_logprobs(requests)
         base_cost = 0
         with self._lock:
@@ -216,13 +233,11 @@ class LikelihoodCritic:
                         g.tokens, g.text, g.logprobs, g.finish_reason, 0, g.stop_token
                     )
         todo = [i for i, g in enumerate(out) if g is None]
-        requests = [
-            GenerationRequest(
-                self._answer(branches[i].question, branches[i].prefix, self._text(branches[i])),
-                max_tokens,
-            )
-            for i in todo
-        ]
+        requests = []
+        for i in todo:
+            b = branches[i]
+            prompt, reusable = self._answer_split(b.question, b.prefix, self._text(b))
+            requests.append(GenerationRequest(prompt, max_tokens, reusable_prefix=reusable))
         for i, g in zip(todo, self._model.generate(requests) if requests else [], strict=True):
             out[i] = g
         return [g for g in out if g is not None]

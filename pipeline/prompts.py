@@ -93,6 +93,16 @@ class PromptBuilder:
                 ids.extend(part.ids)
         return ids
 
+    def build_split(
+        self, parts: Sequence[Part], split: int, *, bos: bool = True
+    ) -> tuple[list[int], int]:
+        """`build(parts)` and the number of its tokens that come from `parts[:split]`.
+
+        Parts are tokenized one by one, so those tokens are exactly `build(parts[:split])`.
+        """
+        head = self.build(parts[:split], bos=bos)
+        return head + self.build(parts[split:], bos=False), len(head)
+
 
 # --- chat templates ---------------------------------------------------------------------------
 

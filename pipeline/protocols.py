@@ -18,6 +18,10 @@ class TokenScoreRequest:
 
     prompt: Sequence[int]
     candidates: Sequence[int]
+    reusable_prefix: int = 0
+    """Leading prompt tokens that form a content-addressed reusable prefix (template + passage,
+    the same for any question): an engine may save their KV state and restore it later instead
+    of recomputing it. 0: no such prefix."""
 
 
 @dataclass(frozen=True)
@@ -41,6 +45,10 @@ class GenerationRequest:
     max_tokens: int
     stop_token_ids: frozenset[int] = frozenset()
     stop_at_sentence_end: bool = True
+    reusable_prefix: int = 0
+    """Leading prompt tokens that form a content-addressed reusable prefix (template + passage,
+    the same for any question): an engine may save their KV state and restore it later instead
+    of recomputing it. 0: no such prefix."""
 
 
 @dataclass(frozen=True)
@@ -63,6 +71,10 @@ class ContinuationRequest:
 
     prompt: Sequence[int]
     continuation: Sequence[int]
+    reusable_prefix: int = 0
+    """Leading prompt tokens that form a content-addressed reusable prefix (template + passage,
+    the same for any question): an engine may save their KV state and restore it later instead
+    of recomputing it. 0: no such prefix."""
 
 
 @dataclass(frozen=True)
