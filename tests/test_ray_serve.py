@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -18,6 +20,7 @@ import httpx
 import pytest
 
 from infra.settings import load_settings
+from tests.redis_proc import RedisProcess, free_port
 
 pytestmark = pytest.mark.real
 
@@ -49,12 +52,29 @@ def ray_session() -> Iterator[int]:
 
 
 @pytest.fixture(scope="module")
-def api(ray_session: int, indexed_home: Path) -> Iterator[httpx.Client]:
+def redis_for_app() -> Iterator[RedisProcess | None]:
+    """A redis-server of our own for the app's query cache (None without the binary)."""
+    binary = shutil.which("redis-server")
+    proc = RedisProcess(binary, free_port()) if binary else None
+    if proc is not None:
+        proc.start()
+    yield proc
+    if proc is not None:
+        proc.kill()
+
+
+@pytest.fixture(scope="module")
+def api(
+    ray_session: int, indexed_home: Path, redis_for_app: RedisProcess | None
+) -> Iterator[httpx.Client]:
     from ray import serve
 
     from ray_app import APP_NAME, build_app
 
-    settings = load_settings(environ={"SELFRAG_HOME": str(indexed_home)})
+    env = {"SELFRAG_HOME": str(indexed_home)}
+    if redis_for_app is not None:
+        env |= {"SELFRAG_REDIS_URL": redis_for_app.url, "SELFRAG_CACHE__REDIS_RETRY_S": "1"}
+    settings = load_settings(environ=env)
     serve.run(build_app(settings), name=APP_NAME, route_prefix="/")
     with httpx.Client(base_url=f"http://127.0.0.1:{ray_session}", timeout=180) as client:
         yield client
@@ -147,3 +167,32 @@ def test_stream_sends_segments_then_the_answer(api: httpx.Client):
     final = events[-1][1]
     streamed = {e["index"]: e["segment"] for k, e in events if k == "segment"}
     assert [streamed[i] for i in range(len(final["segments"]))] == final["segments"]
+
+
+def test_repeated_query_is_a_cache_hit_and_redis_down_still_answers(
+    api: httpx.Client, redis_for_app: RedisProcess | None
+):
+    payload = {"question": "What is the capital of Normandy?", "config": SMALL}
+    first = api.post("/v1/answer", json=payload)
+    assert first.status_code == 200 and first.headers["x-cache"] == "miss"
+    second = api.post("/v1/answer", json=payload)
+    assert second.status_code == 200 and second.headers["x-cache"] == "hit"
+    assert second.json() == first.json()
+    if redis_for_app is None:
+        pytest.skip("no redis-server binary: the Redis outage part needs one to kill")
+    text = api.get("/metrics").text
+    assert _metric(text, "selfrag_query_cache_tier_total")['{event="redis_put"}'] >= 1
+
+    redis_for_app.kill()
+    down = {"question": "Who ruled Normandy after Rollo?", "config": SMALL}
+    r = api.post("/v1/answer", json=down)
+    assert r.status_code == 200 and r.json()["answer"].strip()
+    assert api.post("/v1/answer", json=down).headers["x-cache"] == "hit"  # the memory tier
+    ready = api.get("/readyz")
+    assert ready.status_code == 503 and ready.json()["checks"]["cache"] is False
+    tiers = _metric(api.get("/metrics").text, "selfrag_query_cache_tier_total")
+    assert tiers['{event="redis_error"}'] >= 1
+
+    redis_for_app.start()
+    time.sleep(1.1)  # past cache.redis_retry_s
+    assert api.get("/readyz").status_code == 200
