@@ -392,13 +392,17 @@ class PromptedCritic:
 def make_critic(
     model: LanguageModel, source: str, calibration: CalibrationSettings | None = None
 ) -> Critic:
-    """Build the critique source named by `source` (auto: native when the model has the tokens).
+    """Build the critique source named by `source`.
+
+    auto: native when the model has the reflection tokens, else likelihood (on the Normans
+    tuning questions it ranked evidence far better than prompted yes/no questions with
+    SmolLM2, see docs/evaluation.md).
 
     `calibration` parameterises the `likelihood` source (defaults when None).
     """
-    if source == "likelihood":
-        from pipeline.likelihood import LikelihoodCritic  # imports this module
+    from pipeline.likelihood import LikelihoodCritic  # imports this module
 
+    if source == "likelihood":
         return LikelihoodCritic(model, calibration)
     groups = native_token_ids(model)
     if source == "native":
@@ -409,7 +413,9 @@ def make_critic(
             )
         return NativeCritic(model, groups)
     if source == "auto":
-        return NativeCritic(model, groups) if groups is not None else PromptedCritic(model)
+        if groups is not None:
+            return NativeCritic(model, groups)
+        return LikelihoodCritic(model, calibration)
     if source == "prompted":
         return PromptedCritic(model)
     raise ValueError(f"unknown critique source {source!r}")

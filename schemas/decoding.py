@@ -55,7 +55,8 @@ class DecodingConfig(BaseModel):
         "the no-retrieval draft.",
     )
     critique: CritiqueSource = Field(
-        "auto", description="auto picks native when the model has reflection tokens, else prompted."
+        "auto",
+        description="auto picks native when the model has reflection tokens, else likelihood.",
     )
     max_retrievals: int = Field(4, ge=0, le=64, description="Retrieval steps allowed per question.")
     max_prefill_tokens: int = Field(

@@ -54,7 +54,7 @@ def test_cli_ask_table(indexed_home: Path, capsys: pytest.CaptureFixture[str]):
     )
     assert code == 0
     out = capsys.readouterr().out
-    assert "s_sup" in out and "critique=prompted" in out
+    assert "s_sup" in out and "critique=likelihood" in out
 
 
 def test_reindexing_does_not_duplicate(indexed_home: Path, normans_squad: Path):

@@ -4,9 +4,9 @@ from pipeline.critique import (
     NATIVE_TOKENS,
     Branch,
     NativeCritic,
-    PromptedCritic,
     make_critic,
 )
+from pipeline.likelihood import LikelihoodCritic
 from pipeline.protocols import Passage
 from pipeline.scoring import relevance_score, retrieval_probability, support_score
 from tests.fakes import WordModel
@@ -28,7 +28,7 @@ def native_model(script):
 def test_auto_picks_native_when_the_vocabulary_has_reflection_tokens():
     assert isinstance(make_critic(native_model(None), "auto"), NativeCritic)
     plain = WordModel(specials=["<|im_start|>", "<|im_end|>"], template=CHATML)
-    assert isinstance(make_critic(plain, "auto"), PromptedCritic)
+    assert isinstance(make_critic(plain, "auto"), LikelihoodCritic)
     with pytest.raises(ValueError, match="reflection tokens"):
         make_critic(plain, "native")
 

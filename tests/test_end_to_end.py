@@ -44,7 +44,7 @@ def test_ask_always_retrieves_and_cites(rag: SelfRAG):
     assert seg.citation.passage_id in {p.id for p in r.passages}
     assert r.usage.retrievals >= 1 and r.usage.branches_opened >= 4
     assert r.usage.prefill_tokens > 0 and r.usage.decode_tokens > 0
-    assert r.critique == "prompted"
+    assert r.critique == "likelihood"
 
 
 def test_never_mode_answers_closed_book(rag: SelfRAG):

@@ -265,4 +265,4 @@ def test_settings_select_the_vllm_backend(server: str, tmp_path: Path):
     }
     with SelfRAG(load_settings(environ=env)) as rag:
         assert isinstance(rag.engine, VLLMEngine)
-        assert rag.critic("auto").name == "prompted"  # no reflection tokens in the fake
+        assert rag.critic("auto").name == "likelihood"  # no reflection tokens in the fake
