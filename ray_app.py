@@ -23,13 +23,17 @@ def build_app(settings: Settings | None = None) -> Application:
         from infra.settings import load_settings
 
         settings = load_settings()
-    pool = BranchPool.bind(settings)
-    decider = RetrievalDecider.bind(pool)
+    # Bounded queues everywhere: past `max_queued_requests` waiting calls a handle raises
+    # BackPressureError at once (the ingress answers 503 + Retry-After) instead of piling up.
+    queued = {"max_queued_requests": settings.serve.max_queued_requests}
+    pool = BranchPool.options(**queued).bind(settings)
+    decider = RetrievalDecider.options(**queued).bind(pool)
     # Embedded Qdrant allows one client per folder; with a server URL the config may scale it.
     embedded = settings.retrieval.qdrant_url is None
-    retriever = (Retriever.options(num_replicas=1) if embedded else Retriever).bind(settings)
-    ranker = Ranker.bind()
-    return SelfRAGIngress.bind(pool, decider, retriever, ranker, settings)
+    replicas = {"num_replicas": 1} if embedded else {}
+    retriever = Retriever.options(**queued, **replicas).bind(settings)
+    ranker = Ranker.options(**queued).bind()
+    return SelfRAGIngress.options(**queued).bind(pool, decider, retriever, ranker, settings)
 
 
 def app_builder(args: dict[str, Any]) -> Application:

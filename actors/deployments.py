@@ -25,7 +25,7 @@ from fastapi import FastAPI
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
-from actors.http import build_http_app, parse_api_keys
+from actors.http import DependencyDown, build_http_app, parse_api_keys
 from actors.metrics import BatchStats, Metrics
 from actors.service import QueryCache, ServeAnswerService
 from infra.settings import API_KEYS_ENV
@@ -230,10 +230,24 @@ class Retriever:
         self._store = self._rag.store
 
     def search(self, query: str, k: int) -> list[Passage]:
-        return self._store.search(query, k)
+        try:
+            return self._store.search(query, k)
+        except ValueError:
+            raise
+        except Exception as exc:
+            # Store down (server gone, connection refused, closed client): a 503 for this
+            # request; the Qdrant client reconnects by itself once the server answers again.
+            raise DependencyDown(
+                f"the passage store does not answer: {type(exc).__name__}"
+            ) from None
 
     def index_version(self) -> str:
-        return self._store.index_version()
+        try:
+            return self._store.index_version()
+        except Exception as exc:
+            raise DependencyDown(
+                f"the passage store does not answer: {type(exc).__name__}"
+            ) from None
 
     def ready(self) -> bool:
         return self._store.ready()
@@ -286,10 +300,16 @@ class SelfRAGIngress:
             max_inflight=settings.serve.max_inflight,
             metrics=self._metrics,
             cache=open_query_cache(settings),
+            max_timeout_s=settings.serve.max_timeout_s,
         )
+        self._serve_settings = settings.serve
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         # Keys come from this replica's environment, never through deployment arguments.
         return build_http_app(
-            self._service, self._metrics, api_keys=parse_api_keys(os.environ.get(API_KEYS_ENV))
+            self._service,
+            self._metrics,
+            api_keys=parse_api_keys(os.environ.get(API_KEYS_ENV)),
+            retry_after_s=self._serve_settings.retry_after_s,
+            log_questions=self._serve_settings.log_questions,
         )

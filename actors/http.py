@@ -8,6 +8,7 @@ Every error body is `{"error": <slug>, "detail": <text or list>}`.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import hmac
 import json
 import logging
@@ -118,10 +119,31 @@ def build_http_app(
     *,
     api_keys: Sequence[str] = (),
     title: str = "selfrag",
+    retry_after_s: int = 2,
+    log_questions: bool = False,
 ) -> FastAPI:
     """The FastAPI app. With `api_keys`, `/v1/*` and `/metrics` need one of them as
-    `Authorization: Bearer <key>` or `X-API-Key: <key>`; probes and docs stay open."""
+    `Authorization: Bearer <key>` or `X-API-Key: <key>`; probes and docs stay open.
+    Every 503 carries `Retry-After: retry_after_s`. Each answer is logged at INFO with its
+    status and latency; the question text only with `log_questions`."""
     keys = [k.encode() for k in api_keys]
+    retry_after = {"Retry-After": str(retry_after_s)}
+
+    def service_failure(exc: ServiceError) -> JSONResponse:
+        return _error(exc.status, exc.error, exc.detail, retry_after if exc.status == 503 else None)
+
+    def log_answer(question: str, outcome: int | str, started: float) -> None:
+        # User text stays out of logs unless asked for: a length and a short hash still let
+        # an operator match repeated questions.
+        shown = (
+            repr(question)
+            if log_questions
+            else f"<{len(question)} chars {hashlib.sha256(question.encode()).hexdigest()[:8]}>"
+        )
+        log.info(
+            "answer %s %.0f ms question=%s", outcome, 1000 * (time.perf_counter() - started), shown
+        )
+
     app = FastAPI(
         title=title,
         summary="Self-RAG answers with per-segment citations and critique scores.",
@@ -166,7 +188,7 @@ def build_http_app(
 
     @app.exception_handler(ServiceError)
     async def service_error(_: Request, exc: ServiceError) -> JSONResponse:
-        return _error(exc.status, exc.error, exc.detail)
+        return service_failure(exc)
 
     @app.exception_handler(Exception)
     async def unexpected(_: Request, exc: Exception) -> JSONResponse:
@@ -196,8 +218,15 @@ def build_http_app(
 
     @app.post("/v1/answer", response_model=AnswerResponse, dependencies=authed)
     async def answer(body: AnswerRequest, response: Response) -> AnswerResponse:
-        """Answer a question; `config` overrides any decoding dial for this request."""
-        result = await service.answer(body)
+        """Answer a question; `config` overrides any decoding dial for this request.
+        503 (overloaded, dependency down; with `Retry-After`), 504 past `timeout_s`."""
+        started = time.perf_counter()
+        try:
+            result = await service.answer(body)
+        except ServiceError as exc:
+            log_answer(body.question, exc.status, started)
+            raise
+        log_answer(body.question, 200, started)
         response.headers["X-Cache"] = result.cache
         return result.response
 
@@ -230,11 +259,14 @@ def build_http_app(
             sent[:] = segments
 
         async def run() -> None:
+            started = time.perf_counter()
             try:
                 result = await service.answer(body, on_step)
                 item: tuple[str, Any] = ("answer", result.response.model_dump(mode="json"))
+                log_answer(body.question, "200 stream", started)
             except ServiceError as exc:
                 item = ("error", exc)
+                log_answer(body.question, f"{exc.status} stream", started)
             except Exception as exc:
                 log.exception("stream failed")
                 item = ("error", ServiceError(f"{type(exc).__name__}: {exc}"))
@@ -248,7 +280,7 @@ def build_http_app(
             # Nothing was streamed yet, so the failure can still have its own status code.
             task.cancel()
             exc = first[1]
-            return _error(exc.status, exc.error, exc.detail)
+            return service_failure(exc)
 
         async def events() -> AsyncIterator[bytes]:
             item = first
@@ -283,7 +315,11 @@ def build_http_app(
             log.warning("readiness check failed: %s", exc)
             return _error(503, "not_ready", f"{type(exc).__name__}: {exc}")
         ready = all(checks.values())
-        return JSONResponse({"ready": ready, "checks": checks}, status_code=200 if ready else 503)
+        return JSONResponse(
+            {"ready": ready, "checks": checks},
+            status_code=200 if ready else 503,
+            headers=None if ready else retry_after,
+        )
 
     @app.get("/metrics", dependencies=authed, response_class=PlainTextResponse)
     async def prometheus() -> Response:

@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol
 
 from ray.exceptions import RayActorError, RayTaskError
-from ray.serve.exceptions import RayServeException
+from ray.serve.exceptions import BackPressureError, RayServeException
 from ray.serve.handle import DeploymentHandle
 
 from actors.http import (
@@ -161,9 +161,15 @@ def as_service_error(exc: BaseException) -> ServiceError | None:
     """The HTTP meaning of a failure raised while answering, or None if it is a bug."""
     if isinstance(exc, ServiceError):
         return exc
-    if isinstance(exc, RayActorError | RayServeException):
-        return DependencyDown(f"a deployment is unavailable: {type(exc).__name__}")
     cause = _cause(exc)
+    if isinstance(cause, ServiceError):  # raised by a deployment (e.g. the store is down)
+        return cause
+    if isinstance(exc, BackPressureError) or isinstance(cause, BackPressureError):
+        # A deployment's queue is full (`max_queued_requests`): shed load now, never pile up.
+        return Overloaded("a deployment's request queue is full; retry later")
+    if isinstance(exc, RayActorError | RayServeException):
+        # A replica died or restarts (e.g. a killed BranchPool): the client retries later.
+        return DependencyDown(f"a deployment is unavailable: {type(exc).__name__}")
     if isinstance(cause, RayActorError | RayServeException):
         return DependencyDown(f"a deployment is unavailable: {type(cause).__name__}")
     if isinstance(cause, ValueError):
@@ -200,6 +206,7 @@ class ServeAnswerService:
         max_inflight: int,
         metrics: Metrics,
         cache: QueryCache | None = None,
+        max_timeout_s: float | None = None,
     ) -> None:
         self._pool = pool
         self._decider = decider
@@ -207,6 +214,7 @@ class ServeAnswerService:
         self._ranker = ranker
         self._defaults = defaults
         self._max_inflight = max_inflight
+        self._max_timeout_s = max_timeout_s
         self._inflight = 0
         self._metrics = metrics
         self._cache = cache
@@ -240,6 +248,11 @@ class ServeAnswerService:
         self, request: AnswerRequest, on_step: StepListener | None, slot: _Admission
     ) -> Answer:
         config = request.config.apply_to(self._defaults)
+        if self._max_timeout_s is not None and config.timeout_s > self._max_timeout_s:
+            raise Unprocessable(
+                f"timeout_s={config.timeout_s:g} is above this server's maximum "
+                f"({self._max_timeout_s:g} s, serve.max_timeout_s)"
+            )
         model_id = await self._get_model_id()
         critic_name = await self._get_critic_name(config.critique)
         key: str | None = None
@@ -347,9 +360,7 @@ class ServeAnswerService:
                 if callable(ping):
                     cache = bool(await asyncio.wait_for(asyncio.to_thread(ping), 2.0))
                 else:
-                    await asyncio.wait_for(
-                        asyncio.to_thread(self._cache.get, READY_PROBE_KEY), 2.0
-                    )
+                    await asyncio.wait_for(asyncio.to_thread(self._cache.get, READY_PROBE_KEY), 2.0)
             except Exception as exc:
                 log.warning("readiness: cache: %s", exc)
                 cache = False

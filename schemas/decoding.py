@@ -11,6 +11,10 @@ CritiqueSource = Literal["auto", "native", "prompted", "likelihood"]
 SupportLevel = Literal["none", "partial", "full"]
 UnsupportedPolicy = Literal["abstain", "no_retrieval"]
 
+# A bound on the work one request may ask for: ~3 minutes of prefill for the embedded model on
+# two cores, far above any answer the other bounds allow (K ≤ 50, B ≤ 8, 32 segments).
+MAX_PREFILL_TOKENS = 2_000_000
+
 
 class DecodingConfig(BaseModel):
     """How one question is answered. All fields are per request; none needs retraining."""
@@ -62,6 +66,7 @@ class DecodingConfig(BaseModel):
     max_prefill_tokens: int = Field(
         200_000,
         ge=1,
+        le=MAX_PREFILL_TOKENS,
         description="Stop opening new steps once this many prompt tokens were computed.",
     )
     timeout_s: float = Field(
@@ -90,7 +95,7 @@ class DecodingOverrides(BaseModel):
     on_unsupported: UnsupportedPolicy | None = None
     critique: CritiqueSource | None = None
     max_retrievals: int | None = Field(None, ge=0, le=64)
-    max_prefill_tokens: int | None = Field(None, ge=1)
+    max_prefill_tokens: int | None = Field(None, ge=1, le=MAX_PREFILL_TOKENS)
     timeout_s: float | None = Field(None, gt=0.0, le=3600.0)
 
     def apply_to(self, base: DecodingConfig) -> DecodingConfig:

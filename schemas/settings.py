@@ -86,6 +86,28 @@ class ServeSettings(BaseModel):
     max_inflight: int = Field(
         32, ge=1, le=4096, description="Answers in progress per ingress replica; beyond: 503."
     )
+    max_queued_requests: int = Field(
+        64,
+        ge=-1,
+        le=100_000,
+        description="Calls waiting for a busy replica, per deployment handle, before Serve "
+        "rejects new ones (503 with Retry-After); -1: unbounded.",
+    )
+    max_timeout_s: float = Field(
+        300.0,
+        gt=0.0,
+        le=3600.0,
+        description="Largest timeout_s a request may ask for (the default is decoding.timeout_s); "
+        "above it: 422.",
+    )
+    retry_after_s: int = Field(
+        2, ge=1, le=3600, description="Retry-After (seconds) sent with every 503."
+    )
+    log_questions: bool = Field(
+        False,
+        description="Log each question's text at INFO; off by default so user text stays out of "
+        "logs (the access line then shows its length and a short hash).",
+    )
 
 
 class CacheSettings(BaseModel):

@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 
-from actors.http import DeadlineExceeded, Overloaded, Unprocessable
+from actors.http import DeadlineExceeded, DependencyDown, Overloaded, Unprocessable
 from actors.metrics import BatchStats, Metrics
-from actors.service import ServeAnswerService, query_key
+from actors.service import ServeAnswerService, as_service_error, query_key
 from pipeline.protocols import Passage
 from pipeline.ranking import rank_step
 from schemas.answer import AnswerRequest, AnswerResponse
@@ -219,3 +219,70 @@ def test_an_unusable_critique_source_is_422():
     service, _ = _service()
     with pytest.raises(Unprocessable, match="native"):
         asyncio.run(service.answer(AnswerRequest(question="q", config={"critique": "native"})))
+
+
+class FlakyStore(Store):
+    """A store that can be switched off, as a Qdrant server going away looks to the
+    `Retriever` deployment: its search and probe raise (the deployment maps that to
+    `DependencyDown`, which is what reaches the ingress)."""
+
+    down = False
+
+    def search(self, query: str, k: int) -> list[Passage]:
+        if self.down:
+            raise DependencyDown("the passage store does not answer: ConnectionRefusedError")
+        return super().search(query, k)
+
+    def ready(self) -> bool:
+        return not self.down
+
+
+def test_store_down_is_503_and_not_ready_then_recovers():
+    critic = ScriptedCritic(relevance_of={"p1": 0.9})
+    store = FlakyStore([Passage("p1", "Rollo founded Normandy.", "Normans")])
+    service = ServeAnswerService(
+        pool=Handle(Pool(critic)),  # type: ignore[arg-type]
+        decider=Handle(Decider(critic)),  # type: ignore[arg-type]
+        retriever=Handle(store),  # type: ignore[arg-type]
+        ranker=Handle(Ranker()),  # type: ignore[arg-type]
+        defaults=DecodingConfig(max_segments=1),
+        max_inflight=4,
+        metrics=Metrics(),
+    )
+
+    async def run() -> None:
+        store.down = True
+        with pytest.raises(DependencyDown, match="passage store"):
+            await service.answer(REQUEST)
+        assert (await service.readiness())["store"] is False
+        store.down = False
+        assert (await service.readiness())["store"] is True
+        assert (await service.answer(REQUEST)).response.segments[0].citation is not None
+
+    asyncio.run(run())
+
+
+def test_a_full_deployment_queue_is_503_overloaded():
+    from ray.exceptions import ActorDiedError
+    from ray.serve.exceptions import BackPressureError
+
+    mapped = as_service_error(BackPressureError(num_queued_requests=64, max_queued_requests=64))
+    assert isinstance(mapped, Overloaded)
+    assert isinstance(as_service_error(ActorDiedError()), DependencyDown)
+
+
+def test_timeout_above_the_server_maximum_is_422():
+    critic = ScriptedCritic(relevance_of={"p1": 0.9})
+    service = ServeAnswerService(
+        pool=Handle(Pool(critic)),  # type: ignore[arg-type]
+        decider=Handle(Decider(critic)),  # type: ignore[arg-type]
+        retriever=Handle(Store([])),  # type: ignore[arg-type]
+        ranker=Handle(Ranker()),  # type: ignore[arg-type]
+        defaults=DecodingConfig(max_segments=1),
+        max_inflight=4,
+        metrics=Metrics(),
+        max_timeout_s=30.0,
+    )
+    with pytest.raises(Unprocessable, match="max_timeout_s"):
+        asyncio.run(service.answer(AnswerRequest(question="q", config={"timeout_s": 60})))
+    assert asyncio.run(service.answer(AnswerRequest(question="q", config={"timeout_s": 30})))

@@ -274,3 +274,61 @@ def test_api_keys_when_configured(service: FakeService):
 
 def test_auth_is_off_by_default():
     assert parse_api_keys(None) == [] and parse_api_keys(" , ") == []
+
+
+def test_every_503_carries_retry_after(service: FakeService):
+    c = TestClient(build_http_app(service, Metrics(), retry_after_s=7))
+    for exc in (Overloaded("busy"), DependencyDown("store gone")):
+        service.fail = exc
+        for path in ("/v1/answer", "/v1/answer/stream"):
+            r = c.post(path, json={"question": "q"})
+            assert r.status_code == 503 and r.headers["retry-after"] == "7"
+    service.fail = DeadlineExceeded("slow")
+    assert "retry-after" not in c.post("/v1/answer", json={"question": "q"}).headers
+    service.ready["store"] = False
+    r = c.get("/readyz")
+    assert r.status_code == 503 and r.headers["retry-after"] == "7"
+
+
+def test_openapi_shows_the_request_bounds(client: TestClient):
+    schemas = client.get("/openapi.json").json()["components"]["schemas"]
+    question = schemas["AnswerRequest"]["properties"]["question"]
+    assert question["maxLength"] == MAX_QUESTION_CHARS and question["minLength"] == 1
+
+    def bounds(name: str) -> tuple[float | None, float | None]:
+        prop = schemas["DecodingOverrides"]["properties"][name]
+        # Optional fields are `anyOf: [{type, bounds}, {type: null}]`.
+        typed = next(o for o in prop.get("anyOf", [prop]) if o.get("type") != "null")
+        low = typed.get("minimum", typed.get("exclusiveMinimum"))
+        return low, typed.get("maximum")
+
+    assert bounds("top_k") == (1, 50)
+    assert bounds("beam") == (1, 8)
+    assert bounds("max_segments") == (1, 32)
+    assert bounds("max_segment_tokens") == (4, 512)
+    assert bounds("max_retrievals") == (0, 64)
+    assert bounds("max_prefill_tokens") == (1, 2_000_000)
+    assert bounds("timeout_s") == (0.0, 3600.0)
+
+
+def test_questions_stay_out_of_info_logs_unless_asked(
+    service: FakeService, caplog: pytest.LogCaptureFixture
+):
+    secret = "What is the launch code of project Nightingale?"
+    caplog.set_level("INFO", logger="selfrag.http")
+    TestClient(build_http_app(service, Metrics())).post("/v1/answer", json={"question": secret})
+    lines = [r.getMessage() for r in caplog.records if r.name == "selfrag.http"]
+    assert lines and "answer 200" in lines[-1]
+    assert "Nightingale" not in caplog.text and f"<{len(secret)} chars" in lines[-1]
+    caplog.clear()
+    app = build_http_app(service, Metrics(), log_questions=True)
+    TestClient(app).post("/v1/answer", json={"question": secret})
+    assert "Nightingale" in caplog.text
+
+
+def test_api_keys_are_never_logged(service: FakeService, caplog: pytest.LogCaptureFixture):
+    caplog.set_level("DEBUG")
+    c = TestClient(build_http_app(service, Metrics(), api_keys=["s3cret-key"]))
+    c.post("/v1/answer", json={"question": "q"}, headers={"X-API-Key": "s3cret-key"})
+    c.post("/v1/answer", json={"question": "q"}, headers={"Authorization": "Bearer wrong-key"})
+    assert "s3cret-key" not in caplog.text and "wrong-key" not in caplog.text
