@@ -161,6 +161,7 @@ def cmd_index(args: argparse.Namespace) -> int:
                 progress=not args.no_progress,
                 passage_words=settings.retrieval.passage_words,
                 overlap=settings.retrieval.passage_overlap_words,
+                max_document_bytes=settings.retrieval.max_document_bytes,
             )
             for error in report.errors:
                 where = f"{error.path}:{error.line}" if error.line else str(error.path)
@@ -263,6 +264,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     host = args.host or settings.serve.host
     port = args.port or settings.serve.port
     local = args.address is None
+    if settings.model.backend == "llama_cpp":
+        from infra.runtime import SelfRAG
+
+        # Fail here, naming the file, before Ray starts: a missing or corrupt model would
+        # otherwise surface as a replica that keeps failing to start.
+        SelfRAG(settings).model_path  # noqa: B018 - resolves and checks the GGUF file
     if local:
         # A private single-machine instance: cluster ports on loopback, no cluster token.
         os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
@@ -377,6 +384,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         print(f"selfrag: invalid request: {describe_validation_error(exc)}", file=sys.stderr)
     except (CLIError, ValueError, OSError) as exc:
+        print(f"selfrag: {exc}", file=sys.stderr)
+    except RuntimeError as exc:
+        from infra.model_files import ModelFileError
+
+        if not isinstance(exc, ModelFileError):
+            raise
         print(f"selfrag: {exc}", file=sys.stderr)
     except KeyboardInterrupt:
         print("selfrag: interrupted", file=sys.stderr)

@@ -20,6 +20,9 @@ from typing import Any
 
 from pipeline.protocols import Passage
 
+# Default cap on one document's UTF-8 size: far above any real article, small enough that one
+# runaway record (a dumped binary, a whole book in a line) cannot stall indexing.
+MAX_DOCUMENT_BYTES = 10_000_000
 TEXT_SUFFIXES = frozenset({".txt", ".md", ".markdown"})
 JSONL_SUFFIXES = frozenset({".jsonl", ".ndjson"})
 
@@ -54,8 +57,12 @@ class CorpusFormatError(ValueError):
     """The path exists but is not a corpus format this module reads."""
 
 
-def read_documents(path: str | Path) -> Iterator[Document | CorpusError]:
+def read_documents(
+    path: str | Path, max_bytes: int = MAX_DOCUMENT_BYTES
+) -> Iterator[Document | CorpusError]:
     """Yield the documents of the corpus at `path`, with a `CorpusError` for every bad record.
+
+    A document over `max_bytes` (its JSONL line, file, or SQuAD paragraph) is such an error.
 
     Raises FileNotFoundError when `path` does not exist and CorpusFormatError for an unknown
     format. Both are raised when the iterator is created, before the first item is read.
@@ -63,26 +70,35 @@ def read_documents(path: str | Path) -> Iterator[Document | CorpusError]:
     source = Path(path)
     if not source.exists():
         raise FileNotFoundError(f"corpus not found: {source}")
+    if max_bytes < 1:
+        raise ValueError(f"max_bytes must be >= 1, got {max_bytes}")
     if source.is_dir():
-        return _read_folder(source)
+        return _read_folder(source, max_bytes)
     suffix = source.suffix.lower()
     if suffix in JSONL_SUFFIXES:
-        return _read_jsonl(source)
+        return _read_jsonl(source, max_bytes)
     if suffix == ".json":
-        return _read_squad(source)
+        return _read_squad(source, max_bytes)
     if suffix in TEXT_SUFFIXES:
-        return _read_text_files(source.parent, [source])
+        return _read_text_files(source.parent, [source], max_bytes)
     raise CorpusFormatError(
         f"unknown corpus format for {source}: expected .jsonl, SQuAD .json, "
         f"or a folder of {'/'.join(sorted(TEXT_SUFFIXES))} files"
     )
 
 
-def _read_jsonl(path: Path) -> Iterator[Document | CorpusError]:
+def _too_big(size: int, max_bytes: int) -> str:
+    return f"document too large ({size} bytes, limit {max_bytes}; retrieval.max_document_bytes)"
+
+
+def _read_jsonl(path: Path, max_bytes: int) -> Iterator[Document | CorpusError]:
     seen: dict[str, int] = {}
     # Bytes, not text mode: a bad byte then costs one line instead of aborting the whole file.
     with path.open("rb") as lines:
         for number, raw in enumerate(lines, start=1):
+            if len(raw) > max_bytes:
+                yield CorpusError(str(path), number, _too_big(len(raw), max_bytes))
+                continue
             try:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as error:
@@ -142,7 +158,7 @@ def _jsonl_document(record: Any, path: Path, number: int) -> Document | CorpusEr
     return Document(id=doc_id, title=title.strip() if title else None, text=text.strip())
 
 
-def _read_squad(path: Path) -> Iterator[Document | CorpusError]:
+def _read_squad(path: Path, max_bytes: int) -> Iterator[Document | CorpusError]:
     raw = path.read_bytes()
     try:
         content = raw.decode("utf-8")
@@ -170,10 +186,18 @@ def _read_squad(path: Path) -> Iterator[Document | CorpusError]:
                     str(path), None, f"article {raw_title!r} paragraph {p}: no context"
                 )
                 continue
+            size = len(context.encode("utf-8"))
+            if size > max_bytes:
+                yield CorpusError(
+                    str(path),
+                    None,
+                    f"article {raw_title!r} paragraph {p}: {_too_big(size, max_bytes)}",
+                )
+                continue
             yield Document(id=f"squad:{raw_title}:{p}", title=title, text=context.strip())
 
 
-def _read_folder(folder: Path) -> Iterator[Document | CorpusError]:
+def _read_folder(folder: Path, max_bytes: int) -> Iterator[Document | CorpusError]:
     files = sorted(
         file
         for file in folder.rglob("*")
@@ -186,11 +210,17 @@ def _read_folder(folder: Path) -> Iterator[Document | CorpusError]:
         raise CorpusFormatError(
             f"folder {folder} holds no {'/'.join(sorted(TEXT_SUFFIXES))} files to index"
         )
-    return _read_text_files(folder, files)
+    return _read_text_files(folder, files, max_bytes)
 
 
-def _read_text_files(root: Path, files: list[Path]) -> Iterator[Document | CorpusError]:
+def _read_text_files(
+    root: Path, files: list[Path], max_bytes: int
+) -> Iterator[Document | CorpusError]:
     for file in files:
+        size = file.stat().st_size
+        if size > max_bytes:  # checked before reading, so a huge file is never loaded
+            yield CorpusError(str(file), None, _too_big(size, max_bytes))
+            continue
         raw = file.read_bytes()
         try:
             text = raw.decode("utf-8-sig")

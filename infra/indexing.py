@@ -10,7 +10,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from infra.corpus import CorpusError, read_documents, split_passages
+from infra.corpus import MAX_DOCUMENT_BYTES, CorpusError, read_documents, split_passages
 from infra.qdrant_store import QdrantStore
 from pipeline.protocols import Passage
 from schemas.settings import RetrievalSettings
@@ -38,10 +38,12 @@ def index_corpus(
     *,
     passage_words: int = _DEFAULTS.passage_words,
     overlap: int = _DEFAULTS.passage_overlap_words,
+    max_document_bytes: int = MAX_DOCUMENT_BYTES,
 ) -> IndexReport:
     """Index every readable document of `path` into `store` and report what happened.
 
-    Bad records are logged, collected in the report and skipped; the rest is indexed.
+    Bad records (unreadable, not UTF-8, over `max_document_bytes`) are logged, collected
+    in the report and skipped; the rest is indexed.
     Passages go to the store in groups of about `embedder_batch`, each group holding whole
     documents, so an interrupted run never leaves a document half-written. Re-indexing the
     same corpus overwrites its passages (stable ids) and drops passages a document no longer
@@ -52,7 +54,9 @@ def index_corpus(
         raise ValueError(f"embedder_batch must be >= 1, got {embedder_batch}")
     started = time.perf_counter()
     report = IndexReport()
-    items = read_documents(path)  # raises here, before any write, for a bad path
+    items = read_documents(
+        path, max_document_bytes
+    )  # raises here, before any write, for a bad path
     pending: list[Passage] = []
     pending_docs = 0
     bar = tqdm(

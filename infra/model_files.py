@@ -241,8 +241,10 @@ def read_gguf_metadata(path: Path, key: str) -> object | None:
                         return None
                     return _read_value(fh, vtype)
                 _skip_value(fh, vtype)
-    except (struct.error, UnicodeDecodeError, OSError) as exc:
-        raise ModelFileError(f"corrupt GGUF header in {path}: {exc}") from exc
+    except (struct.error, UnicodeDecodeError, OSError, OverflowError, MemoryError) as exc:
+        # A garbage length field asks read() for more than an index can hold (OverflowError)
+        # or than memory can (MemoryError): both mean a corrupt header, not a crash.
+        raise ModelFileError(f"corrupt GGUF header in {path}: {type(exc).__name__}: {exc}") from exc
     return None
 
 

@@ -64,6 +64,12 @@ class RetrievalSettings(BaseModel):
     )
     passage_words: int = Field(150, ge=20, le=2000, description="Long documents are split here.")
     passage_overlap_words: int = Field(30, ge=0, le=500)
+    max_document_bytes: int = Field(
+        10_000_000,
+        ge=1,
+        description="Indexing skips a document larger than this (UTF-8 bytes) with an error "
+        "naming it; the rest of the corpus is indexed.",
+    )
 
 
 class ServeSettings(BaseModel):

@@ -82,3 +82,24 @@ def test_every_decoding_dial_has_a_flag():
         "--length-normalize",
     ]:
         assert flag in help_text
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        (None, "model file not found"),
+        (b"hello, not a model", "not a GGUF file"),
+        (b"GGUF\x03\x00\x00\x00" + b"\xff" * 40, "GGUF"),  # right magic, corrupt header
+    ],
+)
+def test_serve_names_a_missing_or_corrupt_model_file_before_starting(
+    tmp_path, monkeypatch, capsys, content, message
+):
+    model = tmp_path / "model.gguf"
+    if content is not None:
+        model.write_bytes(content)
+    monkeypatch.setenv("SELFRAG_MODEL__PATH", str(model))
+    assert main(["serve", "--port", "1"]) == 2
+    err = capsys.readouterr().err
+    assert message in err and str(model) in err
+    assert "Traceback" not in err

@@ -207,3 +207,36 @@ def test_exact_window_boundary_and_no_overlap() -> None:
 def test_invalid_window_parameters(words: int, overlap: int) -> None:
     with pytest.raises(ValueError):
         split_passages(Document("d", None, "text"), words, overlap)
+
+
+def test_oversized_documents_are_rejected_one_by_one(tmp_path: Path) -> None:
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text(
+        json.dumps({"id": "small", "text": "short text"})
+        + "\n"
+        + json.dumps({"id": "big", "text": "word " * 200})
+        + "\n"
+        + json.dumps({"id": "after", "text": "still read"})
+        + "\n"
+    )
+    items = list(read_documents(corpus, max_bytes=200))
+    assert [i.id for i in items if isinstance(i, Document)] == ["small", "after"]
+    (error,) = [i for i in items if isinstance(i, CorpusError)]
+    assert error.line == 2 and "too large" in error.reason and "limit 200" in error.reason
+
+    folder = tmp_path / "docs"
+    folder.mkdir()
+    (folder / "a.txt").write_text("fine")
+    (folder / "b.txt").write_text("x" * 500)
+    (folder / "c.txt").write_bytes(b"caf\xe9 latin-1")
+    items = list(read_documents(folder, max_bytes=200))
+    assert [i.id for i in items if isinstance(i, Document)] == ["a.txt"]
+    reasons = {Path(i.path).name: i.reason for i in items if isinstance(i, CorpusError)}
+    assert "too large" in reasons["b.txt"] and "not UTF-8" in reasons["c.txt"]
+
+    squad = tmp_path / "s.json"
+    paragraphs = [{"context": "ok"}, {"context": "y" * 300}]
+    squad.write_text(json.dumps({"data": [{"title": "T", "paragraphs": paragraphs}]}))
+    items = list(read_documents(squad, max_bytes=200))
+    assert [i.id for i in items if isinstance(i, Document)] == ["squad:T:0"]
+    assert "paragraph 1" in str(next(i for i in items if isinstance(i, CorpusError)))
