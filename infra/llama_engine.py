@@ -6,6 +6,10 @@ One llama.cpp context holds up to `n_seq_max` sequences ("slots") in a unified K
 `llama_memory_seq_cp`, which in a unified cache only tags the existing cells with another
 sequence id. Across calls the engine remembers what every slot holds, so a request that
 extends an earlier prompt (or an earlier prompt plus its generation) decodes only the new tokens.
+
+With a `PrefixStateStore` the engine also keeps the KV state of each request's reusable prefix
+(template + passage, `reusable_prefix`) across contexts and processes: it restores a saved
+state into a slot instead of decoding the prefix, and saves the state after computing it.
 """
 
 from __future__ import annotations
@@ -24,7 +28,8 @@ import llama_cpp
 import numpy as np
 import numpy.typing as npt
 
-from infra.model_files import check_gguf
+from infra.kv_cache import ContextLayout, PrefixStateStore, prefix_state_key
+from infra.model_files import check_gguf, file_sha256
 from pipeline.protocols import (
     ContinuationRequest,
     ContinuationScores,
@@ -89,9 +94,24 @@ class EngineStats:
     """Generation steps: `llama_decode` calls that advance every live sequence by one token."""
     batch_sizes: Counter[int] = field(default_factory=Counter)
     """How many `llama_decode` calls carried each number of distinct sequences."""
+    kv_restores: int = 0
+    """Reusable prefixes restored from the prefix-state store instead of decoded."""
+    kv_restored_tokens: int = 0
+    """Prompt tokens those restores supplied."""
+    kv_saves: int = 0
+    """Reusable prefix states computed here and put into the store."""
+    kv_misses: int = 0
+    """Store lookups that found no state (the prefix was decoded, then saved)."""
+    kv_restore_failures: int = 0
+    """Stored states llama.cpp rejected (corrupt, foreign); the prefix was recomputed."""
 
     def copy(self) -> EngineStats:
         return EngineStats(
+            kv_restores=self.kv_restores,
+            kv_restored_tokens=self.kv_restored_tokens,
+            kv_saves=self.kv_saves,
+            kv_misses=self.kv_misses,
+            kv_restore_failures=self.kv_restore_failures,
             prefill_tokens=self.prefill_tokens,
             cached_tokens=self.cached_tokens,
             shared_tokens=self.shared_tokens,
@@ -127,6 +147,10 @@ class _Job:
     out_from: int
     reserve: int = 0
     """KV cells the job needs after its prefill (tokens it may generate)."""
+    reusable: int = 0
+    """Leading tokens whose KV state may come from, and go to, the prefix-state store."""
+    staged: int = 0
+    """Leading tokens placed in a slot before planning (restored or decoded alone to save)."""
     prefill: int = 0
     slot: _Slot | None = None
 
@@ -192,6 +216,9 @@ class LlamaEngine:
         model_id: str,
         prefix_cache: bool = True,
         share_prefix: bool = True,
+        prefix_store: PrefixStateStore | None = None,
+        model_sha256: str | None = None,
+        prefix_min_tokens: int = 32,
     ) -> None:
         if n_seq_max < 1:
             raise ValueError(f"n_seq_max must be at least 1, got {n_seq_max}")
@@ -205,7 +232,11 @@ class LlamaEngine:
         self.model_path = model_path
         self.prefix_cache = prefix_cache
         self.share_prefix = share_prefix
+        self.prefix_store = prefix_store
+        self.prefix_min_tokens = max(prefix_min_tokens, 1)
+        self._model_sha256 = model_sha256
         self._lock = threading.Lock()
+        self._pid = os.getpid()
         self._ctx: llama_cpp.llama_context_p | None = None
         self._model: llama_cpp.llama_model_p | None = None
         self._batch: llama_cpp.llama_batch | None = None
@@ -254,11 +285,26 @@ class LlamaEngine:
         self._clock = 0
         self._stats = EngineStats()
         self._chat_template = self._meta_str("tokenizer.chat_template")
+        self.layout = ContextLayout(
+            n_ctx=self.n_ctx,
+            n_seq_max=n_seq_max,
+            kv_unified=bool(ctx_params.kv_unified),
+            type_k=int(ctx_params.type_k),
+            type_v=int(ctx_params.type_v),
+            llama_cpp_version=llama_cpp.__version__,
+        )
+        """What a saved sequence state of this context needs in order to restore elsewhere."""
+        if prefix_store is not None and model_sha256 is None:
+            self._model_sha256 = file_sha256(model_path)
 
     # ----------------------------------------------------------------- lifecycle
 
     def close(self) -> None:
         """Free the batch, the context and the model. Safe to call twice."""
+        if getattr(self, "_pid", os.getpid()) != os.getpid():
+            # In a forked child the native objects belong to the parent: just let go of them.
+            self._batch = self._ctx = self._model = None
+            return
         if self._batch is not None:
             llama_cpp.llama_batch_free(self._batch)
             self._batch = None
@@ -291,6 +337,11 @@ class LlamaEngine:
     @property
     def model_id(self) -> str:
         return self._model_id
+
+    @property
+    def model_sha256(self) -> str | None:
+        """SHA-256 of the model file, part of every prefix-state key (None without a store)."""
+        return self._model_sha256
 
     @property
     def chat_template(self) -> str | None:
@@ -390,7 +441,14 @@ class LlamaEngine:
             prompt = self._prompt(req.prompt, f"requests[{i}].prompt")
             self._check_tokens(req.candidates, f"requests[{i}].candidates")
             n = len(prompt)
-            jobs.append(_Job(tokens=prompt, reuse_limit=n - 1, out_from=n - 1))
+            jobs.append(
+                _Job(
+                    tokens=prompt,
+                    reuse_limit=n - 1,
+                    out_from=n - 1,
+                    reusable=min(req.reusable_prefix, n - 1),
+                )
+            )
         results: list[list[float]] = [[] for _ in requests]
 
         def on_logits(job: int, pos: int, batch_index: int) -> None:
@@ -418,7 +476,14 @@ class LlamaEngine:
             continuation = self._check_tokens(req.continuation, f"requests[{i}].continuation")
             n = len(prompt)
             # The last continuation token is only a target: it needs no KV entry of its own.
-            jobs.append(_Job(tokens=prompt + continuation[:-1], reuse_limit=n - 1, out_from=n - 1))
+            jobs.append(
+                _Job(
+                    tokens=prompt + continuation[:-1],
+                    reuse_limit=n - 1,
+                    out_from=n - 1,
+                    reusable=min(req.reusable_prefix, n - 1),
+                )
+            )
             if continuation:
                 active.append(i)
         results: list[list[float]] = [[0.0] * len(r.continuation) for r in requests]
@@ -452,7 +517,15 @@ class LlamaEngine:
             # A job holds at most max_tokens - 1 generated tokens in the KV cache: the last
             # chosen token is never decoded.
             reserve = max(req.max_tokens - 1, 0)
-            jobs.append(_Job(tokens=prompt, reuse_limit=n - 1, out_from=n - 1, reserve=reserve))
+            jobs.append(
+                _Job(
+                    tokens=prompt,
+                    reuse_limit=n - 1,
+                    out_from=n - 1,
+                    reserve=reserve,
+                    reusable=min(req.reusable_prefix, n - 1),
+                )
+            )
             if req.max_tokens > 0:
                 active.append(i)
         outputs: list[Generation | None] = [None] * len(requests)
@@ -589,6 +662,8 @@ class LlamaEngine:
         if not self.prefix_cache:
             self._clear_memory()
         group_jobs = [jobs[i] for i in group]
+        if self.prefix_store is not None and self.prefix_cache:
+            self._stage_prefixes(group_jobs)
         shared = 0
         if self.share_prefix and len(group_jobs) > 1:
             shared = min(job.reuse_limit for job in group_jobs)
@@ -605,7 +680,10 @@ class LlamaEngine:
                 raise EngineError(
                     f"{len(group_jobs)} sequences do not fit the KV cache (n_ctx={self.n_ctx})"
                 )
-        self._stats.cached_tokens += sum(plan.cached)
+        # Staged tokens were counted as restored or prefilled already.
+        self._stats.cached_tokens += sum(
+            c - min(c, j.staged) for c, j in zip(plan.cached, group_jobs, strict=True)
+        )
 
         if plan.root >= 0:
             root_job = group_jobs[plan.root]
@@ -754,6 +832,108 @@ class LlamaEngine:
         dest.tokens = src.tokens[:length]
         dest.cells = src.cells[:length]
 
+    # ----------------------------------------------------------------- prefix-state store
+
+    def _stage_prefixes(self, group_jobs: list[_Job]) -> None:
+        """Put each job's reusable prefix alone into a slot, restored from the store if it can.
+
+        Only the exact prefix computed from position 0 is ever restored or saved (a sequence's
+        state holds all its tokens, so a prefix is saved while its slot holds nothing else). A
+        prefix some slot already holds is left to the planner. The planner then finds each
+        staged slot as a cached source and decodes only the rest of the prompt.
+        """
+        assert self.prefix_store is not None and self._model_sha256 is not None
+        staged: set[int] = set()
+        misses: list[tuple[_Slot, str]] = []
+        feeds: list[_Feed] = []
+        for job in group_jobs:
+            n = job.reusable
+            if n < self.prefix_min_tokens:
+                continue
+            prefix = job.tokens[:n]
+            holder = next(
+                (s for s in self._slots if _common_prefix(s.tokens, prefix, n) == n), None
+            )
+            if holder is None:
+                # Staged for decoding below: its tokens are not in the slot yet.
+                holder = next((f.slot for f in feeds if f.tokens == prefix), None)
+            if holder is not None:
+                if holder.seq_id in staged:  # staged for an earlier job of this group
+                    job.staged = n
+                continue
+            dest = self._staging_slot(staged)
+            if dest is None:
+                break
+            self._trim(dest, 0)
+            pending = sum(len(f.tokens) for f in feeds)
+            if not self._make_room(staged | {dest.seq_id}, pending + n):
+                break
+            dest.last_used = self._clock
+            staged.add(dest.seq_id)
+            job.staged = n
+            key = prefix_state_key(self._model_sha256, self.layout, prefix)
+            state = self.prefix_store.get(key)
+            if state is not None and self._restore(dest, prefix, state):
+                self._stats.kv_restores += 1
+                self._stats.kv_restored_tokens += n
+                continue
+            if state is None:
+                self._stats.kv_misses += 1
+            job.prefill += n
+            self._stats.prefill_tokens += n
+            misses.append((dest, key))
+            feeds.append(_Feed(dest, prefix, n, None))
+        if feeds:
+            # All missing prefixes in one batch, each alone in its sequence, so that each
+            # sequence's state is exactly its prefix when saved.
+            self._decode(feeds)
+            for slot, key in misses:
+                self._save(slot, key)
+
+    def _staging_slot(self, taken: set[int]) -> _Slot | None:
+        """An empty slot, else the least recently used one, outside `taken`."""
+        free = [s for s in self._slots if s.seq_id not in taken]
+        if not free:
+            return None
+        return min(free, key=lambda s: (bool(s.tokens), s.last_used))
+
+    def _restore(self, dest: _Slot, prefix: list[int], state: bytes) -> bool:
+        """Load `state` into the empty slot `dest`; False (slot left empty) if llama.cpp refuses
+        it or it does not hold exactly positions 0..len(prefix)-1."""
+        buf = (ctypes.c_uint8 * len(state)).from_buffer_copy(state)
+        read = llama_cpp.llama_state_seq_set_data(self._ctx, buf, len(state), dest.seq_id)
+        lo = llama_cpp.llama_memory_seq_pos_min(self._mem, dest.seq_id)
+        hi = llama_cpp.llama_memory_seq_pos_max(self._mem, dest.seq_id)
+        if read == len(state) and lo == 0 and hi == len(prefix) - 1:
+            dest.tokens = list(prefix)
+            dest.cells = list(range(self._next_cell, self._next_cell + len(prefix)))
+            self._next_cell += len(prefix)
+            return True
+        llama_cpp.llama_memory_seq_rm(self._mem, dest.seq_id, 0, -1)
+        self._stats.kv_restore_failures += 1
+        logger.warning(
+            "a stored KV state of %d tokens (%d bytes) did not restore (read %d bytes, "
+            "positions %d..%d); recomputing it",
+            len(prefix),
+            len(state),
+            read,
+            lo,
+            hi,
+        )
+        return False
+
+    def _save(self, slot: _Slot, key: str) -> None:
+        """Put the state of `slot` (exactly the reusable prefix) into the store."""
+        assert self.prefix_store is not None
+        size = llama_cpp.llama_state_seq_get_size(self._ctx, slot.seq_id)
+        buf = (ctypes.c_uint8 * size)()
+        written = llama_cpp.llama_state_seq_get_data(self._ctx, buf, size, slot.seq_id)
+        if written <= 0:
+            logger.warning("llama.cpp could not save the state of sequence %d", slot.seq_id)
+            return
+        self.prefix_store.put(key, bytes(memoryview(buf)[:written]))
+        self._stats.kv_saves += 1
+
     # ----------------------------------------------------------------- KV cache and decoding
 
     def _trim(self, slot: _Slot, n_keep: int) -> None:
@@ -842,9 +1022,15 @@ class LlamaEngine:
     def _require_open(self) -> None:
         if self._ctx is None or self._model is None:
             raise EngineError("the engine is closed")
+        if os.getpid() != self._pid:
+            # A forked child shares the parent's llama.cpp threads and buffers only in part.
+            raise EngineError("a LlamaEngine cannot be used after fork; load it in this process")
 
     def _check_tokens(self, tokens: Sequence[int], what: str) -> list[int]:
-        out = [int(t) for t in tokens]
+        try:
+            out = [int(t) for t in tokens]
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"{what}: token ids must be integers ({exc})") from exc
         for t in out:
             if not 0 <= t < self._n_vocab:
                 raise ValueError(
