@@ -20,6 +20,7 @@ from schemas.settings import Settings
 
 if TYPE_CHECKING:  # heavy modules (torch, llama.cpp) load only when a component is built
     from infra.embedder import SentenceEmbedder
+    from infra.kv_cache import TieredStateStore
     from infra.llama_engine import LlamaEngine
     from infra.qdrant_store import QdrantStore
     from infra.vllm_engine import VLLMEngine
@@ -74,7 +75,16 @@ class SelfRAG:
             n_threads=m.n_threads,
             n_batch=m.n_batch,
             model_id=model_id_for(m.path, path),
+            prefix_store=self.prefix_store,
+            prefix_min_tokens=self.settings.cache.kv_min_tokens,
         )
+
+    @cached_property
+    def prefix_store(self) -> TieredStateStore | None:
+        """The passage KV-state store (memory LRU, then Redis when configured), or None."""
+        from infra.kv_cache import open_prefix_store
+
+        return open_prefix_store(self.settings)
 
     @cached_property
     def decoder(self) -> SelfRAGDecoder:
@@ -97,7 +107,7 @@ class SelfRAG:
         return self.decoder.answer(request.question, self.effective_config(request))
 
     def close(self) -> None:
-        for name in ("engine", "store"):
+        for name in ("engine", "store", "prefix_store"):
             component = self.__dict__.pop(name, None)
             if component is not None:
                 component.close()

@@ -1,16 +1,29 @@
-"""The passage KV-state store: keys, tiers, Redis write-behind and outage."""
+"""The passage KV-state cache: keys, tiers, Redis write-behind and outage, and the engine's
+restore/save of reusable prefixes against the real SmolLM2.
+
+Restored states are compared with a recompute that splits the prompt the same way (prefix
+decoded alone, then the rest): llama.cpp's CPU flash-attention kernel gives slightly different
+results (up to ~0.03 nats) for the same prompt decoded in one call or in two, even with F32
+weights, while with flash attention off the two agree bit for bit. That is numerics, not the
+engine: the raw llama.cpp API shows the same difference.
+"""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from infra.cache import MemoryLRU, RedisTier
 from infra.kv_cache import ContextLayout, TieredStateStore, open_prefix_store, prefix_state_key
+from infra.llama_engine import LlamaEngine
+from infra.model_files import default_model_path, derive_weights
 from infra.settings import load_settings
+from pipeline.protocols import TokenScoreRequest
 from tests.redis_proc import RedisProcess, redis_or_skip
 
 LAYOUT = ContextLayout(
@@ -79,3 +92,128 @@ def test_states_reach_redis_behind_and_survive_an_outage(
     assert store.get("k2") == b"x"  # the memory tier still works
     assert other.counters()["redis_error"] >= 1
     proc.start()
+
+
+# --- the engine with a prefix-state store (real SmolLM2) ------------------------------------
+
+THREADS = min(2, os.cpu_count() or 1)
+TEMPLATE = (
+    "<|im_start|>system\nJudge whether the passage answers the question.<|im_end|>\n"
+    "<|im_start|>user\nPassage: "
+)
+PASSAGE = (
+    "The Normans were the people who in the 10th and 11th centuries gave their name to "
+    "Normandy, a region in France. They were descended from Norse raiders and pirates from "
+    "Denmark, Iceland and Norway who, under their leader Rollo, agreed to swear fealty to King "
+    "Charles III of West Francia.\n\n"
+)
+QUESTIONS = ["Who was the Norse leader?", "In what country is Normandy located?"]
+
+
+@pytest.fixture(scope="module")
+def weights(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return derive_weights(default_model_path(), "auto", tmp_path_factory.mktemp("kv-home"))
+
+
+def _engine(weights: Path, store: TieredStateStore | None, n_seq_max: int = 4) -> LlamaEngine:
+    return LlamaEngine(
+        weights,
+        n_ctx=1024,
+        n_seq_max=n_seq_max,
+        n_threads=THREADS,
+        n_batch=512,
+        model_id="smollm2",
+        prefix_store=store,
+        prefix_min_tokens=8,
+    )
+
+
+@pytest.fixture(scope="module")
+def engine(weights: Path) -> Iterator[LlamaEngine]:
+    with _engine(weights, TieredStateStore(MemoryLRU(64 << 20))) as eng:
+        yield eng
+
+
+def _request(engine: LlamaEngine, question: str) -> tuple[TokenScoreRequest, list[int]]:
+    prefix = engine.tokenize(TEMPLATE, special=True) + engine.tokenize(PASSAGE)
+    tail = engine.tokenize(f"Question: {question}<|im_end|>\n<|im_start|>assistant\n", special=True)
+    every = list(range(engine.n_vocab))
+    return TokenScoreRequest(prefix + tail, every, reusable_prefix=len(prefix)), prefix
+
+
+def _fresh(engine: LlamaEngine, store: TieredStateStore | None) -> None:
+    engine.clear_cache()
+    engine.reset_stats()
+    engine.prefix_store = store
+
+
+@pytest.mark.real
+def test_restored_prefix_equals_recompute_with_the_same_split(engine: LlamaEngine):
+    store = TieredStateStore(MemoryLRU(64 << 20))
+    for question in QUESTIONS:
+        req, prefix = _request(engine, question)
+        # Recompute with the split a restore implies: the prefix alone, then the rest.
+        _fresh(engine, None)
+        engine.next_token_logprobs([TokenScoreRequest(prefix, [0])])
+        recomputed = np.array(engine.next_token_logprobs([req])[0].logprobs)
+
+        _fresh(engine, store)
+        first = engine.next_token_logprobs([req])[0]  # cold for the first question
+        _fresh(engine, store)
+        warm = engine.next_token_logprobs([req])[0]
+        stats = engine.stats
+        assert stats.kv_restores == 1 and stats.kv_restored_tokens == len(prefix)
+        # Only the question was decoded: the warm cache saved the passage's prefill.
+        assert warm.prefill_tokens == stats.prefill_tokens == len(req.prompt) - len(prefix)
+        assert first.prefill_tokens == len(req.prompt) or question != QUESTIONS[0]
+        np.testing.assert_allclose(first.logprobs, recomputed, atol=1e-4, rtol=0)
+        np.testing.assert_allclose(warm.logprobs, recomputed, atol=1e-4, rtol=0)
+    assert store.counters()["put"] == 1  # one passage, one saved state
+
+
+@pytest.mark.real
+def test_the_key_follows_the_context_layout(engine: LlamaEngine, weights: Path):
+    store = TieredStateStore(MemoryLRU(64 << 20))
+    _fresh(engine, store)
+    req, prefix = _request(engine, QUESTIONS[0])
+    engine.next_token_logprobs([req])
+    assert engine.stats.kv_saves == 1
+    with _engine(weights, store, n_seq_max=2) as other:
+        assert other.layout != engine.layout and other.model_sha256 == engine.model_sha256
+        assert prefix_state_key(other.model_sha256 or "", other.layout, prefix) != (
+            prefix_state_key(engine.model_sha256 or "", engine.layout, prefix)
+        )
+        other.next_token_logprobs([req])
+        s = other.stats
+        # A miss under its own key: a state of the other layout is never tried.
+        assert (s.kv_misses, s.kv_restore_failures, s.kv_restores, s.kv_saves) == (1, 0, 0, 1)
+
+
+@pytest.mark.real
+@pytest.mark.parametrize("kind", ["garbage", "truncated", "foreign"])
+def test_a_bad_stored_state_falls_back_to_recompute(engine: LlamaEngine, kind: str):
+    store = TieredStateStore(MemoryLRU(64 << 20))
+    req, prefix = _request(engine, QUESTIONS[0])
+    _fresh(engine, store)
+    expected = engine.next_token_logprobs([req])[0].logprobs
+    key = prefix_state_key(engine.model_sha256 or "", engine.layout, prefix)
+    good = store.get(key)
+    assert good is not None
+    if kind == "garbage":
+        bad = bytes(range(256)) * 64
+    elif kind == "truncated":
+        bad = good[: len(good) // 2]
+    else:  # a valid state of another prefix (fewer tokens)
+        short = TokenScoreRequest([*prefix[:-5], 0], [0], reusable_prefix=len(prefix) - 5)
+        _fresh(engine, store)
+        engine.next_token_logprobs([short])
+        bad = store.get(prefix_state_key(engine.model_sha256 or "", engine.layout, prefix[:-5]))
+        assert bad is not None
+    store.put(key, bad)
+    _fresh(engine, store)
+    got = engine.next_token_logprobs([req])[0]
+    s = engine.stats
+    assert (s.kv_restore_failures, s.kv_restores, s.kv_saves) == (1, 0, 1)
+    assert got.prefill_tokens == len(req.prompt)
+    np.testing.assert_allclose(got.logprobs, expected, atol=1e-4, rtol=0)
+    assert store.get(key) == good  # the recomputed state replaced the bad one
