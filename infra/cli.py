@@ -82,7 +82,22 @@ def build_parser() -> argparse.ArgumentParser:
     p_config.add_argument("--json", action="store_true")
 
     _eval_parsers(sub)
+    _batch_parser(sub)
     return parser
+
+
+def _batch_parser(sub: Any) -> None:
+    p = sub.add_parser("batch", help="Answer a file of questions on Ray Data (resumable).")
+    p.add_argument("questions", type=Path, help="JSONL {id?, question, config?}, CSV or Parquet.")
+    p.add_argument("--out", type=Path, required=True,
+                   help="Answers, one JSON line per id; a rerun answers only the missing ids.")
+    p.add_argument("--actors", type=int, help="Engine actors (default: one per available CPU).")
+    p.add_argument("--per-actor", type=int, default=8,
+                   help="Questions an actor decodes together (one merged engine batch).")
+    p.add_argument("--limit", type=int, help="Keep the first N questions (after --shard).")
+    p.add_argument("--shard", help="i/n: keep every n-th question from the i-th (0-based).")
+    p.add_argument("--address", help="Ray cluster address (default: a private local instance).")
+    p.add_argument("--no-progress", action="store_true")
 
 
 def _dataset_args(p: argparse.ArgumentParser) -> None:
@@ -106,6 +121,9 @@ def _eval_parsers(sub: Any) -> None:
                         help="Report folder; a rerun resumes from its records.jsonl.")
     p_eval.add_argument("--plot", action="store_true",
                         help="Also write accuracy-vs-δ and s_sup reliability PNGs.")
+    p_eval.add_argument("--ray", action="store_true",
+                        help="Answer the selfrag-* systems through the `selfrag batch` path.")
+    p_eval.add_argument("--actors", type=int, help="With --ray: engine actors.")
     _decoding_flags(p_eval)
 
     p_cal = sub.add_parser("calibrate", help="Fit the likelihood critique's calibration on a "
@@ -331,6 +349,13 @@ def cmd_eval(args: argparse.Namespace) -> int:
     with SelfRAG(settings) as rag:
         ensure_indexed(rag, args.corpus, progress=not args.no_progress)
         config = overrides.apply_to(settings.decoding)
+        if args.ray:
+            from infra.batch import run_eval_systems
+
+            # The actors' retriever needs the embedded store folder: release it meanwhile.
+            rag.close()
+            run_eval_systems(settings, questions, systems, args.out, config,
+                             actors=args.actors, progress=not args.no_progress)
         report = run_evaluation(rag, questions, systems, args.out, config,
                                 progress=not args.no_progress, probe_p_ret=args.plot)
     print(render_table(report))
@@ -371,7 +396,23 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS.update({"eval": cmd_eval, "calibrate": cmd_calibrate})
+def cmd_batch(args: argparse.Namespace) -> int:
+    from infra.batch import parse_shard, run_batch
+
+    if args.actors is not None and args.actors < 1:
+        raise CLIError("--actors must be at least 1")
+    if args.per_actor < 1:
+        raise CLIError("--per-actor must be at least 1")
+    summary = run_batch(
+        _settings(args), args.questions, args.out, actors=args.actors, per_actor=args.per_actor,
+        limit=_limit(args), shard=parse_shard(args.shard), address=args.address,
+        progress=not args.no_progress,
+    )
+    print(summary.line())
+    return EXIT_PARTIAL if summary.failed or summary.malformed else 0
+
+
+COMMANDS.update({"eval": cmd_eval, "calibrate": cmd_calibrate, "batch": cmd_batch})
 
 
 def main(argv: Sequence[str] | None = None) -> int:
