@@ -196,3 +196,43 @@ def test_repeated_query_is_a_cache_hit_and_redis_down_still_answers(
     redis_for_app.start()
     time.sleep(1.1)  # past cache.redis_retry_s
     assert api.get("/readyz").status_code == 200
+
+
+def test_killed_branch_pool_replica_gives_a_clean_error_then_recovers(api: httpx.Client):
+    """`ray.kill` the engine replica while a request is decoding: that request ends with a
+    clean 503 (Retry-After) or 504, or succeeds on the restarted replica, never hangs; Serve
+    starts a new replica and answers come back."""
+    import ray
+
+    def pool_replicas() -> list[str]:
+        # Through this driver's own connection: the state API would have to pick among every
+        # Ray instance on the machine.
+        named = ray.util.list_named_actors(all_namespaces=True)
+        return [a["name"] for a in named if "#BranchPool#" in a["name"]]
+
+    (victim,) = pool_replicas()
+    payload = {
+        "question": "Which treaty gave Normandy to Rollo?",
+        "config": {**SMALL, "max_segments": 2, "timeout_s": 90},
+    }
+    with ThreadPoolExecutor(1) as ex:
+        pending = ex.submit(api.post, "/v1/answer", json=payload)
+        time.sleep(1.0)  # the request is in the decoder by now
+        ray.kill(ray.get_actor(victim, namespace="serve"))
+        started = time.monotonic()
+        r = pending.result(timeout=150)
+    assert time.monotonic() - started < 120
+    assert r.status_code in (200, 503, 504), r.text
+    if r.status_code == 503:
+        assert r.json()["error"] in {"dependency_unavailable", "overloaded"}
+        assert r.headers["retry-after"]
+    deadline = time.monotonic() + 180
+    while True:
+        again = api.post("/v1/answer", json={"question": "Who was Rollo's son?", "config": SMALL})
+        if again.status_code == 200:
+            break
+        assert again.status_code in (503, 504), again.text
+        assert time.monotonic() < deadline, "no answer 180 s after the replica was killed"
+        time.sleep(2.0)
+    assert victim not in pool_replicas()
+    assert api.get("/readyz").status_code == 200
