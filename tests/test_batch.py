@@ -158,6 +158,34 @@ def test_merger_isolates_a_failing_call():
     assert outcome == {"good": 1, "bad": "model error"}
 
 
+def test_a_question_past_its_timeout_gets_an_error_record():
+    import time
+    from types import SimpleNamespace
+
+    from infra.batch import BatchAnswerer
+    from pipeline.protocols import Passage
+    from tests.fakes import ListRetriever
+
+    class Slow(ScriptedCritic):
+        def relevance(self, branches):  # type: ignore[no-untyped-def]
+            time.sleep(0.3)
+            return super().relevance(branches)
+
+    critic = Slow()
+    # The actor without its engine: the decoding path of one question around a slow critic.
+    actor = object.__new__(BatchAnswerer)
+    actor._rag = SimpleNamespace(critic=lambda source: critic)  # type: ignore[attr-defined]
+    actor._store = ListRetriever([Passage("p1", "Rollo founded Normandy.")])  # type: ignore[attr-defined]
+    actor._index_version, actor._model_id, actor._cache = "v", "m", None  # type: ignore[attr-defined]
+    actor._merger = CallMerger(lambda source: critic, max_wait_s=0.01)  # type: ignore[attr-defined]
+    config = DecodingConfig(mode="always", timeout_s=0.1)
+    outcome = json.loads(actor._answer_one("Who founded Normandy?", config))
+    assert outcome["status"] == "error" and outcome["error"]["type"] == "timeout"
+    assert "timeout_s=0.1" in outcome["error"]["message"]
+    ok = json.loads(actor._answer_one("Who founded Normandy?", DecodingConfig(mode="always")))
+    assert ok["status"] == "ok" and ok["response"]["answer"]
+
+
 # --- real: Ray Data, llama.cpp, embedded Qdrant --------------------------------------------------
 
 
