@@ -22,13 +22,13 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import TracebackType
 
 import llama_cpp
 import numpy as np
 import numpy.typing as npt
 
 from infra.kv_cache import ContextLayout, PrefixStateStore, prefix_state_key
+from infra.lifecycle import Closeable
 from infra.model_files import check_gguf, file_sha256
 from pipeline.protocols import (
     ContinuationRequest,
@@ -198,7 +198,7 @@ def _common_prefix(a: Sequence[int], b: Sequence[int], limit: int) -> int:
     return lo
 
 
-class LlamaEngine:
+class LlamaEngine(Closeable):
     """A llama.cpp model with batched scoring, batched greedy generation and a prefix cache.
 
     The model is loaded in the calling process; use one engine per process (no fork after load).
@@ -314,17 +314,6 @@ class LlamaEngine:
         if self._model is not None:
             llama_cpp.llama_model_free(self._model)
             self._model = None
-
-    def __enter__(self) -> LlamaEngine:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
 
     def __del__(self) -> None:
         try:

@@ -28,6 +28,7 @@ import numpy as np
 from qdrant_client import QdrantClient, models
 
 from infra import sparse
+from infra.lifecycle import Closeable
 from pipeline.protocols import Passage
 from schemas.settings import RetrievalSettings
 
@@ -66,7 +67,7 @@ def point_id(passage_id: str) -> str:
     return str(uuid.uuid5(_POINT_NAMESPACE, passage_id))
 
 
-class QdrantStore:
+class QdrantStore(Closeable):
     """A `Retriever` over one Qdrant collection, plus the writes indexing needs."""
 
     def __init__(
@@ -150,12 +151,6 @@ class QdrantStore:
                 if self._folder is not None:
                     with _OPEN_FOLDERS_LOCK:
                         _OPEN_FOLDERS.discard(str(self._folder))
-
-    def __enter__(self) -> QdrantStore:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     def ready(self) -> bool:
         """True when the store answers a request."""

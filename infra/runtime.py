@@ -9,9 +9,9 @@ from __future__ import annotations
 import threading
 from functools import cached_property
 from pathlib import Path
-from types import TracebackType
 from typing import TYPE_CHECKING
 
+from infra.lifecycle import Closeable
 from pipeline.critique import Critic, make_critic
 from pipeline.decoder import SelfRAGDecoder
 from schemas.answer import AnswerRequest, AnswerResponse
@@ -26,7 +26,7 @@ if TYPE_CHECKING:  # heavy modules (torch, llama.cpp) load only when a component
     from infra.vllm_engine import VLLMEngine
 
 
-class SelfRAG:
+class SelfRAG(Closeable):
     """One process's Self-RAG system. Thread-safe; the engine serialises its own calls."""
 
     def __init__(self, settings: Settings) -> None:
@@ -93,9 +93,7 @@ class SelfRAG:
     def critic(self, source: str) -> Critic:
         with self._lock:
             if source not in self._critics:
-                self._critics[source] = make_critic(
-                    self.engine, source, self.settings.calibration
-                )
+                self._critics[source] = make_critic(self.engine, source, self.settings.calibration)
             return self._critics[source]
 
     # --- operations -----------------------------------------------------------------------------
@@ -111,17 +109,6 @@ class SelfRAG:
             component = self.__dict__.pop(name, None)
             if component is not None:
                 component.close()
-
-    def __enter__(self) -> SelfRAG:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
 
 
 def model_id_for(configured: str | None, path: Path) -> str:

@@ -24,6 +24,7 @@ from typing import Any
 
 import httpx
 
+from infra.lifecycle import Closeable
 from pipeline.protocols import (
     ContinuationRequest,
     ContinuationScores,
@@ -46,7 +47,7 @@ class VLLMError(RuntimeError):
     """The vLLM server failed, or answered something this adapter cannot use."""
 
 
-class VLLMEngine:
+class VLLMEngine(Closeable):
     """A model served by vLLM. Thread-safe (one pooled HTTP client)."""
 
     def __init__(
@@ -69,12 +70,6 @@ class VLLMEngine:
 
     def close(self) -> None:
         self._http.close()
-
-    def __enter__(self) -> VLLMEngine:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     # ----------------------------------------------------------------- HTTP
 
