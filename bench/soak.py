@@ -1,0 +1,304 @@
+"""Soak test: a bounded mixed load on the HTTP endpoint for a fixed time, from a second process
+on loopback.
+
+The mix, per request drawn at random: `/v1/answer` with a question from a small pool (so it
+repeats and the query cache answers), `/v1/answer/stream`, a fresh question (a cache miss), and
+malformed requests (bad JSON, over-long question, unknown field, out-of-range dial, oversized
+body). Every response is classified:
+
+* succeeded: 200 to a valid request (a stream counts when it ends with its `answer` event);
+* rejected as designed: 422/413 to a malformed request, 503 (with Retry-After) or 504 to a
+  valid one under load;
+* failed unexpectedly: anything else (5xx other than 503/504, a 4xx to a valid request, a 200
+  to a malformed one, a stream without its answer, a connection error). Must be 0.
+
+Alongside, the resident memory (VmRSS from /proc) of every Ray Serve replica process is
+sampled; the report gives each replica's peak and its peak in the first and last thirds of the
+run, so growth shows as last ≫ first.
+
+Without `--url` it starts `selfrag serve` itself (`--home`: an indexed SELFRAG_HOME). The last
+line holds the figures as `name=value`.
+
+    .venv/bin/python -m bench.soak --home /path/to/indexed/home --duration-s 600
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import threading
+import time
+from collections import Counter, defaultdict
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from bench.serve_load import SMALL_CONFIG, questions, served
+
+REPLICA_MARK = "ServeReplica:"
+
+
+@dataclass
+class Tally:
+    """Counts and latencies, shared by the client threads (guarded by `lock`)."""
+
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    sent: Counter[str] = field(default_factory=Counter)
+    outcome: Counter[str] = field(default_factory=Counter)
+    latencies: list[float] = field(default_factory=list)
+    failures: Counter[str] = field(default_factory=Counter)
+
+    def add(self, kind: str, outcome: str, seconds: float, why: str = "") -> None:
+        with self.lock:
+            self.sent[kind] += 1
+            self.outcome[outcome] += 1
+            if outcome == "succeeded":
+                self.latencies.append(seconds)
+            if outcome == "failed":
+                self.failures[f"{kind}: {why}"[:160]] += 1
+
+
+MALFORMED: list[tuple[str, bytes, set[int]]] = [
+    ("bad_json", b'{"question": "Who', {422}),
+    ("too_long", json.dumps({"question": "why " * 600}).encode(), {422}),
+    ("unknown_field", json.dumps({"question": "q", "temperature": 1}).encode(), {422}),
+    ("bad_dial", json.dumps({"question": "q", "config": {"top_k": 0}}).encode(), {422}),
+    ("huge_body", b'{"question": "' + b"x" * 70_000 + b'"}', {413}),
+]
+
+
+def _descendants(root: int) -> set[int]:
+    """`root` and every process below it (from /proc/*/stat parent ids)."""
+    children: dict[int, list[int]] = defaultdict(list)
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            # Field 4 (after the parenthesised command, which may hold spaces) is the parent.
+            children[int(stat.rsplit(")", 1)[1].split()[1])].append(int(entry.name))
+    out, todo = set(), [root]
+    while todo:
+        pid = todo.pop()
+        out.add(pid)
+        todo += children.get(pid, [])
+    return out
+
+
+def replica_rss(server_pid: int | None) -> dict[str, int]:
+    """VmRSS in bytes of each Ray Serve replica process, as `Deployment[pid]`; only those
+    below `server_pid` when given (other Ray instances may run on the same machine)."""
+    mine = _descendants(server_pid) if server_pid is not None else None
+    out: dict[str, int] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or (mine is not None and int(entry.name) not in mine):
+            continue
+        try:
+            cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            if REPLICA_MARK not in cmd:
+                continue
+            status = (entry / "status").read_text()
+        except OSError:  # the process ended meanwhile
+            continue
+        for line in status.splitlines():
+            if line.startswith("VmRSS:"):
+                # The title is `ray::ServeReplica:app:Deployment.method` while it runs a call.
+                name = cmd.split(REPLICA_MARK, 1)[1].split()[0].split(".")[0]
+                out[f"{name}[{entry.name}]"] = int(line.split()[1]) * 1024
+    return out
+
+
+def one_request(
+    client: httpx.Client, rng: random.Random, pool: list[str], fresh: list[str]
+) -> tuple[str, str, float, str]:
+    """Send one request of the mix; (kind, outcome, seconds, why-if-failed)."""
+    roll = rng.random()
+    start = time.perf_counter()
+    try:
+        if roll < 0.15:
+            name, body, expected = rng.choice(MALFORMED)
+            r = client.post(
+                "/v1/answer", content=body, headers={"content-type": "application/json"}
+            )
+            elapsed = time.perf_counter() - start
+            if r.status_code in expected and "error" in r.json():
+                return f"malformed:{name}", "rejected", elapsed, ""
+            return f"malformed:{name}", "failed", elapsed, f"HTTP {r.status_code}"
+        if roll < 0.35:
+            kind = "stream"
+            payload = {"question": rng.choice(pool), "config": SMALL_CONFIG}
+            with client.stream("POST", "/v1/answer/stream", json=payload) as r:
+                text = r.read().decode()
+            elapsed = time.perf_counter() - start
+            if r.status_code == 200:
+                if "event: answer" in text:
+                    return kind, "succeeded", elapsed, ""
+                return kind, "failed", elapsed, "stream ended without its answer"
+        else:
+            kind = "answer_repeat" if roll < 0.85 else "answer_fresh"
+            question = rng.choice(pool) if kind == "answer_repeat" else rng.choice(fresh)
+            r = client.post("/v1/answer", json={"question": question, "config": SMALL_CONFIG})
+            elapsed = time.perf_counter() - start
+            if r.status_code == 200 and r.json()["answer"] is not None:
+                return kind, "succeeded", elapsed, ""
+        if r.status_code in (503, 504):
+            if r.status_code == 503 and "retry-after" not in r.headers:
+                return kind, "failed", elapsed, "503 without Retry-After"
+            return kind, "rejected", elapsed, ""
+        return kind, "failed", elapsed, f"HTTP {r.status_code}: {r.text[:80]}"
+    except httpx.HTTPError as exc:
+        return "transport", "failed", time.perf_counter() - start, f"{type(exc).__name__}: {exc}"
+
+
+def soak(
+    url: str,
+    duration_s: float,
+    clients: int,
+    sample_s: float,
+    seed: int,
+    server_pid: int | None = None,
+) -> dict[str, float]:
+    qs = questions(200)
+    pool, fresh = qs[:8], qs[8:] or qs
+    tally = Tally()
+    samples: list[tuple[float, dict[str, int]]] = []
+    started = time.monotonic()
+    stop = threading.Event()
+
+    def client_loop(i: int) -> None:
+        rng = random.Random(seed + i)
+        with httpx.Client(base_url=url, timeout=httpx.Timeout(300.0)) as client:
+            while not stop.is_set():
+                tally.add(*one_request(client, rng, pool, fresh))
+
+    def sampler() -> None:
+        while not stop.is_set():
+            samples.append((time.monotonic() - started, replica_rss(server_pid)))
+            stop.wait(sample_s)
+
+    with ThreadPoolExecutor(clients + 1) as ex:
+        ex.submit(sampler)
+        futures = [ex.submit(client_loop, i) for i in range(clients)]
+        last = started
+        while time.monotonic() - started < duration_s:
+            time.sleep(1.0)
+            if time.monotonic() - last >= 60:
+                last = time.monotonic()
+                with tally.lock:
+                    print(
+                        f"  t={last - started:5.0f}s sent={sum(tally.sent.values())} "
+                        f"{dict(tally.outcome)}",
+                        flush=True,
+                    )
+        stop.set()
+        for f in futures:
+            f.result()
+    samples.append((time.monotonic() - started, replica_rss(server_pid)))
+    return report(tally, samples, time.monotonic() - started)
+
+
+def report(
+    tally: Tally, samples: list[tuple[float, dict[str, int]]], wall: float
+) -> dict[str, float]:
+    lat = sorted(tally.latencies)
+
+    def pct(q: float) -> float:
+        return lat[min(len(lat) - 1, int(q * len(lat)))] * 1000 if lat else float("nan")
+
+    sent = sum(tally.sent.values())
+    print(
+        f"\nran {wall:.0f} s; requests sent {sent}: "
+        + ", ".join(f"{k} {v}" for k, v in sorted(tally.sent.items()))
+    )
+    print(
+        f"succeeded {tally.outcome['succeeded']}, rejected as designed (4xx/503/504) "
+        f"{tally.outcome['rejected']}, failed unexpectedly {tally.outcome['failed']}"
+    )
+    for why, n in tally.failures.most_common(10):
+        print(f"  failure x{n}: {why}")
+    print(f"latency of successes ms: p50 {pct(0.5):.0f}  p95 {pct(0.95):.0f}  p99 {pct(0.99):.0f}")
+
+    # RSS per replica process: peak overall, and peaks of the first and last thirds.
+    series: dict[str, list[tuple[float, int]]] = defaultdict(list)
+    for t, rss in samples:
+        for name, value in rss.items():
+            series[name].append((t, value))
+    total_peak = max((sum(r.values()) for _, r in samples), default=0)
+    growth = 0.0
+    # Middle vs last third: the first third holds the warm-up (model load, caches filling).
+    print("replica RSS MiB (peak; middle third peak -> last third peak; per minute):")
+    for name, points in sorted(series.items()):
+        third = wall / 3
+        middle = max((v for t, v in points if third <= t < 2 * third), default=0)
+        final = max((v for t, v in points if t >= 2 * third), default=0)
+        peak = max(v for _, v in points)
+        if middle and final:
+            growth = max(growth, final / middle - 1)
+        minutes: dict[int, int] = {}
+        for t, v in points:
+            minutes[int(t // 60)] = max(minutes.get(int(t // 60), 0), v)
+        trend = " ".join(f"{v / 2**20:.0f}" for _, v in sorted(minutes.items()))
+        print(
+            f"  {name:<28} {peak / 2**20:7.1f}; {middle / 2**20:7.1f} -> {final / 2**20:7.1f}"
+            f"  [{trend}]"
+        )
+    figures = {
+        "duration_s": round(wall),
+        "sent": sent,
+        "succeeded": tally.outcome["succeeded"],
+        "rejected": tally.outcome["rejected"],
+        "failed": tally.outcome["failed"],
+        "p50_ms": round(pct(0.5)),
+        "p95_ms": round(pct(0.95)),
+        "p99_ms": round(pct(0.99)),
+        "replicas_rss_peak_mib": round(total_peak / 2**20),
+        "rss_growth_last_vs_middle_third_pct": round(100 * growth, 1),
+    }
+    return figures
+
+
+def server_pid(port: int) -> int | None:
+    """The `selfrag serve --port PORT` process this script started (its replicas are below it)."""
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                cmd = (entry / "cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if b"serve" in cmd and b"--port" in cmd and str(port).encode() in cmd:
+                return int(entry.name)
+    return None
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--url", help="Endpoint to soak; default: start `selfrag serve` here.")
+    p.add_argument("--home", help="SELFRAG_HOME of the server this script starts.")
+    p.add_argument("--port", type=int, default=8765)
+    p.add_argument("--duration-s", type=float, default=600.0)
+    p.add_argument("--clients", type=int, default=4, help="Concurrent client threads.")
+    p.add_argument("--sample-s", type=float, default=5.0, help="RSS sampling period.")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--server-pid", type=int, help="With --url: count only replicas below it.")
+    args = p.parse_args(argv)
+    if args.url:
+        figures = soak(
+            args.url, args.duration_s, args.clients, args.sample_s, args.seed, args.server_pid
+        )
+    else:
+        with served(args.home, args.port, None) as url:
+            pid = server_pid(args.port)
+            figures = soak(url, args.duration_s, args.clients, args.sample_s, args.seed, pid)
+    print(" ".join(f"{k}={v}" for k, v in figures.items()))
+    return 1 if figures["failed"] else 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    raise SystemExit(main())
