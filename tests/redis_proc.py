@@ -1,6 +1,7 @@
 """A real `redis-server` child process on a free loopback port, which tests may kill and
 restart; or, where no `redis-server` binary exists, the server named by
-`$SELFRAG_TEST_REDIS_URL` (then it cannot be killed and such tests skip)."""
+`$REDIS_TEST_URL` (then it cannot be killed and such tests skip). The variable is not
+named SELFRAG_*: that prefix is reserved for settings, which reject unknown names."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import time
 
 import pytest
 
-TEST_REDIS_URL_ENV = "SELFRAG_TEST_REDIS_URL"
+TEST_REDIS_URL_ENV = "REDIS_TEST_URL"
 
 
 def free_port() -> int:
@@ -79,4 +80,6 @@ def redis_or_skip() -> tuple[str, RedisProcess | None]:
     url = os.environ.get(TEST_REDIS_URL_ENV)
     if url:
         return url, None
+    if os.environ.get("CI"):
+        pytest.fail("CI must provide redis-server (.ci/run installs it)")
     pytest.skip(f"no redis-server on PATH and no ${TEST_REDIS_URL_ENV}")

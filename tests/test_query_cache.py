@@ -146,7 +146,7 @@ def test_killed_redis_is_bypassed_counted_and_used_again_after_restart(
 ):
     _, proc = redis_server
     if proc is None:
-        pytest.skip("an external Redis ($SELFRAG_TEST_REDIS_URL) cannot be killed")
+        pytest.skip("an external Redis ($REDIS_TEST_URL) cannot be killed")
     cache = _cache(redis_url, tmp_path)
     before = query_key("before", DecodingConfig(), "v1", "m")
     cache.put(before, _response("before"))
