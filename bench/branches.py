@@ -2,10 +2,14 @@
 
 Each branch prompt is a shared ~120-token prefix (instruction + question) followed by a
 different Wikipedia passage (~250 tokens in all); each branch then generates 32 tokens greedily.
-Three ways to run one step of K branches, on the same weights file, threads and prompts:
+Ways to run one step of K branches, on the same weights file, threads and prompts:
 
-  (a) one `llama_cpp.Llama.create_completion` per branch, in sequence (what the LlamaIndex
-      Self-RAG pack does; the high-level class reuses the previous prompt's KV prefix itself);
+  (a) one `llama_cpp.Llama.create_completion` per branch, in sequence, configured as the
+      LlamaIndex Self-RAG pack configures it: `logits_all=True` on the model and `logprobs`
+      on every call, because the pack reads its reflection-token probabilities from them;
+  (a0) the same calls without logprobs and without `logits_all` — the strongest sequential
+      baseline, not what the pack can run (the high-level class reuses the previous prompt's
+      KV prefix itself, so it also decodes the shared prefix only once per step);
   (b) one `LlamaEngine.generate` call: all branches in one multi-sequence batch, every
       sequence prefilling its whole prompt (share_prefix=False, prefix_cache=False);
   (c) as (b), with the shared prefix decoded once and copied by seq_cp (share_prefix=True,
@@ -71,8 +75,10 @@ def build_prompts(
     return prompts, len(engine.bos_tokens()) + len(head)
 
 
-def run_sequential(llm: llama_cpp.Llama, prompts: list[list[int]], gen: int) -> StepResult:
-    """(a): one create_completion per branch; the Llama object starts each step cold."""
+def run_sequential(
+    llm: llama_cpp.Llama, prompts: list[list[int]], gen: int, logprobs: int | None = None
+) -> StepResult:
+    """(a)/(a0): one create_completion per branch; the Llama object starts each step cold."""
     llm.reset()
     prefill = 0
     outputs = []
@@ -85,7 +91,12 @@ def run_sequential(llm: llama_cpp.Llama, prompts: list[list[int]], gen: int) -> 
             cached += 1
         prefill += len(prompt) - min(cached, len(prompt) - 1)
         out = llm.create_completion(
-            prompt=prompt, max_tokens=gen, temperature=0.0, top_k=1, repeat_penalty=1.0
+            prompt=prompt,
+            max_tokens=gen,
+            temperature=0.0,
+            top_k=1,
+            repeat_penalty=1.0,
+            logprobs=logprobs,
         )
         outputs.append(llm.tokenize(out["choices"][0]["text"].encode(), add_bos=False))
     seconds = time.perf_counter() - start
@@ -116,8 +127,23 @@ def run_batched(
     )
 
 
+def _llama(path: Path, args: argparse.Namespace, *, logits_all: bool) -> llama_cpp.Llama:
+    # Same file, threads and batch size; flash attention on as in the engine's context (llama.cpp
+    # enables it on CPU by default), so that only the batching differs.
+    return llama_cpp.Llama(
+        model_path=str(path),
+        n_ctx=4096,
+        n_threads=args.threads,
+        n_threads_batch=args.threads,
+        n_batch=512,
+        flash_attn=True,
+        logits_all=logits_all,
+        verbose=False,
+    )
+
+
 def bench_weights(
-    path: Path, passages: list[str], args: argparse.Namespace
+    path: Path, passages: list[str], args: argparse.Namespace, *, pack: bool
 ) -> dict[str, list[StepResult]]:
     engine = LlamaEngine(
         path,
@@ -127,17 +153,8 @@ def bench_weights(
         n_batch=512,
         model_id=path.name,
     )
-    # Same file, threads and batch size; flash attention on as in the engine's context (llama.cpp
-    # enables it on CPU by default), so that only the batching differs.
-    llm = llama_cpp.Llama(
-        model_path=str(path),
-        n_ctx=4096,
-        n_threads=args.threads,
-        n_threads_batch=args.threads,
-        n_batch=512,
-        flash_attn=True,
-        verbose=False,
-    )
+    llm = _llama(path, args, logits_all=False)
+    pack_llm = _llama(path, args, logits_all=True) if pack else None
     init_backend()  # Llama() installs its own llama.cpp log handler; keep the engine's
     try:
         prompts, shared = build_prompts(engine, passages, args.prompt_tokens)
@@ -145,27 +162,37 @@ def bench_weights(
             f"\n{path.name}: {len(prompts)} branches, prompts of {len(prompts[0])} tokens "
             f"({shared} shared), {args.gen} generated tokens each, {args.threads} threads"
         )
-        runs: dict[str, list[StepResult]] = {"a": [], "b": [], "c": []}
+        runs: dict[str, list[StepResult]] = {"a": [], "a0": [], "b": [], "c": []}
         run_sequential(llm, prompts, args.gen)  # warm-up: page in the weights
         run_batched(engine, prompts, args.gen, share_prefix=True)
-        for _ in range(args.reps):
-            runs["a"].append(run_sequential(llm, prompts, args.gen))
+        if pack_llm is None:
+            del runs["a"]
+        for rep in range(args.reps):
+            # The pack's configuration is an order of magnitude slower: fewer repetitions, still
+            # interleaved with the others so that outside load hits all variants alike.
+            if pack_llm is not None and rep < args.pack_reps:
+                runs["a"].append(run_sequential(pack_llm, prompts, args.gen, args.pack_logprobs))
+            runs["a0"].append(run_sequential(llm, prompts, args.gen))
             runs["b"].append(run_batched(engine, prompts, args.gen, share_prefix=False))
             runs["c"].append(run_batched(engine, prompts, args.gen, share_prefix=True))
         return runs
     finally:
         llm.close()
+        if pack_llm is not None:
+            pack_llm.close()
         engine.close()
 
 
 def print_table(runs: dict[str, list[StepResult]]) -> dict[str, float]:
     labels = {
-        "a": "(a) create_completion x K",
+        "a": "(a) pack: logits_all+logprobs",
+        "a0": "(a0) create_completion x K",
         "b": "(b) one batch, no sharing",
         "c": "(c) one batch, shared prefix",
     }
     medians = {k: statistics.median(r.seconds for r in v) for k, v in runs.items()}
-    reference = runs["a"][-1].outputs
+    base = "a" if "a" in runs else "a0"
+    reference = runs["a0"][-1].outputs
     print(f"| {'variant':30} | median s | min s | vs (a) | prefill tok | decodes | same text |")
     print(f"|{'-' * 32}|---------:|------:|-------:|------------:|--------:|----------:|")
     for key, results in runs.items():
@@ -174,7 +201,7 @@ def print_table(runs: dict[str, list[StepResult]]) -> dict[str, float]:
         decodes = "-" if last.decode_calls < 0 else str(last.decode_calls)
         print(
             f"| {labels[key]:30} | {medians[key]:8.2f} | {min(r.seconds for r in results):5.2f} "
-            f"| {medians['a'] / medians[key]:5.2f}x | {last.prefill_tokens:11d} | {decodes:>7} "
+            f"| {medians[base] / medians[key]:5.2f}x | {last.prefill_tokens:11d} | {decodes:>7} "
             f"| {f'{same}/{len(reference)}':>9} |"
         )
     return medians
@@ -189,6 +216,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--gen", type=int, default=32, help="tokens generated per branch")
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--pack-reps", type=int, default=1, help="repetitions of (a)")
+    parser.add_argument(
+        "--pack-logprobs",
+        type=int,
+        default=20,
+        help="logprobs per call in (a); the pack asks for the whole vocabulary (32016)",
+    )
     args = parser.parse_args(argv)
 
     corpus = args.data / "wiki_sample_1000.jsonl"
@@ -200,11 +234,13 @@ def main(argv: list[str] | None = None) -> None:
         derived = derive_weights(original, "auto", home)
         figures: dict[str, float] = {}
         for prefix, path in (("", derived), ("q41_", original)):
-            medians = print_table(bench_weights(path, passages, args))
-            for key in ("a", "b", "c"):
-                figures[f"{prefix}{key}_s"] = medians[key]
-            figures[f"{prefix}a_over_b"] = medians["a"] / medians["b"]
-            figures[f"{prefix}a_over_c"] = medians["a"] / medians["c"]
+            medians = print_table(bench_weights(path, passages, args, pack=not prefix))
+            for key, value in medians.items():
+                figures[f"{prefix}{key}_s"] = value
+            if "a" in medians:
+                figures[f"{prefix}a_over_b"] = medians["a"] / medians["b"]
+                figures[f"{prefix}a_over_c"] = medians["a"] / medians["c"]
+            figures[f"{prefix}a0_over_c"] = medians["a0"] / medians["c"]
             figures[f"{prefix}b_over_c"] = medians["b"] / medians["c"]
     print()
     print(" ".join(f"{name}={value:.3f}" for name, value in figures.items()))
