@@ -420,6 +420,9 @@ class RetrieverActor:
     def count(self) -> int:
         return self._store.count()
 
+    def close(self) -> None:
+        self._rag.close()
+
 
 class _RemoteStore:
     """`pipeline.protocols.Retriever` through a `RetrieverActor` handle."""
@@ -629,7 +632,7 @@ def stream_answers(
         fn_constructor_kwargs={"settings_json": settings_json, "retriever": retriever,
                                "n_threads": plan.n_threads},
         batch_size=None,
-        concurrency=plan.actors,
+        compute=ray.data.ActorPoolStrategy(size=plan.actors),
         num_cpus=plan.actor_cpus,
         batch_format="numpy",
         max_concurrency=1,
@@ -643,7 +646,12 @@ def stream_answers(
         if callable(close):
             close()
         if retriever is not None:
-            ray.kill(retriever)
+            # Release the folder lock before returning: ray.kill alone is asynchronous, and the
+            # next user of the embedded store (a rerun, eval's baselines) would find it locked.
+            try:
+                ray.get(retriever.close.remote(), timeout=30)
+            finally:
+                ray.kill(retriever)
 
 
 def run_batch(

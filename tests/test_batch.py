@@ -302,3 +302,22 @@ def test_batch_cli_reads_csv_and_parquet(
         records = _records(out)
         assert {r["id"] for r in records} == ids
         assert all(r["status"] == "ok" and r["response"]["segments"] for r in records)
+
+
+@pytest.mark.real
+def test_eval_ray_answers_selfrag_systems_on_the_batch_path(
+    ray_local: None, indexed_home: Path, normans_squad: Path, shared_data: Path, tmp_path: Path
+):
+    from infra.cli import main
+
+    out = tmp_path / "eval"
+    args = ["--home", str(indexed_home), "eval", str(normans_squad),
+            "--corpus", str(normans_squad), str(shared_data / "wiki_sample_1000.jsonl"),
+            "--systems", "selfrag-likelihood", "--limit", "2", "--ray", "--actors", "1",
+            "--out", str(out), "--no-progress", "--mode", "always",
+            "--top-k", "2", "--max-segments", "1", "--max-segment-tokens", "16"]
+    assert main(args) == 0
+    records = _records(out / "records.jsonl")
+    assert [r["system"] for r in records] == ["selfrag-likelihood"] * 2
+    report = json.loads((out / "report.json").read_text())
+    assert report["systems"]["selfrag-likelihood"]["questions"] == 2
