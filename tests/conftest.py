@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+from tests.redis_proc import RedisProcess, redis_or_skip
 
 SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 
@@ -39,3 +42,12 @@ def indexed_home(
     corpus = [str(normans_squad), str(shared_data / "wiki_sample_1000.jsonl")]
     assert main(["--home", str(home), "index", "--no-progress", *corpus]) == 0
     return home
+
+
+@pytest.fixture(scope="module")
+def redis_server() -> Iterator[tuple[str, RedisProcess | None]]:
+    """A real redis-server for this module (its own process, so tests may kill it)."""
+    url, proc = redis_or_skip()
+    yield url, proc
+    if proc is not None:
+        proc.kill()

@@ -24,7 +24,7 @@ from infra.llama_engine import LlamaEngine
 from infra.model_files import default_model_path, derive_weights
 from infra.settings import load_settings
 from pipeline.protocols import TokenScoreRequest
-from tests.redis_proc import RedisProcess, redis_or_skip
+from tests.redis_proc import RedisProcess
 
 LAYOUT = ContextLayout(
     n_ctx=8192, n_seq_max=16, kv_unified=True, type_k=1, type_v=1, llama_cpp_version="0.3.36"
@@ -59,14 +59,6 @@ def test_memory_tier_and_settings(tmp_path: Path):
     assert store.counters()["memory_hit"] == 1 and store.counters()["miss"] == 1
     off = {"SELFRAG_HOME": str(tmp_path), "SELFRAG_CACHE__PASSAGE_KV": "false"}
     assert open_prefix_store(load_settings(environ=off)) is None
-
-
-@pytest.fixture(scope="module")
-def redis_server() -> Iterator[tuple[str, RedisProcess | None]]:
-    url, proc = redis_or_skip()
-    yield url, proc
-    if proc is not None:
-        proc.kill()
 
 
 @pytest.mark.real

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -14,7 +13,7 @@ from infra.cache import MB, AnswerCache, MemoryLRU, RedisTier, open_query_cache
 from infra.settings import load_settings
 from schemas.answer import AnswerResponse, Usage
 from schemas.decoding import DecodingConfig
-from tests.redis_proc import RedisProcess, redis_or_skip
+from tests.redis_proc import RedisProcess
 
 
 def _response(question: str = "Who founded Normandy?", answer: str = "Rollo.") -> AnswerResponse:
@@ -78,14 +77,6 @@ def test_the_query_cache_can_be_turned_off(tmp_path: Path):
 
 
 # --- the Redis tier -------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def redis_server() -> Iterator[tuple[str, RedisProcess | None]]:
-    url, proc = redis_or_skip()
-    yield url, proc
-    if proc is not None:
-        proc.kill()
 
 
 @pytest.fixture
