@@ -417,6 +417,16 @@ def reliability(rows: Sequence[dict[str, Any]], bins: int = 5) -> list[tuple[flo
     ]
 
 
+def _save_figure(fig: Any, path: Path) -> Path:
+    """Write `fig` as a PNG and release it (pyplot keeps every open figure otherwise)."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
 def write_plots(out: Path, questions: Sequence[EvalQuestion], systems: Sequence[str]) -> list[Path]:
     """accuracy_vs_threshold.png and support_reliability.png for the self-RAG systems."""
     import matplotlib
@@ -451,11 +461,7 @@ def write_plots(out: Path, questions: Sequence[EvalQuestion], systems: Sequence[
     ax.set_ylim(0, 1)
     ax.set_title("Accuracy vs retrieval threshold")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    path = out / "accuracy_vs_threshold.png"
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    written.append(path)
+    written.append(_save_figure(fig, out / "accuracy_vs_threshold.png"))
 
     fig, ax = plt.subplots(figsize=(5, 5))
     ax.plot([0, 1], [0, 1], linestyle=":", color="grey", label="perfectly calibrated")
@@ -471,9 +477,5 @@ def write_plots(out: Path, questions: Sequence[EvalQuestion], systems: Sequence[
     ax.set_ylim(0, 1)
     ax.set_title("Support score reliability")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    path = out / "support_reliability.png"
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    written.append(path)
+    written.append(_save_figure(fig, out / "support_reliability.png"))
     return written
