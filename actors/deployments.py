@@ -301,6 +301,7 @@ class SelfRAGIngress:
             metrics=self._metrics,
             cache=open_query_cache(settings),
             max_timeout_s=settings.serve.max_timeout_s,
+            index_version_ttl_s=settings.serve.index_version_ttl_s,
         )
         self._serve_settings = settings.serve
 

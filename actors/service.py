@@ -12,6 +12,7 @@ import hashlib
 import json
 import logging
 import threading
+import time
 import unicodedata
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -207,6 +208,7 @@ class ServeAnswerService:
         metrics: Metrics,
         cache: QueryCache | None = None,
         max_timeout_s: float | None = None,
+        index_version_ttl_s: float = 0.0,
     ) -> None:
         self._pool = pool
         self._decider = decider
@@ -222,6 +224,9 @@ class ServeAnswerService:
         self._executor = ThreadPoolExecutor(max_inflight, thread_name_prefix="selfrag-decoder")
         self._model_id: str | None = None
         self._critic_names: dict[str, str] = {}
+        self._index_version_ttl_s = index_version_ttl_s
+        # (version, time.monotonic() when read); a hit needs no Retriever call while it is fresh.
+        self._index_version: tuple[str, float] | None = None
 
     # --- answering -------------------------------------------------------------------------------
 
@@ -253,28 +258,31 @@ class ServeAnswerService:
                 f"timeout_s={config.timeout_s:g} is above this server's maximum "
                 f"({self._max_timeout_s:g} s, serve.max_timeout_s)"
             )
-        model_id = await self._get_model_id()
-        critic_name = await self._get_critic_name(config.critique)
-        key: str | None = None
-        if self._cache is not None:
-            index_version = await self._retriever.index_version.remote()
-            key = query_key(request.question, config, index_version, model_id)
-            hit = await self._cache_get(key)
-            if hit is not None:
-                if on_step is not None:
-                    on_step(Hypothesis(segments=tuple(hit.segments), done=True))
-                return Answer(hit, "hit")
-
         loop = asyncio.get_running_loop()
+        deadline = loop.time() + config.timeout_s
         cancel = threading.Event()
-        future = self._executor.submit(
-            self._decode, request.question, config, model_id, critic_name, on_step, cancel
-        )
-        # The slot stays taken until the thread really ends, even after a 504.
-        slot.deferred = True
-        future.add_done_callback(lambda _: loop.call_soon_threadsafe(slot.release))
+        key: str | None = None
         try:
-            response = await asyncio.wait_for(asyncio.wrap_future(future), config.timeout_s)
+            # One deadline for everything before the answer exists: the lookups that precede
+            # decoding wait on other deployments too.
+            async with asyncio.timeout_at(deadline):
+                model_id = await self._get_model_id()
+                critic_name = await self._get_critic_name(config.critique)
+                if self._cache is not None:
+                    index_version = await self._get_index_version()
+                    key = query_key(request.question, config, index_version, model_id)
+                    hit = await self._cache_get(key)
+                    if hit is not None:
+                        if on_step is not None:
+                            on_step(Hypothesis(segments=tuple(hit.segments), done=True))
+                        return Answer(hit, "hit")
+                future = self._executor.submit(
+                    self._decode, request.question, config, model_id, critic_name, on_step, cancel
+                )
+                # The slot stays taken until the thread really ends, even after a 504.
+                slot.deferred = True
+                future.add_done_callback(lambda _: loop.call_soon_threadsafe(slot.release))
+                response = await asyncio.wrap_future(future)
         except TimeoutError:
             cancel.set()
             self._metrics.count_deadline()
@@ -310,6 +318,12 @@ class ServeAnswerService:
         if self._model_id is None:
             self._model_id = await self._pool.model_id.remote()
         return self._model_id
+
+    async def _get_index_version(self) -> str:
+        now = time.monotonic()
+        if self._index_version is None or now - self._index_version[1] >= self._index_version_ttl_s:
+            self._index_version = (await self._retriever.index_version.remote(), now)
+        return self._index_version[0]
 
     async def _get_critic_name(self, source: str) -> str:
         # Also validates the source up front, so a bad one never reaches a shared batch.

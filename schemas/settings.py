@@ -109,6 +109,14 @@ class ServeSettings(BaseModel):
     retry_after_s: int = Field(
         2, ge=1, le=3600, description="Retry-After (seconds) sent with every 503."
     )
+    index_version_ttl_s: float = Field(
+        1.0,
+        ge=0.0,
+        le=3600.0,
+        description="How long the ingress reuses the passage index's version (part of the query "
+        "cache key) before asking the Retriever again; a re-index is seen within this time. "
+        "0: ask on every request.",
+    )
     log_questions: bool = Field(
         False,
         description="Log each question's text at INFO; off by default so user text stays out of "

@@ -31,7 +31,8 @@ class _Response:
 
     def __await__(self):  # type: ignore[no-untyped-def]
         async def run() -> Any:
-            return self._fn()
+            # A remote call does not block the caller's event loop.
+            return await asyncio.to_thread(self._fn)
 
         return run().__await__()
 
@@ -96,7 +97,14 @@ class Decider:
 
 
 class Store(ListRetriever):
+    def __init__(self, passages: list[Passage], delay_s: float = 0.0) -> None:
+        super().__init__(passages)
+        self.delay_s = delay_s
+        self.version_calls = 0
+
     def index_version(self) -> str:
+        self.version_calls += 1
+        time.sleep(self.delay_s)
         return "v1"
 
     def ready(self) -> bool:
@@ -125,19 +133,26 @@ class DictCache:
 
 
 def _service(
-    *, cache: DictCache | None = None, delay_s: float = 0.0, max_inflight: int = 4
+    *,
+    cache: DictCache | None = None,
+    delay_s: float = 0.0,
+    max_inflight: int = 4,
+    store: Store | None = None,
+    index_version_ttl_s: float = 0.0,
 ) -> tuple[ServeAnswerService, Metrics]:
     critic = ScriptedCritic(relevance_of={"p1": 0.9})
     metrics = Metrics()
+    store = store or Store([Passage("p1", "Rollo founded Normandy.", "Normans")])
     service = ServeAnswerService(
         pool=Handle(Pool(critic, delay_s)),  # type: ignore[arg-type]
         decider=Handle(Decider(critic)),  # type: ignore[arg-type]
-        retriever=Handle(Store([Passage("p1", "Rollo founded Normandy.", "Normans")])),  # type: ignore[arg-type]
+        retriever=Handle(store),  # type: ignore[arg-type]
         ranker=Handle(Ranker()),  # type: ignore[arg-type]
         defaults=DecodingConfig(max_segments=1),
         max_inflight=max_inflight,
         metrics=metrics,
         cache=cache,
+        index_version_ttl_s=index_version_ttl_s,
     )
     return service, metrics
 
@@ -174,6 +189,34 @@ def test_repeated_query_is_a_cache_hit_and_the_key_covers_config():
     assert base != query_key("who founded normandy?", cfg, "v2", "m")
     assert base != query_key("who founded normandy?", DecodingConfig(top_k=4), "v1", "m")
     assert base != query_key("who founded normandy?", cfg, "v1", "other-model")
+
+
+@pytest.mark.parametrize(("ttl_s", "calls"), [(0.0, 3), (60.0, 1)])
+def test_the_index_version_is_asked_again_only_after_its_ttl(ttl_s: float, calls: int):
+    store = Store([Passage("p1", "Rollo founded Normandy.", "Normans")])
+    service, _ = _service(cache=DictCache(), store=store, index_version_ttl_s=ttl_s)
+
+    async def thrice() -> list[str]:
+        return [(await service.answer(REQUEST)).cache for _ in range(3)]
+
+    assert asyncio.run(thrice()) == ["miss", "hit", "hit"]
+    assert store.version_calls == calls
+
+
+def test_the_deadline_covers_the_calls_before_decoding():
+    # The index version (part of the cache key) is read before decoding starts.
+    store = Store([Passage("p1", "Rollo founded Normandy.", "Normans")], delay_s=1.0)
+    service, metrics = _service(cache=DictCache(), store=store)
+    slow = AnswerRequest(question="q", config={"mode": "never", "timeout_s": 0.1})
+
+    async def run() -> float:
+        t0 = time.perf_counter()
+        with pytest.raises(DeadlineExceeded):
+            await service.answer(slow)
+        return time.perf_counter() - t0
+
+    assert asyncio.run(run()) < 0.9
+    assert 'selfrag_rejected_total{reason="deadline"} 1' in metrics.render()
 
 
 def test_a_broken_cache_is_bypassed_and_counted():
