@@ -25,7 +25,10 @@ def build_app(settings: Settings | None = None) -> Application:
         settings = load_settings()
     # Bounded queues everywhere: past `max_queued_requests` waiting calls a handle raises
     # BackPressureError at once (the ingress answers 503 + Retry-After) instead of piling up.
-    queued = {"max_queued_requests": settings.serve.max_queued_requests}
+    queued: dict[str, Any] = {
+        "max_queued_requests": settings.serve.max_queued_requests,
+        "logging_config": serve_logging(settings),
+    }
     pool = BranchPool.options(**queued).bind(settings)
     decider = RetrievalDecider.options(**queued).bind(pool)
     # Embedded Qdrant allows one client per folder; with a server URL the config may scale it.
@@ -34,6 +37,11 @@ def build_app(settings: Settings | None = None) -> Application:
     retriever = Retriever.options(**queued, **replicas).bind(settings)
     ranker = Ranker.options(**queued).bind()
     return SelfRAGIngress.options(**queued).bind(pool, decider, retriever, ranker, settings)
+
+
+def serve_logging(settings: Settings) -> dict[str, Any]:
+    """Ray Serve's `logging_config` for the proxy and the deployments."""
+    return {"enable_access_log": settings.serve.ray_access_log}
 
 
 def app_builder(args: dict[str, Any]) -> Application:

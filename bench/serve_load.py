@@ -2,9 +2,11 @@
 
 Without `--url` it starts `selfrag serve` itself (a child process, stopped with SIGTERM), once
 with cross-request batching and once with it off (`SELFRAG_SERVE__MAX_BATCH_SIZE=1`), and
-prints side by side: throughput and p50/p95 latency at each client count, then the latency of
-one question asked again and again. With `--url` it measures that endpoint only (no
-batching-off column). Bounded by `--requests-per-client` and `--level-seconds` per level.
+prints side by side: throughput and p50/p95 latency at each client count, the time per branch
+step of questions whose passages the server has not seen (cold passage-KV cache) against
+questions whose passages it has (warm), then the latency of one question asked again and again.
+With `--url` it measures that endpoint only (no batching-off column). Bounded by
+`--requests-per-client` and `--level-seconds` per level.
 The last line holds the figures as `name=value`.
 
     .venv/bin/python -m bench.serve_load --home /path/to/indexed/home
@@ -37,6 +39,24 @@ FALLBACK_QUESTIONS = [
     "What religion were the Normans?",
 ]
 SMALL_CONFIG = {"mode": "always", "top_k": 2, "max_segments": 1, "max_segment_tokens": 16}
+
+
+WARMUP_QUESTION = "What is the capital of France?"
+
+
+def paragraph_question_pairs(n: int) -> list[tuple[str, str]]:
+    """Two answerable questions from each of the last `n` Normans paragraphs: different
+    questions that retrieve the same passages."""
+    if not SQUAD.exists():
+        return [(FALLBACK_QUESTIONS[0], FALLBACK_QUESTIONS[2])]
+    data = json.loads(SQUAD.read_text())
+    paras = next(a for a in data["data"] if a["title"] == "Normans")["paragraphs"]
+    pairs = []
+    for para in reversed(paras):
+        qs = [qa["question"] for qa in para["qas"] if not qa.get("is_impossible")]
+        if len(qs) >= 2:
+            pairs.append((qs[0], qs[1]))
+    return pairs[:n]
 
 
 def questions(n: int = 64) -> list[str]:
@@ -120,6 +140,42 @@ def repeated(url: str, question: str, times: int, config: dict) -> tuple[list[fl
     return out, cache
 
 
+@dataclass
+class StepTime:
+    """One answer's time per evidence branch of its step and its passages' cache state."""
+
+    question: str
+    state: str  # "cold": no passage seen before by this server; "warm": all seen; "mixed"
+    ms_per_branch: float
+    prefill_tokens: int
+
+
+def passage_kv(url: str, pairs: Sequence[tuple[str, str]], config: dict) -> list[StepTime]:
+    """Ask both questions of each pair in turn; classify each answer by whether this server
+    had already seen its passages, and time its branch step (relevance + draft + critique) per
+    evidence branch, from the response's own `timings_ms`."""
+    seen: set[str] = set()
+    out: list[StepTime] = []
+    with httpx.Client(base_url=url, timeout=300) as client:
+        client.post("/v1/answer", json={"question": WARMUP_QUESTION, "config": config})
+        for question in (q for pair in pairs for q in pair):
+            r = client.post("/v1/answer", json={"question": question, "config": config})
+            r.raise_for_status()
+            body = r.json()
+            ids = {p["id"] for p in body["passages"]}
+            branches = body["usage"]["branches_opened"]
+            if not ids or not branches:
+                continue
+            state = "warm" if ids <= seen else "cold" if not ids & seen else "mixed"
+            seen |= ids
+            t = body["timings_ms"]
+            step_ms = t.get("relevance", 0.0) + t.get("draft", 0.0) + t.get("critique", 0.0)
+            out.append(
+                StepTime(question, state, step_ms / branches, body["usage"]["prefill_tokens"])
+            )
+    return out
+
+
 def _wait_ready(url: str, proc: subprocess.Popen[bytes] | None, limit_s: float) -> None:
     deadline = time.time() + limit_s
     while time.time() < deadline:
@@ -175,25 +231,30 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--requests-per-client", type=int, default=2)
     p.add_argument("--level-seconds", type=float, default=120.0)
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument(
+        "--kv-pairs", type=int, default=8, help="Paragraphs for the passage-KV comparison."
+    )
     args = p.parse_args(argv)
     qs = questions()
+    pairs = paragraph_question_pairs(args.kv_pairs)
 
     results: dict[str, dict[int, Level]] = {}
     repeat: tuple[list[float], list[str]]
     if args.url:
         print(f"measuring {args.url}", flush=True)
+        steps = passage_kv(args.url, pairs, SMALL_CONFIG)
         results["batched"] = run_levels(args.url, args, qs)
         repeat = repeated(args.url, qs[0], args.repeats, SMALL_CONFIG)
     else:
         print("batching on (serve.max_batch_size from settings)", flush=True)
         with served(args.home, args.port, None) as url:
+            # First, while this server has seen no Normans passage yet.
+            steps = passage_kv(url, pairs, SMALL_CONFIG)
             results["batched"] = run_levels(url, args, qs)
             repeat = repeated(url, qs[0], args.repeats, SMALL_CONFIG)
         print("batching off (serve.max_batch_size=1)", flush=True)
         with served(args.home, args.port, 1) as url:
             results["unbatched"] = run_levels(url, args, qs)
-    # The passage-KV cold-vs-warm comparison belongs here once the KV-state cache lands
-    # (infra/kv_cache.py): same passages, different questions, per-branch-step latency.
 
     print()
     header = f"{'clients':>7}  {'mode':<9}  {'answers':>7}  {'err':>3}  {'answers/s':>9}"
@@ -215,6 +276,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         gain = results["batched"][top].throughput / results["unbatched"][top].throughput
         print(f"\nbatching gain at {top} clients: {gain:.2f}x throughput")
         figures[f"batching_gain_c{top}"] = f"{gain:.2f}"
+    print("\npassage KV cache (same passages, different questions), ms per branch step:")
+    print(f"{'state':<6}  {'answers':>7}  {'median ms':>9}  {'prefill tok':>11}")
+    medians: dict[str, float] = {}
+    for state in ("cold", "warm", "mixed"):
+        group = [s for s in steps if s.state == state]
+        if not group:
+            continue
+        medians[state] = statistics.median(s.ms_per_branch for s in group)
+        prefill = statistics.median(s.prefill_tokens for s in group)
+        print(f"{state:<6}  {len(group):>7}  {medians[state]:>9.0f}  {prefill:>11.0f}")
+    for state in ("cold", "warm"):
+        if state in medians:
+            figures[f"kv_{state}_ms_per_branch"] = f"{medians[state]:.0f}"
+    if "cold" in medians and "warm" in medians and medians["warm"]:
+        speedup = medians["cold"] / medians["warm"]
+        print(f"warm passage-KV: {speedup:.2f}x faster per branch step")
+        figures["kv_warm_speedup"] = f"{speedup:.2f}"
     times, cache = repeat
     ms = [t * 1e3 for t in times]
     later = sorted(ms[1:] or ms)

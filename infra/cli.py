@@ -33,8 +33,9 @@ def _decoding_flags(parser: argparse.ArgumentParser) -> None:
         kind = inner[0] if inner else field.annotation
         help_text = field.description or _DESCRIPTIONS.get(name, "")
         if kind is bool:
-            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=None,
-                               help=help_text)
+            group.add_argument(
+                flag, action=argparse.BooleanOptionalAction, default=None, help=help_text
+            )
         elif typing.get_origin(kind) is typing.Literal:
             group.add_argument(flag, choices=typing.get_args(kind), default=None, help=help_text)
         elif kind in (int, float):
@@ -89,11 +90,19 @@ def build_parser() -> argparse.ArgumentParser:
 def _batch_parser(sub: Any) -> None:
     p = sub.add_parser("batch", help="Answer a file of questions on Ray Data (resumable).")
     p.add_argument("questions", type=Path, help="JSONL {id?, question, config?}, CSV or Parquet.")
-    p.add_argument("--out", type=Path, required=True,
-                   help="Answers, one JSON line per id; a rerun answers only the missing ids.")
+    p.add_argument(
+        "--out",
+        type=Path,
+        required=True,
+        help="Answers, one JSON line per id; a rerun answers only the missing ids.",
+    )
     p.add_argument("--actors", type=int, help="Engine actors (default: one per available CPU).")
-    p.add_argument("--per-actor", type=int, default=8,
-                   help="Questions an actor decodes together (one merged engine batch).")
+    p.add_argument(
+        "--per-actor",
+        type=int,
+        default=8,
+        help="Questions an actor decodes together (one merged engine batch).",
+    )
     p.add_argument("--limit", type=int, help="Keep the first N questions (after --shard).")
     p.add_argument("--shard", help="i/n: keep every n-th question from the i-th (0-based).")
     p.add_argument("--address", help="Ray cluster address (default: a private local instance).")
@@ -101,10 +110,16 @@ def _batch_parser(sub: Any) -> None:
 
 
 def _dataset_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("dataset", type=Path, help="SQuAD-format JSON or JSONL {question, "
-                   "golden_answers}.")
-    p.add_argument("--corpus", type=Path, nargs="+", required=True,
-                   help="Corpus files or folders; indexed first when the index lacks them.")
+    p.add_argument(
+        "dataset", type=Path, help="SQuAD-format JSON or JSONL {question, golden_answers}."
+    )
+    p.add_argument(
+        "--corpus",
+        type=Path,
+        nargs="+",
+        required=True,
+        help="Corpus files or folders; indexed first when the index lacks them.",
+    )
     p.add_argument("--article", help="Keep one SQuAD article (e.g. Normans).")
     p.add_argument("--limit", type=int, help="Keep the first N questions.")
     p.add_argument("--no-progress", action="store_true")
@@ -115,23 +130,41 @@ def _eval_parsers(sub: Any) -> None:
 
     p_eval = sub.add_parser("eval", help="Run QA systems on a dataset and write a report.")
     _dataset_args(p_eval)
-    p_eval.add_argument("--systems", default=",".join(DEFAULT_SYSTEMS),
-                        help=f"Comma-separated, from: {', '.join(SYSTEMS)}.")
-    p_eval.add_argument("--out", type=Path, default=Path("eval-out"),
-                        help="Report folder; a rerun resumes from its records.jsonl.")
-    p_eval.add_argument("--plot", action="store_true",
-                        help="Also write accuracy-vs-δ and s_sup reliability PNGs.")
-    p_eval.add_argument("--ray", action="store_true",
-                        help="Answer the selfrag-* systems through the `selfrag batch` path.")
+    p_eval.add_argument(
+        "--systems",
+        default=",".join(DEFAULT_SYSTEMS),
+        help=f"Comma-separated, from: {', '.join(SYSTEMS)}.",
+    )
+    p_eval.add_argument(
+        "--out",
+        type=Path,
+        default=Path("eval-out"),
+        help="Report folder; a rerun resumes from its records.jsonl.",
+    )
+    p_eval.add_argument(
+        "--plot", action="store_true", help="Also write accuracy-vs-δ and s_sup reliability PNGs."
+    )
+    p_eval.add_argument(
+        "--ray",
+        action="store_true",
+        help="Answer the selfrag-* systems through the `selfrag batch` path.",
+    )
     p_eval.add_argument("--actors", type=int, help="With --ray: engine actors.")
     _decoding_flags(p_eval)
 
-    p_cal = sub.add_parser("calibrate", help="Fit the likelihood critique's calibration on a "
-                           "labelled SQuAD dev set and write HOME/calibration.toml.")
+    p_cal = sub.add_parser(
+        "calibrate",
+        help="Fit the likelihood critique's calibration on a "
+        "labelled SQuAD dev set and write HOME/calibration.toml.",
+    )
     _dataset_args(p_cal)
     p_cal.add_argument("--top-k", type=int, default=5, help="Retrieved passages per question.")
-    p_cal.add_argument("--max-segment-tokens", type=int, default=None,
-                       help="Draft length (default: the decoding setting).")
+    p_cal.add_argument(
+        "--max-segment-tokens",
+        type=int,
+        default=None,
+        help="Draft length (default: the decoding setting).",
+    )
     p_cal.add_argument("--samples", type=Path, help="Also write the raw samples (JSONL) here.")
     p_cal.add_argument("--dry-run", action="store_true", help="Fit and print; write nothing.")
 
@@ -209,9 +242,7 @@ def cmd_ask(args: argparse.Namespace) -> int:
     settings = _settings(args)
     with SelfRAG(settings) as rag:
         if rag.store.count() == 0:
-            raise CLIError(
-                f"the index in {settings.home} is empty: run `selfrag index PATH` first"
-            )
+            raise CLIError(f"the index in {settings.home} is empty: run `selfrag index PATH` first")
         response = rag.answer(request)
     if args.json:
         print(response.model_dump_json(indent=2))
@@ -295,7 +326,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import ray
     from ray import serve
 
-    from ray_app import APP_NAME, build_app
+    from ray_app import APP_NAME, build_app, serve_logging
 
     ray.init(address=args.address, include_dashboard=False, log_to_driver=True)
     stop = threading.Event()
@@ -303,10 +334,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     try:
-        serve.start(http_options={"host": host, "port": port})
+        serve.start(
+            http_options={"host": host, "port": port}, logging_config=serve_logging(settings)
+        )
         serve.run(build_app(settings), name=APP_NAME, route_prefix="/", blocking=False)
-        print(f"selfrag: serving on http://{host}:{port} (docs at /docs); Ctrl-C stops",
-              file=sys.stderr, flush=True)
+        print(
+            f"selfrag: serving on http://{host}:{port} (docs at /docs); Ctrl-C stops",
+            file=sys.stderr,
+            flush=True,
+        )
         while not stop.wait(1.0):
             pass
         print("selfrag: shutting down", file=sys.stderr, flush=True)
@@ -342,9 +378,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     systems = parse_systems(args.systems)
     questions = load_questions(args.dataset, article=args.article, limit=_limit(args))
     chosen = {n: getattr(args, n) for n in DecodingOverrides.model_fields}
-    overrides = DecodingOverrides.model_validate(
-        {n: v for n, v in chosen.items() if v is not None}
-    )
+    overrides = DecodingOverrides.model_validate({n: v for n, v in chosen.items() if v is not None})
     settings = _settings(args)
     with SelfRAG(settings) as rag:
         ensure_indexed(rag, args.corpus, progress=not args.no_progress)
@@ -354,10 +388,24 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
             # The actors' retriever needs the embedded store folder: release it meanwhile.
             rag.close()
-            run_eval_systems(settings, questions, systems, args.out, config,
-                             actors=args.actors, progress=not args.no_progress)
-        report = run_evaluation(rag, questions, systems, args.out, config,
-                                progress=not args.no_progress, probe_p_ret=args.plot)
+            run_eval_systems(
+                settings,
+                questions,
+                systems,
+                args.out,
+                config,
+                actors=args.actors,
+                progress=not args.no_progress,
+            )
+        report = run_evaluation(
+            rag,
+            questions,
+            systems,
+            args.out,
+            config,
+            progress=not args.no_progress,
+            probe_p_ret=args.plot,
+        )
     print(render_table(report))
     if args.plot:
         for path in write_plots(args.out, questions, systems):
@@ -379,14 +427,14 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
     questions = load_questions(args.dataset, article=args.article, limit=_limit(args))
     if all(q.context is None for q in questions):
-        raise CLIError("calibrate needs SQuAD-format questions (their gold paragraphs label "
-                       "the samples)")
+        raise CLIError(
+            "calibrate needs SQuAD-format questions (their gold paragraphs label the samples)"
+        )
     settings = _settings(args)
     tokens = args.max_segment_tokens or settings.decoding.max_segment_tokens
     with SelfRAG(settings) as rag:
         ensure_indexed(rag, args.corpus, progress=not args.no_progress)
-        samples = collect_samples(rag, questions, args.top_k, tokens,
-                                  progress=not args.no_progress)
+        samples = collect_samples(rag, questions, args.top_k, tokens, progress=not args.no_progress)
     if args.samples is not None:
         args.samples.write_text("".join(json.dumps(s) + "\n" for s in samples))
     cal, stats = fit_samples(samples, dataset_label(args.dataset, args.article, len(questions)))
@@ -404,8 +452,14 @@ def cmd_batch(args: argparse.Namespace) -> int:
     if args.per_actor < 1:
         raise CLIError("--per-actor must be at least 1")
     summary = run_batch(
-        _settings(args), args.questions, args.out, actors=args.actors, per_actor=args.per_actor,
-        limit=_limit(args), shard=parse_shard(args.shard), address=args.address,
+        _settings(args),
+        args.questions,
+        args.out,
+        actors=args.actors,
+        per_actor=args.per_actor,
+        limit=_limit(args),
+        shard=parse_shard(args.shard),
+        address=args.address,
         progress=not args.no_progress,
     )
     print(summary.line())

@@ -117,6 +117,12 @@ class ServeSettings(BaseModel):
         "cache key) before asking the Retriever again; a re-index is seen within this time. "
         "0: ask on every request.",
     )
+    ray_access_log: bool = Field(
+        False,
+        description="Ray Serve's own access log line per request in the proxy and every "
+        "replica. selfrag logs each answer itself; Ray's lines cost ~4 ms of a cache hit's "
+        "latency on 2 cores (docs/benchmarks.md).",
+    )
     log_questions: bool = Field(
         False,
         description="Log each question's text at INFO; off by default so user text stays out of "

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
+import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -27,12 +27,6 @@ pytestmark = pytest.mark.real
 SMALL = {"mode": "always", "top_k": 2, "max_segments": 1, "max_segment_tokens": 16}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture(scope="session")
 def ray_session() -> Iterator[int]:
     """A local Ray instance on loopback with Serve's HTTP proxy; yields the HTTP port."""
@@ -42,7 +36,7 @@ def ray_session() -> Iterator[int]:
     from ray import serve
 
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    port = _free_port()
+    port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     try:
         yield port
@@ -195,6 +189,65 @@ def test_repeated_query_is_a_cache_hit_and_redis_down_still_answers(
 
     redis_for_app.start()
     time.sleep(1.1)  # past cache.redis_retry_s
+    assert api.get("/readyz").status_code == 200
+
+
+def test_redis_stopped_and_restarted_under_concurrent_load(
+    api: httpx.Client, redis_for_app: RedisProcess | None
+):
+    """Four clients keep asking while Redis is SIGKILLed and started again: every request is
+    answered (200), questions first asked during the outage too, and answers reach Redis again
+    once it is back."""
+    if redis_for_app is None:
+        pytest.skip("no redis-server binary: this test needs one to kill")
+    import redis
+
+    pool = ["Who was the first Duke of Normandy?", "What language did the Normans speak?"]
+    statuses: list[int] = []
+    lock = threading.Lock()
+    stop = threading.Event()
+
+    def client(i: int) -> None:
+        with httpx.Client(base_url=api.base_url, timeout=180) as c:
+            n = i
+            while not stop.is_set():
+                r = c.post("/v1/answer", json={"question": pool[n % len(pool)], "config": SMALL})
+                n += 1
+                with lock:
+                    statuses.append(r.status_code)
+
+    def puts() -> float:
+        return _metric(api.get("/metrics").text, "selfrag_query_cache_tier_total")[
+            '{event="redis_put"}'
+        ]
+
+    with ThreadPoolExecutor(4) as ex:
+        clients = [ex.submit(client, i) for i in range(4)]
+        try:
+            time.sleep(2.0)
+            redis_for_app.kill()
+            during = api.post("/v1/answer", json={"question": "Where is Bayeux?", "config": SMALL})
+            assert during.status_code == 200 and during.json()["answer"].strip()
+            redis_for_app.start()
+            time.sleep(1.1)  # past cache.redis_retry_s
+            before = puts()
+            after = api.post(
+                "/v1/answer",
+                json={"question": "Who founded the Duchy of Normandy?", "config": SMALL},
+            )
+            assert after.status_code == 200 and after.headers["x-cache"] == "miss"
+            time.sleep(1.0)
+        finally:
+            stop.set()
+            for f in clients:
+                f.result(timeout=180)
+    assert len(statuses) >= 8 and set(statuses) == {200}, statuses
+    tiers = _metric(api.get("/metrics").text, "selfrag_query_cache_tier_total")
+    assert tiers['{event="redis_error"}'] + tiers['{event="redis_bypassed"}'] >= 1
+    assert puts() > before
+    # The restarted (empty) server holds the answer stored after the restart.
+    stored = redis.Redis.from_url(redis_for_app.url).keys("selfrag:answer:*")
+    assert [k for k in stored if b"~" not in k]  # an answer, not only the byte-cap books
     assert api.get("/readyz").status_code == 200
 
 
