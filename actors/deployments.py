@@ -19,7 +19,7 @@ import logging
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI
 from ray import serve
@@ -34,6 +34,9 @@ from pipeline.protocols import Generation, Passage
 from pipeline.ranking import Candidate, Hypothesis, StepRanking, rank_step
 from schemas.decoding import DecodingConfig
 from schemas.settings import Settings
+
+if TYPE_CHECKING:
+    from infra.qdrant_store import QdrantStore
 
 log = logging.getLogger("selfrag.actors")
 
@@ -221,17 +224,38 @@ class RetrievalDecider:
 
 @serve.deployment(ray_actor_options={"num_cpus": 0.25}, max_ongoing_requests=32)
 class Retriever:
-    """Qdrant search (dense, or hybrid dense + BM25)."""
+    """Qdrant search (dense, or hybrid dense + BM25).
+
+    A Qdrant server that does not answer at start-up does not stop the replica: it reports
+    not ready, answers 503, and connects on a later call once the server is back. An embedded
+    store that cannot be opened is a start-up error.
+    """
 
     def __init__(self, settings: Settings) -> None:
+        # Imported here: qdrant-client costs every other replica process 0.6 s at import.
+        from infra.qdrant_store import StoreUnavailable
         from infra.runtime import SelfRAG
 
         self._rag = SelfRAG(settings)
-        self._store = self._rag.store
+        try:
+            self._rag.store  # noqa: B018 - opens (and checks) the store now, when it can
+        except StoreUnavailable as exc:
+            if settings.retrieval.qdrant_url is None:
+                raise
+            log.warning("%s; will connect when it answers", exc)
+
+    def _store(self) -> QdrantStore:
+        from infra.qdrant_store import StoreUnavailable
+
+        try:
+            return self._rag.store  # a failed open is not cached: each call tries again
+        except StoreUnavailable as exc:
+            raise DependencyDown(f"the passage store does not answer: {exc}") from None
 
     def search(self, query: str, k: int) -> list[Passage]:
+        store = self._store()
         try:
-            return self._store.search(query, k)
+            return store.search(query, k)
         except ValueError:
             raise
         except Exception as exc:
@@ -242,15 +266,19 @@ class Retriever:
             ) from None
 
     def index_version(self) -> str:
+        store = self._store()
         try:
-            return self._store.index_version()
+            return store.index_version()
         except Exception as exc:
             raise DependencyDown(
                 f"the passage store does not answer: {type(exc).__name__}"
             ) from None
 
     def ready(self) -> bool:
-        return self._store.ready()
+        try:
+            return self._store().ready()
+        except DependencyDown:
+            return False
 
 
 @serve.deployment(ray_actor_options={"num_cpus": 0.1}, max_ongoing_requests=64)

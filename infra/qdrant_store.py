@@ -62,6 +62,10 @@ class StoreError(RuntimeError):
     """The store cannot be opened or does not match the embedder."""
 
 
+class StoreUnavailable(StoreError):
+    """The Qdrant server does not answer (down, unreachable): may work on a later try."""
+
+
 def point_id(passage_id: str) -> str:
     """The stable Qdrant point id of a passage."""
     return str(uuid.uuid5(_POINT_NAMESPACE, passage_id))
@@ -127,7 +131,7 @@ class QdrantStore(Closeable):
         except Exception as error:
             store.close()
             where = settings.qdrant_url or f"{home}/qdrant"
-            raise StoreError(f"Qdrant at {where} does not answer: {error}") from error
+            raise StoreUnavailable(f"Qdrant at {where} does not answer: {error}") from error
         return store
 
     @property

@@ -252,3 +252,54 @@ def test_a_missing_corpus_fails_before_writing(store: QdrantStore, tmp_path: Pat
 def test_point_ids_are_stable_uuids() -> None:
     assert point_id("squad:Normans:0") == point_id("squad:Normans:0")
     assert point_id("a#0") != point_id("a#1")
+
+
+def test_a_qdrant_server_down_at_start_is_503_not_ready_then_connects(
+    tmp_path: Path, corpus: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The `Retriever` deployment's class (no Ray) with a server URL nobody listens on: the
+    real client's refused connection makes the replica start not ready and answer 503; once
+    the store answers (here: an embedded store standing in for the returned server, since no
+    Qdrant server binary exists on this machine), the next call connects and searches."""
+    from actors.deployments import Retriever
+    from actors.http import DependencyDown
+    from infra.settings import load_settings
+    from tests.redis_proc import free_port
+
+    settings = load_settings(
+        environ={
+            "SELFRAG_HOME": str(tmp_path / "home"),
+            "SELFRAG_RETRIEVAL__QDRANT_URL": f"http://127.0.0.1:{free_port()}",
+        }
+    )
+    retriever = Retriever.func_or_class(settings)
+    assert retriever.ready() is False
+    with pytest.raises(DependencyDown, match="does not answer"):
+        retriever.search("volcano", 2)
+    with pytest.raises(DependencyDown, match="does not answer"):
+        retriever.index_version()
+
+    real_open = QdrantStore.open
+    returned = tmp_path / "returned"
+
+    def server_back(s: RetrievalSettings, home: Path, embedder: SentenceEmbedder) -> QdrantStore:
+        store = real_open(s.model_copy(update={"qdrant_url": None}), returned, embedder)
+        index_corpus(corpus, store, progress=False)
+        return store
+
+    monkeypatch.setattr(QdrantStore, "open", server_back)
+    assert retriever.ready() is True
+    assert retriever.search("Where does lava come from?", 1)[0].id.startswith("volcano")
+    retriever._rag.close()
+
+
+def test_an_embedded_store_that_cannot_open_stops_the_replica(
+    home: Path, embedder: SentenceEmbedder
+) -> None:
+    from actors.deployments import Retriever
+    from infra.settings import load_settings
+
+    settings = load_settings(environ={"SELFRAG_HOME": str(home)})
+    with QdrantStore.open(settings.retrieval, home, embedder):
+        with pytest.raises(StoreError, match="already"):
+            Retriever.func_or_class(settings)

@@ -251,19 +251,47 @@ def test_redis_stopped_and_restarted_under_concurrent_load(
     assert api.get("/readyz").status_code == 200
 
 
+def _replicas(deployment: str) -> list[str]:
+    """Names of the live replica actors of `deployment`."""
+    import ray
+
+    # Through this driver's own connection, not the state API, which would have to pick among
+    # every Ray instance on the machine.
+    named = ray.util.list_named_actors(all_namespaces=True)
+    return [a["name"] for a in named if f"#{deployment}#" in a["name"]]
+
+
+def _kill_replica(deployment: str) -> str:
+    import ray
+
+    (victim,) = _replicas(deployment)
+    ray.kill(ray.get_actor(victim, namespace="serve"))
+    return victim
+
+
+def _assert_clean_failure(r: httpx.Response) -> None:
+    """A request that met a dead replica: answered, or a clean 503 (Retry-After) / 504."""
+    assert r.status_code in (200, 503, 504), r.text
+    if r.status_code == 503:
+        assert r.json()["error"] in {"dependency_unavailable", "overloaded"}
+        assert r.headers["retry-after"]
+
+
+def _answers_again(api: httpx.Client, question: str, limit_s: float = 180.0) -> None:
+    deadline = time.monotonic() + limit_s
+    while True:
+        again = api.post("/v1/answer", json={"question": question, "config": SMALL})
+        if again.status_code == 200:
+            return
+        assert again.status_code in (503, 504), again.text
+        assert time.monotonic() < deadline, f"no answer {limit_s:.0f} s after the kill"
+        time.sleep(2.0)
+
+
 def test_killed_branch_pool_replica_gives_a_clean_error_then_recovers(api: httpx.Client):
     """`ray.kill` the engine replica while a request is decoding: that request ends with a
     clean 503 (Retry-After) or 504, or succeeds on the restarted replica, never hangs; Serve
     starts a new replica and answers come back."""
-    import ray
-
-    def pool_replicas() -> list[str]:
-        # Through this driver's own connection: the state API would have to pick among every
-        # Ray instance on the machine.
-        named = ray.util.list_named_actors(all_namespaces=True)
-        return [a["name"] for a in named if "#BranchPool#" in a["name"]]
-
-    (victim,) = pool_replicas()
     payload = {
         "question": "Which treaty gave Normandy to Rollo?",
         "config": {**SMALL, "max_segments": 2, "timeout_s": 90},
@@ -271,21 +299,36 @@ def test_killed_branch_pool_replica_gives_a_clean_error_then_recovers(api: httpx
     with ThreadPoolExecutor(1) as ex:
         pending = ex.submit(api.post, "/v1/answer", json=payload)
         time.sleep(1.0)  # the request is in the decoder by now
-        ray.kill(ray.get_actor(victim, namespace="serve"))
+        victim = _kill_replica("BranchPool")
         started = time.monotonic()
         r = pending.result(timeout=150)
     assert time.monotonic() - started < 120
-    assert r.status_code in (200, 503, 504), r.text
-    if r.status_code == 503:
-        assert r.json()["error"] in {"dependency_unavailable", "overloaded"}
-        assert r.headers["retry-after"]
-    deadline = time.monotonic() + 180
-    while True:
-        again = api.post("/v1/answer", json={"question": "Who was Rollo's son?", "config": SMALL})
-        if again.status_code == 200:
-            break
-        assert again.status_code in (503, 504), again.text
-        assert time.monotonic() < deadline, "no answer 180 s after the replica was killed"
-        time.sleep(2.0)
-    assert victim not in pool_replicas()
+    _assert_clean_failure(r)
+    _answers_again(api, "Who was Rollo's son?")
+    assert victim not in _replicas("BranchPool")
+    assert api.get("/readyz").status_code == 200
+
+
+def test_store_replica_killed_is_not_ready_and_clean_errors_then_recovers(api: httpx.Client):
+    """The process that owns the embedded Qdrant store dies: until Serve has restarted it (and
+    it has reopened the store), /readyz says the store is down and answers needing retrieval
+    end cleanly within their deadline; then everything answers again."""
+    victim = _kill_replica("Retriever")
+    # ray.kill returns before the process is gone: probe once it has died.
+    deadline = time.monotonic() + 30
+    while victim in _replicas("Retriever") and time.monotonic() < deadline:
+        time.sleep(0.2)
+    ready = api.get("/readyz")
+    assert ready.status_code == 503, ready.text
+    assert ready.json()["checks"]["store"] is False
+    assert ready.headers["retry-after"]
+    t0 = time.monotonic()
+    r = api.post(
+        "/v1/answer",
+        json={"question": "Where did the Normans come from?", "config": {**SMALL, "timeout_s": 20}},
+    )
+    assert time.monotonic() - t0 < 40
+    _assert_clean_failure(r)
+    _answers_again(api, "Who were the Normans?")
+    assert victim not in _replicas("Retriever")
     assert api.get("/readyz").status_code == 200
