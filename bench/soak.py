@@ -2,9 +2,10 @@
 on loopback.
 
 The mix, per request drawn at random: `/v1/answer` with a question from a small pool (so it
-repeats and the query cache answers), `/v1/answer/stream`, a fresh question (a cache miss), and
-malformed requests (bad JSON, over-long question, unknown field, out-of-range dial, oversized
-body). Every response is classified:
+repeats and the query cache answers), `/v1/answer/stream`, a fresh request (a cache miss: a
+question not asked before, or once they are used up, an earlier one with a segment budget it has
+not been asked with, which is a new cache key), and malformed requests (bad JSON, over-long
+question, unknown field, out-of-range dial, oversized body). Every response is classified:
 
 * succeeded: 200 to a valid request (a stream counts when it ends with its `answer` event);
 * rejected as designed: 422/413 to a malformed request, 503 (with Retry-After) or 504 to a
@@ -13,8 +14,8 @@ body). Every response is classified:
   to a malformed one, a stream without its answer, a connection error). Must be 0.
 
 Alongside, the resident memory (VmRSS from /proc) of every Ray Serve replica process is
-sampled; the report gives each replica's peak and its peak in the first and last thirds of the
-run, so growth shows as last ≫ first.
+sampled; the report gives each replica's peak, a per-minute series, and its peak in the middle
+and last thirds of the run (after warm-up), so growth shows as last ≫ middle.
 
 Without `--url` it starts `selfrag serve` itself (`--home`: an indexed SELFRAG_HOME). The last
 line holds the figures as `name=value`.
@@ -114,8 +115,25 @@ def replica_rss(server_pid: int | None) -> dict[str, int]:
     return out
 
 
+class FreshRequests:
+    """An endless supply of valid requests no earlier request shares a cache key with: each
+    question in turn, then each again with the next segment budget."""
+
+    def __init__(self, questions: Sequence[str]) -> None:
+        self._questions = list(questions)
+        self._n = 0
+        self._lock = threading.Lock()
+
+    def next(self) -> dict:
+        with self._lock:
+            n, self._n = self._n, self._n + 1
+        rounds, i = divmod(n, len(self._questions))
+        config = {**SMALL_CONFIG, "max_segment_tokens": SMALL_CONFIG["max_segment_tokens"] + rounds}
+        return {"question": self._questions[i], "config": config}
+
+
 def one_request(
-    client: httpx.Client, rng: random.Random, pool: list[str], fresh: list[str]
+    client: httpx.Client, rng: random.Random, pool: list[str], fresh: FreshRequests
 ) -> tuple[str, str, float, str]:
     """Send one request of the mix; (kind, outcome, seconds, why-if-failed)."""
     roll = rng.random()
@@ -142,8 +160,11 @@ def one_request(
                 return kind, "failed", elapsed, "stream ended without its answer"
         else:
             kind = "answer_repeat" if roll < 0.85 else "answer_fresh"
-            question = rng.choice(pool) if kind == "answer_repeat" else rng.choice(fresh)
-            r = client.post("/v1/answer", json={"question": question, "config": SMALL_CONFIG})
+            if kind == "answer_repeat":
+                payload = {"question": rng.choice(pool), "config": SMALL_CONFIG}
+            else:
+                payload = fresh.next()
+            r = client.post("/v1/answer", json=payload)
             elapsed = time.perf_counter() - start
             if r.status_code == 200 and r.json()["answer"] is not None:
                 return kind, "succeeded", elapsed, ""
@@ -165,7 +186,7 @@ def soak(
     server_pid: int | None = None,
 ) -> dict[str, float]:
     qs = questions(200)
-    pool, fresh = qs[:8], qs[8:] or qs
+    pool, fresh = qs[:8], FreshRequests(qs[8:] or qs)
     tally = Tally()
     samples: list[tuple[float, dict[str, int]]] = []
     started = time.monotonic()
@@ -224,7 +245,7 @@ def report(
         print(f"  failure x{n}: {why}")
     print(f"latency of successes ms: p50 {pct(0.5):.0f}  p95 {pct(0.95):.0f}  p99 {pct(0.99):.0f}")
 
-    # RSS per replica process: peak overall, and peaks of the first and last thirds.
+    # RSS per replica process: peak overall, and peaks of the middle and last thirds.
     series: dict[str, list[tuple[float, int]]] = defaultdict(list)
     for t, rss in samples:
         for name, value in rss.items():
