@@ -357,14 +357,17 @@ class ServeAnswerService:
     # --- probes --------------------------------------------------------------------------------
 
     async def readiness(self) -> dict[str, bool]:
-        async def probe(handle: DeploymentHandle) -> bool:
+        async def probe(handle: DeploymentHandle, timeout_s: float) -> bool:
             try:
-                return bool(await asyncio.wait_for(handle.ready.remote(), 5.0))
+                return bool(await asyncio.wait_for(handle.ready.remote(), timeout_s))
             except Exception as exc:
                 log.warning("readiness: %s", exc)
                 return False
 
-        model, store = await asyncio.gather(probe(self._pool), probe(self._retriever))
+        # A call to a deployment whose replica is gone waits for its replacement, so the probe's
+        # timeout decides whether a restart shows as "not ready". The store answers in
+        # milliseconds: 1 s. The pool may be busy with a batch of seconds: 5 s.
+        model, store = await asyncio.gather(probe(self._pool, 5.0), probe(self._retriever, 1.0))
         cache = True
         if self._cache is not None:
             # A cache with a `ping` (infra.cache.AnswerCache) says whether its Redis answers;
