@@ -7,6 +7,8 @@ from pathlib import Path
 import yaml
 from ray.serve.schema import ServeDeploySchema
 
+from schemas.settings import ServeSettings
+
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOYMENTS = {"SelfRAGIngress", "RetrievalDecider", "BranchPool", "Retriever", "Ranker"}
 
@@ -35,9 +37,13 @@ def test_serve_yaml_is_a_valid_serve_config():
         sum(d["ray_actor_options"]["num_cpus"] for d in config["applications"][0]["deployments"])
         <= 2
     )
+    # The same default as `selfrag serve` (serve.ray_access_log).
+    assert config["logging_config"]["enable_access_log"] is ServeSettings().ray_access_log
 
 
 def test_rayservice_manifest_embeds_a_valid_serve_config():
     manifest = yaml.safe_load((ROOT / "infra" / "k8s" / "rayservice.yaml").read_text())
     assert manifest["kind"] == "RayService"
-    _check(yaml.safe_load(manifest["spec"]["serveConfigV2"]))
+    config = yaml.safe_load(manifest["spec"]["serveConfigV2"])
+    _check(config)
+    assert config["logging_config"]["enable_access_log"] is ServeSettings().ray_access_log
