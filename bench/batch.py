@@ -48,13 +48,23 @@ def batch(home: Path, questions: list[str], actors: int, per_actor: int) -> dict
     settings = load_settings(overrides={"home": str(home)})
     with tempfile.TemporaryDirectory() as tmp:
         src = Path(tmp) / "q.jsonl"
-        src.write_text("".join(json.dumps({"id": str(i), "question": q, "config": SMALL}) + "\n"
-                               for i, q in enumerate(questions[1:])))
+        src.write_text(
+            "".join(
+                json.dumps({"id": str(i), "question": q, "config": SMALL}) + "\n"
+                for i, q in enumerate(questions[1:])
+            )
+        )
         stamps: list[float] = []
         started = time.perf_counter()
-        summary = run_batch(settings, src, Path(tmp) / "a.jsonl", actors=actors,
-                            per_actor=per_actor, progress=False,
-                            on_record=lambda r: stamps.append(time.perf_counter()))
+        summary = run_batch(
+            settings,
+            src,
+            Path(tmp) / "a.jsonl",
+            actors=actors,
+            per_actor=per_actor,
+            progress=False,
+            on_record=lambda r: stamps.append(time.perf_counter()),
+        )
         total = time.perf_counter() - started
     if summary.answered != len(questions) - 1:
         raise SystemExit(f"batch with {actors} actor(s): {summary.line()}")
@@ -86,8 +96,9 @@ def main() -> None:
     print("| --- | ---: | ---: | ---: |")
     for name, qps, steady, secs in rows:
         print(f"| {name} | {qps:.3f} | {'-' if steady is None else f'{steady:.3f}'} | {secs:.1f} |")
-    print(" ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}"
-                   for k, v in figures.items()))
+    print(
+        " ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in figures.items())
+    )
 
 
 if __name__ == "__main__":

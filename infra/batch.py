@@ -246,8 +246,12 @@ class BatchSummary:
 
 
 def error_record(ident: str, question: str, kind: str, message: str) -> dict[str, Any]:
-    return {"id": ident, "status": "error", "question": question,
-            "error": {"type": kind, "message": message}}
+    return {
+        "id": ident,
+        "status": "error",
+        "question": question,
+        "error": {"type": kind, "message": message},
+    }
 
 
 # --- merging the critique calls of one actor's decoder threads -----------------------------------
@@ -298,8 +302,12 @@ class CallMerger:
         drafts: Sequence[Generation] | None = None,
         max_tokens: int | None = None,
     ) -> list[Any]:
-        entry = _Entry((method, source, max_tokens), list(branches),
-                       list(drafts) if drafts is not None else None, time.monotonic())
+        entry = _Entry(
+            (method, source, max_tokens),
+            list(branches),
+            list(drafts) if drafts is not None else None,
+            time.monotonic(),
+        )
         with self._cond:
             self._pending.append(entry)
             self._cond.notify_all()
@@ -540,8 +548,7 @@ def plan_jobs(
         except ValidationError as exc:
             from infra.settings import describe_validation_error
 
-            errors.append(error_record(q.id, q.question, "invalid",
-                                       describe_validation_error(exc)))
+            errors.append(error_record(q.id, q.question, "invalid", describe_validation_error(exc)))
             continue
         config = request.config.apply_to(defaults)
         # Index version and model are the same for the whole run, so they can stay out here.
@@ -604,8 +611,9 @@ def stream_answers(
 
     if not jobs:
         return
-    plan = plan_resources(ray.available_resources().get("CPU", 1.0), actors, per_actor,
-                          settings.model.n_threads)
+    plan = plan_resources(
+        ray.available_resources().get("CPU", 1.0), actors, per_actor, settings.model.n_threads
+    )
     if actor_cpus is not None:
         plan = Resources(plan.actors, actor_cpus, plan.n_threads, per_actor)
     settings_json = settings.model_dump_json()
@@ -622,15 +630,19 @@ def stream_answers(
     ctx = DataContext.get_current()
     ctx.enable_progress_bars = False  # the driver draws its own, per question
     ctx.execution_options.preserve_order = False
-    rows = [{"key": j.key, "question": j.question, "config": j.config.model_dump_json()}
-            for j in jobs]
+    rows = [
+        {"key": j.key, "question": j.question, "config": j.config.model_dump_json()} for j in jobs
+    ]
     # One block per batch and whole blocks as batches (batch_size=None): each batch is its own
     # task, so results stream back batch by batch instead of a task per several batches.
     blocks = max(1, math.ceil(len(rows) / per_actor))
     ds = ray.data.from_items(rows, override_num_blocks=blocks).map_batches(
         BatchAnswerer,
-        fn_constructor_kwargs={"settings_json": settings_json, "retriever": retriever,
-                               "n_threads": plan.n_threads},
+        fn_constructor_kwargs={
+            "settings_json": settings_json,
+            "retriever": retriever,
+            "n_threads": plan.n_threads,
+        },
         batch_size=None,
         compute=ray.data.ActorPoolStrategy(size=plan.actors),
         num_cpus=plan.actor_cpus,
@@ -681,8 +693,14 @@ def run_batch(
     summary.skipped = len(chosen) - len(todo)
     jobs, invalid = plan_jobs(todo, settings.decoding)
     sink = RecordSink(out)
-    bar = tqdm(total=len(todo), desc="batch", unit="q", file=sys.stderr, disable=not progress,
-               smoothing=0.1)
+    bar = tqdm(
+        total=len(todo),
+        desc="batch",
+        unit="q",
+        file=sys.stderr,
+        disable=not progress,
+        smoothing=0.1,
+    )
 
     def emit(record: dict[str, Any]) -> None:
         sink.write(record)
@@ -697,22 +715,31 @@ def run_batch(
             emit(record)
         if jobs:
             started_ray = ensure_ray(address)
-            for job, outcome in stream_answers(settings, jobs, actors=actors,
-                                               per_actor=per_actor, actor_cpus=actor_cpus):
+            for job, outcome in stream_answers(
+                settings, jobs, actors=actors, per_actor=per_actor, actor_cpus=actor_cpus
+            ):
                 summary.duplicates += len(job.ids) - 1
                 for n, ident in enumerate(job.ids):
                     if outcome["status"] == "ok":
                         summary.answered += 1
                         if outcome["cache"] == "hit" or n > 0:
                             summary.cache_hits += 1
-                        record = {"id": ident, "status": "ok", "question": job.question,
-                                  "response": outcome["response"]}
+                        record = {
+                            "id": ident,
+                            "status": "ok",
+                            "question": job.question,
+                            "response": outcome["response"],
+                        }
                         if n > 0:
                             record["duplicate_of"] = job.ids[0]
                     else:
                         summary.failed += 1
-                        record = {"id": ident, "status": "error", "question": job.question,
-                                  "error": outcome["error"]}
+                        record = {
+                            "id": ident,
+                            "status": "error",
+                            "question": job.question,
+                            "error": outcome["error"],
+                        }
                     emit(record)
     finally:
         bar.close()
@@ -761,8 +788,13 @@ def run_eval_systems(
     if not jobs:
         return
     sink = RecordSink(path)
-    bar = tqdm(total=sum(len(v) for v in owners.values()), desc="eval (ray)", unit="answer",
-               file=sys.stderr, disable=not progress)
+    bar = tqdm(
+        total=sum(len(v) for v in owners.values()),
+        desc="eval (ray)",
+        unit="answer",
+        file=sys.stderr,
+        disable=not progress,
+    )
     started_ray = ensure_ray(address)
     try:
         for job, outcome in stream_answers(settings, list(jobs.values()), actors=actors):
@@ -770,8 +802,10 @@ def run_eval_systems(
                 bar.update(1)
                 if outcome["status"] != "ok":
                     # Left without a record: run_evaluation answers it in-process.
-                    print(f"eval --ray: {system} {q.id}: {outcome['error']['message']}",
-                          file=sys.stderr)
+                    print(
+                        f"eval --ray: {system} {q.id}: {outcome['error']['message']}",
+                        file=sys.stderr,
+                    )
                     continue
                 r = AnswerResponse.model_validate(outcome["response"])
                 p_ret = r.segments[0].p_ret if r.segments else None

@@ -52,12 +52,11 @@ def collect_samples(
     for q in tqdm(questions, desc="calibrate", file=sys.stderr, disable=not progress):
         if q.context is None or q.paragraph_id is None:
             continue  # labels need the gold paragraph: SQuAD questions only
-        gold = Passage(
-            id=q.paragraph_id, text=" ".join(q.context.split()), title=_title(q.article)
-        )
+        gold = Passage(id=q.paragraph_id, text=" ".join(q.context.split()), title=_title(q.article))
         retrieved = rag.store.search(q.question, top_k)
         others = [
-            p for p in retrieved
+            p
+            for p in retrieved
             if p.metadata.get("doc_id", p.id.split("#")[0]) != q.paragraph_id
             and not (q.answerable and contains_answer(p.text, q.golds))
         ]
@@ -65,8 +64,11 @@ def collect_samples(
         branches = [Branch(q.question, "", p) for p in passages]
         (closed,) = critic.closed_book_drafts([Branch(q.question, "", None)])
         closed_right = q.answerable and contains_answer(closed.text, q.golds)
-        samples.append(_sample("retrieval", q, mean(closed.logprobs) if closed.tokens else -20.0,
-                               not closed_right))
+        samples.append(
+            _sample(
+                "retrieval", q, mean(closed.logprobs) if closed.tokens else -20.0, not closed_right
+            )
+        )
         if closed.tokens:
             samples.append(_sample("utility", q, mean(closed.logprobs), closed_right))
         if q.answerable:
@@ -91,9 +93,9 @@ def _sample(signal: str, q: EvalQuestion, x: float, y: bool) -> dict[str, Any]:
     return {"signal": signal, "id": q.id, "x": x, "y": bool(y)}
 
 
-def fit_samples(samples: Sequence[dict[str, Any]], fitted_on: str) -> tuple[
-    CalibrationSettings, dict[str, dict[str, float | int | None]]
-]:
+def fit_samples(
+    samples: Sequence[dict[str, Any]], fitted_on: str
+) -> tuple[CalibrationSettings, dict[str, dict[str, float | int | None]]]:
     """Fit each signal's (a, b); also return per-signal diagnostics (n, positives, AUC)."""
     params: dict[str, Any] = {}
     stats: dict[str, dict[str, float | int | None]] = {}

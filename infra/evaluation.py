@@ -232,9 +232,7 @@ def make_record(
     if system == "vanilla-rag":
         # Vanilla RAG cites nothing per segment: it is credited with every passage it was given.
         cited_ids = list(by_id)
-    cited = [
-        contains_answer(by_id[i].text, q.golds) if i in by_id else False for i in cited_ids
-    ]
+    cited = [contains_answer(by_id[i].text, q.golds) if i in by_id else False for i in cited_ids]
     return {
         "system": system,
         "id": q.id,
@@ -454,8 +452,13 @@ def write_plots(out: Path, questions: Sequence[EvalQuestion], systems: Sequence[
             rows = [outcome(r) for r in by_system[s].values() if r["answerable"]]
             if rows:
                 acc = sum(o.correct for o in rows) / len(rows)
-                ax.axhline(acc, linestyle="--", linewidth=1, label=s, color="grey" if
-                           s == "closed-book" else "black")
+                ax.axhline(
+                    acc,
+                    linestyle="--",
+                    linewidth=1,
+                    label=s,
+                    color="grey" if s == "closed-book" else "black",
+                )
     ax.set_xlabel("retrieval threshold δ (retrieve when p_ret > δ)")
     ax.set_ylabel("accuracy (answerable questions)")
     ax.set_ylim(0, 1)

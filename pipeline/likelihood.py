@@ -266,4 +266,3 @@ class LikelihoodCritic:
         cache.move_to_end(key)
         while len(cache) > _CACHE_SIZE:
             cache.popitem(last=False)
-

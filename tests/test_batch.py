@@ -48,7 +48,9 @@ def test_jsonl_malformed_lines_are_reported_with_their_numbers(tmp_path: Path):
     )
     questions, problems = read_questions(path)
     assert [(q.id, q.question, q.config) for q in questions] == [
-        ("a", "Who?", {}), ("3", "Where?", {"top_k": 2})]
+        ("a", "Who?", {}),
+        ("3", "Where?", {"top_k": 2}),
+    ]
     assert [p.line for p in problems] == [2, 4, 6, 7]
     assert "not JSON" in problems[0].reason
     assert "duplicate id 'a' (first at line 1)" in problems[1].reason
@@ -57,11 +59,14 @@ def test_jsonl_malformed_lines_are_reported_with_their_numbers(tmp_path: Path):
 
 def test_csv_and_parquet_inputs(tmp_path: Path):
     csv_path = tmp_path / "q.csv"
-    csv_path.write_text('id,question,config\nx,"Who, then?","{""top_k"": 2}"\n'
-                        ',Where?,\ny,Bad config,{oops\n')
+    csv_path.write_text(
+        'id,question,config\nx,"Who, then?","{""top_k"": 2}"\n,Where?,\ny,Bad config,{oops\n'
+    )
     questions, problems = read_questions(csv_path)
     assert [(q.id, q.question, q.config) for q in questions] == [
-        ("x", "Who, then?", {"top_k": 2}), ("3", "Where?", {})]
+        ("x", "Who, then?", {"top_k": 2}),
+        ("3", "Where?", {}),
+    ]
     assert [(p.line, "JSON" in p.reason) for p in problems] == [(4, True)]
 
     import pyarrow as pa
@@ -97,7 +102,9 @@ def test_duplicates_share_a_job_and_bad_config_is_an_error_record():
     jobs, errors = plan_jobs(qs, DecodingConfig())
     assert [j.ids for j in jobs] == [["1", "2"], ["3"]]
     assert [(e["id"], e["status"], e["error"]["type"]) for e in errors] == [
-        ("4", "error", "invalid"), ("5", "error", "invalid")]
+        ("4", "error", "invalid"),
+        ("5", "error", "invalid"),
+    ]
     assert "top_k" in errors[0]["error"]["message"]
 
 
@@ -228,11 +235,14 @@ def test_batch_kill_resume_duplicates_and_errors(
     from infra.settings import load_settings
 
     settings = load_settings(overrides={"home": str(indexed_home)})
-    lines = [json.dumps({"id": f"q{i}", "question": q, "config": SMALL})
-             for i, q in enumerate(normans_questions[:10])]
+    lines = [
+        json.dumps({"id": f"q{i}", "question": q, "config": SMALL})
+        for i, q in enumerate(normans_questions[:10])
+    ]
     lines.insert(3, "{broken")  # line 4
-    lines.append(json.dumps({"id": "dup", "question": normans_questions[0].upper(),
-                             "config": SMALL}))
+    lines.append(
+        json.dumps({"id": "dup", "question": normans_questions[0].upper(), "config": SMALL})
+    )
     lines.append(json.dumps({"id": "bad", "question": "x", "config": {"top_k": 0}}))
     src = tmp_path / "questions.jsonl"
     src.write_text("\n".join(lines) + "\n")
@@ -247,12 +257,19 @@ def test_batch_kill_resume_duplicates_and_errors(
             raise _Killed
 
     with pytest.raises(_Killed):
-        run_batch(settings, src, out, actors=1, per_actor=4, progress=False, actor_cpus=0.5,
-                  on_record=kill_after_four)
+        run_batch(
+            settings,
+            src,
+            out,
+            actors=1,
+            per_actor=4,
+            progress=False,
+            actor_cpus=0.5,
+            on_record=kill_after_four,
+        )
     first = _records(out)
     assert len(first) == 4
-    summary = run_batch(settings, src, out, actors=1, per_actor=8, progress=False,
-                        actor_cpus=0.5)
+    summary = run_batch(settings, src, out, actors=1, per_actor=8, progress=False, actor_cpus=0.5)
     records = _records(out)
     ids = [r["id"] for r in records]
     assert len(ids) == len(set(ids)) == 12  # 10 + dup + bad; the broken line has no id
@@ -277,7 +294,10 @@ def test_batch_kill_resume_duplicates_and_errors(
 
 @pytest.mark.real
 def test_batch_cli_reads_csv_and_parquet(
-    ray_local: None, indexed_home: Path, normans_questions: list[str], tmp_path: Path,
+    ray_local: None,
+    indexed_home: Path,
+    normans_questions: list[str],
+    tmp_path: Path,
     capsys: pytest.CaptureFixture[str],
 ):
     import pyarrow as pa
@@ -295,8 +315,19 @@ def test_batch_cli_reads_csv_and_parquet(
     pq.write_table(pa.table({"question": normans_questions[2:4], "config": [config] * 2}), pq_path)
     for src, ids in ((csv_path, {"c0", "c1"}), (pq_path, {"1", "2"})):
         out = tmp_path / f"{src.suffix[1:]}.jsonl"
-        code = main(["--home", str(indexed_home), "batch", str(src), "--out", str(out),
-                     "--actors", "1", "--no-progress"])
+        code = main(
+            [
+                "--home",
+                str(indexed_home),
+                "batch",
+                str(src),
+                "--out",
+                str(out),
+                "--actors",
+                "1",
+                "--no-progress",
+            ]
+        )
         assert code == 0
         assert "answered=2 failed=0 skipped=0" in capsys.readouterr().out
         records = _records(out)
@@ -311,11 +342,33 @@ def test_eval_ray_answers_selfrag_systems_on_the_batch_path(
     from infra.cli import main
 
     out = tmp_path / "eval"
-    args = ["--home", str(indexed_home), "eval", str(normans_squad),
-            "--corpus", str(normans_squad), str(shared_data / "wiki_sample_1000.jsonl"),
-            "--systems", "selfrag-likelihood", "--limit", "2", "--ray", "--actors", "1",
-            "--out", str(out), "--no-progress", "--mode", "always",
-            "--top-k", "2", "--max-segments", "1", "--max-segment-tokens", "16"]
+    args = [
+        "--home",
+        str(indexed_home),
+        "eval",
+        str(normans_squad),
+        "--corpus",
+        str(normans_squad),
+        str(shared_data / "wiki_sample_1000.jsonl"),
+        "--systems",
+        "selfrag-likelihood",
+        "--limit",
+        "2",
+        "--ray",
+        "--actors",
+        "1",
+        "--out",
+        str(out),
+        "--no-progress",
+        "--mode",
+        "always",
+        "--top-k",
+        "2",
+        "--max-segments",
+        "1",
+        "--max-segment-tokens",
+        "16",
+    ]
     assert main(args) == 0
     records = _records(out / "records.jsonl")
     assert [r["system"] for r in records] == ["selfrag-likelihood"] * 2

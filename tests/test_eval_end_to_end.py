@@ -12,20 +12,50 @@ from infra.evaluation import REPORT_COLUMNS
 
 pytestmark = pytest.mark.real
 
-RATES = ("accuracy", "f1", "abstain_rate", "wrong_confident_rate", "overall", "retrieval_rate",
-         "citation_precision", "s_sup_correct", "s_sup_wrong")
+RATES = (
+    "accuracy",
+    "f1",
+    "abstain_rate",
+    "wrong_confident_rate",
+    "overall",
+    "retrieval_rate",
+    "citation_precision",
+    "s_sup_correct",
+    "s_sup_wrong",
+)
 
 
 def test_eval_reports_every_system_and_column(
-    indexed_home: Path, normans_squad: Path, shared_data: Path, tmp_path: Path,
+    indexed_home: Path,
+    normans_squad: Path,
+    shared_data: Path,
+    tmp_path: Path,
     capsys: pytest.CaptureFixture[str],
 ):
     out = tmp_path / "eval"
-    args = ["--home", str(indexed_home), "eval", str(normans_squad),
-            "--corpus", str(normans_squad), str(shared_data / "wiki_sample_1000.jsonl"),
-            "--systems", "closed-book,vanilla-rag,selfrag-likelihood", "--limit", "3",
-            "--out", str(out), "--no-progress", "--plot",
-            "--top-k", "2", "--max-segments", "1", "--max-segment-tokens", "24"]
+    args = [
+        "--home",
+        str(indexed_home),
+        "eval",
+        str(normans_squad),
+        "--corpus",
+        str(normans_squad),
+        str(shared_data / "wiki_sample_1000.jsonl"),
+        "--systems",
+        "closed-book,vanilla-rag,selfrag-likelihood",
+        "--limit",
+        "3",
+        "--out",
+        str(out),
+        "--no-progress",
+        "--plot",
+        "--top-k",
+        "2",
+        "--max-segments",
+        "1",
+        "--max-segment-tokens",
+        "24",
+    ]
     assert main(args) == 0
     printed = capsys.readouterr().out
     assert "| selfrag-likelihood |" in printed
@@ -49,14 +79,37 @@ def test_eval_reports_every_system_and_column(
 
 
 def test_calibrate_dry_run_fits_every_signal(
-    indexed_home: Path, normans_squad: Path, shared_data: Path, tmp_path: Path,
+    indexed_home: Path,
+    normans_squad: Path,
+    shared_data: Path,
+    tmp_path: Path,
     capsys: pytest.CaptureFixture[str],
 ):
     samples = tmp_path / "samples.jsonl"
-    assert main(["--home", str(indexed_home), "calibrate", str(normans_squad),
-                 "--corpus", str(normans_squad), str(shared_data / "wiki_sample_1000.jsonl"),
-                 "--limit", "2", "--top-k", "2", "--max-segment-tokens", "16",
-                 "--samples", str(samples), "--dry-run", "--no-progress"]) == 0
+    assert (
+        main(
+            [
+                "--home",
+                str(indexed_home),
+                "calibrate",
+                str(normans_squad),
+                "--corpus",
+                str(normans_squad),
+                str(shared_data / "wiki_sample_1000.jsonl"),
+                "--limit",
+                "2",
+                "--top-k",
+                "2",
+                "--max-segment-tokens",
+                "16",
+                "--samples",
+                str(samples),
+                "--dry-run",
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     for signal in ("relevance", "support", "retrieval", "utility"):
         assert signal in out

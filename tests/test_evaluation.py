@@ -30,19 +30,45 @@ SQUAD = {
                 {
                     "context": "Rollo founded Normandy in France.",
                     "qas": [
-                        {"id": "q1", "question": "Who founded Normandy?", "is_impossible": False,
-                         "answers": [{"text": "Rollo", "answer_start": 0}]},
-                        {"id": "q2", "question": "Where is Normandy?", "is_impossible": False,
-                         "answers": [{"text": "France", "answer_start": 26}]},
-                        {"id": "q3", "question": "Who unfounded Normandy?", "is_impossible": True,
-                         "answers": [], "plausible_answers": [{"text": "Rollo"}]},
+                        {
+                            "id": "q1",
+                            "question": "Who founded Normandy?",
+                            "is_impossible": False,
+                            "answers": [{"text": "Rollo", "answer_start": 0}],
+                        },
+                        {
+                            "id": "q2",
+                            "question": "Where is Normandy?",
+                            "is_impossible": False,
+                            "answers": [{"text": "France", "answer_start": 26}],
+                        },
+                        {
+                            "id": "q3",
+                            "question": "Who unfounded Normandy?",
+                            "is_impossible": True,
+                            "answers": [],
+                            "plausible_answers": [{"text": "Rollo"}],
+                        },
                     ],
                 }
             ],
         },
-        {"title": "Other", "paragraphs": [{"context": "x", "qas": [
-            {"id": "o1", "question": "?", "is_impossible": False,
-             "answers": [{"text": "x", "answer_start": 0}]}]}]},
+        {
+            "title": "Other",
+            "paragraphs": [
+                {
+                    "context": "x",
+                    "qas": [
+                        {
+                            "id": "o1",
+                            "question": "?",
+                            "is_impossible": False,
+                            "answers": [{"text": "x", "answer_start": 0}],
+                        }
+                    ],
+                }
+            ],
+        },
     ]
 }
 
@@ -110,24 +136,67 @@ def test_resume_skips_done_records(squad_file: Path, tmp_path: Path):
 
 def test_threshold_curve_uses_closed_book_where_retrieval_is_skipped():
     own = [
-        {"id": "a", "answerable": True, "golds": ["x"], "answer": "x", "abstained": False,
-         "retrieved": True, "p_ret": 0.8, "latency_ms": 1, "prefill_tokens": 1},
-        {"id": "b", "answerable": True, "golds": ["y"], "answer": "y", "abstained": False,
-         "retrieved": True, "p_ret": 0.2, "latency_ms": 1, "prefill_tokens": 1},
+        {
+            "id": "a",
+            "answerable": True,
+            "golds": ["x"],
+            "answer": "x",
+            "abstained": False,
+            "retrieved": True,
+            "p_ret": 0.8,
+            "latency_ms": 1,
+            "prefill_tokens": 1,
+        },
+        {
+            "id": "b",
+            "answerable": True,
+            "golds": ["y"],
+            "answer": "y",
+            "abstained": False,
+            "retrieved": True,
+            "p_ret": 0.2,
+            "latency_ms": 1,
+            "prefill_tokens": 1,
+        },
     ]
-    closed = {i: {**r, "answer": "no", "retrieved": False} for i, r in
-              (("a", own[0]), ("b", own[1]))}
+    closed = {
+        i: {**r, "answer": "no", "retrieved": False} for i, r in (("a", own[0]), ("b", own[1]))
+    }
     pts = dict(threshold_curve(own, closed, [0.0, 0.5, 0.9]))
     assert pts == {0.0: 1.0, 0.5: 0.5, 0.9: 0.0}
     assert threshold_curve(own, {}, [0.5]) == []  # unknown closed-book outcome: left out
 
 
 def test_cli_rejects_bad_input(squad_file: Path, tmp_path: Path, capsys):
-    assert main(["--home", str(tmp_path), "eval", str(tmp_path / "no.json"), "--corpus",
-                 str(squad_file)]) == 2
+    assert (
+        main(
+            [
+                "--home",
+                str(tmp_path),
+                "eval",
+                str(tmp_path / "no.json"),
+                "--corpus",
+                str(squad_file),
+            ]
+        )
+        == 2
+    )
     assert "dataset not found" in capsys.readouterr().err
-    assert main(["--home", str(tmp_path), "eval", str(squad_file), "--corpus", str(squad_file),
-                 "--systems", "closed-book,oracle"]) == 2
+    assert (
+        main(
+            [
+                "--home",
+                str(tmp_path),
+                "eval",
+                str(squad_file),
+                "--corpus",
+                str(squad_file),
+                "--systems",
+                "closed-book,oracle",
+            ]
+        )
+        == 2
+    )
     assert "unknown system" in capsys.readouterr().err
 
 

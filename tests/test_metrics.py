@@ -15,10 +15,29 @@ from pipeline.metrics import (
 )
 
 
-def _o(answerable: bool, answer: str, *, golds=("France",), abstained=False, s_sup=None,
-       cited=(), retrieved=True, ms=100.0, prefill=10) -> Outcome:
-    return Outcome(answerable, tuple(golds) if answerable else (), answer, abstained, retrieved,
-                   s_sup, tuple(cited), ms, prefill)
+def _o(
+    answerable: bool,
+    answer: str,
+    *,
+    golds=("France",),
+    abstained=False,
+    s_sup=None,
+    cited=(),
+    retrieved=True,
+    ms=100.0,
+    prefill=10,
+) -> Outcome:
+    return Outcome(
+        answerable,
+        tuple(golds) if answerable else (),
+        answer,
+        abstained,
+        retrieved,
+        s_sup,
+        tuple(cited),
+        ms,
+        prefill,
+    )
 
 
 def test_normalisation_follows_squad():
@@ -54,8 +73,8 @@ def test_summary_splits_answerable_and_unanswerable():
         _o(True, "It is France.", s_sup=0.9, cited=(True,)),
         _o(True, "It is Spain.", s_sup=0.3, cited=(False,)),
         _o(True, "", abstained=True),
-        _o(False, "Rollo", s_sup=0.8),   # confidently wrong
-        _o(False, "Rollo", s_sup=0.2),   # answered, low support: not confident
+        _o(False, "Rollo", s_sup=0.8),  # confidently wrong
+        _o(False, "Rollo", s_sup=0.2),  # answered, low support: not confident
         _o(False, "", abstained=True, retrieved=False),
     ]
     s = summarize(rows)
