@@ -157,7 +157,8 @@ def passage_kv(url: str, pairs: Sequence[tuple[str, str]], config: dict) -> list
     seen: set[str] = set()
     out: list[StepTime] = []
     with httpx.Client(base_url=url, timeout=300) as client:
-        client.post("/v1/answer", json={"question": WARMUP_QUESTION, "config": config})
+        warmup = client.post("/v1/answer", json={"question": WARMUP_QUESTION, "config": config})
+        seen |= {p["id"] for p in warmup.json().get("passages", [])}
         for question in (q for pair in pairs for q in pair):
             r = client.post("/v1/answer", json={"question": question, "config": config})
             r.raise_for_status()
