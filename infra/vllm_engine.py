@@ -25,6 +25,7 @@ from typing import Any
 import httpx
 
 from infra.lifecycle import Closeable
+from pipeline.prompts import split_on
 from pipeline.protocols import (
     ContinuationRequest,
     ContinuationScores,
@@ -125,12 +126,7 @@ class VLLMEngine(Closeable):
             text = self.detokenize(out["tokens"])
             if not all(c in text for c in contents):
                 continue
-            pieces: list[str] = []
-            rest = text
-            for c in contents:
-                before, _, rest = rest.partition(c)
-                pieces.append(before)
-            pieces.append(rest)
+            pieces = split_on(text, contents)
             if bos and pieces[0].startswith(bos):
                 # The prompt builder adds BOS itself (bos_tokens); the template must not.
                 pieces[0] = pieces[0][len(bos) :]

@@ -164,7 +164,7 @@ def chat_glue(template: str | None, bos_token: str = "", eos_token: str = "") ->
             continue
         if not all(c in rendered for c in contents):
             continue
-        pieces = _split_on(rendered, contents)
+        pieces = split_on(rendered, contents)
         if with_system:
             start, sys_to_user, a_start, a_to_u, a_start2 = pieces
         else:
@@ -178,7 +178,8 @@ def chat_glue(template: str | None, bos_token: str = "", eos_token: str = "") ->
     raise ValueError("the model's chat template could not be rendered with plain messages")
 
 
-def _split_on(rendered: str, sentinels: Sequence[str]) -> list[str]:
+def split_on(rendered: str, sentinels: Sequence[str]) -> list[str]:
+    """`rendered` cut at each sentinel in turn: the text before each, then the rest."""
     pieces: list[str] = []
     rest = rendered
     for sentinel in sentinels:
