@@ -31,16 +31,19 @@ def normans_squad(shared_data: Path, tmp_path_factory: pytest.TempPathFactory) -
 
 
 @pytest.fixture(scope="session")
-def indexed_home(
-    tmp_path_factory: pytest.TempPathFactory, normans_squad: Path, shared_data: Path
-) -> Path:
+def indexed_corpus(normans_squad: Path, shared_data: Path) -> list[str]:
+    """The files `indexed_home` holds: as a command's `--corpus`, nothing new to index."""
+    return [str(normans_squad), str(shared_data / "wiki_sample_1000.jsonl")]
+
+
+@pytest.fixture(scope="session")
+def indexed_home(tmp_path_factory: pytest.TempPathFactory, indexed_corpus: list[str]) -> Path:
     """A data folder indexed once per session: the Normans paragraphs + 1,000 Wikipedia
     passages, through the real CLI, embedder and embedded Qdrant."""
     from infra.cli import main
 
     home = tmp_path_factory.mktemp("home")
-    corpus = [str(normans_squad), str(shared_data / "wiki_sample_1000.jsonl")]
-    assert main(["--home", str(home), "index", "--no-progress", *corpus]) == 0
+    assert main(["--home", str(home), "index", "--no-progress", *indexed_corpus]) == 0
     return home
 
 

@@ -337,7 +337,11 @@ def test_batch_cli_reads_csv_and_parquet(
 
 @pytest.mark.real
 def test_eval_ray_answers_selfrag_systems_on_the_batch_path(
-    ray_local: None, indexed_home: Path, normans_squad: Path, shared_data: Path, tmp_path: Path
+    ray_local: None,
+    indexed_home: Path,
+    normans_squad: Path,
+    indexed_corpus: list[str],
+    tmp_path: Path,
 ):
     from infra.cli import main
 
@@ -348,8 +352,7 @@ def test_eval_ray_answers_selfrag_systems_on_the_batch_path(
         "eval",
         str(normans_squad),
         "--corpus",
-        str(normans_squad),
-        str(shared_data / "wiki_sample_1000.jsonl"),
+        *indexed_corpus,
         "--systems",
         "selfrag-likelihood",
         "--limit",
