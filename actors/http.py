@@ -61,6 +61,14 @@ class DeadlineExceeded(ServiceError):
     error = "deadline_exceeded"
 
 
+class Misconfigured(ServiceError):
+    """A permanent fault of the deployment (e.g. the index does not match the embedder):
+    retrying cannot help, so no `Retry-After`; an operator must fix it."""
+
+    status = 500
+    error = "misconfigured"
+
+
 class Unprocessable(ServiceError):
     """The request is well-formed but cannot be answered as configured (e.g. `native`
     critique on a model without reflection tokens)."""
