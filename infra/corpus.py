@@ -2,27 +2,37 @@
 
 Supported inputs:
 - JSONL, one object a line: `{"id"?, "title"?, "text" | "contents"}`. A FlashRAG-style `contents`
-  whose first line is a double-quoted title gives that title and the rest as text.
+  whose first line is a double-quoted title gives that title and the rest as text. A record
+  without an id gets `{source_id(file)}:{line}`. Lines are read with a bounded read, so one
+  runaway line costs at most `max_bytes` of memory, however long it is.
 - SQuAD-format JSON: every paragraph is a document, id `squad:{article title}:{paragraph index}`.
-- A folder of `.txt` / `.md` files (or one such file): id = path relative to the folder.
+  The file is parsed whole, so a file over `MAX_JSON_FILE_BYTES` is refused (convert it to JSONL,
+  which is read line by line).
+- A folder of `.txt` / `.md` files (or one such file): id = `source_id(file)`.
 
 Bad records never stop a read: each becomes a `CorpusError` in the stream and reading goes on.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from pipeline.protocols import Passage
 
 # Default cap on one document's UTF-8 size: far above any real article, small enough that one
 # runaway record (a dumped binary, a whole book in a line) cannot stall indexing.
 MAX_DOCUMENT_BYTES = 10_000_000
+# A SQuAD file is one JSON value, parsed whole (several times its size in Python objects). The
+# SQuAD v2 train set is 42 MB; past this bound the file belongs in JSONL, read line by line.
+MAX_JSON_FILE_BYTES = 128 * 2**20
+# How much of an over-long line is read at a time while skipping to its end.
+_SKIP_CHUNK = 1 << 16
 TEXT_SUFFIXES = frozenset({".txt", ".md", ".markdown"})
 JSONL_SUFFIXES = frozenset({".jsonl", ".ndjson"})
 
@@ -57,12 +67,60 @@ class CorpusFormatError(ValueError):
     """The path exists but is not a corpus format this module reads."""
 
 
+@dataclass(frozen=True)
+class RawLine:
+    """One line of a file: `data` without its newline, or None when the line was over the limit
+    (then it was skipped unread and only its `size` counted). `number` is 1-based."""
+
+    number: int
+    data: bytes | None
+    size: int
+
+
+def read_lines(file: BinaryIO, max_bytes: int) -> Iterator[RawLine]:
+    """The lines of a binary file, reading at most `max_bytes` + 1 bytes of a line at once (a
+    bounded readline holds up to twice that), so memory follows the limit, not the line: a line
+    over `max_bytes` (newline excluded) is skipped to its end in 64 KiB reads and comes back
+    with `data=None`; reading goes on at the next line."""
+    number = 0
+    while True:
+        chunk = file.readline(max_bytes + 1)
+        if not chunk:
+            return
+        number += 1
+        if chunk.endswith(b"\n"):
+            yield RawLine(number, chunk[:-1], len(chunk) - 1)
+        elif len(chunk) <= max_bytes:  # the last line, without a newline
+            yield RawLine(number, chunk, len(chunk))
+        else:
+            size = len(chunk)
+            chunk = b""  # drop the head before reading on: memory stays bounded
+            while rest := file.readline(_SKIP_CHUNK):
+                if rest.endswith(b"\n"):
+                    size += len(rest) - 1
+                    break
+                size += len(rest)
+            yield RawLine(number, None, size)
+
+
+def source_id(file: Path) -> str:
+    """The id of a document named by its file (a text file, or with `:line` a JSONL record
+    without an id): the file name, `@`, and 12 hex digits of the SHA-256 of the resolved
+    absolute path. Two files with the same name in different folders get different ids; the
+    same path gets the same id on every run, so re-indexing overwrites."""
+    resolved = str(file.resolve()).encode("utf-8", "surrogateescape")
+    return f"{file.name}@{hashlib.sha256(resolved).hexdigest()[:12]}"
+
+
 def read_documents(
-    path: str | Path, max_bytes: int = MAX_DOCUMENT_BYTES
+    path: str | Path,
+    max_bytes: int = MAX_DOCUMENT_BYTES,
+    max_json_bytes: int = MAX_JSON_FILE_BYTES,
 ) -> Iterator[Document | CorpusError]:
     """Yield the documents of the corpus at `path`, with a `CorpusError` for every bad record.
 
-    A document over `max_bytes` (its JSONL line, file, or SQuAD paragraph) is such an error.
+    A document over `max_bytes` (its JSONL line, file, or SQuAD paragraph) is such an error,
+    and so is a SQuAD JSON file over `max_json_bytes` (parsing it needs the whole file).
 
     Raises FileNotFoundError when `path` does not exist and CorpusFormatError for an unknown
     format. Both are raised when the iterator is created, before the first item is read.
@@ -78,9 +136,9 @@ def read_documents(
     if suffix in JSONL_SUFFIXES:
         return _read_jsonl(source, max_bytes)
     if suffix == ".json":
-        return _read_squad(source, max_bytes)
+        return _read_squad(source, max_bytes, max_json_bytes)
     if suffix in TEXT_SUFFIXES:
-        return _read_text_files(source.parent, [source], max_bytes)
+        return _read_text_files([source], max_bytes)
     raise CorpusFormatError(
         f"unknown corpus format for {source}: expected .jsonl, SQuAD .json, "
         f"or a folder of {'/'.join(sorted(TEXT_SUFFIXES))} files"
@@ -93,11 +151,13 @@ def _too_big(size: int, max_bytes: int) -> str:
 
 def _read_jsonl(path: Path, max_bytes: int) -> Iterator[Document | CorpusError]:
     seen: dict[str, int] = {}
+    file_id = source_id(path)
     # Bytes, not text mode: a bad byte then costs one line instead of aborting the whole file.
-    with path.open("rb") as lines:
-        for number, raw in enumerate(lines, start=1):
-            if len(raw) > max_bytes:
-                yield CorpusError(str(path), number, _too_big(len(raw), max_bytes))
+    with path.open("rb") as file:
+        for raw_line in read_lines(file, max_bytes):
+            number, raw = raw_line.number, raw_line.data
+            if raw is None:
+                yield CorpusError(str(path), number, _too_big(raw_line.size, max_bytes))
                 continue
             try:
                 line = raw.decode("utf-8")
@@ -115,7 +175,7 @@ def _read_jsonl(path: Path, max_bytes: int) -> Iterator[Document | CorpusError]:
                     str(path), number, f"invalid JSON: {error.msg} (column {error.colno})"
                 )
                 continue
-            item = _jsonl_document(record, path, number)
+            item = _jsonl_document(record, path, number, file_id)
             if isinstance(item, Document):
                 if item.id in seen:
                     item = CorpusError(
@@ -128,7 +188,7 @@ def _read_jsonl(path: Path, max_bytes: int) -> Iterator[Document | CorpusError]:
             yield item
 
 
-def _jsonl_document(record: Any, path: Path, number: int) -> Document | CorpusError:
+def _jsonl_document(record: Any, path: Path, number: int, file_id: str) -> Document | CorpusError:
     if not isinstance(record, dict):
         return CorpusError(
             str(path), number, f"expected a JSON object, got {type(record).__name__}"
@@ -149,8 +209,7 @@ def _jsonl_document(record: Any, path: Path, number: int) -> Document | CorpusEr
         return CorpusError(str(path), number, "empty or non-string text")
     raw_id = record.get("id")
     if raw_id is None or (isinstance(raw_id, str) and not raw_id.strip()):
-        # File name rather than full path so the id survives moving the corpus folder.
-        doc_id = f"{path.name}:{number}"
+        doc_id = f"{file_id}:{number}"
     elif isinstance(raw_id, (str, int)) and not isinstance(raw_id, bool):
         doc_id = str(raw_id)
     else:
@@ -158,7 +217,19 @@ def _jsonl_document(record: Any, path: Path, number: int) -> Document | CorpusEr
     return Document(id=doc_id, title=title.strip() if title else None, text=text.strip())
 
 
-def _read_squad(path: Path, max_bytes: int) -> Iterator[Document | CorpusError]:
+def _read_squad(
+    path: Path, max_bytes: int, max_json_bytes: int
+) -> Iterator[Document | CorpusError]:
+    size = path.stat().st_size
+    if size > max_json_bytes:  # checked before reading: the file is parsed whole
+        yield CorpusError(
+            str(path),
+            None,
+            f"SQuAD JSON file too large to parse whole ({size} bytes, limit {max_json_bytes}): "
+            "split it, or convert its paragraphs to JSONL ({id, title, text} a line), which is "
+            "read line by line",
+        )
+        return
     raw = path.read_bytes()
     try:
         content = raw.decode("utf-8")
@@ -210,12 +281,10 @@ def _read_folder(folder: Path, max_bytes: int) -> Iterator[Document | CorpusErro
         raise CorpusFormatError(
             f"folder {folder} holds no {'/'.join(sorted(TEXT_SUFFIXES))} files to index"
         )
-    return _read_text_files(folder, files, max_bytes)
+    return _read_text_files(files, max_bytes)
 
 
-def _read_text_files(
-    root: Path, files: list[Path], max_bytes: int
-) -> Iterator[Document | CorpusError]:
+def _read_text_files(files: list[Path], max_bytes: int) -> Iterator[Document | CorpusError]:
     for file in files:
         size = file.stat().st_size
         if size > max_bytes:  # checked before reading, so a huge file is never loaded
@@ -234,7 +303,7 @@ def _read_text_files(
         title = file.stem
         if file.suffix.lower() != ".txt" and (heading := _MD_HEADING.search(text)):
             title = heading["title"]
-        yield Document(id=file.relative_to(root).as_posix(), title=title, text=text.strip())
+        yield Document(id=source_id(file), title=title, text=text.strip())
 
 
 def split_passages(doc: Document, words: int, overlap: int) -> list[Passage]:

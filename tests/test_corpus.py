@@ -2,17 +2,23 @@
 
 from __future__ import annotations
 
+import io
 import itertools
 import json
+import tracemalloc
 from pathlib import Path
 
 import pytest
 
 from infra.corpus import (
+    MAX_JSON_FILE_BYTES,
     CorpusError,
     CorpusFormatError,
     Document,
+    RawLine,
     read_documents,
+    read_lines,
+    source_id,
     split_passages,
 )
 
@@ -47,7 +53,7 @@ def test_jsonl_reads_good_lines_and_reports_bad_ones_by_line(tmp_path: Path) -> 
     assert [(d.id, d.title, d.text) for d in docs] == [
         ("a", "Alpha", "First document."),
         ("b", "Beta Title", "Beta body text."),
-        ("corpus.jsonl:7", None, "No id here."),
+        (f"{source_id(path)}:7", None, "No id here."),
         ("8", None, "Integer id."),
     ]
     assert [e.line for e in errors] == [2, 5, 6, 8, 10, 11]
@@ -79,7 +85,8 @@ def test_jsonl_ids_are_stable_across_reads(tmp_path: Path) -> None:
     path = tmp_path / "x.jsonl"
     path.write_text('{"text": "one"}\n{"text": "two"}\n', encoding="utf-8")
     first = [d.id for d in read_documents(path) if isinstance(d, Document)]
-    assert first == ["x.jsonl:1", "x.jsonl:2"]
+    assert first == [f"{source_id(path)}:1", f"{source_id(path)}:2"]
+    assert first[0].startswith("x.jsonl@")  # readable: the file name comes first
     assert first == [d.id for d in read_documents(path) if isinstance(d, Document)]
 
 
@@ -138,9 +145,9 @@ def test_folder_of_text_files(tmp_path: Path) -> None:
     docs, errors = split(list(read_documents(tmp_path)))
 
     assert [(d.id, d.title) for d in docs] == [
-        ("notes.txt", "notes"),
-        ("sub/guide.md", "The Guide"),
-        ("sub/plain.md", "plain"),
+        (source_id(tmp_path / "notes.txt"), "notes"),
+        (source_id(tmp_path / "sub" / "guide.md"), "The Guide"),
+        (source_id(tmp_path / "sub" / "plain.md"), "plain"),
     ]
     assert docs[1].text == "Intro line\n\n## The Guide ##\nBody."
     assert [(Path(e.path).name, e.line) for e in errors] == [("broken.md", 3), ("empty.md", None)]
@@ -149,7 +156,9 @@ def test_folder_of_text_files(tmp_path: Path) -> None:
 def test_single_markdown_file(tmp_path: Path) -> None:
     path = tmp_path / "one.md"
     path.write_text("# Title One\ntext", encoding="utf-8")
-    assert list(read_documents(path)) == [Document("one.md", "Title One", "# Title One\ntext")]
+    assert list(read_documents(path)) == [
+        Document(source_id(path), "Title One", "# Title One\ntext")
+    ]
 
 
 def test_bad_paths_raise_clear_errors(tmp_path: Path) -> None:
@@ -230,7 +239,7 @@ def test_oversized_documents_are_rejected_one_by_one(tmp_path: Path) -> None:
     (folder / "b.txt").write_text("x" * 500)
     (folder / "c.txt").write_bytes(b"caf\xe9 latin-1")
     items = list(read_documents(folder, max_bytes=200))
-    assert [i.id for i in items if isinstance(i, Document)] == ["a.txt"]
+    assert [i.id for i in items if isinstance(i, Document)] == [source_id(folder / "a.txt")]
     reasons = {Path(i.path).name: i.reason for i in items if isinstance(i, CorpusError)}
     assert "too large" in reasons["b.txt"] and "not UTF-8" in reasons["c.txt"]
 
@@ -240,3 +249,114 @@ def test_oversized_documents_are_rejected_one_by_one(tmp_path: Path) -> None:
     items = list(read_documents(squad, max_bytes=200))
     assert [i.id for i in items if isinstance(i, Document)] == ["squad:T:0"]
     assert "paragraph 1" in str(next(i for i in items if isinstance(i, CorpusError)))
+
+
+def test_read_lines_skips_an_over_long_line_without_keeping_it() -> None:
+    data = b"abc\n" + b"x" * 25 + b"\n\n" + b"y" * 10 + b"\n" + b"z" * 11 + b"\ntail"
+    assert list(read_lines(io.BytesIO(data), 10)) == [
+        RawLine(1, b"abc", 3),
+        RawLine(2, None, 25),
+        RawLine(3, b"", 0),
+        RawLine(4, b"y" * 10, 10),  # exactly the limit: the newline does not count
+        RawLine(5, None, 11),
+        RawLine(6, b"tail", 4),
+    ]
+    # An over-long last line without a newline, and a limit of one byte.
+    assert list(read_lines(io.BytesIO(b"w" * 30), 10)) == [RawLine(1, None, 30)]
+    assert list(read_lines(io.BytesIO(b"a\nbb\n"), 1)) == [RawLine(1, b"a", 1), RawLine(2, None, 2)]
+
+
+def test_over_long_jsonl_lines_are_rejected_by_line_without_being_held(tmp_path: Path) -> None:
+    limit = 200_000
+    path = tmp_path / "c.jsonl"
+    twice = json.dumps({"id": "twice", "text": "x" * (2 * limit)})
+    huge = json.dumps({"id": "huge", "text": "y" * (10 * limit)})
+    path.write_text(
+        json.dumps({"id": "before", "text": "first"})
+        + "\n"
+        + twice
+        + "\n"
+        + json.dumps({"id": "after", "text": "still read"})
+        + "\n"
+        + huge
+        + "\n"
+        + json.dumps({"id": "last", "text": "no newline at the end"})
+    )
+    tracemalloc.start()
+    try:
+        items = list(read_documents(path, max_bytes=limit))
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert [i.id for i in items if isinstance(i, Document)] == ["before", "after", "last"]
+    errors = [i for i in items if isinstance(i, CorpusError)]
+    assert [(e.path, e.line) for e in errors] == [(str(path), 2), (str(path), 4)]
+    assert f"({len(twice)} bytes, limit {limit}" in errors[0].reason
+    assert f"({len(huge)} bytes, limit {limit}" in errors[1].reason
+    # Memory follows the limit, not the line: the 2 MB line never was in memory whole
+    # (a bounded readline holds up to about twice the bytes it returns).
+    assert peak < 3 * limit, peak
+
+
+def test_a_line_of_exactly_the_limit_is_kept(tmp_path: Path) -> None:
+    line = json.dumps({"id": "edge", "text": "t"})
+    path = tmp_path / "c.jsonl"
+    path.write_text(line + "\n" + json.dumps({"id": "over", "text": "tt"}) + "\n")
+    items = list(read_documents(path, max_bytes=len(line)))
+    assert [i.id for i in items if isinstance(i, Document)] == ["edge"]
+    assert [i.line for i in items if isinstance(i, CorpusError)] == [2]
+
+
+def test_same_file_names_in_two_folders_get_distinct_stable_ids(tmp_path: Path) -> None:
+    ids: list[str] = []
+    for folder in ("a", "b"):
+        (tmp_path / folder).mkdir()
+        jsonl = tmp_path / folder / "corpus.jsonl"
+        jsonl.write_text(json.dumps({"text": f"from {folder}"}) + "\n")
+        (tmp_path / folder / "README.md").write_text(f"# {folder}\nnotes", encoding="utf-8")
+        for path in (jsonl, tmp_path / folder):
+            ids += [d.id for d in read_documents(path) if isinstance(d, Document)]
+    assert len(ids) == len(set(ids)) == 4
+    assert ids[0].startswith("corpus.jsonl@") and ids[0].endswith(":1")
+    assert ids[1].startswith("README.md@")
+    # Stable: the same path (however it is spelled) gives the same ids on a re-read.
+    spelled = tmp_path / "b" / ".." / "a" / "corpus.jsonl"
+    assert [d.id for d in read_documents(spelled) if isinstance(d, Document)] == [ids[0]]
+
+
+def test_a_squad_file_over_the_bound_is_refused_before_reading(tmp_path: Path) -> None:
+    path = tmp_path / "squad.json"
+    paragraphs = [{"context": "Paragraph zero."}]
+    path.write_text(json.dumps({"data": [{"title": "T", "paragraphs": paragraphs}]}))
+    size = path.stat().st_size
+    (error,) = list(read_documents(path, max_json_bytes=size - 1))
+    assert isinstance(error, CorpusError) and error.line is None
+    assert f"too large to parse whole ({size} bytes, limit {size - 1})" in error.reason
+    assert "JSONL" in error.reason
+    assert [d.id for d in read_documents(path, max_json_bytes=size)] == ["squad:T:0"]
+    assert MAX_JSON_FILE_BYTES >= 64 * 2**20  # room for the SQuAD v2 train set (42 MB)
+
+
+@pytest.mark.real
+def test_indexing_keeps_same_named_files_apart_and_reports_the_oversized_line(
+    tmp_path: Path,
+) -> None:
+    from infra.embedder import SentenceEmbedder
+    from infra.indexing import index_corpus
+    from infra.qdrant_store import QdrantStore
+    from schemas.settings import RetrievalSettings
+
+    texts = {"a": "Volcanoes erupt lava.", "b": "Sourdough bread rises."}
+    for folder, text in texts.items():
+        (tmp_path / folder).mkdir()
+        rows = [{"text": text}, {"text": "x " * 300}]
+        (tmp_path / folder / "corpus.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with QdrantStore.open(RetrievalSettings(), tmp_path / "home", SentenceEmbedder()) as store:
+        for folder in texts:
+            report = index_corpus(
+                tmp_path / folder / "corpus.jsonl", store, progress=False, max_document_bytes=200
+            )
+            assert (report.documents, [e.line for e in report.errors]) == (1, [2])
+        assert store.count() == 2
+        assert store.search("lava", 1)[0].text == texts["a"]
+        assert store.search("bread", 1)[0].text == texts["b"]
