@@ -20,6 +20,7 @@ from typing import Any, Literal, Protocol
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from pydantic import SecretStr
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from actors.metrics import Metrics
@@ -99,9 +100,9 @@ class AnswerService(Protocol):
         ...
 
 
-def parse_api_keys(raw: str | None) -> list[str]:
+def parse_api_keys(raw: str | None) -> list[SecretStr]:
     """`SELFRAG_API_KEYS`: comma-separated; blanks ignored; empty means auth is off."""
-    return [k.strip() for k in (raw or "").split(",") if k.strip()]
+    return [SecretStr(k.strip()) for k in (raw or "").split(",") if k.strip()]
 
 
 def _error(
@@ -125,7 +126,7 @@ def build_http_app(
     service: AnswerService,
     metrics: Metrics,
     *,
-    api_keys: Sequence[str] = (),
+    api_keys: Sequence[SecretStr] = (),
     title: str = "selfrag",
     retry_after_s: int = 2,
     log_questions: bool = False,
@@ -134,7 +135,7 @@ def build_http_app(
     `Authorization: Bearer <key>` or `X-API-Key: <key>`; probes and docs stay open.
     Every 503 carries `Retry-After: retry_after_s`. Each answer is logged at INFO with its
     status and latency; the question text only with `log_questions`."""
-    keys = [k.encode() for k in api_keys]
+    keys = [k.get_secret_value().encode() for k in api_keys]
     retry_after = {"Retry-After": str(retry_after_s)}
 
     def service_failure(exc: ServiceError) -> JSONResponse:

@@ -412,10 +412,10 @@ class MergedCritic:
 class RetrieverActor:
     """The one owner of an embedded Qdrant folder (and its embedder) for all engine actors."""
 
-    def __init__(self, settings_json: str) -> None:
+    def __init__(self, settings: Settings) -> None:
         from infra.runtime import SelfRAG
 
-        self._rag = SelfRAG(Settings.model_validate_json(settings_json))
+        self._rag = SelfRAG(settings)
         self._store = self._rag.store
         self._store.search("warm up", 1)  # load the embedder now, not on the first question
 
@@ -452,11 +452,10 @@ class _RemoteStore:
 class BatchAnswerer:
     """A Ray Data actor: one llama.cpp engine, and a thread per question of a batch."""
 
-    def __init__(self, settings_json: str, retriever: Any | None, n_threads: int) -> None:
+    def __init__(self, settings: Settings, retriever: Any | None, n_threads: int) -> None:
         from infra.cache import open_query_cache
         from infra.runtime import SelfRAG
 
-        settings = Settings.model_validate_json(settings_json)
         if n_threads and not settings.model.n_threads:
             model = settings.model.model_copy(update={"n_threads": n_threads})
             settings = settings.model_copy(update={"model": model})
@@ -616,13 +615,14 @@ def stream_answers(
     )
     if actor_cpus is not None:
         plan = Resources(plan.actors, actor_cpus, plan.n_threads, per_actor)
-    settings_json = settings.model_dump_json()
+    # Settings travel pickled: their secrets (qdrant_api_key, redis_url) stay secret types,
+    # masked in any repr or log; a JSON dump would replace them by the mask for good.
     retriever = None
     if not settings.retrieval.qdrant_url:
         retriever = (
             ray.remote(RetrieverActor)
             .options(num_cpus=min(RETRIEVER_CPUS, plan.actor_cpus))
-            .remote(settings_json)
+            .remote(settings)
         )
     by_key = {j.key: j for j in jobs}
     from ray.data import DataContext
@@ -639,7 +639,7 @@ def stream_answers(
     ds = ray.data.from_items(rows, override_num_blocks=blocks).map_batches(
         BatchAnswerer,
         fn_constructor_kwargs={
-            "settings_json": settings_json,
+            "settings": settings,
             "retriever": retriever,
             "n_threads": plan.n_threads,
         },

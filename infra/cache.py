@@ -340,7 +340,7 @@ def open_redis_tier(
         return None
     c = settings.cache
     return RedisTier(
-        settings.redis_url,
+        settings.redis_url.get_secret_value(),
         namespace,
         ttl_s=ttl_s,
         max_bytes=max_bytes,

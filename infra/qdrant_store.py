@@ -104,7 +104,8 @@ class QdrantStore(Closeable):
         collection was built with a different embedding model.
         """
         if settings.qdrant_url:
-            client = QdrantClient(url=settings.qdrant_url, api_key=settings.qdrant_api_key)
+            key = settings.qdrant_api_key.get_secret_value() if settings.qdrant_api_key else None
+            client = QdrantClient(url=settings.qdrant_url, api_key=key)
             store = cls(client, settings, embedder, local=False)
         else:
             folder = (Path(home) / "qdrant").resolve()

@@ -3,15 +3,52 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, Secret, SecretStr, field_validator
 
 from schemas.calibration import CalibrationSettings
 from schemas.decoding import DecodingConfig
 
 WeightFormat = Literal["auto", "original", "bf16", "f16", "q8_0", "q4_0"]
 Backend = Literal["llama_cpp", "vllm"]
+
+MASK = "**********"
+
+
+def mask_url(url: str) -> str:
+    """`url` with its password (userinfo or `?password=`) replaced by `MASK`."""
+    try:
+        parts = urlsplit(url)
+        netloc = parts.netloc
+        if parts.password is not None:
+            user = parts.username or ""
+            host = netloc.rpartition("@")[2]
+            netloc = f"{user}:{MASK}@{host}"
+        query = parts.query
+        pairs = parse_qsl(query, keep_blank_values=True)
+        if any(k == "password" for k, _ in pairs):
+            masked = [(k, MASK if k == "password" else v) for k, v in pairs]
+            query = urlencode(masked, safe="*")
+        return urlunsplit(parts._replace(netloc=netloc, query=query))
+    except ValueError:  # not parseable as a URL: show nothing of it
+        return MASK
+
+
+class SecretUrl(Secret[str]):
+    """A URL that may carry a password (e.g. `redis://:pw@host:6379/0`): reprs, logs and
+    `model_dump(mode="json")` show it with the password masked; `get_secret_value()` is the
+    URL itself."""
+
+    def _display(self) -> str:
+        # pydantic's documented hook for how a `Secret` shows (repr, str, JSON dump).
+        return mask_url(self.get_secret_value())
+
+
+def _blank_is_none(value: Any) -> Any:
+    """An empty secret (e.g. an empty TOML string) means "not set"."""
+    return None if isinstance(value, str) and not value.strip() else value
 
 
 class ModelSettings(BaseModel):
@@ -51,7 +88,9 @@ class RetrievalSettings(BaseModel):
     qdrant_url: str | None = Field(
         None, description="Qdrant server URL; default: embedded on disk."
     )
-    qdrant_api_key: str | None = None
+    qdrant_api_key: SecretStr | None = Field(
+        None, description="Qdrant server API key; shown masked, never logged."
+    )
     collection: str = "passages"
     embedding_model: str | None = Field(
         None,
@@ -70,6 +109,11 @@ class RetrievalSettings(BaseModel):
         description="Indexing skips a document larger than this (UTF-8 bytes) with an error "
         "naming it; the rest of the corpus is indexed.",
     )
+
+    @field_validator("qdrant_api_key", mode="before")
+    @classmethod
+    def _blank_key_is_unset(cls, value: Any) -> Any:
+        return _blank_is_none(value)
 
 
 class ServeSettings(BaseModel):
@@ -175,6 +219,13 @@ class Settings(BaseModel):
     )
     serve: ServeSettings = Field(default_factory=ServeSettings)
     cache: CacheSettings = Field(default_factory=CacheSettings)
-    redis_url: str | None = Field(
-        None, description="redis://host:port/db: the shared cache tier; default: in-process only."
+    redis_url: SecretUrl | None = Field(
+        None,
+        description="redis://[:password@]host:port/db: the shared cache tier; default: "
+        "in-process only. Shown with the password masked.",
     )
+
+    @field_validator("redis_url", mode="before")
+    @classmethod
+    def _blank_url_is_unset(cls, value: Any) -> Any:
+        return _blank_is_none(value)

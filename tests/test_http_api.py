@@ -328,7 +328,7 @@ def test_questions_stay_out_of_info_logs_unless_asked(
 
 def test_api_keys_are_never_logged(service: FakeService, caplog: pytest.LogCaptureFixture):
     caplog.set_level("DEBUG")
-    c = TestClient(build_http_app(service, Metrics(), api_keys=["s3cret-key"]))
+    c = TestClient(build_http_app(service, Metrics(), api_keys=parse_api_keys("s3cret-key")))
     c.post("/v1/answer", json={"question": "q"}, headers={"X-API-Key": "s3cret-key"})
     c.post("/v1/answer", json={"question": "q"}, headers={"Authorization": "Bearer wrong-key"})
     assert "s3cret-key" not in caplog.text and "wrong-key" not in caplog.text
