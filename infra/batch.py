@@ -1,9 +1,16 @@
 """`selfrag batch`: answer a file of questions on Ray Data, with nothing lost.
 
 * Input: JSONL `{id?, question, config?}`, CSV (columns `id?`, `question`, `config?` as JSON) or
-  Parquet (same columns). A row without an id gets its line (JSONL/CSV) or row number.
-* The driver drops ids already in the output file (resume), writes an error record for every
-  request that does not validate, and answers each distinct (question, effective config) once
+  Parquet (same columns). A row without an id gets its line (JSONL/CSV) or row number. A row
+  that cannot be read (not UTF-8, not JSON, no question, a CSV field over the csv module's
+  limit, a line over `MAX_LINE_BYTES`) becomes an error record of type `malformed` under its
+  own id when that could be read, else its line number; a repeated id is reported only (the
+  first row with the id owns its record).
+* One run per output file: `lock_output` holds `<out>.lock` (flock) for the run, and a second
+  run on the same `--out` is refused.
+* The driver drops ids already in the output file (resume; with `retry_failed`, ids whose last
+  record is an error are answered again), writes an error record for every request that does
+  not validate, and answers each distinct (question, effective config) once
   (`actors.service.query_key`); every id of a duplicate gets the same answer.
 * Ray Data runs `BatchAnswerer`, a pool of actors each owning one llama.cpp engine. An actor
   decodes a batch of questions in threads; `CallMerger` turns their per-step critique calls
@@ -11,28 +18,35 @@
 * Embedded Qdrant allows one client per folder, so with it a single `RetrieverActor` owns the
   store (and the embedder) and the engine actors search through it; with `qdrant_url` set each
   actor opens its own client.
-* The driver appends one JSON line per id and flushes it as results stream back, so a killed
-  run loses at most the batches in flight, and the same command resumes it.
+* The driver appends one JSON line per record and flushes it as results stream back, so a
+  killed run loses at most the batches in flight, and the same command resumes it. The last
+  record of an id is the one that counts; a run that finishes rewrites the file (atomically)
+  without the records a later record of the same id replaced, leaving one record per id.
 """
 
 from __future__ import annotations
 
+import codecs
 import csv
+import fcntl
 import json
 import math
 import os
+import re
 import sys
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from pydantic import ValidationError
 from tqdm import tqdm
 
+from infra.corpus import read_lines
 from pipeline.critique import Branch, Critic, LabelProbs
 from pipeline.decoder import SelfRAGDecoder
 from pipeline.protocols import Generation, Passage
@@ -45,10 +59,20 @@ from schemas.settings import Settings
 # while a merged engine call takes seconds, so waiting for stragglers pays.
 MERGE_WAIT_S = 0.3
 RETRIEVER_CPUS = 0.1
+# A question is at most 2000 characters and its config a few fields: a JSONL line past this is
+# not a request, and is skipped without being read whole.
+MAX_LINE_BYTES = 1 << 20
+# What `surrogateescape` turns an undecodable byte into: such a CSV field was not UTF-8.
+_UNDECODABLE = re.compile("[\udc80-\udcff]")
+_T = TypeVar("_T")
 
 
 class BatchInputError(ValueError):
     """The input file cannot be read at all (missing, unknown format)."""
+
+
+class OutputLockedError(OSError):
+    """Another run holds the output file's lock."""
 
 
 class Cancelled(Exception):
@@ -70,10 +94,21 @@ class BatchQuestion:
 
 @dataclass(frozen=True)
 class InputProblem:
-    """A row that could not be read; reported with its line (or row) number and skipped."""
+    """A row that could not be read, with its line (or row) number. `id` is the id of its error
+    record: the row's own id when that could be read, else its line number; None for a row
+    that repeats an id (the first row with that id owns the record)."""
 
     line: int
     reason: str
+    id: str | None = None
+
+
+@dataclass(frozen=True)
+class _Unreadable:
+    """A row reader's verdict on a row it could not turn into fields; `raw_id` when salvaged."""
+
+    reason: str
+    raw_id: Any = None
 
 
 def read_questions(path: Path) -> tuple[list[BatchQuestion], list[InputProblem]]:
@@ -93,29 +128,36 @@ def read_questions(path: Path) -> tuple[list[BatchQuestion], list[InputProblem]]
     problems: list[InputProblem] = []
     first_line: dict[str, int] = {}
     for line, row in rows:
-        if isinstance(row, str):
-            problems.append(InputProblem(line, row))
+        q: BatchQuestion | None = None
+        if isinstance(row, _Unreadable):
+            ident, reason = _ident(line, row.raw_id), row.reason
+        else:
+            try:
+                q = _question(line, row)
+                ident, reason = q.id, ""
+            except ValueError as exc:
+                ident, reason = _ident(line, row.get("id")), str(exc)
+        if ident in first_line:
+            duplicate = f"duplicate id {ident!r} (first at line {first_line[ident]})"
+            problems.append(InputProblem(line, duplicate))
             continue
-        try:
-            q = _question(line, row)
-        except ValueError as exc:
-            problems.append(InputProblem(line, str(exc)))
-            continue
-        if q.id in first_line:
-            reason = f"duplicate id {q.id!r} (first at line {first_line[q.id]})"
-            problems.append(InputProblem(line, reason))
-            continue
-        first_line[q.id] = line
-        questions.append(q)
+        first_line[ident] = line
+        if q is None:
+            problems.append(InputProblem(line, reason, ident))
+        else:
+            questions.append(q)
     return questions, problems
+
+
+def _ident(line: int, raw_id: Any) -> str:
+    return str(line) if raw_id is None or raw_id == "" else str(raw_id)
 
 
 def _question(line: int, row: dict[str, Any]) -> BatchQuestion:
     question = row.get("question")
     if not isinstance(question, str):
         raise ValueError("no 'question' string")
-    raw_id = row.get("id")
-    ident = str(line) if raw_id is None or raw_id == "" else str(raw_id)
+    ident = _ident(line, row.get("id"))
     config = row.get("config")
     if config is None or config == "":
         config = {}
@@ -129,33 +171,92 @@ def _question(line: int, row: dict[str, Any]) -> BatchQuestion:
     return BatchQuestion(ident, question, config, line)
 
 
-def _jsonl_rows(path: Path) -> Iterator[tuple[int, dict[str, Any] | str]]:
-    with path.open(encoding="utf-8") as f:
-        for n, text in enumerate(f, 1):
+def _jsonl_rows(path: Path) -> Iterator[tuple[int, dict[str, Any] | _Unreadable]]:
+    # Bytes and bounded lines: a bad byte or a runaway line costs that line, not the run.
+    with path.open("rb") as f:
+        for line in read_lines(f, MAX_LINE_BYTES):
+            n, data = line.number, line.data
+            if data is None:
+                yield n, _Unreadable(f"line too long ({line.size} bytes, limit {MAX_LINE_BYTES})")
+                continue
+            if n == 1:
+                data = data.removeprefix(codecs.BOM_UTF8)
+            try:
+                text = data.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                reason = f"not UTF-8 ({exc.reason} at byte {exc.start} of the line)"
+                yield n, _Unreadable(reason, _salvage_id(data))
+                continue
             if not text.strip():
                 continue
             try:
                 row = json.loads(text)
             except json.JSONDecodeError as exc:
-                yield n, f"not JSON: {exc.msg}"
+                yield n, _Unreadable(f"not JSON: {exc.msg}")
                 continue
-            yield n, row if isinstance(row, dict) else "not a JSON object"
+            yield n, row if isinstance(row, dict) else _Unreadable("not a JSON object")
 
 
-def _csv_rows(path: Path) -> Iterator[tuple[int, dict[str, Any] | str]]:
-    with path.open(encoding="utf-8", newline="") as f:
+def _salvage_id(data: bytes) -> str | int | None:
+    """The id of a JSON line that is not UTF-8, when the bad bytes are not in the id itself."""
+    try:
+        row = json.loads(data.decode("utf-8", errors="replace"))
+    except json.JSONDecodeError:
+        return None
+    raw_id = row.get("id") if isinstance(row, dict) else None
+    if isinstance(raw_id, str) and "\ufffd" not in raw_id:
+        return raw_id
+    if isinstance(raw_id, int) and not isinstance(raw_id, bool):
+        return raw_id
+    return None
+
+
+def _csv_rows(path: Path) -> Iterator[tuple[int, dict[str, Any] | _Unreadable]]:
+    # surrogateescape: an undecodable byte becomes a marker in its field (found per row below)
+    # instead of a UnicodeDecodeError that ends the whole read.
+    with path.open(encoding="utf-8-sig", errors="surrogateescape", newline="") as f:
         reader = csv.DictReader(f)
-        if reader.fieldnames is None or "question" not in reader.fieldnames:
+        try:
+            names = reader.fieldnames
+        except csv.Error as exc:
+            raise BatchInputError(f"{path}: unreadable CSV header: {_csv_reason(exc)}") from None
+        if names is None or "question" not in names:
             raise BatchInputError(f"{path}: no 'question' column")
-        for row in reader:
+        if any(_UNDECODABLE.search(name) for name in names):
+            raise BatchInputError(f"{path}: the CSV header is not UTF-8")
+        while True:
+            try:
+                row = next(reader)
+            except StopIteration:
+                return
+            except csv.Error as exc:
+                # The row is dropped and reading resumes at the next physical line; the inner
+                # reader's count includes the line the error was found on.
+                yield reader.reader.line_num, _Unreadable(_csv_reason(exc))
+                continue
             # line_num is the physical line the row ended on; quoted newlines stay correct.
+            raw_id = row.get("id")
+            if isinstance(raw_id, str) and _UNDECODABLE.search(raw_id):
+                raw_id = None
             if None in row:
-                yield reader.line_num, "more fields than the header"
+                yield reader.line_num, _Unreadable("more fields than the header", raw_id)
+                continue
+            if any(isinstance(v, str) and _UNDECODABLE.search(v) for v in row.values()):
+                yield reader.line_num, _Unreadable("not UTF-8", raw_id)
                 continue
             yield reader.line_num, dict(row)
 
 
-def _parquet_rows(path: Path) -> Iterator[tuple[int, dict[str, Any] | str]]:
+def _csv_reason(exc: csv.Error) -> str:
+    if "field larger than field limit" in str(exc):
+        return (
+            f"a field is longer than the csv module's limit ({csv.field_size_limit()} "
+            "characters); a question is at most 2000"
+        )
+    return f"not CSV: {exc}"
+
+
+def _parquet_rows(path: Path) -> Iterator[tuple[int, dict[str, Any] | _Unreadable]]:
     import pyarrow.parquet as pq
 
     table = pq.read_table(path)
@@ -177,12 +278,10 @@ def parse_shard(spec: str | None) -> tuple[int, int] | None:
     return i, n
 
 
-def select(
-    questions: Sequence[BatchQuestion], limit: int | None, shard: tuple[int, int] | None
-) -> list[BatchQuestion]:
+def select(rows: Sequence[_T], limit: int | None, shard: tuple[int, int] | None) -> list[_T]:
     """The rows this run owns: every n-th from the i-th (by input position), then the first
     `limit`. Depends only on the input, so a rerun selects the same rows."""
-    chosen = list(questions)
+    chosen = list(rows)
     if shard is not None:
         i, n = shard
         chosen = chosen[i::n]
@@ -192,18 +291,94 @@ def select(
 # --- output --------------------------------------------------------------------------------------
 
 
-def done_ids(path: Path) -> set[str]:
-    """Ids with a record in `path` already; a torn last line (killed mid-write) is ignored."""
+def _record_id(line: bytes) -> str | None:
+    """The id of one output line; None for a line torn by a killed run (or not a record)."""
+    try:
+        return str(json.loads(line)["id"])
+    except (ValueError, KeyError, TypeError):  # ValueError: bad JSON or bad UTF-8
+        return None
+
+
+def last_statuses(path: Path) -> tuple[dict[str, str], int]:
+    """The status of each id's last record in `path` (the last record of an id is the one
+    that counts), and how many earlier records those replace."""
+    statuses: dict[str, str] = {}
+    records = 0
     if not path.exists():
-        return set()
-    ids: set[str] = set()
-    with path.open(encoding="utf-8") as f:
-        for text in f:
+        return statuses, 0
+    with path.open("rb") as f:
+        for line in f:
             try:
-                ids.add(str(json.loads(text)["id"]))
-            except (json.JSONDecodeError, KeyError, TypeError):
+                record = json.loads(line)
+                statuses[str(record["id"])] = str(record.get("status"))
+            except (ValueError, KeyError, TypeError, AttributeError):
+                continue  # a torn line, or not a record
+            records += 1
+    return statuses, records - len(statuses)
+
+
+def done_ids(path: Path, retry_failed: bool = False) -> set[str]:
+    """Ids a run skips: those with a record in `path` (a torn last line is ignored), less
+    those whose last record is an error when `retry_failed`."""
+    statuses, _ = last_statuses(path)
+    return {i for i, status in statuses.items() if not (retry_failed and status == "error")}
+
+
+def compact_records(path: Path) -> int:
+    """Rewrite `path` without the records that a later record of the same id replaces, in one
+    atomic rename (a crash leaves the old file or the new one, never half of one). Every other
+    line stays, in order. Returns the number of records dropped."""
+    if not path.exists():
+        return 0
+    last: dict[str, int] = {}
+    records = 0
+    with path.open("rb") as f:
+        for n, line in enumerate(f):
+            ident = _record_id(line)
+            if ident is not None:
+                last[ident] = n
+                records += 1
+    if records == len(last):
+        return 0  # one record per id already: nothing to rewrite
+    dropped = 0
+    tmp = path.with_name(path.name + ".compact")
+    with path.open("rb") as src, tmp.open("wb") as dst:
+        for n, line in enumerate(src):
+            ident = _record_id(line)
+            if ident is not None and last[ident] != n:
+                dropped += 1
                 continue
-    return ids
+            dst.write(line)
+        dst.flush()
+        os.fsync(dst.fileno())
+    os.replace(tmp, path)
+    return dropped
+
+
+@contextmanager
+def lock_output(out: Path) -> Iterator[Path]:
+    """Hold `<out>.lock` (flock) while writing `out`; raise OutputLockedError at once when
+    another process holds it. The OS drops the lock when the holder exits, however it exits,
+    so a killed run never leaves a stale lock. The lock file itself stays (removing it would
+    race with a run that is opening it)."""
+    lock = out.with_name(out.name + ".lock")
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
+            raise OutputLockedError(
+                f"{out} is being written by another `selfrag batch` run"
+                + (f" (pid {holder})" if holder.isdigit() else "")
+                + f": it holds {lock}. Wait for it to finish, or write to another --out."
+            ) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        yield lock
+    finally:
+        os.close(fd)  # releases the flock
 
 
 class RecordSink:
@@ -212,8 +387,12 @@ class RecordSink:
     def __init__(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         self._file = path.open("a", encoding="utf-8")
-        if self._file.tell() and not path.read_bytes().endswith(b"\n"):
-            self._file.write("\n")  # end a line torn by a killed run; reading skips it
+        if self._file.tell():
+            with path.open("rb") as f:
+                f.seek(-1, os.SEEK_END)
+                torn = f.read(1) != b"\n"
+            if torn:
+                self._file.write("\n")  # end a line torn by a killed run; reading skips it
 
     def write(self, record: dict[str, Any]) -> None:
         self._file.write(json.dumps(record, ensure_ascii=False) + "\n")
@@ -225,11 +404,14 @@ class RecordSink:
 
 @dataclass
 class BatchSummary:
-    """What one run did. `skipped`: ids already answered by an earlier run."""
+    """What one run did. `skipped`: ids already answered by an earlier run; `retried`: ids
+    answered again because their last record was an error (`retry_failed`); `malformed`: rows
+    that could not be read, reported with their line, and repeated ids."""
 
     answered: int = 0
     failed: int = 0
     skipped: int = 0
+    retried: int = 0
     malformed: int = 0
     duplicates: int = 0
     cache_hits: int = 0
@@ -240,18 +422,26 @@ class BatchSummary:
         rate = self.answered / self.seconds if self.seconds > 0 else 0.0
         return (
             f"answered={self.answered} failed={self.failed} skipped={self.skipped} "
-            f"malformed={self.malformed} duplicates={self.duplicates} "
+            f"retried={self.retried} malformed={self.malformed} duplicates={self.duplicates} "
             f"cache_hits={self.cache_hits} seconds={self.seconds:.1f} questions_per_s={rate:.3f}"
         )
 
 
-def error_record(ident: str, question: str, kind: str, message: str) -> dict[str, Any]:
+def error_record(ident: str, question: str | None, kind: str, message: str) -> dict[str, Any]:
     return {
         "id": ident,
         "status": "error",
         "question": question,
         "error": {"type": kind, "message": message},
     }
+
+
+def malformed_record(problem: InputProblem) -> dict[str, Any]:
+    """The error record of a row that could not be read (its question is unknown)."""
+    assert problem.id is not None
+    record = error_record(problem.id, None, "malformed", problem.reason)
+    record["line"] = problem.line
+    return record
 
 
 # --- merging the critique calls of one actor's decoder threads -----------------------------------
@@ -678,23 +868,79 @@ def run_batch(
     address: str | None = None,
     progress: bool = True,
     actor_cpus: float | None = None,
+    retry_failed: bool = False,
     on_record: Callable[[dict[str, Any]], None] | None = None,
 ) -> BatchSummary:
-    """Answer every question of `source` not yet in `out`, appending one record per id.
-    `on_record` sees each record right after it is written."""
+    """Answer every question of `source` not yet in `out`, appending one record per id (with
+    `retry_failed`, also those whose last record in `out` is an error). Holds `out`'s lock for
+    the run (OutputLockedError when another run has it). `on_record` sees each record right
+    after it is written."""
     started = time.perf_counter()
-    questions, problems = read_questions(source)
-    summary = BatchSummary(malformed=len(problems), problems=problems)
-    for p in problems:
-        print(f"selfrag batch: {source}:{p.line}: {p.reason}", file=sys.stderr)
-    chosen = select(questions, limit, shard)
-    done = done_ids(out)
-    todo = [q for q in chosen if q.id not in done]
-    summary.skipped = len(chosen) - len(todo)
-    jobs, invalid = plan_jobs(todo, settings.decoding)
+    with lock_output(out):
+        questions, problems = read_questions(source)
+        # Unreadable rows own their ids like questions do, and count in --shard and --limit
+        # by their position, so each gets one record in one shard.
+        rows: list[BatchQuestion | InputProblem] = sorted(
+            [*questions, *(p for p in problems if p.id is not None)], key=lambda r: r.line
+        )
+        chosen = select(rows, limit, shard)
+        statuses, superseded = last_statuses(out)
+        todo = [
+            r
+            for r in chosen
+            if r.id not in statuses or (retry_failed and statuses[r.id] == "error")
+        ]
+        unreadable = [r for r in todo if isinstance(r, InputProblem)]
+        reported = sorted(
+            [*(p for p in problems if p.id is None), *unreadable], key=lambda p: p.line
+        )
+        summary = BatchSummary(malformed=len(reported), problems=reported)
+        summary.skipped = len(chosen) - len(todo)
+        summary.retried = sum(1 for r in todo if r.id in statuses)
+        for p in reported:
+            print(f"selfrag batch: {source}:{p.line}: {p.reason}", file=sys.stderr)
+        jobs, invalid = plan_jobs(
+            [r for r in todo if isinstance(r, BatchQuestion)], settings.decoding
+        )
+        _answer_into(
+            settings,
+            out,
+            jobs,
+            [*map(malformed_record, unreadable), *invalid],
+            summary,
+            total=len(todo),
+            actors=actors,
+            per_actor=per_actor,
+            address=address,
+            progress=progress,
+            actor_cpus=actor_cpus,
+            on_record=on_record,
+        )
+        if superseded or summary.retried:
+            compact_records(out)  # a finished run leaves one record per id
+    summary.seconds = time.perf_counter() - started
+    return summary
+
+
+def _answer_into(
+    settings: Settings,
+    out: Path,
+    jobs: Sequence[_Job],
+    errors: Sequence[dict[str, Any]],
+    summary: BatchSummary,
+    *,
+    total: int,
+    actors: int | None,
+    per_actor: int,
+    address: str | None,
+    progress: bool,
+    actor_cpus: float | None,
+    on_record: Callable[[dict[str, Any]], None] | None,
+) -> None:
+    """Append `errors`, then the answers of `jobs` as they stream back, counting in `summary`."""
     sink = RecordSink(out)
     bar = tqdm(
-        total=len(todo),
+        total=total,
         desc="batch",
         unit="q",
         file=sys.stderr,
@@ -710,8 +956,9 @@ def run_batch(
 
     started_ray = False
     try:
-        for record in invalid:
-            summary.failed += 1
+        for record in errors:
+            if record["error"]["type"] != "malformed":
+                summary.failed += 1
             emit(record)
         if jobs:
             started_ray = ensure_ray(address)
@@ -748,8 +995,6 @@ def run_batch(
             import ray
 
             ray.shutdown()
-    summary.seconds = time.perf_counter() - started
-    return summary
 
 
 def run_eval_systems(

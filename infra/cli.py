@@ -94,7 +94,14 @@ def _batch_parser(sub: Any) -> None:
         "--out",
         type=Path,
         required=True,
-        help="Answers, one JSON line per id; a rerun answers only the missing ids.",
+        help="Answers, one JSON line per id; a rerun answers only the missing ids. One run per "
+        "file: a second run on the same --out is refused while the first holds OUT.lock.",
+    )
+    p.add_argument(
+        "--retry-failed",
+        action="store_true",
+        help="Also answer again the ids whose last record is an error (the new record replaces "
+        "it; the last record of an id counts).",
     )
     p.add_argument("--actors", type=int, help="Engine actors (default: one per available CPU).")
     p.add_argument(
@@ -103,8 +110,8 @@ def _batch_parser(sub: Any) -> None:
         default=8,
         help="Questions an actor decodes together (one merged engine batch).",
     )
-    p.add_argument("--limit", type=int, help="Keep the first N questions (after --shard).")
-    p.add_argument("--shard", help="i/n: keep every n-th question from the i-th (0-based).")
+    p.add_argument("--limit", type=int, help="Keep the first N input rows (after --shard).")
+    p.add_argument("--shard", help="i/n: keep every n-th input row from the i-th (0-based).")
     p.add_argument("--address", help="Ray cluster address (default: a private local instance).")
     p.add_argument("--no-progress", action="store_true")
 
@@ -117,8 +124,8 @@ def _dataset_args(p: argparse.ArgumentParser) -> None:
         "--corpus",
         type=Path,
         nargs="+",
-        required=True,
-        help="Corpus files or folders; indexed first when the index lacks them.",
+        help="Corpus files or folders; indexed first when the index lacks them "
+        "(default: use the existing index as it is).",
     )
     p.add_argument("--article", help="Keep one SQuAD article (e.g. Normans).")
     p.add_argument("--limit", type=int, help="Keep the first N questions.")
@@ -461,6 +468,7 @@ def cmd_batch(args: argparse.Namespace) -> int:
         shard=parse_shard(args.shard),
         address=args.address,
         progress=not args.no_progress,
+        retry_failed=args.retry_failed,
     )
     print(summary.line())
     return EXIT_PARTIAL if summary.failed or summary.malformed else 0

@@ -142,11 +142,15 @@ def corpus_indexed(rag: SelfRAG, corpus: Path) -> bool:
     text (a cheap check through the public search API; re-indexing is idempotent anyway)."""
     from infra.corpus import CorpusError, read_documents, split_passages
 
-    docs = [d for d in read_documents(corpus) if not isinstance(d, CorpusError)]
-    if not docs:
-        return True
     r = rag.settings.retrieval
-    for doc in (docs[0], docs[-1]):
+    first = last = None
+    for item in read_documents(corpus, r.max_document_bytes):  # streamed: only two are kept
+        if not isinstance(item, CorpusError):
+            first = first or item
+            last = item
+    if first is None or last is None:
+        return True
+    for doc in (first, last):
         passage = split_passages(doc, r.passage_words, r.passage_overlap_words)[0]
         hits = rag.store.search(passage.text, 3)
         if passage.id not in {h.id for h in hits}:
@@ -154,10 +158,18 @@ def corpus_indexed(rag: SelfRAG, corpus: Path) -> bool:
     return True
 
 
-def ensure_indexed(rag: SelfRAG, corpora: Sequence[Path], progress: bool) -> None:
-    """Index every corpus the store does not hold yet."""
+def ensure_indexed(rag: SelfRAG, corpora: Sequence[Path] | None, progress: bool) -> None:
+    """Index every corpus the store does not hold yet. Without corpora the existing index is
+    used as it is, and must not be empty."""
     from infra.indexing import index_corpus
 
+    if not corpora:
+        if rag.store.count() == 0:
+            raise EvalError(
+                f"the index in {rag.settings.home} is empty: run `selfrag index PATH` first, "
+                "or pass --corpus PATH"
+            )
+        return
     for corpus in corpora:
         if not corpus.exists():
             raise EvalError(f"corpus not found: {corpus}")
@@ -171,6 +183,7 @@ def ensure_indexed(rag: SelfRAG, corpora: Sequence[Path], progress: bool) -> Non
             progress=progress,
             passage_words=rag.settings.retrieval.passage_words,
             overlap=rag.settings.retrieval.passage_overlap_words,
+            max_document_bytes=rag.settings.retrieval.max_document_bytes,
         )
         print(f"{corpus}: {report.passages} passages indexed", file=sys.stderr)
 
