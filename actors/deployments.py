@@ -27,7 +27,7 @@ from ray.serve.handle import DeploymentHandle
 
 from actors.http import DependencyDown, build_http_app, parse_api_keys
 from actors.metrics import BatchStats, Metrics
-from actors.service import QueryCache, ServeAnswerService
+from actors.service import QueryCache, ServeAnswerService, query_cache_scope
 from infra.settings import API_KEYS_ENV
 from pipeline.critique import Branch, LabelProbs
 from pipeline.protocols import Generation, Passage
@@ -78,6 +78,15 @@ class BranchPool:
 
     def model_id(self) -> str:
         return self._engine.model_id
+
+    def model_fingerprint(self) -> str:
+        """The model's identity in query-cache keys: its id and the loaded GGUF's SHA-256
+        (computed once per file and process; a vLLM server's model has only its name)."""
+        if self._rag.settings.model.backend == "vllm":
+            return self._engine.model_id
+        from infra.model_files import file_sha256
+
+        return f"{self._engine.model_id} sha256:{file_sha256(self._rag.model_path)}"
 
     def critic_name(self, source: str) -> str:
         """The critique source `source` resolves to; raises ValueError when unusable."""
@@ -327,6 +336,7 @@ class SelfRAGIngress:
             defaults=settings.decoding,
             max_inflight=settings.serve.max_inflight,
             metrics=self._metrics,
+            cache_scope=query_cache_scope(settings),
             cache=open_query_cache(settings),
             max_timeout_s=settings.serve.max_timeout_s,
             index_version_ttl_s=settings.serve.index_version_ttl_s,

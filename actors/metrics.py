@@ -137,6 +137,8 @@ class Metrics:
         }
         self._deadline_exceeded = 0
         self._rejected_overload = 0
+        self._inflight = 0
+        self._streams_abandoned = 0
 
     def observe_request(self, method: str, path: str, status: int, seconds: float) -> None:
         with self._lock:
@@ -168,6 +170,16 @@ class Metrics:
         with self._lock:
             self._deadline_exceeded += 1
 
+    def set_inflight(self, n: int) -> None:
+        """Admitted answers whose decoder still runs (a 504'd one counts until it ends)."""
+        with self._lock:
+            self._inflight = n
+
+    def count_stream_abandoned(self) -> None:
+        """A stream whose client went away before its answer; its decode was cancelled."""
+        with self._lock:
+            self._streams_abandoned += 1
+
     def render(self, extra: Sequence[str] = ()) -> str:
         """The Prometheus text exposition (format 0.0.4) of everything counted here."""
         with self._lock:
@@ -196,6 +208,19 @@ class Metrics:
                         ({"reason": "overloaded"}, self._rejected_overload),
                         ({"reason": "deadline"}, self._deadline_exceeded),
                     ],
+                ),
+                *family(
+                    "selfrag_inflight_answers",
+                    "gauge",
+                    "Admitted answers whose decoder still runs (a slot of serve.max_inflight).",
+                    [({}, self._inflight)],
+                ),
+                *family(
+                    "selfrag_streams_abandoned_total",
+                    "counter",
+                    "Streams whose client disconnected before the answer; the decode was "
+                    "cancelled.",
+                    [({}, self._streams_abandoned)],
                 ),
                 *family(
                     "selfrag_query_cache_total",

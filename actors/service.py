@@ -2,25 +2,29 @@
 deployments through proxies.
 
 The decoder is synchronous, so each answer runs in a worker thread; the proxies block on
-`handle.method.remote(...).result()` there while the replica's event loop keeps serving.
+`handle.method.remote(...).result(timeout_s=...)` there while the replica's event loop keeps
+serving. Every wait on another deployment is bounded by the request's deadline and ends early
+when the request is abandoned (the client went away), so an admitted answer never holds its
+in-flight slot past its deadline.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
+import importlib.metadata
 import json
 import logging
 import threading
 import time
 import unicodedata
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol
 
 from ray.exceptions import RayActorError, RayTaskError
 from ray.serve.exceptions import BackPressureError, RayServeException
-from ray.serve.handle import DeploymentHandle
+from ray.serve.handle import DeploymentHandle, DeploymentResponse
 
 from actors.http import (
     Answer,
@@ -39,6 +43,7 @@ from pipeline.protocols import Generation, Passage
 from pipeline.ranking import Candidate, Hypothesis, StepRanking
 from schemas.answer import AnswerRequest, AnswerResponse
 from schemas.decoding import DecodingConfig
+from schemas.settings import Settings
 
 log = logging.getLogger("selfrag.service")
 
@@ -53,12 +58,61 @@ class QueryCache(Protocol):
     def put(self, key: str, response: AnswerResponse) -> None: ...
 
 
-def query_key(question: str, config: DecodingConfig, index_version: str, model_id: str) -> str:
-    """Hash of the normalised question, the effective config, the index version and the model:
-    any change to one of them is a different answer."""
+QUERY_KEY_FORMAT = 2
+"""Version of the query-key layout and of the cached answer's meaning; bump it when either
+changes so entries written by older code are never read as current."""
+
+REMOTE_POLL_S = 0.2
+"""How often a decoder thread blocked on a remote call looks at its cancel flag."""
+
+
+def package_version() -> str:
+    """The installed selfrag version (part of every query key)."""
+    try:
+        return importlib.metadata.version("selfrag")
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree, not installed
+        return "source"
+
+
+def query_cache_scope(settings: Settings) -> dict[str, Any]:
+    """The settings besides the request's config that change an answer: the likelihood
+    critique's calibration and how passages were cut, embedded and are searched. Part of
+    every query key. (The index content is the index version; secrets are left out.)"""
+    r = settings.retrieval
+    return {
+        "calibration": settings.calibration.model_dump(mode="json"),
+        "retrieval": {
+            "collection": r.collection,
+            "embedding_model": r.embedding_model,
+            "hybrid": r.hybrid,
+            "passage_words": r.passage_words,
+            "passage_overlap_words": r.passage_overlap_words,
+        },
+    }
+
+
+def query_key(
+    question: str,
+    config: DecodingConfig,
+    index_version: str,
+    model: str,
+    scope: Mapping[str, Any] | None = None,
+) -> str:
+    """Hash of the normalised question, the effective config, the index version, the model
+    (its fingerprint: id and file hash), the serving `scope` (`query_cache_scope`) and the
+    code version: any change to one of them is a different answer."""
     normal = " ".join(unicodedata.normalize("NFKC", question).casefold().split())
     payload = json.dumps(
-        [normal, config.model_dump(mode="json"), index_version, model_id], sort_keys=True
+        [
+            QUERY_KEY_FORMAT,
+            package_version(),
+            normal,
+            config.model_dump(mode="json"),
+            index_version,
+            model,
+            dict(scope or {}),
+        ],
+        sort_keys=True,
     )
     return "selfrag:answer:" + hashlib.sha256(payload.encode()).hexdigest()
 
@@ -67,16 +121,51 @@ class Cancelled(Exception):
     """The request was abandoned (deadline or client gone); stop at the next remote call."""
 
 
-class _Remote:
-    """Blocking calls to deployment handles from a decoder thread, honouring cancellation."""
+def _cancel_call(response: DeploymentResponse[Any]) -> None:
+    """Best-effort cancel of an abandoned handle call (it may already have finished)."""
+    try:
+        response.cancel()
+    except Exception as exc:
+        log.debug("cancelling an abandoned call failed: %s", exc)
 
-    def __init__(self, cancel: threading.Event) -> None:
+
+async def _awaited(response: DeploymentResponse[Any]) -> Any:
+    """Await a handle call from the event loop; abandoning the wait cancels the call too."""
+    try:
+        return await response
+    except asyncio.CancelledError:
+        _cancel_call(response)
+        raise
+
+
+class _Remote:
+    """Blocking calls to deployment handles from a decoder thread, each bounded by the
+    request's deadline (`time.monotonic()`) and ended early by `cancel`."""
+
+    def __init__(self, cancel: threading.Event, deadline: float, timeout_s: float) -> None:
         self._cancel = cancel
+        self._deadline = deadline
+        self._timeout_s = timeout_s
 
     def call(self, handle: DeploymentHandle, method: str, *args: Any) -> Any:
         if self._cancel.is_set():
             raise Cancelled
-        return getattr(handle, method).remote(*args).result()
+        response = getattr(handle, method).remote(*args)
+        while True:
+            remaining = self._deadline - time.monotonic()
+            if remaining <= 0:
+                self._cancel.set()
+                _cancel_call(response)
+                raise DeadlineExceeded(f"no answer within timeout_s={self._timeout_s:g}")
+            try:
+                # Short slices, so a cancelled request stops waiting within REMOTE_POLL_S.
+                return response.result(timeout_s=min(remaining, REMOTE_POLL_S))
+            except TimeoutError as exc:
+                if isinstance(exc, RayTaskError):  # the remote code's own TimeoutError
+                    raise
+            if self._cancel.is_set():
+                _cancel_call(response)
+                raise Cancelled
 
 
 class PoolCritic:
@@ -190,6 +279,7 @@ class _Admission:
         if not self._released:
             self._released = True
             self._service._inflight -= 1
+            self._service._metrics.set_inflight(self._service._inflight)
 
 
 class ServeAnswerService:
@@ -206,10 +296,13 @@ class ServeAnswerService:
         defaults: DecodingConfig,
         max_inflight: int,
         metrics: Metrics,
+        cache_scope: Mapping[str, Any],
         cache: QueryCache | None = None,
         max_timeout_s: float | None = None,
         index_version_ttl_s: float = 0.0,
     ) -> None:
+        """`cache_scope` is `query_cache_scope(settings)`: what besides the request decides
+        an answer, so the query cache keys on it."""
         self._pool = pool
         self._decider = decider
         self._retriever = retriever
@@ -220,13 +313,20 @@ class ServeAnswerService:
         self._inflight = 0
         self._metrics = metrics
         self._cache = cache
+        self._cache_scope = dict(cache_scope)
         # A thread per admitted answer: the default executor has only cpu+4 threads.
         self._executor = ThreadPoolExecutor(max_inflight, thread_name_prefix="selfrag-decoder")
         self._model_id: str | None = None
+        self._model_fingerprint: str | None = None
         self._critic_names: dict[str, str] = {}
         self._index_version_ttl_s = index_version_ttl_s
         # (version, time.monotonic() when read); a hit needs no Retriever call while it is fresh.
         self._index_version: tuple[str, float] | None = None
+
+    @property
+    def inflight(self) -> int:
+        """Admitted answers whose decoder has not ended yet."""
+        return self._inflight
 
     # --- answering -------------------------------------------------------------------------------
 
@@ -235,6 +335,7 @@ class ServeAnswerService:
             self._metrics.count_overload()
             raise Overloaded(f"{self._max_inflight} answers in progress; retry later")
         self._inflight += 1
+        self._metrics.set_inflight(self._inflight)
         slot = _Admission(self)
         try:
             return await self._answer(request, on_step, slot)
@@ -260,6 +361,8 @@ class ServeAnswerService:
             )
         loop = asyncio.get_running_loop()
         deadline = loop.time() + config.timeout_s
+        # The same instant on the decoder thread's clock.
+        thread_deadline = time.monotonic() + config.timeout_s
         cancel = threading.Event()
         key: str | None = None
         try:
@@ -270,20 +373,25 @@ class ServeAnswerService:
                 critic_name = await self._get_critic_name(config.critique)
                 if self._cache is not None:
                     index_version = await self._get_index_version()
-                    key = query_key(request.question, config, index_version, model_id)
+                    fingerprint = await self._get_model_fingerprint()
+                    key = query_key(
+                        request.question, config, index_version, fingerprint, self._cache_scope
+                    )
                     hit = await self._cache_get(key)
                     if hit is not None:
                         if on_step is not None:
                             on_step(Hypothesis(segments=tuple(hit.segments), done=True))
                         return Answer(hit, "hit")
+                remote = _Remote(cancel, thread_deadline, config.timeout_s)
                 future = self._executor.submit(
-                    self._decode, request.question, config, model_id, critic_name, on_step, cancel
+                    self._decode, request.question, config, model_id, critic_name, on_step, remote
                 )
                 # The slot stays taken until the thread really ends, even after a 504.
                 slot.deferred = True
                 future.add_done_callback(lambda _: loop.call_soon_threadsafe(slot.release))
                 response = await asyncio.wrap_future(future)
-        except TimeoutError:
+        except (TimeoutError, DeadlineExceeded):
+            # The loop's timer or the decoder thread's own deadline check, whichever came first.
             cancel.set()
             self._metrics.count_deadline()
             raise DeadlineExceeded(f"no answer within timeout_s={config.timeout_s:g}") from None
@@ -303,9 +411,8 @@ class ServeAnswerService:
         model_id: str,
         critic_name: str,
         on_step: StepListener | None,
-        cancel: threading.Event,
+        remote: _Remote,
     ) -> AnswerResponse:
-        remote = _Remote(cancel)
         decoder = SelfRAGDecoder(
             lambda source: PoolCritic(remote, self._pool, self._decider, source, critic_name),
             RemoteRetriever(remote, self._retriever),
@@ -316,19 +423,24 @@ class ServeAnswerService:
 
     async def _get_model_id(self) -> str:
         if self._model_id is None:
-            self._model_id = await self._pool.model_id.remote()
+            self._model_id = await _awaited(self._pool.model_id.remote())
         return self._model_id
+
+    async def _get_model_fingerprint(self) -> str:
+        if self._model_fingerprint is None:
+            self._model_fingerprint = await _awaited(self._pool.model_fingerprint.remote())
+        return self._model_fingerprint
 
     async def _get_index_version(self) -> str:
         now = time.monotonic()
         if self._index_version is None or now - self._index_version[1] >= self._index_version_ttl_s:
-            self._index_version = (await self._retriever.index_version.remote(), now)
+            self._index_version = (await _awaited(self._retriever.index_version.remote()), now)
         return self._index_version[0]
 
     async def _get_critic_name(self, source: str) -> str:
         # Also validates the source up front, so a bad one never reaches a shared batch.
         if source not in self._critic_names:
-            self._critic_names[source] = await self._pool.critic_name.remote(source)
+            self._critic_names[source] = await _awaited(self._pool.critic_name.remote(source))
         return self._critic_names[source]
 
     # --- the query cache hook --------------------------------------------------------------------

@@ -4,132 +4,24 @@ the scripted critic, to check the cache hook, the in-flight limit and the deadli
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
-from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
 
+from actors import service as service_module
 from actors.http import DeadlineExceeded, DependencyDown, Overloaded, Unprocessable
-from actors.metrics import BatchStats, Metrics
-from actors.service import ServeAnswerService, as_service_error, query_key
+from actors.metrics import Metrics
+from actors.service import ServeAnswerService, as_service_error, query_cache_scope, query_key
 from pipeline.protocols import Passage
-from pipeline.ranking import rank_step
-from schemas.answer import AnswerRequest, AnswerResponse
+from schemas.answer import AnswerRequest
+from schemas.calibration import CalibrationSettings, LogisticParams
 from schemas.decoding import DecodingConfig
-from tests.fakes import ListRetriever, ScriptedCritic
-
-
-class _Response:
-    """Stands in for a DeploymentResponse: `.result()` from threads, `await` in the loop."""
-
-    def __init__(self, fn: Callable[[], Any]) -> None:
-        self._fn = fn
-
-    def result(self) -> Any:
-        return self._fn()
-
-    def __await__(self):  # type: ignore[no-untyped-def]
-        async def run() -> Any:
-            # A remote call does not block the caller's event loop.
-            return await asyncio.to_thread(self._fn)
-
-        return run().__await__()
-
-
-class _Method:
-    def __init__(self, fn: Callable[..., Any]) -> None:
-        self._fn = fn
-
-    def remote(self, *args: Any) -> _Response:
-        return _Response(lambda: self._fn(*args))
-
-
-class Handle:
-    """Routes `handle.name.remote(...)` to `target.name(...)` in process."""
-
-    def __init__(self, target: Any) -> None:
-        self._target = target
-
-    def __getattr__(self, name: str) -> _Method:
-        return _Method(getattr(self._target, name))
-
-
-class Pool:
-    def __init__(self, critic: ScriptedCritic, delay_s: float = 0.0) -> None:
-        self.critic = critic
-        self.delay_s = delay_s
-
-    def model_id(self) -> str:
-        return "scripted-model"
-
-    def critic_name(self, source: str) -> str:
-        if source == "native":
-            raise ValueError("critique 'native' needs a Self-RAG checkpoint")
-        return self.critic.name
-
-    def ready(self) -> bool:
-        return True
-
-    def stats(self) -> BatchStats:
-        return BatchStats()
-
-    def relevance(self, source, branches):  # type: ignore[no-untyped-def]
-        return self.critic.relevance(branches)
-
-    def draft(self, source, branches, max_tokens):  # type: ignore[no-untyped-def]
-        time.sleep(self.delay_s)
-        return self.critic.draft(branches, max_tokens)
-
-    def support(self, source, branches, drafts):  # type: ignore[no-untyped-def]
-        return self.critic.support(branches, drafts)
-
-    def utility(self, source, branches, drafts):  # type: ignore[no-untyped-def]
-        return self.critic.utility(branches, drafts)
-
-
-class Decider:
-    def __init__(self, critic: ScriptedCritic) -> None:
-        self.critic = critic
-
-    def decide(self, source, branches):  # type: ignore[no-untyped-def]
-        return self.critic.retrieval(branches)
-
-
-class Store(ListRetriever):
-    def __init__(self, passages: list[Passage], delay_s: float = 0.0) -> None:
-        super().__init__(passages)
-        self.delay_s = delay_s
-        self.version_calls = 0
-
-    def index_version(self) -> str:
-        self.version_calls += 1
-        time.sleep(self.delay_s)
-        return "v1"
-
-    def ready(self) -> bool:
-        return True
-
-
-class Ranker:
-    def rank(self, beam, live, drafted, cfg):  # type: ignore[no-untyped-def]
-        return rank_step(beam, live, drafted, cfg)
-
-
-class DictCache:
-    def __init__(self, broken: bool = False) -> None:
-        self.data: dict[str, AnswerResponse] = {}
-        self.broken = broken
-
-    def get(self, key: str) -> AnswerResponse | None:
-        if self.broken:
-            raise ConnectionError("redis down")
-        return self.data.get(key)
-
-    def put(self, key: str, response: AnswerResponse) -> None:
-        if self.broken:
-            raise ConnectionError("redis down")
-        self.data[key] = response
+from schemas.settings import RetrievalSettings, Settings
+from tests.fakes import ScriptedCritic
+from tests.serve_fakes import DictCache, Pool, Store, make_service
 
 
 def _service(
@@ -140,21 +32,14 @@ def _service(
     store: Store | None = None,
     index_version_ttl_s: float = 0.0,
 ) -> tuple[ServeAnswerService, Metrics]:
-    critic = ScriptedCritic(relevance_of={"p1": 0.9})
-    metrics = Metrics()
-    store = store or Store([Passage("p1", "Rollo founded Normandy.", "Normans")])
-    service = ServeAnswerService(
-        pool=Handle(Pool(critic, delay_s)),  # type: ignore[arg-type]
-        decider=Handle(Decider(critic)),  # type: ignore[arg-type]
-        retriever=Handle(store),  # type: ignore[arg-type]
-        ranker=Handle(Ranker()),  # type: ignore[arg-type]
-        defaults=DecodingConfig(max_segments=1),
-        max_inflight=max_inflight,
-        metrics=metrics,
+    rig = make_service(
+        pool=Pool(ScriptedCritic(relevance_of={"p1": 0.9}), delay_s),
+        store=store,
         cache=cache,
+        max_inflight=max_inflight,
         index_version_ttl_s=index_version_ttl_s,
     )
-    return service, metrics
+    return rig.service, rig.metrics
 
 
 REQUEST = AnswerRequest(question="Who founded Normandy?", config={"mode": "always"})
@@ -189,6 +74,63 @@ def test_repeated_query_is_a_cache_hit_and_the_key_covers_config():
     assert base != query_key("who founded normandy?", cfg, "v2", "m")
     assert base != query_key("who founded normandy?", DecodingConfig(top_k=4), "v1", "m")
     assert base != query_key("who founded normandy?", cfg, "v1", "other-model")
+
+
+def _settings(**changes: Any) -> Settings:
+    return Settings(home=Path("/nonexistent"), **changes)
+
+
+def test_the_query_key_covers_the_model_file_settings_and_code_version(
+    monkeypatch: pytest.MonkeyPatch,
+):
+    cfg = DecodingConfig()
+    scope = query_cache_scope(_settings())
+    base = query_key("q", cfg, "v1", "m.gguf sha256:aa", scope)
+    assert base == query_key("q", cfg, "v1", "m.gguf sha256:aa", query_cache_scope(_settings()))
+    refit = CalibrationSettings(relevance=LogisticParams(a=2.0, b=-1.0))
+    variants = [
+        query_key("q", cfg, "v1", "m.gguf sha256:bb", scope),  # same file name, new content
+        *(
+            query_key("q", cfg, "v1", "m.gguf sha256:aa", query_cache_scope(s))
+            for s in (
+                _settings(calibration=refit),
+                _settings(retrieval=RetrievalSettings(hybrid=False)),
+                _settings(retrieval=RetrievalSettings(embedding_model="/models/e5")),
+                _settings(retrieval=RetrievalSettings(collection="other")),
+                _settings(retrieval=RetrievalSettings(passage_words=100)),
+                _settings(retrieval=RetrievalSettings(passage_overlap_words=10)),
+            )
+        ),
+    ]
+    with monkeypatch.context() as m:
+        m.setattr(service_module, "QUERY_KEY_FORMAT", service_module.QUERY_KEY_FORMAT + 1)
+        variants.append(query_key("q", cfg, "v1", "m.gguf sha256:aa", scope))
+    with monkeypatch.context() as m:
+        m.setattr(service_module, "package_version", lambda: "99.0")
+        variants.append(query_key("q", cfg, "v1", "m.gguf sha256:aa", scope))
+    assert base not in variants and len(set(variants)) == len(variants)
+    # Secrets never reach the key's inputs.
+    secret = _settings(retrieval=RetrievalSettings(qdrant_api_key="s3cret"))
+    assert "s3cret" not in repr(query_cache_scope(secret))
+
+
+def test_a_new_model_file_or_calibration_is_not_served_from_the_cache():
+    """The same shared cache behind three ingress replicas: one sees a model file with new
+    content under the same name, one a new calibration; neither gets the old answer."""
+    cache = DictCache()
+    req = AnswerRequest(question="q", config={"mode": "never"})
+
+    def first_answer(fingerprint: str, settings: Settings) -> str:
+        pool = Pool(ScriptedCritic())
+        pool.fingerprint = fingerprint
+        rig = make_service(pool=pool, cache=cache, settings=settings)
+        return asyncio.run(rig.service.answer(req)).cache
+
+    assert first_answer("m.gguf sha256:aa", _settings()) == "miss"
+    assert first_answer("m.gguf sha256:aa", _settings()) == "hit"
+    assert first_answer("m.gguf sha256:bb", _settings()) == "miss"
+    refit = CalibrationSettings(support=LogisticParams(a=0.5, b=0.0))
+    assert first_answer("m.gguf sha256:aa", _settings(calibration=refit)) == "miss"
 
 
 @pytest.mark.parametrize(("ttl_s", "calls"), [(0.0, 3), (60.0, 1)])
@@ -228,20 +170,99 @@ def test_a_broken_cache_is_bypassed_and_counted():
 
 
 def test_past_the_deadline_is_504_and_frees_its_slot_when_the_thread_ends():
-    service, metrics = _service(delay_s=0.5, max_inflight=1)
+    service, metrics = _service(max_inflight=1)
     slow = AnswerRequest(question="q", config={"mode": "never", "timeout_s": 0.1})
+
+    def busy_listener(_: Any) -> None:
+        time.sleep(0.5)  # work in the decoder thread that no remote-call deadline interrupts
 
     async def run() -> None:
         with pytest.raises(DeadlineExceeded):
-            await service.answer(slow)
+            await service.answer(slow, busy_listener)
         # The decoder thread still runs: the slot stays taken until it ends.
         with pytest.raises(Overloaded):
             await service.answer(slow)
+        assert service.inflight == 1
         await asyncio.sleep(0.8)
+        assert service.inflight == 0
         assert (await service.answer(AnswerRequest(question="q"))).response.answer
 
     asyncio.run(run())
     assert 'selfrag_rejected_total{reason="deadline"} 1' in metrics.render()
+
+
+async def _until_idle(service: ServeAnswerService, limit_s: float) -> float:
+    """Seconds until no admitted answer is left (fails after `limit_s`)."""
+    t0 = time.perf_counter()
+    while service.inflight:
+        assert time.perf_counter() - t0 < limit_s, f"{service.inflight} answers still in flight"
+        await asyncio.sleep(0.02)
+    return time.perf_counter() - t0
+
+
+def test_a_hung_pool_call_frees_its_slot_at_the_deadline():
+    """A pool replica that never answers: the decoder stops waiting at the request's
+    deadline, cancels the call, and its slot is free again, though the call still hangs."""
+    hang = threading.Event()
+    rig = make_service(max_inflight=1)
+    rig.pool.hang = hang
+    req = AnswerRequest(question="q", config={"mode": "never", "timeout_s": 0.3})
+
+    async def run() -> None:
+        t0 = time.perf_counter()
+        with pytest.raises(DeadlineExceeded):
+            await rig.service.answer(req)
+        assert time.perf_counter() - t0 < 0.6
+        await _until_idle(rig.service, 0.5)
+        assert rig.pool.drafts_started == 1 and not hang.is_set()  # the call still hangs
+        drafts = [c for c in rig.pool_handle.calls if c.cancelled]
+        assert len(drafts) == 1
+        assert "selfrag_inflight_answers 0" in rig.metrics.render()
+
+    try:
+        asyncio.run(run())
+    finally:
+        hang.set()
+
+
+def test_an_abandoned_request_stops_its_decoder_at_once():
+    """The stream cancels its answer when the client goes away: the decoder thread stops
+    waiting on its remote call (long before the deadline) and frees the slot."""
+    hang = threading.Event()
+    rig = make_service(max_inflight=1)
+    rig.pool.hang = hang
+    req = AnswerRequest(question="q", config={"mode": "never", "timeout_s": 30})
+
+    async def run() -> None:
+        task = asyncio.create_task(rig.service.answer(req))
+        while rig.pool.drafts_started == 0:
+            await asyncio.sleep(0.01)
+        assert rig.service.inflight == 1
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert await _until_idle(rig.service, 1.0) < 1.0
+        assert [c.cancelled for c in rig.pool_handle.calls if c.cancelled] == [True]
+
+    try:
+        asyncio.run(run())
+    finally:
+        hang.set()
+
+
+def test_lookups_before_decoding_are_cancelled_at_the_deadline():
+    store = Store([Passage("p1", "Rollo founded Normandy.", "Normans")], delay_s=1.0)
+    rig = make_service(cache=DictCache(), store=store)
+    slow = AnswerRequest(question="q", config={"mode": "never", "timeout_s": 0.1})
+
+    async def run() -> None:
+        with pytest.raises(DeadlineExceeded):
+            await rig.service.answer(slow)
+
+    asyncio.run(run())
+    assert rig.service.inflight == 0
+    assert store.version_calls == 1
+    assert [c.cancelled for c in rig.store_handle.calls] == [True]
 
 
 def test_over_the_inflight_limit_is_503():
@@ -281,17 +302,8 @@ class FlakyStore(Store):
 
 
 def test_store_down_is_503_and_not_ready_then_recovers():
-    critic = ScriptedCritic(relevance_of={"p1": 0.9})
     store = FlakyStore([Passage("p1", "Rollo founded Normandy.", "Normans")])
-    service = ServeAnswerService(
-        pool=Handle(Pool(critic)),  # type: ignore[arg-type]
-        decider=Handle(Decider(critic)),  # type: ignore[arg-type]
-        retriever=Handle(store),  # type: ignore[arg-type]
-        ranker=Handle(Ranker()),  # type: ignore[arg-type]
-        defaults=DecodingConfig(max_segments=1),
-        max_inflight=4,
-        metrics=Metrics(),
-    )
+    service = make_service(store=store).service
 
     async def run() -> None:
         store.down = True
@@ -315,17 +327,7 @@ def test_a_full_deployment_queue_is_503_overloaded():
 
 
 def test_timeout_above_the_server_maximum_is_422():
-    critic = ScriptedCritic(relevance_of={"p1": 0.9})
-    service = ServeAnswerService(
-        pool=Handle(Pool(critic)),  # type: ignore[arg-type]
-        decider=Handle(Decider(critic)),  # type: ignore[arg-type]
-        retriever=Handle(Store([])),  # type: ignore[arg-type]
-        ranker=Handle(Ranker()),  # type: ignore[arg-type]
-        defaults=DecodingConfig(max_segments=1),
-        max_inflight=4,
-        metrics=Metrics(),
-        max_timeout_s=30.0,
-    )
+    service = make_service(store=Store([]), max_timeout_s=30.0).service
     with pytest.raises(Unprocessable, match="max_timeout_s"):
         asyncio.run(service.answer(AnswerRequest(question="q", config={"timeout_s": 60})))
     assert asyncio.run(service.answer(AnswerRequest(question="q", config={"timeout_s": 30})))
