@@ -6,11 +6,20 @@ passage KV-state store (`infra.kv_cache`) reuses `MemoryLRU` and `RedisTier`.
 Redis is never allowed to fail a request: every Redis call has short socket timeouts, a
 failure is logged and counted, and Redis is then bypassed for `retry_s` seconds (so an
 outage costs one timeout per window, not one per request) before it is tried again.
+
+Nor is a value read from Redis used on trust: every value is stored sealed (a header with its
+key, any extra binding such as a prefix's token ids, its length and a SHA-256 of all that), and
+a read refuses values over `max_entry_bytes` before transferring them and values whose seal
+does not match the key asked for. Refusals are counted per reason (`RedisCounters`) and read
+as misses, so the caller recomputes. The seal catches corruption, truncation and values stored
+under the wrong key; it is no signature: whoever can write to Redis can forge it.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import struct
 import threading
 import time
 from collections import OrderedDict
@@ -25,6 +34,9 @@ from schemas.settings import Settings
 log = logging.getLogger("selfrag.cache")
 
 MB = 1 << 20
+# Answers are a few KB (the largest, with many long passages, well under 1 MB): a cached
+# answer over this is not one selfrag wrote, and is not read.
+MAX_ANSWER_BYTES = 4 * MB
 
 
 class MemoryLRU:
@@ -119,6 +131,54 @@ return total
 """
 
 
+# A sealed value: magic (format 1), label length, payload length, SHA-256 over the label and
+# the payload; then the label (the Redis key, a NUL, the caller's binding), then the payload.
+_SEAL_MAGIC = b"SRC\x01"
+_SEAL_HEAD = struct.Struct("<4sIQ32s")
+
+
+class RejectedEntry(Exception):
+    """A value read from Redis that is not used; `reason` is a `RedisCounters` field suffix."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(detail)
+        self.reason = reason
+
+
+def _seal(label: bytes, payload: bytes) -> bytes:
+    digest = hashlib.sha256(label)
+    digest.update(payload)
+    head = _SEAL_HEAD.pack(_SEAL_MAGIC, len(label), len(payload), digest.digest())
+    return b"".join((head, label, payload))
+
+
+def _unseal(label: bytes, raw: bytes) -> bytes:
+    """The payload of `raw` if it was sealed with `label`; raises RejectedEntry otherwise."""
+    if len(raw) < _SEAL_HEAD.size or raw[:4] != _SEAL_MAGIC:
+        raise RejectedEntry("malformed", "not a sealed selfrag entry")
+    _, label_len, payload_len, expected = _SEAL_HEAD.unpack_from(raw)
+    if _SEAL_HEAD.size + label_len + payload_len != len(raw):
+        raise RejectedEntry(
+            "malformed", f"lengths in its header do not add up to its {len(raw)} bytes"
+        )
+    view = memoryview(raw)
+    stored_label = view[_SEAL_HEAD.size : _SEAL_HEAD.size + label_len]
+    payload = view[_SEAL_HEAD.size + label_len :]
+    digest = hashlib.sha256(stored_label)
+    digest.update(payload)
+    if digest.digest() != expected:
+        raise RejectedEntry("checksum", "its SHA-256 does not match its content")
+    # After the checksum: a mismatch then means a whole entry stored under the wrong key (or,
+    # for KV states, for other prefix tokens), not a damaged one.
+    if stored_label != label:
+        raise RejectedEntry("mismatch", "it was stored for another key or other tokens")
+    return payload.tobytes()
+
+
+def _label(key: str, bind: bytes) -> bytes:
+    return key.encode() + b"\0" + bind
+
+
 @dataclass
 class RedisCounters:
     hits: int = 0
@@ -129,14 +189,33 @@ class RedisCounters:
     bypassed: int = 0
     """Calls not made because Redis failed less than `retry_s` ago."""
     too_big: int = 0
-    """Values over the namespace's whole byte cap, never stored."""
+    """Values over `max_entry_bytes` (or the namespace's whole byte cap), never stored."""
+    rejected_oversized: int = 0
+    """Values read over `max_entry_bytes`: refused before being transferred."""
+    rejected_malformed: int = 0
+    """Values not sealed by this code (another format, inconsistent lengths, not a string)."""
+    rejected_checksum: int = 0
+    """Values whose SHA-256 does not match their content (damaged, truncated)."""
+    rejected_mismatch: int = 0
+    """Intact values sealed for another key or binding (e.g. other prefix tokens)."""
+
+    def rejected(self) -> dict[str, int]:
+        """The refusals by reason, as `rejected_<reason>` names."""
+        return {
+            "rejected_oversized": self.rejected_oversized,
+            "rejected_malformed": self.rejected_malformed,
+            "rejected_checksum": self.rejected_checksum,
+            "rejected_mismatch": self.rejected_mismatch,
+        }
 
 
 class RedisTier:
     """One namespace of a Redis server: values with a TTL under a total byte cap.
 
     `get` and `put` never raise: failures are logged, counted in `counters`, and open a
-    `retry_s` window during which Redis is bypassed.
+    `retry_s` window during which Redis is bypassed. Values are sealed on `put` and checked
+    on `get` (see the module docstring); a value over `max_entry_bytes` (default: the whole
+    cap) is neither stored nor read.
     """
 
     def __init__(
@@ -146,6 +225,7 @@ class RedisTier:
         *,
         ttl_s: int,
         max_bytes: int,
+        max_entry_bytes: int | None = None,
         timeout_s: float = 0.25,
         retry_s: float = 5.0,
     ) -> None:
@@ -157,6 +237,7 @@ class RedisTier:
         self.namespace = namespace
         self.ttl_s = ttl_s
         self.max_bytes = max_bytes
+        self.max_entry_bytes = min(max_bytes, max_entry_bytes or max_bytes)
         self.retry_s = retry_s
         # No client-side retries: a retry would multiply the wait of a request on a dead server.
         self._client = redis.Redis.from_url(
@@ -167,9 +248,11 @@ class RedisTier:
             health_check_interval=0,
         )
         self._put = self._client.register_script(_PUT_SCRIPT)
+        self._response_error = redis.ResponseError
         self._books = [f"{namespace}:~index", f"{namespace}:~sizes", f"{namespace}:~bytes"]
         self._down_until = 0.0
         self._lock = threading.Lock()
+        self._warned: set[str] = set()
         self.counters = RedisCounters()
 
     def key(self, name: str) -> str:
@@ -177,32 +260,52 @@ class RedisTier:
         prefix = self.namespace + ":"
         return name if name.startswith(prefix) else prefix + name
 
-    def get(self, name: str) -> bytes | None:
+    def get(self, name: str, bind: bytes = b"") -> bytes | None:
+        """The value `put` under `name` with the same `bind`; None when absent, refused (too
+        big, not sealed for this key and binding, damaged) or Redis is unavailable."""
         if self._skip():
             return None
+        key = self.key(name)
         try:
-            value = self._client.get(self.key(name))
+            raw = self._read_capped(key)
+        except RejectedEntry as rejected:
+            self._up()
+            self._rejected(key, rejected)
+            return None
+        except self._response_error as exc:  # e.g. WRONGTYPE: the server is fine, the key not
+            self._up()
+            self._rejected(key, RejectedEntry("malformed", f"{type(exc).__name__}: {exc}"))
+            return None
         except Exception as exc:  # redis.RedisError, OSError: bypass, never fail the caller
             self._failed("get", exc)
             return None
         self._up()
-        with self._lock:
-            if value is None:
+        if raw is None:
+            with self._lock:
                 self.counters.misses += 1
-            else:
-                self.counters.hits += 1
-        return value  # type: ignore[return-value]
+            return None
+        try:
+            value = _unseal(_label(key, bind), raw)
+        except RejectedEntry as rejected:
+            self._rejected(key, rejected)
+            return None
+        with self._lock:
+            self.counters.hits += 1
+        return value
 
-    def put(self, name: str, value: bytes) -> bool:
-        """Store `value`; False when it was not stored (too big, or Redis unavailable)."""
-        if len(value) > self.max_bytes:
+    def put(self, name: str, value: bytes, bind: bytes = b"") -> bool:
+        """Store `value` sealed with `name` and `bind`; False when it was not stored (too big,
+        or Redis unavailable)."""
+        key = self.key(name)
+        sealed = _seal(_label(key, bind), value)
+        if len(sealed) > self.max_entry_bytes:
             with self._lock:
                 self.counters.too_big += 1
             return False
         if self._skip():
             return False
         try:
-            self._put(keys=[self.key(name), *self._books], args=[value, self.ttl_s, self.max_bytes])
+            self._put(keys=[key, *self._books], args=[sealed, self.ttl_s, self.max_bytes])
         except Exception as exc:
             self._failed("put", exc)
             return False
@@ -230,6 +333,41 @@ class RedisTier:
 
     def close(self) -> None:
         self._client.close()
+
+    def _read_capped(self, key: str) -> bytes | None:
+        """The raw value of `key` (None when absent); RejectedEntry when over the cap.
+
+        STRLEN first, so an oversized value is refused without a byte of it crossing the
+        network; then GETRANGE up to one byte past the cap instead of GET, so a value that grew
+        between the two calls still transfers at most that. (A Lua script doing both at once
+        would copy every multi-MB state inside Redis twice.)
+        """
+        cap = self.max_entry_bytes
+        size = int(self._client.strlen(key))  # type: ignore[arg-type]
+        if size > cap:
+            raise RejectedEntry("oversized", f"{size} bytes, over the {cap}-byte entry cap")
+        if size == 0:
+            return None  # absent (an empty value is no sealed entry either)
+        raw = bytes(self._client.getrange(key, 0, cap))  # type: ignore[arg-type]
+        if len(raw) > cap:
+            raise RejectedEntry("oversized", f"over the {cap}-byte entry cap")
+        return raw or None  # expired or deleted between the two calls
+
+    def _rejected(self, key: str, rejected: RejectedEntry) -> None:
+        with self._lock:
+            name = f"rejected_{rejected.reason}"
+            setattr(self.counters, name, getattr(self.counters, name) + 1)
+            first = rejected.reason not in self._warned
+            self._warned.add(rejected.reason)
+        # One warning per reason (a poisoned key is read on every request); counters keep
+        # the exact number.
+        (log.warning if first else log.debug)(
+            "redis %s: refused the value of %s (%s: %s); treating it as a miss",
+            self.namespace,
+            key,
+            rejected.reason,
+            rejected,
+        )
 
     def _skip(self) -> bool:
         with self._lock:
@@ -290,8 +428,9 @@ class AnswerCache:
         try:
             response = AnswerResponse.model_validate_json(raw)
         except ValidationError as exc:
-            # Written by another version of the schema: treat as absent, it will be replaced.
-            log.warning("query cache entry %s does not parse, ignoring it: %s", key, exc)
+            # Written by another version of the schema (or not by selfrag): treat as absent,
+            # the answer computed instead replaces it.
+            log.warning("query cache entry %s is no valid answer, ignoring it: %s", key, exc)
             self._count("corrupt")
             return None
         if tier == "redis":
@@ -321,6 +460,7 @@ class AnswerCache:
         if self.redis is not None:
             c = self.redis.counters
             out |= {"redis_error": c.errors, "redis_bypassed": c.bypassed, "redis_put": c.puts}
+            out |= {f"redis_{name}": n for name, n in c.rejected().items()}
         return out
 
     def close(self) -> None:
@@ -333,7 +473,12 @@ class AnswerCache:
 
 
 def open_redis_tier(
-    settings: Settings, namespace: str, *, ttl_s: int, max_bytes: int
+    settings: Settings,
+    namespace: str,
+    *,
+    ttl_s: int,
+    max_bytes: int,
+    max_entry_bytes: int | None = None,
 ) -> RedisTier | None:
     """A `RedisTier` on `settings.redis_url`, or None when no URL is configured."""
     if not settings.redis_url:
@@ -344,6 +489,7 @@ def open_redis_tier(
         namespace,
         ttl_s=ttl_s,
         max_bytes=max_bytes,
+        max_entry_bytes=max_entry_bytes,
         timeout_s=c.redis_timeout_ms / 1000,
         retry_s=c.redis_retry_s,
     )
@@ -360,6 +506,10 @@ def open_query_cache(settings: Settings) -> AnswerCache | None:
         max_bytes=64 * MB, max_entries=c.query_memory_entries, ttl_s=float(c.query_ttl_s)
     )
     tier = open_redis_tier(
-        settings, AnswerCache.NAMESPACE, ttl_s=c.query_ttl_s, max_bytes=c.query_redis_mb * MB
+        settings,
+        AnswerCache.NAMESPACE,
+        ttl_s=c.query_ttl_s,
+        max_bytes=c.query_redis_mb * MB,
+        max_entry_bytes=MAX_ANSWER_BYTES,
     )
     return AnswerCache(memory, tier)

@@ -11,6 +11,12 @@ context with the same n_ctx, n_seq_max, unified-KV setting and KV types), the st
 this llama.cpp build, and the prefix's token ids (which cover the template version and the
 passage content). A passage's KV computed behind a different prefix is never shifted into place:
 that is only approximate.
+
+States read from Redis are checked before the engine sees them (`infra.cache.RedisTier`): the
+exact prefix token ids are stored with each state and must equal the ones asked for, a SHA-256
+covers the state, and a value over the tier's cap is not read. A refused state counts in
+`counters()` (`redis_rejected_*`) and reads as a miss, so the engine recomputes it. The memory
+tier holds only states this process computed or already checked.
 """
 
 from __future__ import annotations
@@ -31,8 +37,9 @@ from schemas.settings import Settings
 
 log = logging.getLogger("selfrag.kv_cache")
 
-# Bump when what a stored state means changes (e.g. how the engine lays out sequences).
-STATE_FORMAT = 1
+# Bump when what a stored state means changes (e.g. how the engine lays out sequences), or how
+# it is stored (2: sealed with its tokens and a checksum in Redis).
+STATE_FORMAT = 2
 
 
 @dataclass(frozen=True)
@@ -47,20 +54,31 @@ class ContextLayout:
     llama_cpp_version: str
 
 
+@dataclass(frozen=True)
+class PrefixKey:
+    """Where the KV state of one prefix is stored: `digest` names it (model, layout, state
+    format and tokens); `tokens` (the prefix's token ids as little-endian int32) travel with
+    the state to Redis and must match exactly when it is read back."""
+
+    digest: str
+    tokens: bytes
+
+
 class PrefixStateStore(Protocol):
     """Saved sequence states by key. Implementations never raise from get/put."""
 
-    def get(self, key: str) -> bytes | None: ...
+    def get(self, key: PrefixKey) -> bytes | None: ...
 
-    def put(self, key: str, state: bytes) -> None: ...
+    def put(self, key: PrefixKey, state: bytes) -> None: ...
 
 
-def prefix_state_key(model_sha256: str, layout: ContextLayout, tokens: Sequence[int]) -> str:
+def prefix_state_key(model_sha256: str, layout: ContextLayout, tokens: Sequence[int]) -> PrefixKey:
     """Content address of the KV state of `tokens` computed from position 0 in `layout`."""
+    ids = np.asarray(tokens, dtype="<i4").tobytes()
     h = hashlib.sha256()
     h.update(json.dumps([STATE_FORMAT, model_sha256, asdict(layout)], sort_keys=True).encode())
-    h.update(np.asarray(tokens, dtype=np.int32).tobytes())
-    return h.hexdigest()
+    h.update(ids)
+    return PrefixKey(h.hexdigest(), ids)
 
 
 class TieredStateStore:
@@ -87,25 +105,25 @@ class TieredStateStore:
         self.puts = 0
         self.writes_dropped = 0
 
-    def get(self, key: str) -> bytes | None:
-        state = self.memory.get(key) if self.memory is not None else None
+    def get(self, key: PrefixKey) -> bytes | None:
+        state = self.memory.get(key.digest) if self.memory is not None else None
         if state is not None:
             self._count("memory_hits")
             return state
         if self.redis is not None:
-            state = self.redis.get(key)
+            state = self.redis.get(key.digest, bind=key.tokens)
             if state is not None:
                 if self.memory is not None:
-                    self.memory.put(key, state)
+                    self.memory.put(key.digest, state)
                 self._count("redis_hits")
                 return state
         self._count("misses")
         return None
 
-    def put(self, key: str, state: bytes) -> None:
+    def put(self, key: PrefixKey, state: bytes) -> None:
         self._count("puts")
         if self.memory is not None:
-            self.memory.put(key, state)
+            self.memory.put(key.digest, state)
         if self.redis is None or self._writer is None:
             return
         with self._lock:
@@ -115,10 +133,10 @@ class TieredStateStore:
             self._pending += 1
         self._writer.submit(self._write, key, state)
 
-    def _write(self, key: str, state: bytes) -> None:
+    def _write(self, key: PrefixKey, state: bytes) -> None:
         assert self.redis is not None
         try:
-            self.redis.put(key, state)
+            self.redis.put(key.digest, state, bind=key.tokens)
         finally:
             with self._lock:
                 self._pending -= 1
@@ -140,6 +158,8 @@ class TieredStateStore:
         if self.redis is not None:
             c = self.redis.counters
             out |= {"redis_error": c.errors, "redis_bypassed": c.bypassed}
+            out |= {"redis_too_big": c.too_big}
+            out |= {f"redis_{name}": n for name, n in c.rejected().items()}
         return out
 
     def close(self) -> None:

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import redis
 
 from infra.cache import MemoryLRU, RedisTier
 from infra.kv_cache import ContextLayout, TieredStateStore, open_prefix_store, prefix_state_key
@@ -50,12 +51,15 @@ def test_the_key_covers_model_layout_and_every_token():
         assert key != prefix_state_key("abc", changed, [1, 2, 3]), change
 
 
+KEY = prefix_state_key("abc", LAYOUT, list(range(100, 164)))
+
+
 def test_memory_tier_and_settings(tmp_path: Path):
     store = open_prefix_store(load_settings(environ={"SELFRAG_HOME": str(tmp_path)}))
     assert store is not None and store.redis is None and store.memory is not None
-    assert store.get("k") is None
-    store.put("k", b"state")
-    assert store.get("k") == b"state"
+    assert store.get(KEY) is None
+    store.put(KEY, b"state")
+    assert store.get(KEY) == b"state"
     assert store.counters()["memory_hit"] == 1 and store.counters()["miss"] == 1
     off = {"SELFRAG_HOME": str(tmp_path), "SELFRAG_CACHE__PASSAGE_KV": "false"}
     assert open_prefix_store(load_settings(environ=off)) is None
@@ -71,19 +75,88 @@ def test_states_reach_redis_behind_and_survive_an_outage(
     )
     store = TieredStateStore(MemoryLRU(1 << 20), tier)
     state = bytes(range(256)) * 8192  # 2 MB: over the memory tier, so only Redis keeps it
-    store.put("k1", state)
+    k1, k2 = KEY, prefix_state_key("abc", LAYOUT, [1, 2])
+    store.put(k1, state)
     store.flush()
     other = TieredStateStore(None, tier)
-    assert other.get("k1") == state and other.counters()["redis_hit"] == 1
+    assert other.get(k1) == state and other.counters()["redis_hit"] == 1
     if proc is None:
         return
     proc.kill()
-    assert other.get("k1") is None  # bypassed, not raised
-    store.put("k2", b"x")
+    assert other.get(k1) is None  # bypassed, not raised
+    store.put(k2, b"x")
     store.flush()
-    assert store.get("k2") == b"x"  # the memory tier still works
+    assert store.get(k2) == b"x"  # the memory tier still works
     assert other.counters()["redis_error"] >= 1
     proc.start()
+
+
+# --- states read from Redis are checked, never trusted ------------------------------------
+
+
+@pytest.fixture
+def kv_redis(redis_server: tuple[str, RedisProcess | None]) -> str:
+    url, proc = redis_server
+    if proc is not None and not proc.running:
+        proc.start()
+    redis.Redis.from_url(url).flushdb()
+    return url
+
+
+def _redis_store(url: str) -> TieredStateStore:
+    """A store with Redis only (as a fresh replica's), on a 1 MB entry cap."""
+    tier = RedisTier(url, "selfrag:kvtest", ttl_s=60, max_bytes=1 << 20, timeout_s=0.5)
+    return TieredStateStore(None, tier)
+
+
+@pytest.mark.real
+@pytest.mark.parametrize(
+    ("poison", "reason"),
+    [
+        ("flipped", "checksum"),
+        ("other_tokens", "mismatch"),
+        ("other_key", "mismatch"),
+        ("oversized", "oversized"),
+        ("unsealed", "malformed"),
+    ],
+)
+def test_a_poisoned_state_in_redis_is_refused_counted_and_replaced(
+    kv_redis: str, poison: str, reason: str
+):
+    """A value under the right key that is not exactly the state of these tokens is never
+    returned: a flipped payload byte, a state sealed for other tokens or under another key, a
+    value over the entry cap, or a bare state as an older version (or anyone) would SET it."""
+    writer, reader = _redis_store(kv_redis), _redis_store(kv_redis)
+    state = bytes(range(256)) * 64
+    wrong = prefix_state_key("abc", LAYOUT, [*range(100, 163), 7])  # one token differs
+    client = redis.Redis.from_url(kv_redis)
+    assert writer.redis is not None
+    name = writer.redis.key(KEY.digest)
+    writer.put(KEY, state)
+    writer.put(wrong, state[::-1])
+    writer.flush()
+    if poison == "flipped":
+        raw = client.get(name)
+        assert isinstance(raw, bytes)
+        client.setrange(name, len(raw) - 1, bytes([raw[-1] ^ 1]))
+    elif poison == "other_tokens":
+        writer.redis.put(KEY.digest, state[::-1], bind=wrong.tokens)
+    elif poison == "other_key":
+        client.set(name, client.get(writer.redis.key(wrong.digest)))  # type: ignore[arg-type]
+    elif poison == "oversized":
+        client.set(name, b"\0" * ((1 << 20) + 1))
+    else:
+        client.set(name, state[::-1])
+
+    assert reader.get(KEY) is None
+    counters = reader.counters()
+    assert counters[f"redis_rejected_{reason}"] == 1
+    assert sum(v for k, v in counters.items() if k.startswith("redis_rejected_")) == 1
+    assert (counters["redis_hit"], counters["miss"], counters["redis_error"]) == (0, 1, 0)
+    # The engine recomputes and saves the state: it replaces the poisoned value.
+    reader.put(KEY, state)
+    reader.flush()
+    assert _redis_store(kv_redis).get(KEY) == state
 
 
 # --- the engine with a prefix-state store (real SmolLM2) ------------------------------------
@@ -209,3 +282,36 @@ def test_a_bad_stored_state_falls_back_to_recompute(engine: LlamaEngine, kind: s
     assert got.prefill_tokens == len(req.prompt)
     np.testing.assert_allclose(got.logprobs, expected, atol=1e-4, rtol=0)
     assert store.get(key) == good  # the recomputed state replaced the bad one
+
+
+@pytest.mark.real
+def test_a_poisoned_redis_state_is_recomputed_not_restored(engine: LlamaEngine, kv_redis: str):
+    """The state of a prefix of the same length but one other passage token restores without
+    complaint from llama.cpp and would change every score; copied under the right key in Redis
+    it is refused (counted) and the engine recomputes the prefix."""
+    req, prefix = _request(engine, QUESTIONS[0])
+    _fresh(engine, None)
+    expected = engine.next_token_logprobs([req])[0].logprobs
+    altered = list(prefix)
+    altered[len(altered) // 2] = engine.tokenize(" Paris")[-1]
+    assert altered != prefix
+    store = _redis_store(kv_redis)
+    _fresh(engine, store)
+    engine.next_token_logprobs([TokenScoreRequest([*altered, 0], [0], len(altered))])
+    store.flush()
+    assert store.redis is not None
+    sha = engine.model_sha256 or ""
+    client = redis.Redis.from_url(kv_redis)
+    planted = client.get(store.redis.key(prefix_state_key(sha, engine.layout, altered).digest))
+    assert planted is not None
+    key = prefix_state_key(sha, engine.layout, prefix)
+    client.set(store.redis.key(key.digest), planted)  # type: ignore[arg-type]
+
+    fresh = _redis_store(kv_redis)
+    _fresh(engine, fresh)
+    got = engine.next_token_logprobs([req])[0]
+    s = engine.stats
+    assert (s.kv_restores, s.kv_misses, s.kv_saves) == (0, 1, 1)
+    assert fresh.counters()["redis_rejected_mismatch"] == 1
+    assert got.prefill_tokens == len(req.prompt)
+    np.testing.assert_allclose(got.logprobs, expected, atol=1e-4, rtol=0)

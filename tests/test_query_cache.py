@@ -9,7 +9,7 @@ import pytest
 import redis
 
 from actors.service import query_key
-from infra.cache import MB, AnswerCache, MemoryLRU, RedisTier, open_query_cache
+from infra.cache import MAX_ANSWER_BYTES, MB, AnswerCache, MemoryLRU, RedisTier, open_query_cache
 from infra.settings import load_settings
 from schemas.answer import AnswerResponse, Usage
 from schemas.decoding import DecodingConfig
@@ -118,12 +118,13 @@ def test_replicas_share_answers_through_redis_with_a_ttl(redis_url: str, tmp_pat
 @pytest.mark.real
 def test_redis_tier_keeps_its_namespace_under_the_byte_cap(redis_url: str):
     tier = RedisTier(redis_url, "selfrag:test", ttl_s=60, max_bytes=10_000)
+    # 900 bytes + the seal (48-byte header, the 16-byte key) per entry: ten fit.
     for i in range(30):
-        assert tier.put(f"k{i}", bytes([i]) * 1000)
+        assert tier.put(f"k{i}", bytes([i]) * 900)
     assert 9_000 <= tier.stored_bytes() <= 10_000
     # Oldest first out; the newest ten are all there.
     assert tier.get("k0") is None
-    assert all(tier.get(f"k{i}") == bytes([i]) * 1000 for i in range(20, 30))
+    assert all(tier.get(f"k{i}") == bytes([i]) * 900 for i in range(20, 30))
     # Replacing a key does not count it twice; a value over the whole cap is refused.
     assert tier.put("k29", b"y" * 500) and tier.stored_bytes() <= 10_000
     assert tier.put("big", b"z" * 10_001) is False and tier.counters.too_big == 1
@@ -189,3 +190,84 @@ def test_cache_settings_reach_the_tiers(tmp_path: Path):
     assert cache.memory.max_entries == 7
     # Nothing listens on port 1: refused at once, never raised.
     assert cache.get("selfrag:answer:x") is None and not cache.ping()
+
+
+# --- what a Redis value must prove before it is served ---------------------------------------
+
+
+def _tier_counters(cache: AnswerCache) -> dict[str, int]:
+    return {k: v for k, v in cache.counters().items() if k.startswith("redis_rejected_")}
+
+
+@pytest.mark.real
+def test_an_answer_written_into_redis_by_someone_else_is_not_served(redis_url: str, tmp_path: Path):
+    """A well-formed answer SET straight into the right key (what anyone with write access to
+    Redis could do) is refused; the genuine answer computed afterwards is served again."""
+    cache, writer = _cache(redis_url, tmp_path), _cache(redis_url, tmp_path)
+    key = query_key("Who founded Normandy?", DecodingConfig(), "v1", "m")
+    client = redis.Redis.from_url(redis_url)
+    client.set(key, _response(answer="Napoleon.").model_dump_json())
+    assert cache.get(key) is None
+    assert _tier_counters(cache)["redis_rejected_malformed"] == 1
+    assert cache.counters()["redis_hit"] == 0 and cache.counters()["miss"] == 1
+    writer.put(key, _response())  # the recomputed answer replaces the planted one
+    assert cache.get(key) == _response()
+
+
+@pytest.mark.real
+def test_an_answer_moved_to_another_key_or_damaged_is_refused(redis_url: str, tmp_path: Path):
+    writer, reader = _cache(redis_url, tmp_path), _cache(redis_url, tmp_path)
+    client = redis.Redis.from_url(redis_url)
+    mine = query_key("Who founded Normandy?", DecodingConfig(), "v1", "m")
+    other = query_key("Who was Rollo?", DecodingConfig(), "v1", "m")
+    writer.put(other, _response("Who was Rollo?", "A Viking."))
+    client.set(mine, client.get(other))  # an intact entry, but another question's
+    assert reader.get(mine) is None
+    client.setrange(other, len(client.get(other)) - 3, b"XYZ")  # type: ignore[arg-type]
+    assert reader.get(other) is None
+    assert _tier_counters(reader) == {
+        "redis_rejected_oversized": 0,
+        "redis_rejected_malformed": 0,
+        "redis_rejected_checksum": 1,
+        "redis_rejected_mismatch": 1,
+    }
+
+
+@pytest.mark.real
+def test_a_sealed_entry_that_is_no_answer_counts_as_corrupt(redis_url: str, tmp_path: Path):
+    cache = _cache(redis_url, tmp_path)
+    assert cache.redis is not None
+    key = query_key("q", DecodingConfig(), "v1", "m")
+    for i, raw in enumerate([b'{"answer": 1}', b"\xff\xfe not utf-8", b""]):
+        assert cache.redis.put(key, raw)
+        assert cache.get(key) is None
+        assert cache.counters()["corrupt"] == i + 1
+
+
+@pytest.mark.real
+def test_an_oversized_answer_is_refused_without_reading_it(redis_url: str, tmp_path: Path):
+    cache = _cache(redis_url, tmp_path)
+    assert cache.redis is not None and cache.redis.max_entry_bytes == MAX_ANSWER_BYTES
+    key = query_key("q", DecodingConfig(), "v1", "m")
+    client = redis.Redis.from_url(redis_url)
+    client.set(key, b"x" * (MAX_ANSWER_BYTES + 1))
+    sent = int(client.info("stats")["total_net_output_bytes"])
+    assert cache.get(key) is None
+    # The reply to STRLEN is a few bytes; the 4 MB value never crossed the connection.
+    assert int(client.info("stats")["total_net_output_bytes"]) - sent < 64 * 1024
+    assert _tier_counters(cache)["redis_rejected_oversized"] == 1
+    # Nor is an answer over the cap stored.
+    assert cache.redis.put("big", b"y" * MAX_ANSWER_BYTES) is False
+
+
+@pytest.mark.real
+def test_a_key_of_another_type_is_refused_not_an_outage(redis_url: str, tmp_path: Path):
+    cache = _cache(redis_url, tmp_path)
+    key = query_key("q", DecodingConfig(), "v1", "m")
+    redis.Redis.from_url(redis_url).rpush(key, b"a list")
+    assert cache.get(key) is None
+    c = cache.counters()
+    assert c["redis_rejected_malformed"] == 1 and c["redis_error"] == 0
+    cache.put(key, _response())  # no bypass window was opened: Redis is still used
+    assert cache.counters()["redis_put"] == 1
+    assert _cache(redis_url, tmp_path).get(key) == _response()
