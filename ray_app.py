@@ -1,11 +1,13 @@
 """The Ray Serve application: `serve run ray_app:app`, `selfrag serve`, or `infra/serve.yaml`.
 
 `app` is built on first access from the effective settings (`SELFRAG_*` environment, config
-file), so importing this module starts nothing.
+file), so importing this module starts nothing. Building it warns (WARNING log and stderr) when
+the HTTP proxies bind a non-loopback address and `SELFRAG_API_KEYS` is empty.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from ray.serve import Application
@@ -23,6 +25,7 @@ def build_app(settings: Settings | None = None) -> Application:
         from infra.settings import load_settings
 
         settings = load_settings()
+    warn_if_open(settings.serve.host)
     # Bounded queues everywhere: past `max_queued_requests` waiting calls a handle raises
     # BackPressureError at once (the ingress answers 503 + Retry-After) instead of piling up.
     queued: dict[str, Any] = {
@@ -37,6 +40,34 @@ def build_app(settings: Settings | None = None) -> Application:
     retriever = Retriever.options(**queued, **replicas).bind(settings)
     ranker = Ranker.options(**queued).bind()
     return SelfRAGIngress.options(**queued).bind(pool, decider, retriever, ranker, settings)
+
+
+def serve_http_host() -> str | None:
+    """The address the running Serve instance's HTTP proxies bind, which infra/serve.yaml or
+    KubeRay set, not `serve.host`; None when Ray or Serve is not running here."""
+    import ray
+
+    if not ray.is_initialized():
+        return None
+    # Ray has no public accessor for a running instance's http_options: ask its controller.
+    from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
+
+    try:
+        controller = ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)
+        return str(ray.get(controller.get_http_config.remote(), timeout=10).host)
+    except (ValueError, ray.exceptions.RayError):  # no controller, or one that does not answer
+        return None
+
+
+def warn_if_open(host: str) -> str | None:
+    """Warn (once per process and address) when the API would answer anyone: the running
+    Serve instance's bind address, else `host`, is not loopback and there are no API keys,
+    read from the environment as the ingress replicas read them (the nodes share it)."""
+    from actors.http import parse_api_keys
+    from infra.settings import API_KEYS_ENV, warn_if_exposed
+
+    bound = serve_http_host() or host
+    return warn_if_exposed(bound, parse_api_keys(os.environ.get(API_KEYS_ENV)))
 
 
 def serve_logging(settings: Settings) -> dict[str, Any]:

@@ -320,6 +320,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     host = args.host or settings.serve.host
     port = args.port or settings.serve.port
     local = args.address is None
+    from ray_app import warn_if_open
+
+    # Loud and early, before the model check and Ray: an open port without keys answers anyone.
+    warn_if_open(host)
     if settings.model.backend == "llama_cpp":
         from infra.runtime import SelfRAG
 
