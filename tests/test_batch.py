@@ -7,6 +7,8 @@ from __future__ import annotations
 import csv
 import json
 import os
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,10 +16,14 @@ from typing import Any
 
 import pytest
 
+import infra.batch
 from infra.batch import (
     BatchQuestion,
     CallMerger,
+    OutputLockedError,
+    compact_records,
     done_ids,
+    lock_output,
     parse_shard,
     plan_jobs,
     plan_resources,
@@ -51,10 +57,58 @@ def test_jsonl_malformed_lines_are_reported_with_their_numbers(tmp_path: Path):
         ("a", "Who?", {}),
         ("3", "Where?", {"top_k": 2}),
     ]
-    assert [p.line for p in problems] == [2, 4, 6, 7]
+    # Unreadable rows get their own id, else their line; a repeated id gets no record.
+    assert [(p.line, p.id) for p in problems] == [(2, "2"), (4, None), (6, "c"), (7, "7")]
     assert "not JSON" in problems[0].reason
     assert "duplicate id 'a' (first at line 1)" in problems[1].reason
     assert "question" in problems[2].reason
+
+
+def test_a_non_utf8_line_is_one_problem_and_the_rest_is_read(tmp_path: Path):
+    path = tmp_path / "q.jsonl"
+    path.write_bytes(
+        b'{"id": "a", "question": "Who?"}\n'
+        b'{"id": "latin", "question": "caf\xe9?"}\n'  # bad byte outside the id: id kept
+        b'{"id": "\xff", "question": "x"}\n'  # bad byte in the id: the line number stands in
+        b'{"id": "b", "question": "Where?"}\n'
+    )
+    questions, problems = read_questions(path)
+    assert [q.id for q in questions] == ["a", "b"]
+    assert [(p.line, p.id) for p in problems] == [(2, "latin"), (3, "3")]
+    assert all("not UTF-8" in p.reason for p in problems)
+
+
+def test_an_over_long_jsonl_line_is_skipped_by_line(tmp_path: Path, monkeypatch):
+    monkeypatch.setattr(infra.batch, "MAX_LINE_BYTES", 100)
+    path = tmp_path / "q.jsonl"
+    long_line = json.dumps({"id": "long", "question": "x" * 200})
+    path.write_text(f'{{"question": "Who?"}}\n{long_line}\n{{"question": "Where?"}}\n')
+    questions, problems = read_questions(path)
+    assert [(q.id, q.question) for q in questions] == [("1", "Who?"), ("3", "Where?")]
+    assert [(p.line, p.id) for p in problems] == [(2, "2")]
+    assert f"line too long ({len(long_line)} bytes, limit 100)" in problems[0].reason
+
+
+def test_csv_rows_over_the_field_limit_or_not_utf8_are_problems_by_line(tmp_path: Path):
+    path = tmp_path / "q.csv"
+    huge = "x" * (csv.field_size_limit() + 1)
+    path.write_bytes(
+        b"id,question\n"
+        b"a,Who?\n"
+        + f'big,"{huge}"\n'.encode()
+        + b"b,Where?\n"
+        + b"latin,caf\xe9?\n"
+        + b"c,When?\n"
+    )
+    questions, problems = read_questions(path)
+    assert [(q.id, q.question, q.line) for q in questions] == [
+        ("a", "Who?", 2),
+        ("b", "Where?", 4),
+        ("c", "When?", 6),
+    ]
+    assert [(p.line, p.id) for p in problems] == [(3, "3"), (5, "latin")]
+    assert "longer than the csv module's limit" in problems[0].reason
+    assert "not UTF-8" in problems[1].reason
 
 
 def test_csv_and_parquet_inputs(tmp_path: Path):
@@ -89,6 +143,94 @@ def test_shard_limit_and_resume_bookkeeping(tmp_path: Path):
     out = tmp_path / "out.jsonl"
     out.write_text('{"id": "a", "status": "ok"}\n{"id": "b", "status": "error"}\n{"id": "c", "sta')
     assert done_ids(out) == {"a", "b"}
+    assert done_ids(out, retry_failed=True) == {"a"}
+
+
+def test_the_last_record_of_an_id_counts_and_compaction_keeps_only_it(tmp_path: Path):
+    out = tmp_path / "out.jsonl"
+    lines = [
+        '{"id": "a", "status": "error", "n": 1}',
+        '{"id": "b", "status": "ok", "n": 2}',
+        '{"id": "a", "status": "ok", "n": 3}',
+        '{"id": "b", "status": "error", "n": 4}',
+        '{"id": "c", "sta',  # torn by a killed run: kept as it is, readers skip it
+        '{"id": "d", "status": "ok", "n": 6}',
+    ]
+    out.write_text("\n".join(lines) + "\n")
+    assert done_ids(out, retry_failed=True) == {"a", "d"}
+    assert compact_records(out) == 2
+    assert out.read_text().splitlines() == [lines[2], lines[3], lines[4], lines[5]]
+    assert compact_records(out) == 0
+
+
+def _all_offline_rows(path: Path) -> None:
+    """Rows that need no model: two invalid configs and one unreadable line."""
+    path.write_bytes(
+        b'{"id": "a", "question": "Who?", "config": {"top_k": 0}}\n'
+        b'{"id": "b", "question": "Where?", "config": {"top_k": 0}}\n'
+        b'{"id": "c", "question": "\xff"}\n'
+    )
+
+
+def test_a_second_writer_is_refused_while_the_first_holds_the_lock(tmp_path: Path):
+    src, out = tmp_path / "q.jsonl", tmp_path / "out" / "answers.jsonl"
+    _all_offline_rows(src)
+    settings = _offline_settings(tmp_path)
+    # The first writer: another process, as a second `selfrag batch` would be.
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys; from pathlib import Path; from infra.batch import lock_output\n"
+            "with lock_output(Path(sys.argv[1])):\n"
+            "    print('held', flush=True); sys.stdin.read()",
+            str(out),
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=Path(__file__).resolve().parents[1],
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == "held\n"
+        with pytest.raises(OutputLockedError) as refused:
+            run_batch(settings, src, out, progress=False)
+        assert str(out) in str(refused.value) and f"pid {holder.pid}" in str(refused.value)
+        assert not out.exists()  # the refused run wrote nothing
+    finally:
+        holder.kill()  # dies holding the lock: the OS releases it
+        holder.wait(10)
+    summary = run_batch(settings, src, out, progress=False)
+    assert (summary.failed, summary.malformed) == (2, 1)
+    assert sorted(r["id"] for r in _records(out)) == ["a", "b", "c"]
+    # In one process too: each lock_output is its own open file, so they exclude each other.
+    with lock_output(out), pytest.raises(OutputLockedError):
+        run_batch(settings, src, out, progress=False)
+
+
+def test_retry_failed_answers_again_only_the_ids_whose_last_record_is_an_error(tmp_path: Path):
+    src, out = tmp_path / "q.jsonl", tmp_path / "answers.jsonl"
+    _all_offline_rows(src)
+    settings = _offline_settings(tmp_path)
+    old = [
+        {"id": "a", "status": "ok", "question": "Who?", "response": {"answer": "kept"}},
+        {"id": "b", "status": "error", "question": "Where?", "error": {"type": "timeout"}},
+    ]
+    out.write_text("".join(json.dumps(r) + "\n" for r in old))
+
+    plain = run_batch(settings, src, out, progress=False)
+    assert (plain.skipped, plain.retried, plain.malformed) == (2, 0, 1)
+    assert [r["id"] for r in _records(out)] == ["a", "b", "c"]  # only the new id, c
+
+    retry = run_batch(settings, src, out, progress=False, retry_failed=True)
+    assert (retry.skipped, retry.retried, retry.failed, retry.malformed) == (1, 2, 1, 1)
+    records = _records(out)
+    # One record per id after the run; b's and c's are the new ones, a's untouched.
+    assert sorted(r["id"] for r in records) == ["a", "b", "c"]
+    by_id = {r["id"]: r for r in records}
+    assert by_id["a"] == old[0]
+    assert by_id["b"]["error"]["type"] == "invalid" and "top_k" in by_id["b"]["error"]["message"]
+    assert by_id["c"]["error"]["type"] == "malformed" and by_id["c"]["line"] == 3
 
 
 def test_duplicates_share_a_job_and_bad_config_is_an_error_record():
@@ -193,6 +335,12 @@ def test_a_question_past_its_timeout_gets_an_error_record():
     assert ok["status"] == "ok" and ok["response"]["answer"]
 
 
+def _offline_settings(tmp_path: Path) -> Any:
+    from infra.settings import load_settings
+
+    return load_settings(environ={"SELFRAG_HOME": str(tmp_path / "home")})
+
+
 # --- real: Ray Data, llama.cpp, embedded Qdrant --------------------------------------------------
 
 
@@ -245,7 +393,9 @@ def test_batch_kill_resume_duplicates_and_errors(
     )
     lines.append(json.dumps({"id": "bad", "question": "x", "config": {"top_k": 0}}))
     src = tmp_path / "questions.jsonl"
-    src.write_text("\n".join(lines) + "\n")
+    # Line 14 is not UTF-8: one error record under its id, and the run goes on.
+    latin = b'{"id": "latin", "question": "caf\xe9?", "config": {"top_k": 2}}\n'
+    src.write_bytes(("\n".join(lines) + "\n").encode() + latin)
     out = tmp_path / "answers.jsonl"
 
     seen = 0
@@ -272,12 +422,15 @@ def test_batch_kill_resume_duplicates_and_errors(
     summary = run_batch(settings, src, out, actors=1, per_actor=8, progress=False, actor_cpus=0.5)
     records = _records(out)
     ids = [r["id"] for r in records]
-    assert len(ids) == len(set(ids)) == 12  # 10 + dup + bad; the broken line has no id
+    assert len(ids) == len(set(ids)) == 14  # 10 + dup + bad + the broken and the Latin-1 line
     assert summary.skipped == 4
-    assert summary.malformed == 1 and summary.problems[0].line == 4
-    assert summary.answered + summary.failed == 12 - 4
+    assert summary.malformed == 0  # both unreadable lines got their records in the first run
+    assert summary.answered + summary.failed == 14 - 4
     by_id = {r["id"]: r for r in records}
     assert by_id["bad"]["status"] == "error" and by_id["bad"]["error"]["type"] == "invalid"
+    assert (by_id["4"]["error"]["type"], by_id["4"]["line"]) == ("malformed", 4)
+    assert by_id["latin"]["error"]["type"] == "malformed" and by_id["latin"]["line"] == 14
+    assert "not UTF-8" in by_id["latin"]["error"]["message"]
     assert by_id["dup"]["status"] == "ok"
     assert by_id["dup"]["response"] == by_id["q0"]["response"]
     for i in range(10):
@@ -288,8 +441,35 @@ def test_batch_kill_resume_duplicates_and_errors(
         assert resp["config"]["top_k"] == 2 and len(resp["passages"]) >= 1
     # A third run has nothing left to do.
     again = run_batch(settings, src, out, progress=False)
-    assert (again.answered, again.failed, again.skipped) == (0, 0, 12)
-    assert len(_records(out)) == 12
+    assert (again.answered, again.failed, again.skipped) == (0, 0, 14)
+    assert len(_records(out)) == 14
+
+
+@pytest.mark.real
+def test_batch_retry_failed_answers_an_error_id_again(
+    ray_local: None, indexed_home: Path, normans_questions: list[str], tmp_path: Path
+):
+    from infra.settings import load_settings
+
+    settings = load_settings(overrides={"home": str(indexed_home)})
+    src, out = tmp_path / "q.jsonl", tmp_path / "a.jsonl"
+    rows = [
+        {"id": f"q{i}", "question": q, "config": SMALL} for i, q in enumerate(normans_questions[:2])
+    ]
+    src.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    earlier = [
+        {"id": "q0", "status": "error", "error": {"type": "timeout", "message": "earlier"}},
+        {"id": "q1", "status": "ok", "question": rows[1]["question"], "response": {"answer": "x"}},
+    ]
+    out.write_text("".join(json.dumps(r) + "\n" for r in earlier))
+    summary = run_batch(
+        settings, src, out, actors=1, progress=False, actor_cpus=0.5, retry_failed=True
+    )
+    assert (summary.answered, summary.retried, summary.skipped) == (1, 1, 1)
+    records = _records(out)
+    assert [r["id"] for r in records] == ["q1", "q0"]  # q0's error record replaced
+    assert records[0] == earlier[1]
+    assert records[1]["status"] == "ok" and records[1]["response"]["answer"]
 
 
 @pytest.mark.real

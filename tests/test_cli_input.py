@@ -103,3 +103,75 @@ def test_serve_names_a_missing_or_corrupt_model_file_before_starting(
     err = capsys.readouterr().err
     assert message in err and str(model) in err
     assert "Traceback" not in err
+
+
+def _offline_batch(tmp_path):
+    """A batch input that needs no model: a Latin-1 line, a bad config, one good-looking row
+    whose config is invalid too."""
+    src = tmp_path / "q.jsonl"
+    src.write_bytes(
+        b'{"id": "a", "question": "Who?", "config": {"top_k": 0}}\n'
+        b'{"id": "latin", "question": "caf\xe9?"}\n'
+        b'{"question": "Where?", "config": {"beam": 0}}\n'
+    )
+    return src, tmp_path / "answers.jsonl"
+
+
+def test_batch_turns_a_non_utf8_line_into_one_error_record(tmp_path, capsys):
+    src, out = _offline_batch(tmp_path)
+    assert main(["batch", str(src), "--out", str(out), "--no-progress"]) == 1
+    captured = capsys.readouterr()
+    assert f"{src}:2: not UTF-8" in captured.err and "Traceback" not in captured.err
+    assert "failed=2 skipped=0 retried=0 malformed=1" in captured.out
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [(r["id"], r["status"], r["error"]["type"]) for r in records] == [
+        ("latin", "error", "malformed"),
+        ("a", "error", "invalid"),
+        ("3", "error", "invalid"),
+    ]
+    # A rerun skips every id; --retry-failed answers the three error ids again.
+    assert main(["batch", str(src), "--out", str(out), "--no-progress"]) == 0
+    assert "skipped=3 retried=0" in capsys.readouterr().out
+    assert main(["batch", str(src), "--out", str(out), "--no-progress", "--retry-failed"]) == 1
+    assert "skipped=0 retried=3" in capsys.readouterr().out
+    assert len(out.read_text().splitlines()) == 3  # still one record per id
+
+
+def test_batch_refuses_an_output_another_run_holds(tmp_path, capsys):
+    from infra.batch import lock_output
+
+    src, out = _offline_batch(tmp_path)
+    with lock_output(out):
+        assert main(["batch", str(src), "--out", str(out), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert f"{out} is being written by another `selfrag batch` run" in err
+    assert "Traceback" not in err and not out.exists()
+
+
+def test_batch_reports_a_csv_field_over_the_limit_by_line(tmp_path, capsys):
+    import csv
+
+    src = tmp_path / "q.csv"
+    src.write_text(
+        "id,question,config\n"
+        + f'big,"{"x" * (csv.field_size_limit() + 1)}",\n'
+        + 'ok,Who?,"{""top_k"": 0}"\n'
+    )
+    out = tmp_path / "answers.jsonl"
+    assert main(["batch", str(src), "--out", str(out), "--no-progress"]) == 1
+    err = capsys.readouterr().err
+    assert f"{src}:2: a field is longer than the csv module's limit" in err
+    assert "Traceback" not in err
+    ids = [json.loads(line)["id"] for line in out.read_text().splitlines()]
+    assert ids == ["2", "ok"]
+
+
+@pytest.mark.real
+def test_eval_without_corpus_on_an_empty_index_says_what_to_do(tmp_path, capsys):
+    data = tmp_path / "squad.json"
+    qa = {"id": "q1", "question": "Who?", "answers": [{"text": "Rollo"}]}
+    paragraph = {"context": "Rollo founded Normandy.", "qas": [qa]}
+    data.write_text(json.dumps({"data": [{"title": "T", "paragraphs": [paragraph]}]}))
+    assert main(["eval", str(data), "--no-progress", "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "is empty: run `selfrag index PATH` first, or pass --corpus" in err
