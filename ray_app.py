@@ -25,7 +25,8 @@ def build_app(settings: Settings | None = None) -> Application:
         from infra.settings import load_settings
 
         settings = load_settings()
-    warn_if_open(settings.serve.host)
+    # The address the proxies really bind: infra/serve.yaml and KubeRay set their own.
+    warn_if_open(serve_http_host() or settings.serve.host)
     # Bounded queues everywhere: past `max_queued_requests` waiting calls a handle raises
     # BackPressureError at once (the ingress answers 503 + Retry-After) instead of piling up.
     queued: dict[str, Any] = {
@@ -60,14 +61,13 @@ def serve_http_host() -> str | None:
 
 
 def warn_if_open(host: str) -> str | None:
-    """Warn (once per process and address) when the API would answer anyone: the running
-    Serve instance's bind address, else `host`, is not loopback and there are no API keys,
-    read from the environment as the ingress replicas read them (the nodes share it)."""
+    """Warn (once per process and address) when an API bound to `host` would answer anyone:
+    not loopback, and no API keys in the environment, read as the ingress replicas read them
+    (the nodes share it)."""
     from actors.http import parse_api_keys
     from infra.settings import API_KEYS_ENV, warn_if_exposed
 
-    bound = serve_http_host() or host
-    return warn_if_exposed(bound, parse_api_keys(os.environ.get(API_KEYS_ENV)))
+    return warn_if_exposed(host, parse_api_keys(os.environ.get(API_KEYS_ENV)))
 
 
 def serve_logging(settings: Settings) -> dict[str, Any]:
