@@ -1,12 +1,24 @@
-"""infra/serve.yaml and the KubeRay manifest name the deployments that exist, validly."""
+"""infra/serve.yaml and the KubeRay manifest name the deployments that exist, validly, and do
+not expose the API or the Ray dashboard silently; `selfrag serve` and the app build warn when
+the API binds a public address without API keys."""
 
 from __future__ import annotations
 
+import logging
+import os
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
+from typing import Any
 
+import pytest
 import yaml
+from pydantic import SecretStr
 from ray.serve.schema import ServeDeploySchema
 
+from infra.cli import main
+from infra.settings import API_KEYS_ENV, exposure_warning, is_loopback
 from schemas.settings import ServeSettings
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -47,3 +59,158 @@ def test_rayservice_manifest_embeds_a_valid_serve_config():
     config = yaml.safe_load(manifest["spec"]["serveConfigV2"])
     _check(config)
     assert config["logging_config"]["enable_access_log"] is ServeSettings().ray_access_log
+
+
+def _manifest() -> tuple[dict[str, Any], str]:
+    path = ROOT / "infra" / "k8s" / "rayservice.yaml"
+    return yaml.safe_load(path.read_text()), path.read_text()
+
+
+def _pod_specs(manifest: dict[str, Any]) -> list[dict[str, Any]]:
+    cluster = manifest["spec"]["rayClusterConfig"]
+    groups = [cluster["headGroupSpec"], *cluster["workerGroupSpecs"]]
+    return [g["template"]["spec"] for g in groups]
+
+
+def test_rayservice_pods_get_no_service_link_variables():
+    """Service links would inject SELFRAG_SERVE_SVC_* (the selfrag-serve-svc Service) into the
+    settings' namespace."""
+    specs = _pod_specs(_manifest()[0])
+    assert len(specs) >= 2
+    assert all(spec.get("enableServiceLinks") is False for spec in specs)
+
+
+def test_rayservice_api_key_secret_is_required():
+    """An optional Secret that is missing would start the pods with authentication off."""
+    refs = []
+    for spec in _pod_specs(_manifest()[0]):
+        for container in spec["containers"]:
+            for var in container.get("env", []):
+                if var["name"] == API_KEYS_ENV:
+                    refs.append(var["valueFrom"]["secretKeyRef"])
+    assert refs, "every container should read SELFRAG_API_KEYS from the Secret"
+    assert all(ref.get("optional", False) is False and ref["name"] for ref in refs)
+
+
+def test_rayservice_dashboard_is_not_published_silently():
+    manifest, text = _manifest()
+    head = manifest["spec"]["rayClusterConfig"]["headGroupSpec"]
+    host = head["rayStartParams"].get("dashboard-host", "127.0.0.1")
+    if is_loopback(host):
+        return
+    # KubeRay reaches the dashboard over the head Service to deploy serveConfigV2, so it binds
+    # all interfaces; then the Service stays cluster-internal and the manifest says why.
+    assert head.get("serviceType", "ClusterIP") == "ClusterIP"
+    lines = text.splitlines()
+    at = next(i for i, line in enumerate(lines) if "dashboard-host:" in line)
+    comment = " ".join(lines[max(0, at - 10) : at])
+    assert "ARBITRARY CODE" in comment and "Jobs API" in comment
+
+
+@pytest.mark.parametrize(
+    ("host", "loopback"),
+    [
+        ("127.0.0.1", True),
+        ("127.0.0.2", True),
+        ("::1", True),
+        ("[::1]", True),
+        ("localhost", True),
+        ("0.0.0.0", False),
+        ("::", False),
+        ("10.0.0.5", False),
+        ("selfrag.example.com", False),
+    ],
+)
+def test_is_loopback(host: str, loopback: bool):
+    assert is_loopback(host) is loopback
+
+
+def test_exposure_warning_only_for_a_public_bind_without_keys():
+    assert exposure_warning("127.0.0.1", []) is None
+    assert exposure_warning("0.0.0.0", [SecretStr("k")]) is None
+    warning = exposure_warning("0.0.0.0", [])
+    assert warning is not None and "0.0.0.0" in warning and API_KEYS_ENV in warning
+
+
+def test_selfrag_serve_on_a_public_address_without_keys_warns_at_start(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    caplog: pytest.LogCaptureFixture,
+):
+    caplog.set_level(logging.WARNING, logger="selfrag.settings")
+    monkeypatch.delenv(API_KEYS_ENV, raising=False)
+    # A model that does not exist stops the command right after the warning, before Ray.
+    monkeypatch.setenv("SELFRAG_MODEL__PATH", str(tmp_path / "missing.gguf"))
+    rc = main(["--home", str(tmp_path), "serve", "--host", "0.0.0.0"])
+    err = capsys.readouterr().err
+    assert rc != 0 and "missing.gguf" in err
+    assert "WARNING" in err and "0.0.0.0" in err and API_KEYS_ENV in err
+    assert any(r.levelno == logging.WARNING and "0.0.0.0" in r.getMessage() for r in caplog.records)
+
+
+def test_selfrag_serve_with_keys_does_not_warn(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+):
+    monkeypatch.setenv(API_KEYS_ENV, "k1")
+    monkeypatch.setenv("SELFRAG_MODEL__PATH", str(tmp_path / "missing.gguf"))
+    rc = main(["--home", str(tmp_path), "serve", "--host", "0.0.0.0"])
+    err = capsys.readouterr().err
+    assert rc != 0 and "missing.gguf" in err and "WARNING" not in err
+
+
+def _run_python(code: str, env: dict[str, str], timeout: float = 120) -> str:
+    """Run `code` in a fresh interpreter (no Ray of this session in it); returns stderr."""
+    base = {k: v for k, v in os.environ.items() if not k.startswith("SELFRAG_")}
+    proc = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        cwd=ROOT,
+        env={**base, "RAY_AUTH_MODE": "disabled", **env},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stderr
+
+
+BUILD_ON_PUBLIC_HOST = """
+    from ray_app import build_app
+    from infra.settings import load_settings
+    build_app(load_settings())
+"""
+
+
+def test_app_build_binding_a_public_address_without_keys_warns(tmp_path: Path):
+    """What `serve deploy infra/serve.yaml` runs when no Serve answers for the address."""
+    env = {"SELFRAG_HOME": str(tmp_path), "SELFRAG_SERVE__HOST": "0.0.0.0"}
+    err = _run_python(BUILD_ON_PUBLIC_HOST, env)
+    assert "WARNING" in err and "binds 0.0.0.0" in err and API_KEYS_ENV in err
+    quiet = _run_python(BUILD_ON_PUBLIC_HOST, {**env, API_KEYS_ENV: "k1"})
+    assert "binds 0.0.0.0" not in quiet
+
+
+@pytest.mark.real
+def test_app_build_checks_the_address_serve_really_binds(tmp_path: Path):
+    """infra/serve.yaml and KubeRay set the proxies' address themselves: the build asks the
+    running Serve controller (here a loopback one, so no warning even though serve.host says
+    0.0.0.0)."""
+    code = """
+        import ray
+        from ray import serve
+        from tests.redis_proc import free_port
+        from ray_app import build_app, serve_http_host
+        from infra.settings import load_settings
+
+        ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False)
+        try:
+            serve.start(http_options={"host": "127.0.0.1", "port": free_port()})
+            assert serve_http_host() == "127.0.0.1", serve_http_host()
+            build_app(load_settings())
+        finally:
+            serve.shutdown()
+            ray.shutdown()
+    """
+    env = {"SELFRAG_HOME": str(tmp_path), "SELFRAG_SERVE__HOST": "0.0.0.0"}
+    err = _run_python(code, env, timeout=300)
+    assert "binds 0.0.0.0" not in err and "binds 127.0.0.1" not in err
