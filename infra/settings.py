@@ -107,11 +107,15 @@ def _env_value(name: str, raw: str, annotation: Any) -> Any:
         return None  # an empty optional value means unset
     if len(kinds) == 1:
         kind = kinds[0]
-        if _section_model(kind) is not None or (typing.get_origin(kind) or kind) in _JSON_ORIGINS:
+        section = _section_model(kind) is not None
+        if section or (typing.get_origin(kind) or kind) in _JSON_ORIGINS:
             try:
-                return json.loads(raw)
+                value = json.loads(raw)
             except json.JSONDecodeError as exc:
                 raise SettingsError(f"{name}: expected a JSON value: {exc.msg}") from exc
+            if section and not isinstance(value, dict):
+                raise SettingsError(f"{name}: a section is a JSON object")
+            return value
     return raw
 
 

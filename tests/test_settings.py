@@ -139,6 +139,9 @@ def test_a_bad_environment_value_names_its_variable(tmp_path: Path):
     env = {"SELFRAG_HOME": str(tmp_path), "SELFRAG_CALIBRATION__SUPPORT": "{a: 2"}
     with pytest.raises(SettingsError, match="SELFRAG_CALIBRATION__SUPPORT: expected a JSON"):
         load_settings(environ=env)
+    env = {"SELFRAG_HOME": str(tmp_path), "SELFRAG_MODEL": "5", "SELFRAG_MODEL__N_CTX": "4096"}
+    with pytest.raises(SettingsError, match="SELFRAG_MODEL: a section is a JSON object"):
+        load_settings(environ=env)
 
 
 def test_numeric_api_keys_stay_text():
