@@ -2,7 +2,9 @@
 
 Routes: `POST /v1/answer`, `POST /v1/answer/stream` (server-sent events), `GET /healthz`,
 `GET /readyz`, `GET /metrics`, and FastAPI's `/openapi.json` and `/docs`.
-Every error body is `{"error": <slug>, "detail": <text or list>}`.
+Every error body is `{"error": <slug>, "detail": <text or list>}`; an internal error says only
+`internal error; request id <id>` (and `request_id`), its detail goes to the log under that id.
+Every response carries `X-Request-Id`: the client's own when it is a sane token, else a new one.
 """
 
 from __future__ import annotations
@@ -12,8 +14,10 @@ import hashlib
 import hmac
 import json
 import logging
+import re
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+import uuid
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
@@ -22,6 +26,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from pydantic import SecretStr
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from actors.metrics import Metrics
 from pipeline.ranking import Hypothesis
@@ -31,6 +36,15 @@ log = logging.getLogger("selfrag.http")
 
 MAX_BODY_BYTES = 64 * 1024
 PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+KEEPALIVE_S = 10.0
+"""A stream with no event for this long sends an SSE comment, so proxies keep it open."""
+KEEPALIVE = b": keep-alive\n\n"
+REQUEST_ID_HEADER = "X-Request-Id"
+CLIENT_CLOSED_REQUEST = 499  # nginx's status for "client went away"; only metrics see it
+
+# A client's request id is echoed (and logged) only if it is a short plain token.
+_REQUEST_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}")
+_REQUEST_ID_KEY = "selfrag.request_id"  # in the ASGI scope
 
 StepListener = Callable[[Hypothesis], None]
 CacheStatus = Literal["hit", "miss", "off", "error"]
@@ -68,6 +82,13 @@ class Misconfigured(ServiceError):
 
     status = 500
     error = "misconfigured"
+
+
+class PayloadTooLarge(StarletteHTTPException):
+    """The request body passed `MAX_BODY_BYTES` (raised while it is read)."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(413, f"request body over {limit} bytes")
 
 
 class Unprocessable(ServiceError):
@@ -111,6 +132,98 @@ def _error(
     return JSONResponse({"error": error, "detail": detail}, status_code=status, headers=headers)
 
 
+def request_id(request: Request) -> str:
+    """This request's id (set by the app's outer layer; also the `X-Request-Id` header)."""
+    return str(request.scope.get(_REQUEST_ID_KEY, "-"))
+
+
+def internal_error(rid: str) -> dict[str, Any]:
+    """The body of a 500: nothing about the failure itself, only where to look in the log."""
+    return {
+        "error": "internal_error",
+        "detail": f"internal error; request id {rid}",
+        "request_id": rid,
+    }
+
+
+def _incoming_request_id(scope: Scope) -> str | None:
+    for name, value in scope.get("headers", ()):
+        if name == b"x-request-id":
+            text = value.decode("latin-1")
+            return text if _REQUEST_ID.fullmatch(text) else None
+    return None
+
+
+class _Edge:
+    """The outermost layer of the app (pure ASGI, so streams pass through untouched): the
+    request id, the body limit enforced while the body is read (a chunked body has no
+    Content-Length to check), request metrics, and a generic 500 for anything unhandled."""
+
+    def __init__(self, app: ASGIApp, metrics: Metrics, max_body_bytes: int) -> None:
+        self.app = app
+        self.metrics = metrics
+        self.max_body_bytes = max_body_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        rid = _incoming_request_id(scope) or uuid.uuid4().hex
+        scope[_REQUEST_ID_KEY] = rid
+        start = time.perf_counter()
+        started = False
+        received = 0
+        limit = self.max_body_bytes
+
+        async def limited_receive() -> Message:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > limit:
+                    raise PayloadTooLarge(limit)
+            return message
+
+        async def tagged_send(message: Message) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+                headers = [*message.get("headers", ()), (b"x-request-id", rid.encode())]
+                message = {**message, "headers": headers}
+                route = scope.get("route")
+                self.metrics.observe_request(
+                    scope["method"],
+                    getattr(route, "path", None) or "other",
+                    int(message["status"]),
+                    time.perf_counter() - start,
+                )
+            await send(message)
+
+        length = dict(scope.get("headers", ())).get(b"content-length", b"")
+        if length.isdigit() and int(length) > limit:
+            # Refused before reading a byte of it.
+            exc = PayloadTooLarge(limit)
+            await _error(413, "payload_too_large", exc.detail)(scope, receive, tagged_send)
+            return
+        try:
+            await self.app(scope, limited_receive, tagged_send)
+        except Exception as exc:
+            if isinstance(exc, PayloadTooLarge) and not started:
+                # The body was read outside a route's error handling.
+                await _error(413, "payload_too_large", exc.detail)(scope, receive, tagged_send)
+                return
+            log.error("internal error; request id %s", rid, exc_info=exc)
+            if started:  # too late for a status: the server ends the connection
+                raise
+            await JSONResponse(internal_error(rid), status_code=500)(scope, receive, tagged_send)
+
+
+async def _until_disconnect(receive: Receive) -> None:
+    """Return once the client has gone (ASGI `http.disconnect`)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
 def _field(loc: Sequence[int | str]) -> str:
     parts = [str(p) for p in loc]
     if parts and parts[0] == "body":
@@ -130,18 +243,25 @@ def build_http_app(
     title: str = "selfrag",
     retry_after_s: int = 2,
     log_questions: bool = False,
+    keepalive_s: float = KEEPALIVE_S,
+    max_body_bytes: int = MAX_BODY_BYTES,
 ) -> FastAPI:
     """The FastAPI app. With `api_keys`, `/v1/*` and `/metrics` need one of them as
     `Authorization: Bearer <key>` or `X-API-Key: <key>`; probes and docs stay open.
     Every 503 carries `Retry-After: retry_after_s`. Each answer is logged at INFO with its
-    status and latency; the question text only with `log_questions`."""
+    status, latency and request id; the question text only with `log_questions`. A stream
+    sends `: keep-alive` every `keepalive_s` without an event; a body over `max_body_bytes`
+    is refused (413) as soon as that many bytes have arrived."""
     keys = [k.get_secret_value().encode() for k in api_keys]
     retry_after = {"Retry-After": str(retry_after_s)}
 
-    def service_failure(exc: ServiceError) -> JSONResponse:
-        return _error(exc.status, exc.error, exc.detail, retry_after if exc.status == 503 else None)
+    def service_failure(exc: ServiceError, rid: str) -> JSONResponse:
+        headers = retry_after if exc.status == 503 else None
+        if exc.status == 500 and exc.error == "internal_error":
+            return JSONResponse(internal_error(rid), status_code=500, headers=headers)
+        return _error(exc.status, exc.error, exc.detail, headers)
 
-    def log_answer(question: str, outcome: int | str, started: float) -> None:
+    def log_answer(question: str, outcome: int | str, started: float, rid: str) -> None:
         # User text stays out of logs unless asked for: a length and a short hash still let
         # an operator match repeated questions.
         shown = (
@@ -150,7 +270,11 @@ def build_http_app(
             else f"<{len(question)} chars {hashlib.sha256(question.encode()).hexdigest()[:8]}>"
         )
         log.info(
-            "answer %s %.0f ms question=%s", outcome, 1000 * (time.perf_counter() - started), shown
+            "answer %s %.0f ms question=%s request_id=%s",
+            outcome,
+            1000 * (time.perf_counter() - started),
+            shown,
+            rid,
         )
 
     app = FastAPI(
@@ -158,27 +282,8 @@ def build_http_app(
         summary="Self-RAG answers with per-segment citations and critique scores.",
         version="1",
     )
-
-    # --- cross-cutting: body limit, metrics, errors ----------------------------------------------
-
-    @app.middleware("http")
-    async def count_requests(
-        request: Request, call_next: Callable[[Request], Awaitable[Response]]
-    ) -> Response:
-        start = time.perf_counter()
-        length = request.headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > MAX_BODY_BYTES:
-            response: Response = _error(
-                413, "payload_too_large", f"request body over {MAX_BODY_BYTES} bytes"
-            )
-        else:
-            response = await call_next(request)
-        route = request.scope.get("route")
-        path = getattr(route, "path", None) or "other"
-        metrics.observe_request(
-            request.method, path, response.status_code, time.perf_counter() - start
-        )
-        return response
+    # --- cross-cutting: request id, body limit, metrics, errors ----------------------------------
+    app.add_middleware(_Edge, metrics=metrics, max_body_bytes=max_body_bytes)
 
     @app.exception_handler(RequestValidationError)
     async def invalid_request(_: Request, exc: RequestValidationError) -> JSONResponse:
@@ -190,19 +295,17 @@ def build_http_app(
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        slug = {401: "unauthorized", 404: "not_found", 405: "method_not_allowed"}.get(
-            exc.status_code, "http_error"
-        )
+        slug = {
+            401: "unauthorized",
+            404: "not_found",
+            405: "method_not_allowed",
+            413: "payload_too_large",
+        }.get(exc.status_code, "http_error")
         return _error(exc.status_code, slug, exc.detail, dict(exc.headers or {}))
 
     @app.exception_handler(ServiceError)
-    async def service_error(_: Request, exc: ServiceError) -> JSONResponse:
-        return service_failure(exc)
-
-    @app.exception_handler(Exception)
-    async def unexpected(_: Request, exc: Exception) -> JSONResponse:
-        log.exception("unhandled error")
-        return _error(500, "internal_error", f"{type(exc).__name__}: {exc}")
+    async def service_error(request: Request, exc: ServiceError) -> JSONResponse:
+        return service_failure(exc, request_id(request))
 
     # --- auth ----------------------------------------------------------------------------------
 
@@ -226,16 +329,17 @@ def build_http_app(
     # --- routes ----------------------------------------------------------------------------------
 
     @app.post("/v1/answer", response_model=AnswerResponse, dependencies=authed)
-    async def answer(body: AnswerRequest, response: Response) -> AnswerResponse:
+    async def answer(body: AnswerRequest, request: Request, response: Response) -> AnswerResponse:
         """Answer a question; `config` overrides any decoding dial for this request.
         503 (overloaded, dependency down; with `Retry-After`), 504 past `timeout_s`."""
         started = time.perf_counter()
+        rid = request_id(request)
         try:
             result = await service.answer(body)
         except ServiceError as exc:
-            log_answer(body.question, exc.status, started)
+            log_answer(body.question, exc.status, started, rid)
             raise
-        log_answer(body.question, 200, started)
+        log_answer(body.question, 200, started, rid)
         response.headers["X-Cache"] = result.cache
         return result.response
 
@@ -245,10 +349,13 @@ def build_http_app(
         response_class=StreamingResponse,
         responses={200: {"content": {"text/event-stream": {}}}},
     )
-    async def answer_stream(body: AnswerRequest) -> Response:
+    async def answer_stream(body: AnswerRequest, request: Request) -> Response:
         """Server-sent events: `segment` after each decoding step (`index` i replaces any
         segment with index ≥ i sent before, since the beam's leader can change), then
-        `answer` with the full response, or `error`."""
+        `answer` with the full response, or `error`; `: keep-alive` comments while no event
+        is ready. A failure before anything was sent has its own status code, as on
+        `/v1/answer`. A client that disconnects cancels its decode."""
+        rid = request_id(request)
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[tuple[str, Any] | None] = asyncio.Queue()
         sent: list[SegmentOut] = []
@@ -272,37 +379,79 @@ def build_http_app(
             try:
                 result = await service.answer(body, on_step)
                 item: tuple[str, Any] = ("answer", result.response.model_dump(mode="json"))
-                log_answer(body.question, "200 stream", started)
+                log_answer(body.question, "200 stream", started, rid)
+            except asyncio.CancelledError:
+                log_answer(body.question, "cancelled stream", started, rid)
+                raise
             except ServiceError as exc:
                 item = ("error", exc)
-                log_answer(body.question, f"{exc.status} stream", started)
+                log_answer(body.question, f"{exc.status} stream", started, rid)
             except Exception as exc:
-                log.exception("stream failed")
-                item = ("error", ServiceError(f"{type(exc).__name__}: {exc}"))
+                log.error("internal error; request id %s", rid, exc_info=exc)
+                item = ("error", ServiceError("internal error"))
             # Put after any segment events still scheduled by call_soon_threadsafe.
             loop.call_soon(queue.put_nowait, item)
             loop.call_soon(queue.put_nowait, None)
 
         task = asyncio.create_task(run())
-        first = await queue.get()
-        if first is not None and first[0] == "error":
-            # Nothing was streamed yet, so the failure can still have its own status code.
-            task.cancel()
-            exc = first[1]
-            return service_failure(exc)
+        # Watches the connection for the whole request: before the first event nothing else
+        # does, and a decode nobody reads must not hold its in-flight slot.
+        gone = asyncio.create_task(_until_disconnect(request.receive))
+        getter: asyncio.Future[tuple[str, Any] | None] = asyncio.ensure_future(queue.get())
+
+        def close() -> None:
+            if not task.done():
+                task.cancel()  # the service cancels the decoder; its slot frees when it ends
+                metrics.count_stream_abandoned()
+            for t in (gone, getter):
+                if not t.done():
+                    t.cancel()
+                elif not t.cancelled():
+                    t.exception()  # retrieved: a broken receive just means the client is gone
+
+        idle, disconnected = object(), object()
+
+        async def next_item() -> object:
+            """The next queue item; `idle` after keepalive_s without one; `disconnected`."""
+            nonlocal getter
+            await asyncio.wait(
+                {getter, gone}, timeout=keepalive_s, return_when=asyncio.FIRST_COMPLETED
+            )
+            if gone.done():
+                return disconnected
+            if not getter.done():
+                return idle
+            item = getter.result()
+            getter = asyncio.ensure_future(queue.get())
+            return item
+
+        try:
+            first = await next_item()
+        except BaseException:  # this handler was cancelled (Ray Serve does on a disconnect)
+            close()
+            raise
+        if first is disconnected:
+            close()
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
+        if isinstance(first, tuple) and first[0] == "error":
+            # Nothing was sent yet, so the failure can still have its own status code.
+            close()
+            return service_failure(first[1], rid)
 
         async def events() -> AsyncIterator[bytes]:
             item = first
             try:
-                while item is not None:
-                    kind, data = item
-                    if kind == "error":
-                        data = {"error": data.error, "detail": data.detail, "status": data.status}
-                    yield _sse(kind, data)
-                    item = await queue.get()
+                while item is not None and item is not disconnected:
+                    if item is idle:
+                        yield KEEPALIVE
+                    else:
+                        kind, data = item  # type: ignore[misc]
+                        if kind == "error":
+                            data = _error_event(data, rid)
+                        yield _sse(kind, data)
+                    item = await next_item()
             finally:
-                if not task.done():
-                    task.cancel()
+                close()
 
         return StreamingResponse(
             events(),
@@ -316,13 +465,16 @@ def build_http_app(
         return {"status": "ok"}
 
     @app.get("/readyz")
-    async def readyz() -> JSONResponse:
+    async def readyz(request: Request) -> JSONResponse:
         """Readiness: 200 only when the model, the store and the cache all answer."""
         try:
             checks = await service.readiness()
         except Exception as exc:
-            log.warning("readiness check failed: %s", exc)
-            return _error(503, "not_ready", f"{type(exc).__name__}: {exc}")
+            rid = request_id(request)
+            log.warning("readiness check failed; request id %s", rid, exc_info=exc)
+            return _error(
+                503, "not_ready", f"readiness check failed; request id {rid}", retry_after
+            )
         ready = all(checks.values())
         return JSONResponse(
             {"ready": ready, "checks": checks},
@@ -341,3 +493,10 @@ def build_http_app(
         return Response(metrics.render(extra), media_type=PROMETHEUS_CONTENT_TYPE)
 
     return app
+
+
+def _error_event(exc: ServiceError, rid: str) -> dict[str, Any]:
+    """The data of a stream's `error` event."""
+    if exc.status == 500 and exc.error == "internal_error":
+        return {**internal_error(rid), "status": 500}
+    return {"error": exc.error, "detail": exc.detail, "status": exc.status}

@@ -4,17 +4,26 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
+import httpx
 import pytest
+import uvicorn
+from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
 from actors.http import (
+    MAX_BODY_BYTES,
     Answer,
     DeadlineExceeded,
     DependencyDown,
     Overloaded,
-    ServiceError,
     StepListener,
     build_http_app,
     parse_api_keys,
@@ -30,6 +39,8 @@ from schemas.answer import (
     Usage,
 )
 from schemas.decoding import DecodingConfig
+from tests.redis_proc import free_port
+from tests.serve_fakes import Rig, make_service
 
 
 def _segment(text: str, pid: str | None) -> SegmentOut:
@@ -68,17 +79,21 @@ def _response(question: str, config: DecodingConfig) -> AnswerResponse:
 
 @dataclass
 class FakeService:
-    """Answers from a script; `fail` raises instead; records the requests it saw."""
+    """Answers from a script after `delay_s`; `fail` raises instead; records the requests
+    it saw. `ready_error` makes the readiness check itself fail."""
 
-    fail: ServiceError | None = None
+    fail: Exception | None = None
+    delay_s: float = 0.0
     ready: dict[str, bool] = field(
         default_factory=lambda: {"model": True, "store": True, "cache": True}
     )
+    ready_error: Exception | None = None
     seen: list[AnswerRequest] = field(default_factory=list)
     metrics: Metrics | None = None
 
     async def answer(self, request: AnswerRequest, on_step: StepListener | None = None) -> Answer:
         self.seen.append(request)
+        await asyncio.sleep(self.delay_s)
         if self.fail is not None:
             raise self.fail
         r = _response(request.question, request.config.apply_to(DecodingConfig()))
@@ -94,6 +109,8 @@ class FakeService:
         return Answer(r, "miss")
 
     async def readiness(self) -> dict[str, bool]:
+        if self.ready_error is not None:
+            raise self.ready_error
         return dict(self.ready)
 
     async def metrics_text(self) -> list[str]:
@@ -188,8 +205,12 @@ def test_unknown_route_is_json_404(client: TestClient):
 
 
 def _events(text: str) -> list[tuple[str, dict]]:
-    out = []
+    """The SSE events of a stream; comment blocks (`: keep-alive`) as ("comment", {})."""
+    out: list[tuple[str, dict]] = []
     for block in text.strip().split("\n\n"):
+        if block.startswith(":"):
+            out.append(("comment", {}))
+            continue
         lines = dict(line.split(": ", 1) for line in block.splitlines())
         out.append((lines["event"], json.loads(lines["data"])))
     return out
@@ -332,3 +353,267 @@ def test_api_keys_are_never_logged(service: FakeService, caplog: pytest.LogCaptu
     c.post("/v1/answer", json={"question": "q"}, headers={"X-API-Key": "s3cret-key"})
     c.post("/v1/answer", json={"question": "q"}, headers={"Authorization": "Bearer wrong-key"})
     assert "s3cret-key" not in caplog.text and "wrong-key" not in caplog.text
+
+
+# --- streams: keep-alive, late errors, clients that go away ------------------------------------
+
+
+def test_a_slow_stream_sends_keep_alives_before_its_first_event(service: FakeService):
+    service.delay_s = 0.35
+    c = TestClient(build_http_app(service, Metrics(), keepalive_s=0.1))
+    with c.stream("POST", "/v1/answer/stream", json={"question": "Who?"}) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        text = "".join(r.iter_text())
+    kinds = [k for k, _ in _events(text)]
+    assert text.startswith(": keep-alive\n\n")
+    assert kinds.count("comment") >= 2
+    assert [k for k in kinds if k != "comment"] == ["segment", "segment", "answer"]
+
+
+def test_a_failure_after_the_stream_started_is_an_error_event(service: FakeService):
+    service.delay_s = 0.25
+    service.fail = DeadlineExceeded("no answer within timeout_s=0.2")
+    c = TestClient(build_http_app(service, Metrics(), keepalive_s=0.1))
+    with c.stream("POST", "/v1/answer/stream", json={"question": "Who?"}) as r:
+        assert r.status_code == 200  # a keep-alive went out before the failure
+        text = "".join(r.iter_text())
+    events = _events(text)
+    assert events[0][0] == "comment"
+    assert events[-1] == (
+        "error",
+        {"error": "deadline_exceeded", "detail": service.fail.detail, "status": 504},
+    )
+
+
+@contextmanager
+def live_server(app: FastAPI) -> Iterator[str]:
+    """`app` under uvicorn on a free loopback port, in a thread: real sockets, so a client
+    can really go away. Yields the base URL."""
+    port = free_port()
+    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="off")
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
+        time.sleep(0.01)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(10)
+
+
+@pytest.fixture
+def hung_rig() -> Iterator[Rig]:
+    """The real answer service over fake deployments whose pool never finishes a draft
+    (until the test ends): a decode that can only end by being cancelled."""
+    rig = make_service(max_inflight=1)
+    rig.pool.hang = threading.Event()
+    yield rig
+    rig.pool.hang.set()
+
+
+def _wait_until(condition, limit_s: float, what: str) -> float:  # type: ignore[no-untyped-def]
+    t0 = time.monotonic()
+    while not condition():
+        assert time.monotonic() - t0 < limit_s, f"{what} not within {limit_s} s"
+        time.sleep(0.02)
+    return time.monotonic() - t0
+
+
+STREAM_BODY = {"question": "Who founded Normandy?", "config": {"mode": "never", "timeout_s": 30}}
+
+
+def _assert_cancelled_and_freed(rig: Rig) -> None:
+    # The decoder stops waiting on its (hung) pool call and ends: the slot is free again
+    # long before the 30 s deadline, and the abandoned call was cancelled.
+    _wait_until(lambda: rig.service.inflight == 0, 3.0, "the in-flight slot freed")
+    assert [c.cancelled for c in rig.pool_handle.calls if c.cancelled] == [True]
+    assert not rig.pool.hang.is_set()  # nothing but the cancellation ended it
+    text = rig.metrics.render()
+    assert "selfrag_inflight_answers 0" in text
+    assert "selfrag_streams_abandoned_total 1" in text
+
+
+def test_a_client_gone_before_the_first_event_cancels_its_decode(hung_rig: Rig):
+    app = build_http_app(hung_rig.service, hung_rig.metrics, keepalive_s=30)
+    body = json.dumps(STREAM_BODY).encode()
+    with live_server(app) as url:
+        port = int(url.rsplit(":", 1)[1])
+        with socket.create_connection(("127.0.0.1", port)) as sock:
+            sock.sendall(
+                b"POST /v1/answer/stream HTTP/1.1\r\nHost: localhost\r\n"
+                b"Content-Type: application/json\r\n"
+                + f"Content-Length: {len(body)}\r\n\r\n".encode()
+                + body
+            )
+            _wait_until(lambda: hung_rig.pool.drafts_started == 1, 5.0, "the decode started")
+            sock.settimeout(0.2)
+            with pytest.raises(TimeoutError):  # not a byte of the response yet
+                sock.recv(1)
+            assert hung_rig.service.inflight == 1
+        _assert_cancelled_and_freed(hung_rig)
+        # The slot is usable again: the next stream is admitted (and answers with its
+        # status line at once, a keep-alive being due), instead of a 503.
+        hung_rig.pool.hang.set()
+        with httpx.Client(base_url=url, timeout=10) as c:
+            r = c.post("/v1/answer/stream", json={"question": "q", "config": {"mode": "never"}})
+        assert r.status_code == 200 and _events(r.text)[-1][0] == "answer"
+
+
+def test_a_client_gone_mid_stream_cancels_its_decode(hung_rig: Rig):
+    app = build_http_app(hung_rig.service, hung_rig.metrics, keepalive_s=0.1)
+    with live_server(app) as url, httpx.Client(base_url=url, timeout=5) as c:
+        with c.stream("POST", "/v1/answer/stream", json=STREAM_BODY) as r:
+            assert r.status_code == 200
+            first = next(r.iter_raw())
+            assert first == b": keep-alive\n\n"
+            assert hung_rig.service.inflight == 1
+        # Leaving the block closes the unfinished response's connection.
+        _assert_cancelled_and_freed(hung_rig)
+
+
+# --- the body limit while reading ---------------------------------------------------------------
+
+
+def test_a_chunked_oversized_body_is_413_over_a_real_socket(service: FakeService):
+    def chunks() -> Iterator[bytes]:
+        yield b'{"question": "'
+        for _ in range(10):
+            yield b"x" * 10_000
+        yield b'"}'
+
+    with live_server(build_http_app(service, Metrics())) as url, httpx.Client(base_url=url) as c:
+        r = c.post("/v1/answer", content=chunks(), headers={"content-type": "application/json"})
+        assert "content-length" not in {k.lower() for k in r.request.headers}
+        assert r.status_code == 413, r.text
+        assert r.json()["error"] == "payload_too_large"
+        small = c.post("/v1/answer", json={"question": "q"})
+        assert small.status_code == 200
+    assert len(service.seen) == 1  # the oversized request never reached the service
+
+
+def test_the_body_limit_stops_reading_at_the_limit(service: FakeService):
+    """A body without Content-Length is read only until it passes the limit."""
+    app = build_http_app(service, Metrics())
+    chunk = 16 * 1024
+    pulled = 0
+    sent: list[dict] = []
+
+    async def receive() -> dict:
+        nonlocal pulled
+        pulled += 1
+        return {"type": "http.request", "body": b"x" * chunk, "more_body": pulled < 1000}
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0", "spec_version": "2.3"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": "/v1/answer",
+        "raw_path": b"/v1/answer",
+        "query_string": b"",
+        "root_path": "",
+        "headers": [(b"content-type", b"application/json"), (b"host", b"test")],
+        "client": ("127.0.0.1", 1),
+        "server": ("127.0.0.1", 80),
+    }
+    asyncio.run(app(scope, receive, send))
+    assert sent[0]["type"] == "http.response.start" and sent[0]["status"] == 413
+    assert pulled == MAX_BODY_BYTES // chunk + 1
+    assert json.loads(sent[1]["body"])["error"] == "payload_too_large"
+
+
+# --- internal errors and request ids ------------------------------------------------------------
+
+
+def test_an_internal_error_is_generic_with_a_request_id_that_the_log_explains(
+    service: FakeService, caplog: pytest.LogCaptureFixture
+):
+    service.fail = RuntimeError("connection string postgres://admin:hunter2@db")
+    caplog.set_level("ERROR", logger="selfrag.http")
+    c = TestClient(build_http_app(service, Metrics()), raise_server_exceptions=False)
+    r = c.post("/v1/answer", json={"question": "q"})
+    assert r.status_code == 500
+    rid = r.headers["x-request-id"]
+    assert r.json() == {
+        "error": "internal_error",
+        "detail": f"internal error; request id {rid}",
+        "request_id": rid,
+    }
+    assert "hunter2" not in r.text and "RuntimeError" not in r.text
+    (record,) = [x for x in caplog.records if rid in x.getMessage()]
+    assert record.exc_info is not None and "hunter2" in caplog.text  # the detail is logged
+
+    # The stream: at once, a 500 with the same generic body; after it started, an event.
+    r = c.post("/v1/answer/stream", json={"question": "q"})
+    rid = r.headers["x-request-id"]
+    assert r.status_code == 500 and r.json()["detail"] == f"internal error; request id {rid}"
+    service.delay_s = 0.2
+    c = TestClient(build_http_app(service, Metrics(), keepalive_s=0.05))
+    r = c.post("/v1/answer/stream", json={"question": "q"})
+    rid = r.headers["x-request-id"]
+    assert r.status_code == 200 and "hunter2" not in r.text
+    assert _events(r.text)[-1] == (
+        "error",
+        {
+            "error": "internal_error",
+            "detail": f"internal error; request id {rid}",
+            "request_id": rid,
+            "status": 500,
+        },
+    )
+    assert any(rid in x.getMessage() and x.exc_info for x in caplog.records)
+
+
+def test_every_response_carries_a_request_id(client: TestClient):
+    responses = [
+        client.get("/healthz"),
+        client.get("/readyz"),
+        client.get("/metrics"),
+        client.get("/nothing"),
+        client.post("/v1/answer", json={"question": "q"}),
+        client.post("/v1/answer", json={}),
+        client.post("/v1/answer", content=b"x" * 70_000),
+        client.post("/v1/answer/stream", json={"question": "q"}),
+    ]
+    ids = [r.headers.get("x-request-id") for r in responses]
+    assert all(i and re.fullmatch(r"[0-9a-f]{32}", i) for i in ids), ids
+    assert len(set(ids)) == len(ids)
+
+
+@pytest.mark.parametrize(
+    ("given", "kept"),
+    [
+        ("req-42.a:b_C", True),
+        ("x" * 128, True),
+        ("x" * 129, False),
+        ("two words", False),
+        ("id\u00e9", False),
+        ("<script>", False),
+        ("", False),
+    ],
+)
+def test_a_sane_incoming_request_id_is_kept(client: TestClient, given: str, kept: bool):
+    r = client.get("/healthz", headers={"X-Request-Id": given.encode("utf-8")})
+    assert (r.headers["x-request-id"] == given) is kept
+    assert re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}", r.headers["x-request-id"])
+
+
+def test_a_failed_readiness_check_does_not_show_its_exception(
+    service: FakeService, caplog: pytest.LogCaptureFixture
+):
+    service.ready_error = ConnectionError("redis://:s3cret@cache:6379 refused")
+    caplog.set_level("WARNING", logger="selfrag.http")
+    r = TestClient(build_http_app(service, Metrics())).get("/readyz")
+    assert r.status_code == 503 and r.json()["error"] == "not_ready"
+    assert "s3cret" not in r.text and "ConnectionError" not in r.text
+    assert r.headers["x-request-id"] in r.json()["detail"]
+    assert "s3cret" in caplog.text
