@@ -47,6 +47,7 @@ from pydantic import ValidationError
 from tqdm import tqdm
 
 from infra.corpus import read_lines
+from infra.ray_cluster import init_ray
 from pipeline.critique import Branch, Critic, LabelProbs
 from pipeline.decoder import SelfRAGDecoder
 from pipeline.protocols import Generation, Passage
@@ -773,17 +774,9 @@ def plan_resources(
 
 def ensure_ray(address: str | None) -> bool:
     """Connect to `address` or start a private local instance (unless Ray already runs in this
-    process). True when this call started Ray, so the caller shuts it down."""
-    import ray
-
-    if ray.is_initialized():
-        return False
-    if address is None:
-        # A private single-machine instance: ports on loopback, no cluster token.
-        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-        os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    ray.init(address=address, include_dashboard=False, log_to_driver=False)
-    return True
+    process; `infra.ray_cluster.init_ray`). True when this call started a private instance,
+    so the caller shuts it down."""
+    return init_ray(address, log_to_driver=False)
 
 
 def stream_answers(

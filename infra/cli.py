@@ -312,14 +312,12 @@ def _fmt(value: float | None, signed: bool = False) -> str:
 def cmd_serve(args: argparse.Namespace) -> int:
     """Start the Serve application and block until SIGINT/SIGTERM, then shut it down (and
     the local Ray instance when this command started it)."""
-    import os
     import signal
     import threading
 
     settings = _settings(args)
     host = args.host or settings.serve.host
     port = args.port or settings.serve.port
-    local = args.address is None
     from ray_app import warn_if_open
 
     # Loud and early, before the model check and Ray: an open port without keys answers anyone.
@@ -330,16 +328,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
         # Fail here, naming the file, before Ray starts: a missing or corrupt model would
         # otherwise surface as a replica that keeps failing to start.
         SelfRAG(settings).model_path  # noqa: B018 - resolves and checks the GGUF file
-    if local:
-        # A private single-machine instance: cluster ports on loopback, no cluster token.
-        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-        os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     import ray
     from ray import serve
 
+    from infra.ray_cluster import init_ray
     from ray_app import APP_NAME, build_app, serve_logging
 
-    ray.init(address=args.address, include_dashboard=False, log_to_driver=True)
+    local = init_ray(args.address, log_to_driver=True)  # True: a private instance, ours
     stop = threading.Event()
     # Installed after ray.init, which sets handlers of its own.
     for sig in (signal.SIGINT, signal.SIGTERM):
