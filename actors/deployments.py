@@ -17,6 +17,7 @@ import asyncio
 import copy
 import logging
 import os
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -25,8 +26,8 @@ from fastapi import FastAPI
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
-from actors.http import DependencyDown, build_http_app, parse_api_keys
-from actors.metrics import BatchStats, Metrics
+from actors.http import DependencyDown, Misconfigured, build_http_app, parse_api_keys
+from actors.metrics import BatchStats, Metrics, family
 from actors.service import QueryCache, ServeAnswerService, query_cache_scope
 from infra.settings import API_KEYS_ENV
 from pipeline.critique import Branch, LabelProbs
@@ -39,6 +40,27 @@ if TYPE_CHECKING:
     from infra.qdrant_store import QdrantStore
 
 log = logging.getLogger("selfrag.actors")
+
+
+@dataclass(frozen=True)
+class PoolStats:
+    """What the branch pool adds to `/metrics`: its batch sizes and the tier counters of its
+    passage KV-state store (hits, misses, Redis errors, states refused by reason)."""
+
+    batches: BatchStats
+    kv_store: dict[str, int]
+
+    def render(self) -> list[str]:
+        lines = self.batches.render()
+        if self.kv_store:
+            lines += family(
+                "selfrag_kv_cache_tier_total",
+                "counter",
+                "Passage KV-state store by tier: memory/redis hits, misses, puts, Redis errors "
+                "and bypassed calls, and states read from Redis but refused (redis_rejected_*).",
+                [({"event": k}, v) for k, v in sorted(self.kv_store.items())],
+            )
+        return lines
 
 
 @dataclass(frozen=True)
@@ -95,8 +117,8 @@ class BranchPool:
     def ready(self) -> bool:
         return bool(self._engine.tokenize("ready"))
 
-    def stats(self) -> BatchStats:
-        return copy.deepcopy(self._stats)
+    def stats(self) -> PoolStats:
+        return PoolStats(copy.deepcopy(self._stats), dict(self._rag.kv_store_counters()))
 
     async def retrieval(self, source: str, branches: list[Branch]) -> list[LabelProbs]:
         return await self._retrieval(_Call(source, branches))
@@ -236,37 +258,71 @@ class Retriever:
     """Qdrant search (dense, or hybrid dense + BM25).
 
     A Qdrant server that does not answer at start-up does not stop the replica: it reports
-    not ready, answers 503, and connects on a later call once the server is back. An embedded
-    store that cannot be opened is a start-up error.
+    not ready, answers 503, and connects on a later call once the server is back. An index
+    that cannot serve (no collection, built by another embedder or with vectors of another
+    size) is permanent until someone acts: the replica reports not ready and answers 500
+    `misconfigured` with the reason, never a 503 a client would retry forever. An embedded
+    store that cannot be opened otherwise (its folder locked) is a start-up error.
     """
 
+    # A store that failed its check at open is opened again at most this often: an embedded
+    # open reads the whole collection, too slow to repeat on every request.
+    RECHECK_S = 10.0
+
     def __init__(self, settings: Settings) -> None:
-        # Imported here: qdrant-client costs every other replica process 0.6 s at import.
-        from infra.qdrant_store import StoreUnavailable
         from infra.runtime import SelfRAG
 
         self._rag = SelfRAG(settings)
+        self._refused: tuple[float, str] | None = None  # (until when, the 500's detail)
+        self._down = False
         try:
-            self._rag.store  # noqa: B018 - opens (and checks) the store now, when it can
-        except StoreUnavailable as exc:
+            self._store()  # opens (and checks) the store now, when it can
+        except DependencyDown:
             if settings.retrieval.qdrant_url is None:
-                raise
-            log.warning("%s; will connect when it answers", exc)
+                raise  # an embedded store that does not open is a start-up error
+            log.warning("the Qdrant server does not answer yet; will connect when it does")
+        except Misconfigured:
+            pass  # logged by _store; every call answers 500 with the reason
 
     def _store(self) -> QdrantStore:
-        from infra.qdrant_store import StoreUnavailable
+        """The open store with an index that fits the embedder; DependencyDown (503) when
+        the server does not answer, Misconfigured (500) when the index cannot serve."""
+        # Imported here: qdrant-client costs every other replica process 0.6 s at import.
+        from infra.qdrant_store import IndexMissing, StoreMisconfigured, StoreUnavailable
 
+        if self._refused is not None and time.monotonic() < self._refused[0]:
+            raise Misconfigured(self._refused[1])
         try:
-            return self._rag.store  # a failed open is not cached: each call tries again
+            store = self._rag.store  # a failed open is not cached: each call tries again
+            store.require_index()
         except StoreUnavailable as exc:
-            raise DependencyDown(f"the passage store does not answer: {exc}") from None
+            # The detail (it names the server) goes to the log, once per outage.
+            (log.debug if self._down else log.warning)("passage store: %s", exc)
+            self._down = True
+            raise DependencyDown("the passage store does not answer") from exc
+        except StoreMisconfigured as exc:
+            if self._refused is None:
+                log.error("passage store: %s", exc)
+            # A missing collection is checked again on every call (one small request to an
+            # open store); a store refused at open is reopened only after RECHECK_S.
+            wait = 0.0 if isinstance(exc, IndexMissing) else self.RECHECK_S
+            detail = f"the passage index cannot be used: {_public(exc)}"
+            self._refused = (time.monotonic() + wait, detail)
+            raise Misconfigured(detail) from None
+        self._refused = None
+        self._down = False
+        return store
 
     def search(self, query: str, k: int) -> list[Passage]:
+        from infra.qdrant_store import StoreMisconfigured
+
         store = self._store()
         try:
             return store.search(query, k)
         except ValueError:
             raise
+        except StoreMisconfigured as exc:  # a collection that appeared since, and does not fit
+            raise Misconfigured(f"the passage index cannot be used: {_public(exc)}") from None
         except Exception as exc:
             # Store down (server gone, connection refused, closed client): a 503 for this
             # request; the Qdrant client reconnects by itself once the server answers again.
@@ -286,8 +342,17 @@ class Retriever:
     def ready(self) -> bool:
         try:
             return self._store().ready()
-        except DependencyDown:
+        except (DependencyDown, Misconfigured):
             return False
+
+
+def _public(exc: BaseException) -> str:
+    """An index error's reason without the folder or server it names (those stay in logs)."""
+    from infra.qdrant_store import IndexMissing
+
+    if isinstance(exc, IndexMissing):
+        return "no passages are indexed: run `selfrag index PATH` with these settings first"
+    return str(exc)
 
 
 @serve.deployment(ray_actor_options={"num_cpus": 0.1}, max_ongoing_requests=64)

@@ -489,8 +489,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"selfrag: {exc}", file=sys.stderr)
     except RuntimeError as exc:
         from infra.model_files import ModelFileError
+        from infra.qdrant_store import StoreError
 
-        if not isinstance(exc, ModelFileError):
+        if not isinstance(exc, ModelFileError | StoreError):
             raise
         print(f"selfrag: {exc}", file=sys.stderr)
     except KeyboardInterrupt:

@@ -66,6 +66,16 @@ class StoreUnavailable(StoreError):
     """The Qdrant server does not answer (down, unreachable): may work on a later try."""
 
 
+class StoreMisconfigured(StoreError):
+    """The index cannot serve this configuration (built by another embedder, with vectors of
+    another size, or not built at all): no retry helps until someone re-indexes or fixes the
+    settings."""
+
+
+class IndexMissing(StoreMisconfigured):
+    """The collection does not exist: nothing was indexed yet (or into another collection)."""
+
+
 def point_id(passage_id: str) -> str:
     """The stable Qdrant point id of a passage."""
     return str(uuid.uuid5(_POINT_NAMESPACE, passage_id))
@@ -99,9 +109,11 @@ class QdrantStore(Closeable):
     def open(cls, settings: RetrievalSettings, home: Path, embedder: Embedder) -> QdrantStore:
         """Connect to `settings.qdrant_url`, or open (creating) the embedded store `home/qdrant`.
 
-        The collection itself is created on the first `upsert`. Raises StoreError when the
-        embedded folder is already open (in this or another process) or when an existing
-        collection was built with a different embedding model.
+        The collection itself is created on the first `upsert` (`require_index` says whether
+        there is one to search). Raises StoreError when the embedded folder is already open (in
+        this or another process), StoreMisconfigured when an existing collection was built by a
+        different embedding model or holds vectors of another size than the embedder's, and
+        StoreUnavailable when the server does not answer.
         """
         if settings.qdrant_url:
             key = settings.qdrant_api_key.get_secret_value() if settings.qdrant_api_key else None
@@ -125,15 +137,30 @@ class QdrantStore(Closeable):
                 _OPEN_FOLDERS.add(str(folder))
             store = cls(client, settings, embedder, local=True, folder=folder)
         try:
-            store._check_compatible()
+            with store._lock:
+                store._collection_exists()  # checks an existing collection against the embedder
         except StoreError:
             store.close()
             raise
         except Exception as error:
             store.close()
-            where = settings.qdrant_url or f"{home}/qdrant"
-            raise StoreUnavailable(f"Qdrant at {where} does not answer: {error}") from error
+            raise StoreUnavailable(f"Qdrant at {store.where} does not answer: {error}") from error
         return store
+
+    @property
+    def where(self) -> str:
+        """The server URL or the embedded folder, for messages."""
+        return self._settings.qdrant_url or str(self._folder)
+
+    def require_index(self) -> None:
+        """Raise IndexMissing unless the collection exists (searching then finds nothing)."""
+        with self._lock:
+            exists = self._collection_exists()
+        if not exists:
+            raise IndexMissing(
+                f"the collection {self._collection!r} does not exist in {self.where}: "
+                "run `selfrag index PATH` with these settings first"
+            )
 
     @property
     def collection(self) -> str:
@@ -270,35 +297,47 @@ class QdrantStore(Closeable):
     # -- internals --------------------------------------------------------------------------
 
     def _collection_exists(self) -> bool:
+        """Whether the collection exists; the caller holds the lock. A collection found for
+        the first time is checked against the embedder (StoreMisconfigured if it does not
+        match, which is not cached: the check runs again on the next call)."""
         # Cache a positive answer: collections are not dropped under a running store, and
         # asking a server on every search would cost a round trip.
-        if not self._exists:
-            self._exists = self._client.collection_exists(self._collection)
+        if not self._exists and self._client.collection_exists(self._collection):
+            self._check_compatible()
+            self._exists = True
         return self._exists
 
     def _check_compatible(self) -> None:
-        """Refuse a collection built by another embedding model or sparse scheme."""
-        with self._lock:
-            if not self._collection_exists():
-                return
-            config = self._client.get_collection(self._collection).config
+        """Refuse a collection built by another embedding model or sparse scheme, or with
+        dense vectors of another size than the embedder's; the caller holds the lock."""
+        config = self._client.get_collection(self._collection).config
+        name = self._collection
         metadata = config.metadata or {}
         built_with = metadata.get("embedding_model")
         if built_with is not None and built_with != self._embedder.model_id:
-            raise StoreError(
-                f"collection {self._collection!r} was indexed with {built_with}, but the "
+            raise StoreMisconfigured(
+                f"collection {name!r} was indexed with {built_with}, but the "
                 f"embedder is {self._embedder.model_id}: re-index into another collection"
             )
         scheme = metadata.get("sparse_scheme")
         if scheme is not None and scheme != sparse.SCHEME:
-            raise StoreError(
-                f"collection {self._collection!r} holds sparse vectors of scheme {scheme}, "
+            raise StoreMisconfigured(
+                f"collection {name!r} holds sparse vectors of scheme {scheme}, "
                 f"this code writes {sparse.SCHEME}: re-index into another collection"
             )
         vectors = config.params.vectors
         dense = vectors.get(DENSE) if isinstance(vectors, dict) else None
         if dense is None:
-            raise StoreError(f"collection {self._collection!r} has no {DENSE!r} vector")
+            raise StoreMisconfigured(
+                f"collection {name!r} has no {DENSE!r} vector: it was not built by "
+                "`selfrag index`; re-index into another collection"
+            )
+        if dense.size != self._embedder.dim:
+            raise StoreMisconfigured(
+                f"collection {name!r} holds vectors of size {dense.size}, but the embedder "
+                f"{self._embedder.model_id} gives {self._embedder.dim}: re-index with this "
+                "embedder (into another collection), or configure the one it was built with"
+            )
 
     def _ensure_collection(self) -> None:
         """Create the collection with both vectors; the caller holds the lock."""
@@ -322,9 +361,11 @@ class QdrantStore(Closeable):
                 },
             )
         except Exception:
-            # Another process may have created it in the meantime; anything else re-raises.
+            # Another process may have created it in the meantime (then it must match too);
+            # anything else re-raises.
             if not self._client.collection_exists(self._collection):
                 raise
+            self._check_compatible()
         if not self._local:
             # Servers need a payload index for the doc_id filter of `replace_documents`;
             # the embedded store scans and would only warn.

@@ -7,6 +7,7 @@ Components are built lazily, so `selfrag index` never loads the language model a
 from __future__ import annotations
 
 import threading
+from collections.abc import Mapping
 from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -85,6 +86,11 @@ class SelfRAG(Closeable):
         from infra.kv_cache import open_prefix_store
 
         return open_prefix_store(self.settings)
+
+    def kv_store_counters(self) -> Mapping[str, int]:
+        """The passage KV-state store's tier counters; empty while none was opened."""
+        store = self.__dict__.get("prefix_store")  # never opens one just to report on it
+        return store.counters() if store is not None else {}
 
     @cached_property
     def decoder(self) -> SelfRAGDecoder:

@@ -1,0 +1,172 @@
+"""Permanent store errors (no index; an index of another vector size) are a clear error when
+the store opens and a 500 `misconfigured` with the reason when serving, never a 503 that
+clients retry forever; a server that does not answer stays 503. Real embedded Qdrant; the
+`Retriever` deployment's class without Ray; the real HTTP app over the answer service."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import numpy as np
+import pytest
+from fastapi.testclient import TestClient
+
+from actors.deployments import Retriever
+from actors.http import DependencyDown, Misconfigured, build_http_app
+from infra.embedder import SentenceEmbedder
+from infra.qdrant_store import IndexMissing, QdrantStore, StoreMisconfigured
+from infra.settings import load_settings
+from pipeline.protocols import Passage
+from schemas.settings import RetrievalSettings, Settings
+from tests.redis_proc import free_port
+from tests.serve_fakes import make_service
+
+PASSAGES = [
+    Passage("rollo#0", "Rollo was the first ruler of Normandy.", "Rollo", metadata={"doc_id": "r"}),
+    Passage("lava#0", "Lava escapes from a magma chamber.", "Volcano", metadata={"doc_id": "v"}),
+]
+
+
+class HashEmbedder:
+    """Deterministic unit vectors of any width under any model id: an index "built by" an
+    embedder of another size, without a second model to load."""
+
+    def __init__(self, dim: int, model_id: str = "hash-embedder") -> None:
+        self.dim = dim
+        self.model_id = model_id
+
+    def embed(self, texts: Sequence[str]) -> np.ndarray:
+        rows = []
+        for text in texts:
+            seed = int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little")
+            row = np.random.default_rng(seed).standard_normal(self.dim).astype(np.float32)
+            rows.append(row / np.linalg.norm(row))
+        return np.array(rows, dtype=np.float32).reshape(len(texts), self.dim)
+
+
+def _index(home: Path, embedder: HashEmbedder) -> None:
+    with QdrantStore.open(RetrievalSettings(), home, embedder) as store:
+        assert store.upsert(PASSAGES) == 2
+
+
+@pytest.fixture
+def settings(tmp_path: Path) -> Settings:
+    return load_settings(environ={"SELFRAG_HOME": str(tmp_path / "home")})
+
+
+@pytest.fixture
+def real_model_id(settings: Settings) -> str:
+    # Cheap: read from the model's config files, the model itself is never loaded.
+    return SentenceEmbedder(settings.retrieval.embedding_model).model_id
+
+
+def test_an_index_of_another_vector_size_is_refused_when_the_store_opens(tmp_path: Path):
+    _index(tmp_path, HashEmbedder(8, "same-model"))
+    with pytest.raises(StoreMisconfigured, match=r"vectors of size 8.* gives 16: re-index"):
+        QdrantStore.open(RetrievalSettings(), tmp_path, HashEmbedder(16, "same-model"))
+    # The refused open released the folder; the right embedder still searches it.
+    with QdrantStore.open(RetrievalSettings(), tmp_path, HashEmbedder(8, "same-model")) as store:
+        store.require_index()
+        assert store.count() == 2
+        assert store.search("Rollo was the first ruler of Normandy.", 1)[0].id == "rollo#0"
+
+
+def test_a_missing_collection_is_an_error_that_says_to_index(tmp_path: Path):
+    with QdrantStore.open(RetrievalSettings(), tmp_path, HashEmbedder(8)) as store:
+        with pytest.raises(IndexMissing, match=r"does not exist in .*run `selfrag index PATH`"):
+            store.require_index()
+        assert store.search("anything", 2) == []  # the store itself still answers
+        store.upsert(PASSAGES)
+        store.require_index()
+
+
+def test_the_retriever_answers_500_misconfigured_for_an_index_of_another_size(
+    settings: Settings, real_model_id: str
+):
+    # Built under the configured embedder's id but with 8-dimensional vectors, as by an older
+    # version of the same model name, or a collection created by hand.
+    _index(settings.home, HashEmbedder(8, real_model_id))
+    retriever = Retriever.func_or_class(settings)
+    try:
+        assert retriever.ready() is False
+        for call in (lambda: retriever.search("Who ruled Normandy?", 2), retriever.index_version):
+            with pytest.raises(Misconfigured, match="vectors of size 8, but the embedder") as err:
+                call()
+            assert (err.value.status, err.value.error) == (500, "misconfigured")
+    finally:
+        retriever._rag.close()
+
+
+def test_the_retriever_with_no_index_answers_500_saying_to_index(settings: Settings):
+    retriever = Retriever.func_or_class(settings)
+    try:
+        assert retriever.ready() is False
+        with pytest.raises(Misconfigured, match="no passages are indexed: run `selfrag index"):
+            retriever.search("Who ruled Normandy?", 2)
+        # The detail shown to clients does not name the server's folder.
+        with pytest.raises(Misconfigured) as err:
+            retriever.index_version()
+        assert str(settings.home) not in err.value.detail
+        # Indexed meanwhile (here through the same open store): served without a restart.
+        store = retriever._rag.store
+        store.upsert(PASSAGES)
+        assert retriever.ready() is True
+        assert [p.id for p in retriever.search("Rollo was the first ruler of Normandy.", 1)] == [
+            "rollo#0"
+        ]
+    finally:
+        retriever._rag.close()
+
+
+@pytest.fixture
+def misconfigured_client(settings: Settings, real_model_id: str) -> Iterator[TestClient]:
+    """The HTTP app over the answer service whose retriever is the real `Retriever` class
+    on an index of the wrong vector size."""
+    _index(settings.home, HashEmbedder(8, real_model_id))
+    retriever = Retriever.func_or_class(settings)
+    rig = make_service(store=retriever)  # type: ignore[arg-type]
+    try:
+        yield TestClient(build_http_app(rig.service, rig.metrics))
+    finally:
+        retriever._rag.close()
+
+
+def test_over_http_a_permanent_store_error_is_500_without_retry_after(
+    misconfigured_client: TestClient,
+):
+    body = {"question": "Who ruled Normandy?", "config": {"mode": "always"}}
+    response = misconfigured_client.post("/v1/answer", json=body)
+    assert response.status_code == 500, response.text
+    assert response.json()["error"] == "misconfigured"
+    assert "vectors of size 8" in response.json()["detail"]
+    assert "retry-after" not in response.headers
+    ready = misconfigured_client.get("/readyz")
+    assert ready.status_code == 503 and ready.json()["checks"]["store"] is False
+
+
+def test_a_server_that_does_not_answer_stays_503(tmp_path: Path):
+    settings = load_settings(
+        environ={
+            "SELFRAG_HOME": str(tmp_path / "home"),
+            "SELFRAG_RETRIEVAL__QDRANT_URL": f"http://127.0.0.1:{free_port()}",
+        }
+    )
+    retriever = Retriever.func_or_class(settings)
+    with pytest.raises(DependencyDown) as err:
+        retriever.search("q", 1)
+    assert err.value.status == 503
+    assert "127.0.0.1" not in err.value.detail  # the address stays in the server's log
+
+
+def test_ask_with_an_index_of_another_size_is_a_message_not_a_traceback(
+    settings: Settings, real_model_id: str, capsys: pytest.CaptureFixture[str]
+):
+    from infra.cli import main
+
+    _index(settings.home, HashEmbedder(8, real_model_id))
+    assert main(["--home", str(settings.home), "ask", "Who ruled Normandy?"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("selfrag: collection ") and "vectors of size 8" in err
+    assert "Traceback" not in err and err.count("\n") == 1
