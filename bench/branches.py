@@ -36,7 +36,7 @@ from pathlib import Path
 
 import llama_cpp
 
-from infra.llama_engine import LlamaEngine, init_backend
+from infra.llama_engine import LlamaEngine
 from infra.model_files import default_model_path, derive_weights
 from pipeline.protocols import GenerationRequest
 
@@ -155,7 +155,6 @@ def bench_weights(
     )
     llm = _llama(path, args, logits_all=False)
     pack_llm = _llama(path, args, logits_all=True) if pack else None
-    init_backend()  # Llama() installs its own llama.cpp log handler; keep the engine's
     try:
         prompts, shared = build_prompts(engine, passages, args.prompt_tokens)
         print(

@@ -488,10 +488,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (CLIError, ValueError, OSError) as exc:
         print(f"selfrag: {exc}", file=sys.stderr)
     except RuntimeError as exc:
+        from infra.llama_backend import BackendError
         from infra.model_files import ModelFileError
         from infra.qdrant_store import StoreError
 
-        if not isinstance(exc, ModelFileError | StoreError):
+        if not isinstance(exc, ModelFileError | BackendError | StoreError):
             raise
         print(f"selfrag: {exc}", file=sys.stderr)
     except KeyboardInterrupt:

@@ -28,6 +28,7 @@ import numpy as np
 import numpy.typing as npt
 
 from infra.kv_cache import ContextLayout, PrefixStateStore, prefix_state_key
+from infra.llama_backend import ensure_backend
 from infra.lifecycle import Closeable
 from infra.model_files import check_gguf, file_sha256
 from pipeline.protocols import (
@@ -42,34 +43,6 @@ from pipeline.protocols import (
 from pipeline.segmenting import ends_sentence
 
 logger = logging.getLogger(__name__)
-
-_GGML_LOG_ERROR = 4
-_GGML_LOG_CONT = 5
-_last_log_level = 0
-
-
-@llama_cpp.llama_log_callback
-def _log_callback(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
-    # llama.cpp reports every tensor it loads at INFO level; only errors are worth showing.
-    global _last_log_level
-    if level != _GGML_LOG_CONT:
-        _last_log_level = level
-    if _last_log_level == _GGML_LOG_ERROR:
-        logger.error("llama.cpp: %s", text.decode("utf-8", errors="replace").rstrip())
-
-
-_backend_lock = threading.Lock()
-_backend_ready = False
-
-
-def init_backend() -> None:
-    """Initialise llama.cpp once per process and send its log to `logging` (errors only)."""
-    global _backend_ready
-    with _backend_lock:
-        if not _backend_ready:
-            llama_cpp.llama_log_set(_log_callback, ctypes.c_void_p(0))
-            llama_cpp.llama_backend_init()
-            _backend_ready = True
 
 
 class EngineError(RuntimeError):
@@ -227,7 +200,9 @@ class LlamaEngine(Closeable):
         if n_threads < 0:
             raise ValueError(f"n_threads must be 0 (all cores) or positive, got {n_threads}")
         check_gguf(model_path)
-        init_backend()
+        threads = n_threads or os.cpu_count() or 1
+        # Probes the model in a child process first: an unusable CPU feature must not kill us.
+        ensure_backend(model_path, n_threads=threads)
         self._model_id = model_id
         self.model_path = model_path
         self.prefix_cache = prefix_cache
@@ -240,7 +215,6 @@ class LlamaEngine(Closeable):
         self._ctx: llama_cpp.llama_context_p | None = None
         self._model: llama_cpp.llama_model_p | None = None
         self._batch: llama_cpp.llama_batch | None = None
-        threads = n_threads or os.cpu_count() or 1
 
         model_params = llama_cpp.llama_model_default_params()
         self._model = llama_cpp.llama_model_load_from_file(str(model_path).encode(), model_params)

@@ -315,9 +315,9 @@ def _quantize(src: Path, target: Path, ftype: int) -> None:
     """Convert `src` into `target` with llama.cpp's `llama_model_quantize` (requantizing)."""
     import llama_cpp
 
-    from infra.llama_engine import init_backend
+    from infra.llama_backend import init_llama
 
-    init_backend()  # also routes llama.cpp's per-tensor progress log away from stdout
+    init_llama()  # also routes llama.cpp's per-tensor progress log away from stdout
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp_name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
     os.close(fd)

@@ -1,0 +1,181 @@
+"""Choosing llama.cpp's CPU backend: ranking, the crash probe, its cache and its messages.
+
+The real tests run the installed portable build and the shipped quantized (Q4_1) SmolLM2 file,
+the weights that died with SIGILL in ggml's AMX kernel on an AVX-512/AMX Xeon VM. A backend
+that crashes is simulated with a library that ggml loads like a CPU variant and whose
+`ggml_backend_init` executes an illegal instruction, so the probe sees a real SIGILL.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import subprocess
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+import pytest
+
+from infra.llama_backend import (
+    BUILTIN,
+    VARIANT_FEATURES,
+    BackendError,
+    ProbeCache,
+    ProbeResult,
+    Variant,
+    candidates,
+    choose_backend,
+    loaded_backend,
+    probe,
+    probe_cached,
+    variant_files,
+)
+from infra.model_files import default_model_path
+
+REPO = Path(__file__).resolve().parents[1]
+ILLEGAL_INSTRUCTION_BACKEND = r"""
+int ggml_backend_score(void) { return 1 << 20; }
+void * ggml_backend_init(void) { __builtin_trap(); return 0; }
+"""
+
+
+@pytest.fixture
+def cache(tmp_path: Path) -> ProbeCache:
+    return ProbeCache(tmp_path / "probes")
+
+
+def _library(folder: Path, name: str) -> Path:
+    path = folder / f"libggml-cpu-{name}.so"
+    path.write_bytes(b"not loaded: its probe result is already cached")
+    return path
+
+
+def test_a_crashed_backend_falls_back_and_names_the_feature(
+    tmp_path: Path, cache: ProbeCache, caplog: pytest.LogCaptureFixture
+) -> None:
+    model = tmp_path / "model.Q4_K_M.gguf"
+    model.write_bytes(b"GGUF")
+    amx = Variant("sapphirerapids", _library(tmp_path, "sapphirerapids"), 4000)
+    avx512 = Variant("icelake", _library(tmp_path, "icelake"), 2000)
+    cache.put(
+        cache.model_key(model, amx),
+        asdict(ProbeResult(False, "killed by SIGILL: no output", "SIGILL")),
+    )
+    cache.put(cache.model_key(model, avx512), asdict(ProbeResult(True, "")))
+    with caplog.at_level(logging.WARNING, logger="infra.llama_backend"):
+        chosen = choose_backend(model, [amx, avx512], cache, n_threads=1)
+    assert chosen == avx512
+    message = caplog.text
+    assert str(model) in message and "SIGILL" in message
+    # What sapphirerapids needs beyond icelake: the AMX features, not all of AVX-512.
+    assert "AMX_TILE, AMX_INT8" in message and "AVX512_VBMI" not in message
+
+
+def test_no_backend_that_runs_is_a_clear_error(tmp_path: Path, cache: ProbeCache) -> None:
+    model = tmp_path / "model.gguf"
+    model.write_bytes(b"GGUF")
+    only = Variant("haswell", _library(tmp_path, "haswell"), 60)
+    cache.put(
+        cache.model_key(model, only), asdict(ProbeResult(False, "killed by SIGILL", "SIGILL"))
+    )
+    with pytest.raises(BackendError) as err:
+        choose_backend(model, [only], cache, n_threads=1)
+    text = str(err.value)
+    assert str(model) in text and "'haswell'" in text and "AVX2" in text and "SIGILL" in text
+
+
+def test_probe_results_are_keyed_by_model_file(tmp_path: Path, cache: ProbeCache) -> None:
+    model = tmp_path / "model.gguf"
+    model.write_bytes(b"GGUF")
+    variant = Variant("haswell", _library(tmp_path, "haswell"), 60)
+    key = cache.model_key(model, variant)
+    assert cache.get(key) is None
+    cache.put(key, asdict(ProbeResult(True, "")))
+    assert cache.get(key) == {"ok": True, "detail": "", "signal_name": None}
+    # A replaced model file (new size) is a new key: it is probed again.
+    model.write_bytes(b"GGUF and more")
+    assert cache.model_key(model, variant) != key
+
+
+# --- the real build ------------------------------------------------------------------------------
+
+
+@pytest.mark.real
+def test_the_installed_build_ships_ranked_cpu_variants(cache: ProbeCache) -> None:
+    files = variant_files()
+    assert files, "llama-cpp-python is not the portable build (run scripts/install.sh)"
+    ranked = candidates(cache)
+    names = [v.name for v in ranked]
+    assert set(names) <= set(VARIANT_FEATURES)
+    assert "x64" in names  # the baseline runs on every x86-64 CPU
+    assert [v.score for v in ranked] == sorted((v.score for v in ranked), reverse=True)
+    assert all(v.score > 0 for v in ranked)
+    # Ranked once per build and CPU: the second call reads the cache.
+    assert candidates(cache) == ranked
+
+
+@pytest.mark.real
+def test_quantized_model_passes_the_probe_with_the_best_backend(cache: ProbeCache) -> None:
+    model = default_model_path()  # the shipped Q4_1 weights
+    best = candidates(cache)[0]
+    result = probe_cached(model, best, cache, n_threads=1)
+    assert result.ok, result.detail
+    assert cache.get(cache.model_key(model, best)) == asdict(result)
+
+
+@pytest.mark.real
+@pytest.mark.skipif(shutil.which("gcc") is None, reason="needs gcc to build the crashing backend")
+def test_a_backend_dying_of_sigill_is_skipped_for_the_next(
+    tmp_path: Path, cache: ProbeCache, caplog: pytest.LogCaptureFixture
+) -> None:
+    source = tmp_path / "crash.c"
+    source.write_text(ILLEGAL_INSTRUCTION_BACKEND)
+    library = tmp_path / "libggml-cpu-sapphirerapids.so"
+    subprocess.run(["gcc", "-shared", "-fPIC", "-o", str(library), str(source)], check=True)
+    model = default_model_path()
+    crashing = Variant("sapphirerapids", library, 1 << 20)
+    result = probe(model, crashing, n_threads=1)
+    assert not result.ok and result.signal_name == "SIGILL", result
+    real = candidates(cache)
+    with caplog.at_level(logging.WARNING, logger="infra.llama_backend"):
+        chosen = choose_backend(model, [crashing, *real], cache, n_threads=1)
+    assert chosen == real[0]
+    assert "crashed the 'sapphirerapids' CPU backend" in caplog.text
+    assert "AMX_INT8" in caplog.text and "SIGILL" in caplog.text
+    # The deterministic crash is remembered: the next process does not crash again.
+    assert cache.get(cache.model_key(model, crashing))["signal_name"] == "SIGILL"
+
+
+@pytest.mark.real
+def test_engine_process_uses_a_probed_variant() -> None:
+    from infra.llama_engine import LlamaEngine
+
+    with LlamaEngine(
+        default_model_path(), n_ctx=512, n_seq_max=1, n_threads=1, n_batch=64, model_id="q4"
+    ) as engine:
+        assert engine.detokenize(engine.tokenize("Normandy")) == "Normandy"
+    loaded = loaded_backend()
+    assert loaded is not None and loaded.name != BUILTIN
+
+
+@pytest.mark.real
+def test_cli_answers_on_the_original_quantized_weights(indexed_home: Path) -> None:
+    """`SELFRAG_MODEL__WEIGHTS=original selfrag ask …` exited 132 (SIGILL) on an AMX VM."""
+    env = {**os.environ, "SELFRAG_MODEL__WEIGHTS": "original", "SELFRAG_MODEL__N_THREADS": "1"}
+    done = subprocess.run(
+        [
+            *(sys.executable, "-m", "infra.cli", "--home", str(indexed_home)),
+            *("ask", "Who founded Normandy?", "--json", "--mode", "always"),
+            *("--top-k", "2", "--max-segments", "1"),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env=env,
+        timeout=600,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert '"answer"' in done.stdout
