@@ -28,8 +28,8 @@ import numpy as np
 import numpy.typing as npt
 
 from infra.kv_cache import ContextLayout, PrefixStateStore, prefix_state_key
-from infra.llama_backend import ensure_backend
 from infra.lifecycle import Closeable
+from infra.llama_backend import ensure_backend
 from infra.model_files import check_gguf, file_sha256
 from pipeline.protocols import (
     ContinuationRequest,
