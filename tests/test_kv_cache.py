@@ -103,9 +103,9 @@ def kv_redis(redis_server: tuple[str, RedisProcess | None]) -> str:
     return url
 
 
-def _redis_store(url: str) -> TieredStateStore:
-    """A store with Redis only (as a fresh replica's), on a 1 MB entry cap."""
-    tier = RedisTier(url, "selfrag:kvtest", ttl_s=60, max_bytes=1 << 20, timeout_s=0.5)
+def _redis_store(url: str, max_bytes: int = 1 << 20) -> TieredStateStore:
+    """A store with Redis only (as a fresh replica's), on a 1 MB cap unless told."""
+    tier = RedisTier(url, "selfrag:kvtest", ttl_s=60, max_bytes=max_bytes, timeout_s=0.5)
     return TieredStateStore(None, tier)
 
 
@@ -157,6 +157,25 @@ def test_a_poisoned_state_in_redis_is_refused_counted_and_replaced(
     reader.put(KEY, state)
     reader.flush()
     assert _redis_store(kv_redis).get(KEY) == state
+
+
+@pytest.mark.real
+def test_refused_states_are_counted_in_the_pool_metrics(kv_redis: str, tmp_path: Path):
+    from actors.deployments import PoolStats
+    from actors.metrics import BatchStats
+    from infra.runtime import SelfRAG
+
+    env = {"SELFRAG_HOME": str(tmp_path), "SELFRAG_REDIS_URL": kv_redis}
+    with SelfRAG(load_settings(environ=env)) as rag:
+        assert rag.kv_store_counters() == {}  # nothing opened just to report on it
+        store = rag.prefix_store
+        assert store is not None and store.redis is not None
+        redis.Redis.from_url(kv_redis).set(store.redis.key(KEY.digest), b"not a state")
+        assert store.get(KEY) is None
+        text = "\n".join(PoolStats(BatchStats(), dict(rag.kv_store_counters())).render())
+    assert "# TYPE selfrag_kv_cache_tier_total counter" in text
+    assert 'selfrag_kv_cache_tier_total{event="redis_rejected_malformed"} 1' in text
+    assert 'selfrag_kv_cache_tier_total{event="miss"} 1' in text
 
 
 # --- the engine with a prefix-state store (real SmolLM2) ------------------------------------
@@ -290,12 +309,13 @@ def test_a_poisoned_redis_state_is_recomputed_not_restored(engine: LlamaEngine, 
     complaint from llama.cpp and would change every score; copied under the right key in Redis
     it is refused (counted) and the engine recomputes the prefix."""
     req, prefix = _request(engine, QUESTIONS[0])
-    _fresh(engine, None)
+    _fresh(engine, None)  # recomputed with the split a staged prefix implies
+    engine.next_token_logprobs([TokenScoreRequest(prefix, [0])])
     expected = engine.next_token_logprobs([req])[0].logprobs
     altered = list(prefix)
     altered[len(altered) // 2] = engine.tokenize(" Paris")[-1]
     assert altered != prefix
-    store = _redis_store(kv_redis)
+    store = _redis_store(kv_redis, 256 << 20)  # SmolLM2: ~23 KB a token
     _fresh(engine, store)
     engine.next_token_logprobs([TokenScoreRequest([*altered, 0], [0], len(altered))])
     store.flush()
@@ -307,7 +327,7 @@ def test_a_poisoned_redis_state_is_recomputed_not_restored(engine: LlamaEngine, 
     key = prefix_state_key(sha, engine.layout, prefix)
     client.set(store.redis.key(key.digest), planted)  # type: ignore[arg-type]
 
-    fresh = _redis_store(kv_redis)
+    fresh = _redis_store(kv_redis, 256 << 20)
     _fresh(engine, fresh)
     got = engine.next_token_logprobs([req])[0]
     s = engine.stats
@@ -315,3 +335,14 @@ def test_a_poisoned_redis_state_is_recomputed_not_restored(engine: LlamaEngine, 
     assert fresh.counters()["redis_rejected_mismatch"] == 1
     assert got.prefill_tokens == len(req.prompt)
     np.testing.assert_allclose(got.logprobs, expected, atol=1e-4, rtol=0)
+
+    # What the check prevents: the same state handed over unchecked restores without a
+    # complaint and changes the scores.
+    state = store.get(prefix_state_key(sha, engine.layout, altered))
+    assert state is not None
+    unchecked = TieredStateStore(MemoryLRU(64 << 20))
+    unchecked.put(key, state)
+    _fresh(engine, unchecked)
+    poisoned = engine.next_token_logprobs([req])[0]
+    assert engine.stats.kv_restores == 1
+    assert np.abs(np.array(poisoned.logprobs) - np.array(expected)).max() > 1e-2
