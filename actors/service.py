@@ -11,6 +11,7 @@ in-flight slot past its deadline.
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import importlib.metadata
 import json
@@ -66,8 +67,9 @@ REMOTE_POLL_S = 0.2
 """How often a decoder thread blocked on a remote call looks at its cancel flag."""
 
 
+@functools.cache
 def package_version() -> str:
-    """The installed selfrag version (part of every query key)."""
+    """The installed selfrag version (part of every query key; read once per process)."""
     try:
         return importlib.metadata.version("selfrag")
     except importlib.metadata.PackageNotFoundError:  # run from a source tree, not installed
@@ -118,7 +120,7 @@ def query_key(
 
 
 class Cancelled(Exception):
-    """The request was abandoned (deadline or client gone); stop at the next remote call."""
+    """The request was abandoned (client gone); the decoder thread stops waiting and ends."""
 
 
 def _cancel_call(response: DeploymentResponse[Any]) -> None:
@@ -471,7 +473,7 @@ class ServeAnswerService:
     async def readiness(self) -> dict[str, bool]:
         async def probe(handle: DeploymentHandle, timeout_s: float) -> bool:
             try:
-                return bool(await asyncio.wait_for(handle.ready.remote(), timeout_s))
+                return bool(await asyncio.wait_for(_awaited(handle.ready.remote()), timeout_s))
             except Exception as exc:
                 log.warning("readiness: %s", exc)
                 return False
@@ -496,7 +498,7 @@ class ServeAnswerService:
         return {"model": model, "store": store, "cache": cache}
 
     async def metrics_text(self) -> list[str]:
-        stats = await asyncio.wait_for(self._pool.stats.remote(), 5.0)
+        stats = await asyncio.wait_for(_awaited(self._pool.stats.remote()), 5.0)
         lines: list[str] = stats.render()
         counters = getattr(self._cache, "counters", None)
         if callable(counters):
