@@ -27,7 +27,7 @@ import llama_cpp
 import numpy as np
 import numpy.typing as npt
 
-from infra.kv_cache import ContextLayout, PrefixStateStore, prefix_state_key
+from infra.kv_cache import ContextLayout, PrefixKey, PrefixStateStore, prefix_state_key
 from infra.lifecycle import Closeable
 from infra.llama_backend import ensure_backend
 from infra.model_files import check_gguf, file_sha256
@@ -807,7 +807,7 @@ class LlamaEngine(Closeable):
         """
         assert self.prefix_store is not None and self._model_sha256 is not None
         staged: set[int] = set()
-        misses: list[tuple[_Slot, str]] = []
+        misses: list[tuple[_Slot, PrefixKey]] = []
         feeds: list[_Feed] = []
         for job in group_jobs:
             n = job.reusable
@@ -885,7 +885,7 @@ class LlamaEngine(Closeable):
         )
         return False
 
-    def _save(self, slot: _Slot, key: str) -> None:
+    def _save(self, slot: _Slot, key: PrefixKey) -> None:
         """Put the state of `slot` (exactly the reusable prefix) into the store."""
         assert self.prefix_store is not None
         size = llama_cpp.llama_state_seq_get_size(self._ctx, slot.seq_id)
