@@ -10,6 +10,8 @@ question, unknown field, out-of-range dial, oversized body). Every response is c
 * succeeded: 200 to a valid request (a stream counts when it ends with its `answer` event);
 * rejected as designed: 422/413 to a malformed request, 503 (with Retry-After) or 504 to a
   valid one under load;
+* dropped: a stream the client closes right after the response headers, before any event
+  (the server must cancel its decode; the in-flight gauge must be back at 0 after the run);
 * failed unexpectedly: anything else (5xx other than 503/504, a 4xx to a valid request, a 200
   to a malformed one, a stream without its answer, a connection error). Must be 0.
 
@@ -148,6 +150,16 @@ def one_request(
             if r.status_code in expected and "error" in r.json():
                 return f"malformed:{name}", "rejected", elapsed, ""
             return f"malformed:{name}", "failed", elapsed, f"HTTP {r.status_code}"
+        if roll < 0.22:
+            # A client that gives up before the first event: the server must cancel the
+            # decode and free its in-flight slot (checked at the end of the run).
+            kind = "stream_dropped"
+            with client.stream("POST", "/v1/answer/stream", json=fresh.next()) as r:
+                status = r.status_code
+            elapsed = time.perf_counter() - start
+            if status in (200, 503, 504):
+                return kind, "dropped", elapsed, ""
+            return kind, "failed", elapsed, f"HTTP {status}"
         if roll < 0.35:
             kind = "stream"
             payload = {"question": rng.choice(pool), "config": SMALL_CONFIG}
@@ -221,7 +233,31 @@ def soak(
         for f in futures:
             f.result()
     samples.append((time.monotonic() - started, replica_rss(server_pid)))
-    return report(tally, samples, time.monotonic() - started)
+    figures = report(tally, samples, time.monotonic() - started)
+    inflight, waited = inflight_after(url)
+    print(f"in-flight answers after the load: {inflight} (after waiting {waited:.0f} s)")
+    figures["dropped_streams"] = tally.outcome["dropped"]
+    figures["inflight_end"] = inflight
+    return figures
+
+
+INFLIGHT_METRIC = "selfrag_inflight_answers"
+
+
+def inflight_after(url: str, wait_s: float = 120.0) -> tuple[int, float]:
+    """The ingress's in-flight gauge once the load stopped: it must return to 0 (a dropped
+    stream whose decode kept running would hold its slot). Polls until 0 or `wait_s`."""
+    start = time.monotonic()
+    value = -1
+    with httpx.Client(base_url=url, timeout=10.0) as client:
+        while True:
+            text = client.get("/metrics").text
+            for line in text.splitlines():
+                if line.startswith(INFLIGHT_METRIC):
+                    value = int(float(line.split()[-1]))
+            if value == 0 or time.monotonic() - start > wait_s:
+                return value, time.monotonic() - start
+            time.sleep(2.0)
 
 
 def report(
@@ -239,7 +275,8 @@ def report(
     )
     print(
         f"succeeded {tally.outcome['succeeded']}, rejected as designed (4xx/503/504) "
-        f"{tally.outcome['rejected']}, failed unexpectedly {tally.outcome['failed']}"
+        f"{tally.outcome['rejected']}, streams dropped by the client {tally.outcome['dropped']}, "
+        f"failed unexpectedly {tally.outcome['failed']}"
     )
     for why, n in tally.failures.most_common(10):
         print(f"  failure x{n}: {why}")
@@ -317,7 +354,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             pid = server_pid(args.port)
             figures = soak(url, args.duration_s, args.clients, args.sample_s, args.seed, pid)
     print(" ".join(f"{k}={v}" for k, v in figures.items()))
-    return 1 if figures["failed"] else 0
+    return 1 if figures["failed"] or figures.get("inflight_end") != 0 else 0
 
 
 if __name__ == "__main__":
