@@ -310,6 +310,7 @@ class BackendLoader:
             resolved = str(model.resolve())
             if self.loaded is None:
                 chosen = choose_backend(model, candidates(cache), cache, n_threads)
+                route_llama_log()  # before ggml announces the library on stderr
                 if chosen.path is not None:
                     load_variant(chosen.path)
                 init_llama()
@@ -438,16 +439,25 @@ def _route_log(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
 _log_callback = None
 
 
+def route_llama_log() -> None:
+    """Send llama.cpp's and ggml's log to `logging` (errors only) from now on."""
+    global _log_callback
+    import llama_cpp
+
+    if _log_callback is None:
+        _log_callback = llama_cpp.llama_log_callback(_route_log)
+        llama_cpp.llama_log_set(_log_callback, ctypes.c_void_p(0))
+
+
 def init_llama() -> None:
     """`llama_backend_init` once per process, with llama.cpp's log sent to `logging`."""
-    global _initialised, _log_callback
+    global _initialised
     import llama_cpp
 
     with _init_lock:
         if _initialised:
             return
-        _log_callback = llama_cpp.llama_log_callback(_route_log)
-        llama_cpp.llama_log_set(_log_callback, ctypes.c_void_p(0))
+        route_llama_log()
         llama_cpp.llama_backend_init()
         _initialised = True
 

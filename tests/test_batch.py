@@ -353,7 +353,7 @@ def ray_local() -> Iterator[None]:
 
     started = not ray.is_initialized()
     if started:
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         yield
     finally:
