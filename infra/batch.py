@@ -318,6 +318,30 @@ def last_statuses(path: Path) -> tuple[dict[str, str], int]:
     return statuses, records - len(statuses)
 
 
+def earlier_answers(path: Path, keys: set[str]) -> dict[str, tuple[str, dict[str, Any]]]:
+    """For each of `keys` answered by an ok record already in `path`: that record's id and
+    response. A duplicate whose first id was answered by an earlier (killed) run reuses it."""
+    from actors.service import query_key
+
+    found: dict[str, tuple[str, dict[str, Any]]] = {}
+    if not keys or not path.exists():
+        return found
+    with path.open("rb") as f:
+        for line in f:
+            try:
+                record = json.loads(line)
+                if record.get("status") != "ok":
+                    continue
+                response = record["response"]
+                config = DecodingConfig.model_validate(response["config"])
+                key = query_key(str(record["question"]), config, "", "")
+            except (ValueError, KeyError, TypeError, AttributeError):
+                continue  # a torn line, or not an answer record
+            if key in keys:
+                found[key] = (str(record["id"]), response)
+    return found
+
+
 def done_ids(path: Path, retry_failed: bool = False) -> set[str]:
     """Ids a run skips: those with a record in `path` (a torn last line is ignored), less
     those whose last record is an error when `retry_failed`."""
@@ -953,10 +977,28 @@ def _answer_into(
             if record["error"]["type"] != "malformed":
                 summary.failed += 1
             emit(record)
-        if jobs:
+        earlier = earlier_answers(out, {job.key for job in jobs})
+        for job in jobs:
+            if job.key in earlier:
+                first, response = earlier[job.key]
+                summary.duplicates += len(job.ids)
+                for ident in job.ids:
+                    summary.answered += 1
+                    summary.cache_hits += 1
+                    emit(
+                        {
+                            "id": ident,
+                            "status": "ok",
+                            "question": job.question,
+                            "response": response,
+                            "duplicate_of": first,
+                        }
+                    )
+        pending = [job for job in jobs if job.key not in earlier]
+        if pending:
             started_ray = ensure_ray(address)
             for job, outcome in stream_answers(
-                settings, jobs, actors=actors, per_actor=per_actor, actor_cpus=actor_cpus
+                settings, pending, actors=actors, per_actor=per_actor, actor_cpus=actor_cpus
             ):
                 summary.duplicates += len(job.ids) - 1
                 for n, ident in enumerate(job.ids):

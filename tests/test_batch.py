@@ -23,6 +23,7 @@ from infra.batch import (
     OutputLockedError,
     compact_records,
     done_ids,
+    earlier_answers,
     lock_output,
     parse_shard,
     plan_jobs,
@@ -248,6 +249,26 @@ def test_duplicates_share_a_job_and_bad_config_is_an_error_record():
         ("5", "error", "invalid"),
     ]
     assert "top_k" in errors[0]["error"]["message"]
+
+
+def test_a_duplicate_of_an_id_answered_by_an_earlier_run_reuses_its_answer(tmp_path: Path):
+    """A killed run may have written the first id of a duplicate but not the others; the next
+    run must not decode the question again."""
+    config = DecodingConfig(top_k=2)
+    jobs, _ = plan_jobs([BatchQuestion("dup", "WHO founded Normandy?", {"top_k": 2}, 1)], config)
+    response = {"answer": "Rollo", "config": config.model_dump(mode="json")}
+    out = tmp_path / "a.jsonl"
+    out.write_text(
+        json.dumps(
+            {"id": "q0", "status": "ok", "question": "Who founded Normandy?", "response": response}
+        )
+        + "\n"
+        + json.dumps({"id": "e1", "status": "error", "question": "Who founded Normandy?"})
+        + "\n{torn"
+    )
+    assert earlier_answers(out, {jobs[0].key}) == {jobs[0].key: ("q0", response)}
+    other, _ = plan_jobs([BatchQuestion("x", "Who founded Normandy?", {"top_k": 3}, 1)], config)
+    assert earlier_answers(out, {other[0].key}) == {}  # another config is another answer
 
 
 def test_resources_split_the_cpus():
