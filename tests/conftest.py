@@ -7,6 +7,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import redis
 
 from tests.redis_proc import RedisProcess, redis_or_skip
 
@@ -54,3 +55,13 @@ def redis_server() -> Iterator[tuple[str, RedisProcess | None]]:
     yield url, proc
     if proc is not None:
         proc.kill()
+
+
+@pytest.fixture
+def redis_url(redis_server: tuple[str, RedisProcess | None]) -> str:
+    """The module's redis-server, running (a test may have killed it) and empty."""
+    url, proc = redis_server
+    if proc is not None and not proc.running:
+        proc.start()
+    redis.Redis.from_url(url).flushdb()
+    return url

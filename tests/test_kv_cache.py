@@ -94,15 +94,6 @@ def test_states_reach_redis_behind_and_survive_an_outage(
 # --- states read from Redis are checked, never trusted ------------------------------------
 
 
-@pytest.fixture
-def kv_redis(redis_server: tuple[str, RedisProcess | None]) -> str:
-    url, proc = redis_server
-    if proc is not None and not proc.running:
-        proc.start()
-    redis.Redis.from_url(url).flushdb()
-    return url
-
-
 def _redis_store(url: str, max_bytes: int = 1 << 20) -> TieredStateStore:
     """A store with Redis only (as a fresh replica's), on a 1 MB cap unless told."""
     tier = RedisTier(url, "selfrag:kvtest", ttl_s=60, max_bytes=max_bytes, timeout_s=0.5)
@@ -121,15 +112,15 @@ def _redis_store(url: str, max_bytes: int = 1 << 20) -> TieredStateStore:
     ],
 )
 def test_a_poisoned_state_in_redis_is_refused_counted_and_replaced(
-    kv_redis: str, poison: str, reason: str
+    redis_url: str, poison: str, reason: str
 ):
     """A value under the right key that is not exactly the state of these tokens is never
     returned: a flipped payload byte, a state sealed for other tokens or under another key, a
     value over the entry cap, or a bare state as an older version (or anyone) would SET it."""
-    writer, reader = _redis_store(kv_redis), _redis_store(kv_redis)
+    writer, reader = _redis_store(redis_url), _redis_store(redis_url)
     state = bytes(range(256)) * 64
     wrong = prefix_state_key("abc", LAYOUT, [*range(100, 163), 7])  # one token differs
-    client = redis.Redis.from_url(kv_redis)
+    client = redis.Redis.from_url(redis_url)
     assert writer.redis is not None
     name = writer.redis.key(KEY.digest)
     writer.put(KEY, state)
@@ -156,21 +147,21 @@ def test_a_poisoned_state_in_redis_is_refused_counted_and_replaced(
     # The engine recomputes and saves the state: it replaces the poisoned value.
     reader.put(KEY, state)
     reader.flush()
-    assert _redis_store(kv_redis).get(KEY) == state
+    assert _redis_store(redis_url).get(KEY) == state
 
 
 @pytest.mark.real
-def test_refused_states_are_counted_in_the_pool_metrics(kv_redis: str, tmp_path: Path):
+def test_refused_states_are_counted_in_the_pool_metrics(redis_url: str, tmp_path: Path):
     from actors.deployments import PoolStats
     from actors.metrics import BatchStats
     from infra.runtime import SelfRAG
 
-    env = {"SELFRAG_HOME": str(tmp_path), "SELFRAG_REDIS_URL": kv_redis}
+    env = {"SELFRAG_HOME": str(tmp_path), "SELFRAG_REDIS_URL": redis_url}
     with SelfRAG(load_settings(environ=env)) as rag:
         assert rag.kv_store_counters() == {}  # nothing opened just to report on it
         store = rag.prefix_store
         assert store is not None and store.redis is not None
-        redis.Redis.from_url(kv_redis).set(store.redis.key(KEY.digest), b"not a state")
+        redis.Redis.from_url(redis_url).set(store.redis.key(KEY.digest), b"not a state")
         assert store.get(KEY) is None
         text = "\n".join(PoolStats(BatchStats(), dict(rag.kv_store_counters())).render())
     assert "# TYPE selfrag_kv_cache_tier_total counter" in text
@@ -304,7 +295,7 @@ def test_a_bad_stored_state_falls_back_to_recompute(engine: LlamaEngine, kind: s
 
 
 @pytest.mark.real
-def test_a_poisoned_redis_state_is_recomputed_not_restored(engine: LlamaEngine, kv_redis: str):
+def test_a_poisoned_redis_state_is_recomputed_not_restored(engine: LlamaEngine, redis_url: str):
     """The state of a prefix of the same length but one other passage token restores without
     complaint from llama.cpp and would change every score; copied under the right key in Redis
     it is refused (counted) and the engine recomputes the prefix."""
@@ -315,19 +306,19 @@ def test_a_poisoned_redis_state_is_recomputed_not_restored(engine: LlamaEngine, 
     altered = list(prefix)
     altered[len(altered) // 2] = engine.tokenize(" Paris")[-1]
     assert altered != prefix
-    store = _redis_store(kv_redis, 256 << 20)  # SmolLM2: ~23 KB a token
+    store = _redis_store(redis_url, 256 << 20)  # SmolLM2: ~23 KB a token
     _fresh(engine, store)
     engine.next_token_logprobs([TokenScoreRequest([*altered, 0], [0], len(altered))])
     store.flush()
     assert store.redis is not None
     sha = engine.model_sha256 or ""
-    client = redis.Redis.from_url(kv_redis)
+    client = redis.Redis.from_url(redis_url)
     planted = client.get(store.redis.key(prefix_state_key(sha, engine.layout, altered).digest))
     assert planted is not None
     key = prefix_state_key(sha, engine.layout, prefix)
     client.set(store.redis.key(key.digest), planted)  # type: ignore[arg-type]
 
-    fresh = _redis_store(kv_redis, 256 << 20)
+    fresh = _redis_store(redis_url, 256 << 20)
     _fresh(engine, fresh)
     got = engine.next_token_logprobs([req])[0]
     s = engine.stats

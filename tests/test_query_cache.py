@@ -79,15 +79,6 @@ def test_the_query_cache_can_be_turned_off(tmp_path: Path):
 # --- the Redis tier -------------------------------------------------------------------------------
 
 
-@pytest.fixture
-def redis_url(redis_server: tuple[str, RedisProcess | None]) -> str:
-    url, proc = redis_server
-    if proc is not None and not proc.running:
-        proc.start()
-    redis.Redis.from_url(url).flushdb()
-    return url
-
-
 def _cache(url: str, tmp_path: Path, **cache: object) -> AnswerCache:
     env = {
         "SELFRAG_HOME": str(tmp_path),
