@@ -37,7 +37,7 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 PROBE_TIMEOUT_S = 300.0
-PROBE_FORMAT = 1
+PROBE_FORMAT = 2
 PROBE_PROMPT = (
     "The Normans were the people who in the 10th and 11th centuries gave their name to "
     "Normandy, a region in France. They were descended from Norse raiders and pirates."
@@ -275,8 +275,9 @@ def probe(
     return ProbeResult(False, f"{_status(done.returncode)}: {_tail(done.stderr)}", name)
 
 
-# Deterministic deaths are kept; a timeout or an odd exit may be load and is probed again.
-_CACHED_FAILURES = frozenset({"SIGILL", "SIGSEGV", "SIGBUS", "SIGFPE", "SIGABRT"})
+# An illegal instruction is the CPU's verdict on a backend and is kept; any other death
+# (or a timeout) may be load or a bug and is probed again next time.
+_CACHED_FAILURES = frozenset({"SIGILL"})
 
 
 def _extra_features(failed: Variant, candidates: Sequence[Variant]) -> list[str]:
@@ -349,7 +350,7 @@ def candidates(cache: ProbeCache) -> list[Variant]:
 
 
 def probe_cached(model: Path, variant: Variant, cache: ProbeCache, n_threads: int) -> ProbeResult:
-    """`probe`, remembered: successes and deterministic crashes are kept on disk."""
+    """`probe`, remembered: successes and illegal-instruction deaths are kept on disk."""
     key = cache.model_key(model, variant)
     stored = cache.get(key)
     if isinstance(stored, dict):
@@ -482,9 +483,9 @@ def _score(path: str) -> int:
 def _probe_main(model: str, variant: str | None, n_threads: int) -> int:
     import llama_cpp
 
+    route_llama_log()  # keeps its callback alive: a collected one is a dangling pointer
     if variant is not None:
         load_variant(Path(variant))
-    llama_cpp.llama_log_set(llama_cpp.llama_log_callback(_route_log), ctypes.c_void_p(0))
     llama_cpp.llama_backend_init()
     params = llama_cpp.llama_model_default_params()
     handle = llama_cpp.llama_model_load_from_file(model.encode(), params)

@@ -32,7 +32,7 @@ from infra.llama_backend import (
     probe_cached,
     variant_files,
 )
-from infra.model_files import default_model_path
+from infra.model_files import default_model_path, derive_weights
 
 REPO = Path(__file__).resolve().parents[1]
 ILLEGAL_INSTRUCTION_BACKEND = r"""
@@ -116,9 +116,20 @@ def test_the_installed_build_ships_ranked_cpu_variants(cache: ProbeCache) -> Non
     assert candidates(cache) == ranked
 
 
+@pytest.fixture(scope="module")
+def f16_weights(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return derive_weights(default_model_path(), "f16", tmp_path_factory.mktemp("home"))
+
+
 @pytest.mark.real
-def test_quantized_model_passes_the_probe_with_the_best_backend(cache: ProbeCache) -> None:
-    model = default_model_path()  # the shipped Q4_1 weights
+@pytest.mark.parametrize("weights", ["original", "f16"])
+def test_the_model_passes_the_probe_with_the_best_backend(
+    weights: str, cache: ProbeCache, request: pytest.FixtureRequest
+) -> None:
+    # The shipped Q4_1 file and the derived F16 copy (weights="auto"), each in a fresh child.
+    model = (
+        default_model_path() if weights == "original" else request.getfixturevalue("f16_weights")
+    )
     best = candidates(cache)[0]
     result = probe_cached(model, best, cache, n_threads=1)
     assert result.ok, result.detail
@@ -144,7 +155,7 @@ def test_a_backend_dying_of_sigill_is_skipped_for_the_next(
     assert chosen == real[0]
     assert "crashed the 'sapphirerapids' CPU backend" in caplog.text
     assert "AMX_INT8" in caplog.text and "SIGILL" in caplog.text
-    # The deterministic crash is remembered: the next process does not crash again.
+    # The illegal instruction is remembered: the next process does not crash again.
     assert cache.get(cache.model_key(model, crashing))["signal_name"] == "SIGILL"
 
 
