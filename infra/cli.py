@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import typing
 from collections.abc import Sequence
@@ -309,6 +310,14 @@ def _fmt(value: float | None, signed: bool = False) -> str:
     return f"{value:+.2f}" if signed else f"{value:.2f}"
 
 
+def _check_model_runs(model: Path, n_threads: int) -> None:
+    """Probe `model` on this machine's llama.cpp CPU backends (in child processes);
+    `BackendError` with the reason when none runs it."""
+    from infra.llama_backend import check_backend
+
+    check_backend(model, n_threads=n_threads or os.cpu_count() or 1)
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     """Start the Serve application and block until SIGINT/SIGTERM, then shut it down (and
     the local Ray instance when this command started it)."""
@@ -325,9 +334,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if settings.model.backend == "llama_cpp":
         from infra.runtime import SelfRAG
 
-        # Fail here, naming the file, before Ray starts: a missing or corrupt model would
-        # otherwise surface as a replica that keeps failing to start.
-        SelfRAG(settings).model_path  # noqa: B018 - resolves and checks the GGUF file
+        # Fail here, naming the file, before Ray starts: a missing or corrupt model, or one no
+        # CPU backend can run, would otherwise surface as a replica that keeps failing to start.
+        _check_model_runs(SelfRAG(settings).model_path, settings.model.n_threads)
     import ray
     from ray import serve
 

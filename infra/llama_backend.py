@@ -372,6 +372,9 @@ def choose_backend(
     failures: list[str] = []
     for variant in ranked:
         result = probe_cached(model, variant, cache, n_threads)
+        if not result.ok and result.signal_name is None and result.detail.startswith("exit"):
+            # The child ended itself (the file does not load): no other backend helps.
+            raise BackendError(f"llama.cpp cannot run the model {model}: {result.detail}")
         if result.ok:
             if failures:
                 logger.warning(
@@ -402,6 +405,15 @@ _loader = BackendLoader()
 def ensure_backend(model: Path, *, n_threads: int, cache_dir: Path | None = None) -> Variant:
     """The process-wide `BackendLoader.ensure`."""
     return _loader.ensure(model, n_threads=n_threads, cache_dir=cache_dir)
+
+
+def check_backend(model: Path, *, n_threads: int, cache_dir: Path | None = None) -> Variant:
+    """The backend `ensure_backend` would choose for `model`, found by probing in child
+    processes only (nothing is loaded here); `BackendError` when none runs it. Lets a command
+    fail with the reason before it starts replicas or actors, and fills the probe cache they
+    read."""
+    cache = ProbeCache(cache_dir or default_cache_dir())
+    return choose_backend(model, candidates(cache), cache, n_threads)
 
 
 def loaded_backend() -> Variant | None:

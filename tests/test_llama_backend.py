@@ -190,3 +190,20 @@ def test_cli_answers_on_the_original_quantized_weights(indexed_home: Path) -> No
     )
     assert done.returncode == 0, done.stderr[-2000:]
     assert '"answer"' in done.stdout
+
+
+@pytest.mark.real
+def test_serve_stops_before_ray_when_llama_cpp_cannot_load_the_model(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from infra.cli import main
+
+    # A well-formed GGUF header with no metadata and no tensors: no architecture to load.
+    model = tmp_path / "empty.gguf"
+    model.write_bytes(b"GGUF" + (3).to_bytes(4, "little") + bytes(16))
+    monkeypatch.setenv("SELFRAG_MODEL__PATH", str(model))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    code = main(["--home", str(tmp_path / "home"), "serve", "--port", "1"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert f"llama.cpp cannot run the model {model}" in err and "Traceback" not in err
