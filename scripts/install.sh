@@ -2,9 +2,9 @@
 # Create .venv and install selfrag with its tests' tools. Safe to run again: it only adds
 # what is missing.
 #
-# llama-cpp-python has no prebuilt wheel here, and pip's own build compiles for the building
-# CPU (-march=native) and caches that wheel under the package's name, so a wheel built on one
-# machine was reused on another. This script builds it once per build configuration, portably:
+# llama-cpp-python has no prebuilt wheel here, and pip's own build compiles ggml for the
+# instruction set of the building CPU and caches that wheel under the package's name, so a
+# wheel built on one machine was reused on another. This script builds it once per build configuration, portably:
 # every CPU backend variant (x64 … sapphirerapids) as its own library, one of which selfrag
 # chooses at run time (infra/llama_backend.py). About 25 minutes on 2 cores the first time,
 # then reused from ~/.cache/selfrag/wheels.
