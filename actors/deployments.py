@@ -102,13 +102,8 @@ class BranchPool:
         return self._engine.model_id
 
     def model_fingerprint(self) -> str:
-        """The model's identity in query-cache keys: its id and the loaded GGUF's SHA-256
-        (computed once per file and process; a vLLM server's model has only its name)."""
-        if self._rag.settings.model.backend == "vllm":
-            return self._engine.model_id
-        from infra.model_files import file_sha256
-
-        return f"{self._engine.model_id} sha256:{file_sha256(self._rag.model_path)}"
+        """`SelfRAG.model_fingerprint`: the model's identity in query-cache keys."""
+        return self._rag.model_fingerprint
 
     def critic_name(self, source: str) -> str:
         """The critique source `source` resolves to; raises ValueError when unusable."""

@@ -693,9 +693,16 @@ class BatchAnswerer:
     def _answer_one(self, question: str, config: DecodingConfig) -> str:
         """The outcome of one question as JSON: {status: ok, response, cache} or
         {status: error, error: {type, message}}."""
-        from actors.service import query_key
+        from actors.service import query_cache_scope, query_key
 
-        key = query_key(question, config, self._index_version, self._model_id)
+        # The key the online endpoint uses too: a Redis shared with it serves both.
+        key = query_key(
+            question,
+            config,
+            self._index_version,
+            self._rag.model_fingerprint,
+            query_cache_scope(self._settings),
+        )
         if self._cache is not None:
             hit = self._cache.get(key)
             if hit is not None:

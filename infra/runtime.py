@@ -58,6 +58,16 @@ class SelfRAG(Closeable):
         return derive_weights(source, self.settings.model.weights, self.settings.home)
 
     @cached_property
+    def model_fingerprint(self) -> str:
+        """The model's identity in query-cache keys: its id and the GGUF file's SHA-256
+        (hashed once per file and process); a vLLM server's model has only its name."""
+        if self.settings.model.backend == "vllm":
+            return self.engine.model_id
+        from infra.model_files import file_sha256
+
+        return f"{self.engine.model_id} sha256:{file_sha256(self.model_path)}"
+
+    @cached_property
     def engine(self) -> LlamaEngine | VLLMEngine:
         m = self.settings.model
         if m.backend == "vllm":
