@@ -680,6 +680,12 @@ class BatchAnswerer:
         self._store: Any = _RemoteStore(retriever) if retriever is not None else self._rag.store
         self._index_version = self._store.index_version()
         self._cache = open_query_cache(settings)
+        self._key_parts: tuple[str, dict[str, Any]] = ("", {})
+        if self._cache is not None:
+            from actors.service import query_cache_scope
+
+            # Hashes the model file once per actor, and only when answers are cached.
+            self._key_parts = (self._rag.model_fingerprint, query_cache_scope(settings))
         self._merger = CallMerger(self._rag.critic)
 
     def __call__(self, batch: dict[str, Any]) -> dict[str, list[str]]:
@@ -693,17 +699,12 @@ class BatchAnswerer:
     def _answer_one(self, question: str, config: DecodingConfig) -> str:
         """The outcome of one question as JSON: {status: ok, response, cache} or
         {status: error, error: {type, message}}."""
-        from actors.service import query_cache_scope, query_key
+        from actors.service import query_key
 
-        # The key the online endpoint uses too: a Redis shared with it serves both.
-        key = query_key(
-            question,
-            config,
-            self._index_version,
-            self._rag.model_fingerprint,
-            query_cache_scope(self._settings),
-        )
+        key: str | None = None
         if self._cache is not None:
+            # The key the online endpoint uses too: a Redis shared with it serves both.
+            key = query_key(question, config, self._index_version, *self._key_parts)
             hit = self._cache.get(key)
             if hit is not None:
                 return _ok(hit, "hit")
@@ -728,7 +729,7 @@ class BatchAnswerer:
         finally:
             self._merger.leave()
             timer.cancel()
-        if self._cache is not None:
+        if self._cache is not None and key is not None:
             self._cache.put(key, response)
         return _ok(response, "miss")
 

@@ -356,6 +356,35 @@ def test_a_question_past_its_timeout_gets_an_error_record():
     assert ok["status"] == "ok" and ok["response"]["answer"]
 
 
+def test_batch_caches_answers_under_the_online_endpoints_key():
+    from types import SimpleNamespace
+
+    from actors.service import query_key
+    from infra.batch import BatchAnswerer
+    from pipeline.protocols import Passage
+    from tests.fakes import ListRetriever
+
+    class DictCache(dict):
+        def put(self, key, response):  # type: ignore[no-untyped-def]
+            self[key] = response
+
+    critic = ScriptedCritic()
+    actor = object.__new__(BatchAnswerer)
+    actor._rag = SimpleNamespace(critic=lambda source: critic)  # type: ignore[attr-defined]
+    actor._store = ListRetriever([Passage("p1", "Rollo founded Normandy.")])  # type: ignore[attr-defined]
+    actor._index_version, actor._model_id = "v", "m"  # type: ignore[attr-defined]
+    actor._cache = DictCache()  # type: ignore[attr-defined]
+    scope = {"calibration": {"a": 1}}
+    actor._key_parts = ("m sha256:abc", scope)  # type: ignore[attr-defined]
+    actor._merger = CallMerger(lambda source: critic, max_wait_s=0.01)  # type: ignore[attr-defined]
+    config = DecodingConfig(mode="always")
+    assert json.loads(actor._answer_one("Who founded Normandy?", config))["cache"] == "miss"
+    assert list(actor._cache) == [
+        query_key("Who founded Normandy?", config, "v", "m sha256:abc", scope)
+    ]
+    assert json.loads(actor._answer_one("who founded normandy?", config))["cache"] == "hit"
+
+
 def _offline_settings(tmp_path: Path) -> Any:
     from infra.settings import load_settings
 
