@@ -3,10 +3,17 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
-from pydantic import BaseModel, ConfigDict, Field, Secret, SecretStr, field_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    Secret,
+    SecretStr,
+)
 
 from schemas.calibration import CalibrationSettings
 from schemas.decoding import DecodingConfig
@@ -51,6 +58,10 @@ def _blank_is_none(value: Any) -> Any:
     return None if isinstance(value, str) and not value.strip() else value
 
 
+BlankIsUnset = BeforeValidator(_blank_is_none)
+"""Marks an optional secret field (`Annotated[...]`) whose empty value means unset."""
+
+
 class ModelSettings(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -88,7 +99,7 @@ class RetrievalSettings(BaseModel):
     qdrant_url: str | None = Field(
         None, description="Qdrant server URL; default: embedded on disk."
     )
-    qdrant_api_key: SecretStr | None = Field(
+    qdrant_api_key: Annotated[SecretStr | None, BlankIsUnset] = Field(
         None, description="Qdrant server API key; shown masked, never logged."
     )
     collection: str = "passages"
@@ -109,11 +120,6 @@ class RetrievalSettings(BaseModel):
         description="Indexing skips a document larger than this (UTF-8 bytes) with an error "
         "naming it; the rest of the corpus is indexed.",
     )
-
-    @field_validator("qdrant_api_key", mode="before")
-    @classmethod
-    def _blank_key_is_unset(cls, value: Any) -> Any:
-        return _blank_is_none(value)
 
 
 class ServeSettings(BaseModel):
@@ -219,13 +225,8 @@ class Settings(BaseModel):
     )
     serve: ServeSettings = Field(default_factory=ServeSettings)
     cache: CacheSettings = Field(default_factory=CacheSettings)
-    redis_url: SecretUrl | None = Field(
+    redis_url: Annotated[SecretUrl | None, BlankIsUnset] = Field(
         None,
         description="redis://[:password@]host:port/db: the shared cache tier; default: "
         "in-process only. Shown with the password masked.",
     )
-
-    @field_validator("redis_url", mode="before")
-    @classmethod
-    def _blank_url_is_unset(cls, value: Any) -> Any:
-        return _blank_is_none(value)
