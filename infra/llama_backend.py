@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import functools
 import hashlib
 import importlib.util
 import json
@@ -129,6 +130,7 @@ def variant_name(path: Path) -> str:
     return path.name.removeprefix("libggml-cpu-").removesuffix(".so")
 
 
+@functools.cache
 def cpu_signature() -> str:
     """What identifies this CPU for the probe cache: model name and feature flags."""
     try:
@@ -310,7 +312,7 @@ class BackendLoader:
         with self._lock:
             resolved = str(model.resolve())
             if self.loaded is None:
-                chosen = choose_backend(model, candidates(cache), cache, n_threads)
+                chosen = check_backend(model, n_threads=n_threads, cache_dir=cache.folder)
                 route_llama_log()  # before ggml announces the library on stderr
                 if chosen.path is not None:
                     load_variant(chosen.path)
