@@ -124,6 +124,8 @@ class _Job:
     """Leading tokens whose KV state may come from, and go to, the prefix-state store."""
     staged: int = 0
     """Leading tokens placed in a slot before planning (restored or decoded alone to save)."""
+    hidden: bool = False
+    """The final hidden state is wanted with the logits at `out_from`."""
     prefill: int = 0
     slot: _Slot | None = None
 
@@ -152,6 +154,8 @@ class _Feed:
     out_from: int
     on_logits: Callable[[int, int], None] | None
     """Called with (absolute position, batch index) once that position's logits exist."""
+    hidden: bool = False
+    """The outputs also need the final hidden state (`_hidden_view`)."""
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int], limit: int) -> int:
@@ -223,6 +227,7 @@ class LlamaEngine(Closeable):
             raise EngineError(f"llama.cpp could not load the model file {model_path}")
         self._vocab = llama_cpp.llama_model_get_vocab(self._model)
         self._n_vocab = int(llama_cpp.llama_vocab_n_tokens(self._vocab))
+        self._n_embd = int(llama_cpp.llama_model_n_embd(self._model))
 
         ctx_params = llama_cpp.llama_context_default_params()
         ctx_params.n_ctx = n_ctx
@@ -235,6 +240,10 @@ class LlamaEngine(Closeable):
         # than n_ctx / n_seq_max cells.
         ctx_params.kv_unified = True
         ctx_params.no_perf = True
+        # Hidden states are switched on only for the decode calls that read them: with
+        # embeddings on, llama.cpp computes logits for every token of the batch.
+        ctx_params.embeddings = False
+        ctx_params.pooling_type = llama_cpp.LLAMA_POOLING_TYPE_NONE
         self._ctx = llama_cpp.llama_init_from_model(self._model, ctx_params)
         if not self._ctx:
             self._ctx = None
@@ -244,6 +253,7 @@ class LlamaEngine(Closeable):
                 f"n_batch={n_batch}) for {model_path}"
             )
         self._mem = llama_cpp.llama_get_memory(self._ctx)
+        self._embeddings_on = False
         self.n_ctx = int(llama_cpp.llama_n_ctx(self._ctx))
         self.n_batch = int(llama_cpp.llama_n_batch(self._ctx))
         self.n_seq_max = n_seq_max
@@ -313,6 +323,11 @@ class LlamaEngine(Closeable):
     @property
     def n_vocab(self) -> int:
         return self._n_vocab
+
+    @property
+    def hidden_size(self) -> int | None:
+        """Length of the hidden states `next_token_logprobs` returns on request."""
+        return self._n_embd
 
     @property
     def stats(self) -> EngineStats:
@@ -410,13 +425,17 @@ class LlamaEngine(Closeable):
                     reuse_limit=n - 1,
                     out_from=n - 1,
                     reusable=min(req.reusable_prefix, n - 1),
+                    hidden=req.hidden_state,
                 )
             )
         results: list[list[float]] = [[] for _ in requests]
+        hidden: list[tuple[float, ...] | None] = [None] * len(requests)
 
         def on_logits(job: int, pos: int, batch_index: int) -> None:
             logprobs = self._log_softmax(batch_index)
             results[job] = [float(logprobs[c]) for c in requests[job].candidates]
+            if jobs[job].hidden:
+                hidden[job] = tuple(self._hidden_view(batch_index).tolist())
 
         with self._lock:
             self._require_open()
@@ -424,7 +443,7 @@ class LlamaEngine(Closeable):
             for group in self._groups(list(range(len(jobs))), jobs):
                 self._prefill(jobs, group, on_logits)
         return [
-            TokenScores(logprobs=results[i], prefill_tokens=jobs[i].prefill)
+            TokenScores(logprobs=results[i], prefill_tokens=jobs[i].prefill, hidden_state=hidden[i])
             for i in range(len(jobs))
         ]
 
@@ -661,19 +680,29 @@ class LlamaEngine(Closeable):
                 self._stats.shared_tokens += shared
 
         feeds: list[_Feed] = []
+        tails: list[_Feed] = []
         for k, (i, job) in enumerate(zip(group, group_jobs, strict=True)):
             suffix = job.tokens[plan.starts[k] :]
             job.prefill += len(suffix)
             self._stats.prefill_tokens += len(suffix)
-            feeds.append(
-                _Feed(
-                    slot=self._slot_of(job),
-                    tokens=suffix,
-                    out_from=job.out_from,
-                    on_logits=(lambda pos, bi, job_index=i: on_logits(job_index, pos, bi)),
-                )
+            feed = _Feed(
+                slot=self._slot_of(job),
+                tokens=suffix,
+                out_from=job.out_from,
+                on_logits=(lambda pos, bi, job_index=i: on_logits(job_index, pos, bi)),
+                hidden=job.hidden,
             )
+            if job.hidden and len(suffix) > 1:
+                # With hidden states on, llama.cpp outputs every token of a decode call: only
+                # the last token, whose output is read, goes into that call.
+                feeds.append(_Feed(feed.slot, suffix[:-1], job.out_from, None))
+                feed.tokens = suffix[-1:]
+                tails.append(feed)
+            else:
+                feeds.append(feed)
         self._decode(feeds)
+        if tails:
+            self._decode(tails)
 
     def _place(self, group_jobs: list[_Job], shared: int) -> _Plan | None:
         """Give every job its own slot holding the longest cached prefix available to it.
@@ -935,6 +964,7 @@ class LlamaEngine(Closeable):
                     outputs.append((feed, pos, b))
                 seqs.add(feed.slot.seq_id)
             self._batch.n_tokens = len(chunk)
+            self._set_embeddings(any(feed.hidden for feed, _, _ in outputs))
             status = llama_cpp.llama_decode(self._ctx, self._batch)
             self._stats.decode_calls += 1
             self._stats.batch_sizes[len(seqs)] += 1
@@ -952,6 +982,18 @@ class LlamaEngine(Closeable):
             for feed, pos, b in outputs:
                 assert feed.on_logits is not None
                 feed.on_logits(pos, b)
+
+    def _set_embeddings(self, on: bool) -> None:
+        if on != self._embeddings_on:
+            llama_cpp.llama_set_embeddings(self._ctx, on)
+            self._embeddings_on = on
+
+    def _hidden_view(self, batch_index: int) -> npt.NDArray[np.float32]:
+        """The final hidden state of one output of the last decode (a view, no copy)."""
+        ptr = llama_cpp.llama_get_embeddings_ith(self._ctx, batch_index)
+        if not ptr:
+            raise EngineError(f"llama.cpp has no hidden state for batch position {batch_index}")
+        return np.ctypeslib.as_array(ptr, shape=(self._n_embd,))
 
     def _logits_view(self, batch_index: int) -> npt.NDArray[np.float32]:
         """The logits of one output of the last decode, as a view (no copy)."""

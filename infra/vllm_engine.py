@@ -227,10 +227,21 @@ class VLLMEngine(Closeable):
             out.append([float(x) if x is not None else 0.0 for x in lps[1 : len(seq)]])
         return out
 
+    @property
+    def hidden_size(self) -> None:
+        """None: vLLM's completions API returns no hidden states (no `learned` critique)."""
+        return None
+
     def next_token_logprobs(self, requests: Sequence[TokenScoreRequest]) -> list[TokenScores]:
         """Each candidate scored as the last token of `prompt + [candidate]`."""
         sequences: list[list[int]] = []
         for i, req in enumerate(requests):
+            if req.hidden_state:
+                raise VLLMError(
+                    "the vLLM adapter cannot return hidden states: vLLM's OpenAI-compatible "
+                    "API has no such output. Serve a model exported with "
+                    "`selfrag train --export-gguf` (critique 'native') instead"
+                )
             prompt = _prompt(req.prompt, f"requests[{i}].prompt")
             sequences += [[*prompt, int(c)] for c in req.candidates]
         scored = iter(self._prompt_logprobs(sequences))

@@ -22,6 +22,9 @@ class TokenScoreRequest:
     """Leading prompt tokens that form a content-addressed reusable prefix (template + passage,
     the same for any question): an engine may save their KV state and restore it later instead
     of recomputing it. 0: no such prefix."""
+    hidden_state: bool = False
+    """Also return the final hidden state (after the output norm) at the last prompt token:
+    the vector the output matrix turns into these logits."""
 
 
 @dataclass(frozen=True)
@@ -30,6 +33,8 @@ class TokenScores:
 
     logprobs: list[float]
     prefill_tokens: int
+    hidden_state: tuple[float, ...] | None = None
+    """The final hidden state at the last prompt token, when the request asked for it."""
 
 
 @dataclass(frozen=True)
@@ -96,6 +101,12 @@ class LanguageModel(Protocol):
 
     @property
     def chat_template(self) -> str | None: ...
+
+    @property
+    def hidden_size(self) -> int | None:
+        """Length of the hidden states `next_token_logprobs` returns when a request asks
+        (`TokenScoreRequest.hidden_state`); None when this engine cannot return them."""
+        ...
 
     def tokenize(self, text: str, *, special: bool = False) -> list[int]:
         """Tokenize without adding BOS. With `special=False` no control token can appear."""

@@ -87,7 +87,10 @@ class WordModel:
     candidates get probability 0 (logprob -inf).
     """
 
-    def __init__(self, specials=(), script=None, template=None, draft_text=" It is so."):
+    def __init__(
+        self, specials=(), script=None, template=None, draft_text=" It is so.", hidden=None
+    ):
+        """`hidden(prompt_text)`, when given, is the scripted hidden state of a prompt."""
         import re
 
         self._re = re
@@ -99,6 +102,7 @@ class WordModel:
         self.script = script or (lambda prompt, pieces: {})
         self.template = template
         self.draft_text = draft_text
+        self.hidden = hidden
         self.prompts: list[str] = []
 
     def _id(self, piece: str) -> int:
@@ -114,6 +118,10 @@ class WordModel:
     @property
     def chat_template(self):
         return self.template
+
+    @property
+    def hidden_size(self):
+        return None if self.hidden is None else len(self.hidden(""))
 
     def tokenize(self, text: str, *, special: bool = False) -> list[int]:
         if special and self.specials:
@@ -151,10 +159,15 @@ class WordModel:
             self.prompts.append(text)
             pieces = [self.pieces[c].removeprefix("txt:") for c in r.candidates]
             probs = self.script(text, pieces)
+            hidden = None
+            if r.hidden_state:
+                assert self.hidden is not None, "this WordModel has no hidden states"
+                hidden = tuple(self.hidden(text))
             out.append(
                 TokenScores(
                     [math.log(probs[p]) if probs.get(p, 0) > 0 else -math.inf for p in pieces],
                     len(r.prompt),
+                    hidden,
                 )
             )
         return out
