@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 from infra.lifecycle import Closeable
 from pipeline.critique import Critic, make_critic
 from pipeline.decoder import SelfRAGDecoder
+from pipeline.heads import ReflectionHeads
 from schemas.answer import AnswerRequest, AnswerResponse
 from schemas.decoding import DecodingConfig
 from schemas.settings import Settings
@@ -106,10 +107,31 @@ class SelfRAG(Closeable):
     def decoder(self) -> SelfRAGDecoder:
         return SelfRAGDecoder(self.critic, self.store, self.engine.model_id)
 
+    @cached_property
+    def heads(self) -> ReflectionHeads | None:
+        """The reflection heads of the model file (configured, trained here, or shipped), or
+        None; configured heads of another model file are refused (`HeadsError`)."""
+        if self.settings.model.backend == "vllm":
+            return None
+        from infra.heads_store import find_heads, load_heads
+        from infra.model_files import file_sha256
+
+        sha = file_sha256(self.model_path)
+        configured = self.settings.model.heads
+        path = configured if configured is not None else find_heads(self.settings.home, sha)
+        if path is None:
+            return None
+        heads = load_heads(path)
+        heads.check_model(sha, None)
+        return heads
+
     def critic(self, source: str) -> Critic:
         with self._lock:
             if source not in self._critics:
-                self._critics[source] = make_critic(self.engine, source, self.settings.calibration)
+                heads = self.heads if source in ("auto", "learned") else None
+                self._critics[source] = make_critic(
+                    self.engine, source, self.settings.calibration, heads
+                )
             return self._critics[source]
 
     # --- operations -----------------------------------------------------------------------------

@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
+from pipeline.heads import HeadsError, ReflectionHeads
 from pipeline.prompts import ChatGlue, Part, PromptBuilder, Tokens, Trusted, Untrusted, chat_glue
 from pipeline.protocols import (
     Generation,
@@ -126,6 +127,10 @@ NATIVE_TOKENS: dict[str, dict[str, str]] = {
     "utility": {str(i): f"[Utility:{i}]" for i in range(1, 6)},
 }
 NATIVE_MARKUP = ("<paragraph>", "</paragraph>")
+# A control token in the vocabulary of a model exported by `selfrag train --export-gguf`: its
+# reflection rows were trained at the positions of the chat layout (`ChatCritic`), not of the
+# Asai et al. prompt format.
+NATIVE_CHAT_LAYOUT = "<|reflection_layout:chat|>"
 
 
 def native_token_ids(model: LanguageModel) -> dict[str, LabelTokens] | None:
@@ -278,14 +283,18 @@ def first_token_labels(model: LanguageModel, words: Mapping[str, Sequence[str]])
     return LabelTokens(out)
 
 
-class PromptedCritic:
-    """Critique from any instruct model's answer-token probabilities under short questions.
+class ChatCritic:
+    """The chat layout shared by the prompted, learned and native-chat critique.
 
-    The passage comes first in every evidence prompt, so "system + passage" is a prefix shared
-    by the relevance, drafting and support prompts of a branch (and reusable across questions).
+    Every group is read at the end of a short conversation: [system, user(passage, question,
+    task), assistant] for retrieval and relevance, and [..., assistant(draft), user(critique
+    question), assistant] for support and utility. The passage comes first, so "system +
+    passage" is a prefix shared by the relevance, drafting and support prompts of a branch (and
+    reusable across questions). Data flow as in the paper: Retrieve after (x, y<t), IsRel after
+    (x, d), IsSup after (x, d, y_t), IsUse after (x, y_t). Subclasses say how a group is read.
     """
 
-    name = "prompted"
+    name = "chat"
 
     def __init__(self, model: LanguageModel, questions: PromptedQuestions | None = None) -> None:
         self._model = model
@@ -294,9 +303,15 @@ class PromptedCritic:
         self._builder = PromptBuilder(
             model, reserved=[p for g in NATIVE_TOKENS.values() for p in g.values()]
         )
-        self._labels = {
-            group: first_token_labels(model, words) for group, words in self._q.label_words.items()
-        }
+
+    def _read(
+        self, group: str, prompts: Sequence[list[int]], reusable: Sequence[int]
+    ) -> list[LabelProbs]:
+        """The label probabilities of `group` as the next token after each prompt."""
+        raise NotImplementedError
+
+    def _stop_tokens(self) -> frozenset[int]:
+        return frozenset()
 
     # The conversation is [system, user(evidence + task), assistant(answer), user(critique)].
     def _user(self, b: Branch, task: str) -> list[Part]:
@@ -339,83 +354,183 @@ class PromptedCritic:
             ],
         )
 
-    def retrieval(self, branches: Sequence[Branch]) -> list[LabelProbs]:
+    def retrieval_prompt(self, b: Branch) -> list[int]:
         g = self._glue
-        prompts = []
-        for b in branches:
-            so_far = f"Answer so far: {b.prefix}\n" if b.prefix else ""
-            text = self._q.retrieve.format(question="\x00", answer_so_far="\x00")
-            before, middle, after = text.split("\x00")
-            parts: list[Part] = [Trusted(g.start)]
-            if g.has_system:
-                parts += [Trusted(SYSTEM_PROMPT), Trusted(g.system_to_user)]
-            parts += [Trusted(before), Untrusted(b.question), Trusted(middle)]
-            if so_far:
-                parts.append(Untrusted(so_far))
-            parts += [Trusted(after + g.assistant_start)]
-            prompts.append(self._builder.build(parts))
-        return _read_groups(self._model, prompts, self._labels["retrieve"])
+        so_far = f"Answer so far: {b.prefix}\n" if b.prefix else ""
+        text = self._q.retrieve.format(question="\x00", answer_so_far="\x00")
+        before, middle, after = text.split("\x00")
+        parts: list[Part] = [Trusted(g.start)]
+        if g.has_system:
+            parts += [Trusted(SYSTEM_PROMPT), Trusted(g.system_to_user)]
+        parts += [Trusted(before), Untrusted(b.question), Trusted(middle)]
+        if so_far:
+            parts.append(Untrusted(so_far))
+        parts += [Trusted(after + g.assistant_start)]
+        return self._builder.build(parts)
+
+    def relevance_prompt(self, b: Branch) -> tuple[list[int], int]:
+        return self._build(
+            b, [*self._user(b, self._q.relevance), Trusted(self._glue.assistant_start)]
+        )
+
+    def draft_prompt(self, b: Branch) -> tuple[list[int], int]:
+        return self._build(b, self._answer(b))
+
+    def support_prompt(self, b: Branch, d: Generation) -> tuple[list[int], int]:
+        return self._follow_up(b, d, self._q.support)
+
+    def utility_prompt(self, b: Branch, d: Generation) -> tuple[list[int], int]:
+        # IsUse judges the answer against the question alone, (x, y_t): no passage in view.
+        return self._follow_up(replace(b, passage=None), d, self._q.utility)
+
+    def retrieval(self, branches: Sequence[Branch]) -> list[LabelProbs]:
+        prompts = [self.retrieval_prompt(b) for b in branches]
+        return self._read("retrieve", prompts, [0] * len(prompts))
 
     def relevance(self, branches: Sequence[Branch]) -> list[LabelProbs]:
-        built = [
-            self._build(b, [*self._user(b, self._q.relevance), Trusted(self._glue.assistant_start)])
-            for b in branches
-        ]
-        return _read_groups(
-            self._model, [p for p, _ in built], self._labels["relevance"], [n for _, n in built]
-        )
+        built = [self.relevance_prompt(b) for b in branches]
+        return self._read("relevance", [p for p, _ in built], [n for _, n in built])
 
     def draft(self, branches: Sequence[Branch], max_tokens: int) -> list[Generation]:
         requests = []
         for b in branches:
-            prompt, reusable = self._build(b, self._answer(b))
-            requests.append(GenerationRequest(prompt, max_tokens, reusable_prefix=reusable))
+            prompt, reusable = self.draft_prompt(b)
+            requests.append(
+                GenerationRequest(prompt, max_tokens, self._stop_tokens(), reusable_prefix=reusable)
+            )
         return self._model.generate(requests) if requests else []
 
     def support(self, branches: Sequence[Branch], drafts: Sequence[Generation]) -> list[LabelProbs]:
-        built = [
-            self._follow_up(b, d, self._q.support) for b, d in zip(branches, drafts, strict=True)
-        ]
-        return _read_groups(
-            self._model, [p for p, _ in built], self._labels["support"], [n for _, n in built]
-        )
+        built = [self.support_prompt(b, d) for b, d in zip(branches, drafts, strict=True)]
+        return self._read("support", [p for p, _ in built], [n for _, n in built])
 
     def utility(self, branches: Sequence[Branch], drafts: Sequence[Generation]) -> list[LabelProbs]:
-        built = [
-            self._follow_up(b, d, self._q.utility) for b, d in zip(branches, drafts, strict=True)
+        built = [self.utility_prompt(b, d) for b, d in zip(branches, drafts, strict=True)]
+        return self._read("utility", [p for p, _ in built], [n for _, n in built])
+
+
+class PromptedCritic(ChatCritic):
+    """Critique from any instruct model's answer-token probabilities under short questions."""
+
+    name = "prompted"
+
+    def __init__(self, model: LanguageModel, questions: PromptedQuestions | None = None) -> None:
+        super().__init__(model, questions)
+        self._labels = {
+            group: first_token_labels(model, words) for group, words in self._q.label_words.items()
+        }
+
+    def _read(
+        self, group: str, prompts: Sequence[list[int]], reusable: Sequence[int]
+    ) -> list[LabelProbs]:
+        return _read_groups(self._model, prompts, self._labels[group], reusable)
+
+
+class NativeChatCritic(ChatCritic):
+    """Reflection tokens of a model exported by `selfrag train --export-gguf`: the chat layout
+    (declared by the vocabulary token `NATIVE_CHAT_LAYOUT`), read through the output matrix."""
+
+    name = "native"
+
+    def __init__(self, model: LanguageModel, groups: dict[str, LabelTokens]) -> None:
+        super().__init__(model)
+        self._groups = groups
+
+    def _read(
+        self, group: str, prompts: Sequence[list[int]], reusable: Sequence[int]
+    ) -> list[LabelProbs]:
+        return _read_groups(self._model, prompts, self._groups[group], reusable)
+
+    def _stop_tokens(self) -> frozenset[int]:
+        return frozenset(t for g in self._groups.values() for t in g.candidates)
+
+
+class LearnedCritic(ChatCritic):
+    """Reflection heads on the frozen model's final hidden state (`pipeline.heads`), read at
+    the same positions as the native-chat critique reads the reflection tokens."""
+
+    name = "learned"
+
+    def __init__(self, model: LanguageModel, heads: ReflectionHeads) -> None:
+        if model.hidden_size is None:
+            raise ValueError(
+                "critique 'learned' needs the model's hidden states, which this engine cannot "
+                "return (use 'likelihood' or 'prompted')"
+            )
+        if model.hidden_size != heads.hidden_size:
+            raise HeadsError(
+                f"heads of hidden size {heads.hidden_size} for a model of hidden size "
+                f"{model.hidden_size}"
+            )
+        super().__init__(model)
+        self.heads = heads
+
+    def _read(
+        self, group: str, prompts: Sequence[list[int]], reusable: Sequence[int]
+    ) -> list[LabelProbs]:
+        return [
+            LabelProbs(self.heads.groups[group].probabilities(h), prefill)
+            for h, prefill in self.hidden_states(prompts, reusable)
         ]
-        return _read_groups(
-            self._model, [p for p, _ in built], self._labels["utility"], [n for _, n in built]
-        )
+
+    def hidden_states(
+        self, prompts: Sequence[list[int]], reusable: Sequence[int]
+    ) -> list[tuple[tuple[float, ...], int]]:
+        """The final hidden state after each prompt and the prompt tokens it cost."""
+        if not prompts:
+            return []
+        requests = [
+            TokenScoreRequest(prompt=p, candidates=(), reusable_prefix=n, hidden_state=True)
+            for p, n in zip(prompts, reusable, strict=True)
+        ]
+        out = []
+        for r in self._model.next_token_logprobs(requests):
+            if r.hidden_state is None:
+                raise RuntimeError("the engine returned no hidden state for a learned critique")
+            out.append((r.hidden_state, r.prefill_tokens))
+        return out
 
 
 def make_critic(
-    model: LanguageModel, source: str, calibration: CalibrationSettings | None = None
+    model: LanguageModel,
+    source: str,
+    calibration: CalibrationSettings | None = None,
+    heads: ReflectionHeads | None = None,
 ) -> Critic:
     """Build the critique source named by `source`.
 
-    auto: native when the model has the reflection tokens, else likelihood (on the Normans
-    tuning questions it ranked evidence far better than prompted yes/no questions with
-    SmolLM2, see docs/evaluation.md).
+    auto: native when the model has the reflection tokens, else learned when `heads` were
+    trained for this model file, else likelihood (on the Normans tuning questions it ranked
+    evidence far better than prompted yes/no questions with SmolLM2, docs/evaluation.md).
 
-    `calibration` parameterises the `likelihood` source (defaults when None).
+    `calibration` parameterises the `likelihood` source (defaults when None); `heads` are the
+    reflection heads of this model file (`selfrag train`), or None.
     """
     from pipeline.likelihood import LikelihoodCritic  # imports this module
 
     if source == "likelihood":
         return LikelihoodCritic(model, calibration)
-    groups = native_token_ids(model)
-    if source == "native":
-        if groups is None:
-            raise ValueError(
-                "critique 'native' needs a Self-RAG checkpoint; this model's vocabulary has no "
-                "reflection tokens (use 'prompted')"
-            )
-        return NativeCritic(model, groups)
-    if source == "auto":
-        if groups is not None:
-            return NativeCritic(model, groups)
-        return LikelihoodCritic(model, calibration)
     if source == "prompted":
         return PromptedCritic(model)
-    raise ValueError(f"unknown critique source {source!r}")
+    if source == "learned":
+        if heads is None:
+            raise ValueError(
+                "critique 'learned' needs reflection heads for this model file; train them "
+                "with `selfrag train`"
+            )
+        return LearnedCritic(model, heads)
+    if source not in ("native", "auto"):
+        raise ValueError(f"unknown critique source {source!r}")
+    groups = native_token_ids(model)
+    if groups is not None:
+        if model.special_token_id(NATIVE_CHAT_LAYOUT) is not None:
+            return NativeChatCritic(model, groups)
+        return NativeCritic(model, groups)
+    if source == "native":
+        raise ValueError(
+            "critique 'native' needs a Self-RAG checkpoint; this model's vocabulary has no "
+            "reflection tokens (use 'learned', 'likelihood' or 'prompted')"
+        )
+    if heads is not None and model.hidden_size is not None:
+        return LearnedCritic(model, heads)
+    return LikelihoodCritic(model, calibration)

@@ -7,7 +7,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 RetrievalMode = Literal["adaptive", "always", "never"]
-CritiqueSource = Literal["auto", "native", "prompted", "likelihood"]
+CritiqueSource = Literal["auto", "native", "learned", "prompted", "likelihood"]
 SupportLevel = Literal["none", "partial", "full"]
 UnsupportedPolicy = Literal["abstain", "no_retrieval"]
 
@@ -60,7 +60,8 @@ class DecodingConfig(BaseModel):
     )
     critique: CritiqueSource = Field(
         "auto",
-        description="auto picks native when the model has reflection tokens, else likelihood.",
+        description="auto picks native when the model has reflection tokens, else learned "
+        "when reflection heads exist for the model file, else likelihood.",
     )
     max_retrievals: int = Field(4, ge=0, le=64, description="Retrieval steps allowed per question.")
     max_prefill_tokens: int = Field(

@@ -73,6 +73,12 @@ class ModelSettings(BaseModel):
         description="Derive a faster copy of the weights once and cache it; auto picks the fastest "
         "measured format for the model's original type.",
     )
+    heads: Path | None = Field(
+        None,
+        description="Reflection heads file for the learned critique (`selfrag train`); default: "
+        "the heads trained for the model file ($SELFRAG_HOME/heads/<sha256>.json), else those "
+        "shipped for the embedded default.",
+    )
     n_ctx: int = Field(
         8192, ge=512, le=131072, description="Total KV cells shared by all sequences."
     )

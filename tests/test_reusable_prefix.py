@@ -59,9 +59,9 @@ def test_prompted_critic_marks_the_passage_prefix():
     drafts = critic.draft(branches, 8)
     critic.support(branches, drafts)
     critic.utility(branches, drafts)
-    # relevance 2, draft 2 of 3, support 2 of 3, utility 2 of 3 carry a passage.
-    _check(model, 8)
-    assert sum(1 for r in model.requests if not r.reusable_prefix) == 3
+    # relevance 2, draft 2 of 3, support 2 of 3 carry a passage; utility judges (x, y_t) only.
+    _check(model, 6)
+    assert sum(1 for r in model.requests if not r.reusable_prefix) == 5
 
 
 def test_likelihood_critic_marks_the_passage_prefix():

@@ -1,0 +1,101 @@
+"""Reflection heads on disk: one JSON file per model file, named by the file's SHA-256.
+
+`selfrag train` writes `$SELFRAG_HOME/heads/<sha256>.json`; the repository ships the heads of
+the embedded default under `infra/shipped_heads/`. A file holds the weight rows (float32,
+base64) and the training manifest (data, counts, seed, validation AUC per group).
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from pipeline.heads import GROUP_LABELS, GroupHead, HeadsError, ReflectionHeads
+
+HEADS_FORMAT = 1
+SHIPPED_DIR = Path(__file__).with_name("shipped_heads")
+
+
+def heads_path(home: Path, model_sha256: str) -> Path:
+    return home / "heads" / f"{model_sha256}.json"
+
+
+def find_heads(home: Path, model_sha256: str) -> Path | None:
+    """The heads file for a model file: trained here first, else shipped, else None."""
+    for path in (heads_path(home, model_sha256), SHIPPED_DIR / f"{model_sha256}.json"):
+        if path.is_file():
+            return path
+    return None
+
+
+def save_heads(
+    path: Path,
+    model_sha256: str,
+    weights: dict[str, np.ndarray],
+    manifest: dict[str, Any],
+) -> ReflectionHeads:
+    """Write heads (group → array of shape (labels, hidden)) atomically; returns them."""
+    groups: dict[str, Any] = {}
+    for name, labels in GROUP_LABELS.items():
+        w = np.asarray(weights[name], dtype=np.float32)
+        if w.ndim != 2 or w.shape[0] != len(labels):
+            raise HeadsError(f"group {name!r}: weights of shape {w.shape} for labels {labels}")
+        groups[name] = {
+            "labels": list(labels),
+            "shape": list(w.shape),
+            "float32_base64": base64.b64encode(np.ascontiguousarray(w).tobytes()).decode(),
+        }
+    doc = {
+        "format": HEADS_FORMAT,
+        "model_sha256": model_sha256,
+        "groups": groups,
+        "manifest": manifest,
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as fh:
+            json.dump(doc, fh, indent=1)
+            fh.write("\n")
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return load_heads(path)
+
+
+def load_heads(path: Path) -> ReflectionHeads:
+    """Read a heads file; a malformed one is a `HeadsError` naming the file."""
+    try:
+        doc = json.loads(path.read_text())
+        if doc.get("format") != HEADS_FORMAT:
+            raise HeadsError(f"format {doc.get('format')!r}, expected {HEADS_FORMAT}")
+        groups = {}
+        for name, g in doc["groups"].items():
+            rows, cols = (int(x) for x in g["shape"])
+            raw = base64.b64decode(g["float32_base64"], validate=True)
+            w = np.frombuffer(raw, dtype=np.float32).reshape(rows, cols)
+            groups[name] = GroupHead(
+                tuple(g["labels"]), tuple(tuple(float(v) for v in row) for row in w)
+            )
+        return ReflectionHeads(model_sha256=str(doc["model_sha256"]), groups=groups)
+    except HeadsError as exc:
+        raise HeadsError(f"{path}: {exc}") from exc
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise HeadsError(f"{path} is not a reflection heads file ({exc})") from exc
+
+
+def read_manifest(path: Path) -> dict[str, Any]:
+    manifest = json.loads(path.read_text()).get("manifest", {})
+    return manifest if isinstance(manifest, dict) else {}
+
+
+def heads_matrix(heads: ReflectionHeads, group: str) -> np.ndarray:
+    """A group's weight rows as a float32 array (labels × hidden)."""
+    return np.asarray(heads.groups[group].rows, dtype=np.float32)
