@@ -176,6 +176,47 @@ def _eval_parsers(sub: Any) -> None:
     p_cal.add_argument("--samples", type=Path, help="Also write the raw samples (JSONL) here.")
     p_cal.add_argument("--dry-run", action="store_true", help="Fit and print; write nothing.")
 
+    p_train = sub.add_parser(
+        "train",
+        help="Fit the reflection heads of the model file (the learned critique) on the index, "
+        "and optionally labelled questions; write HOME/heads/<model sha256>.json.",
+    )
+    p_train.add_argument(
+        "--qa",
+        type=Path,
+        nargs="+",
+        default=[],
+        help="Labelled questions: SQuAD v2 JSON or FlashRAG JSONL {question, golden_answers}.",
+    )
+    p_train.add_argument("--article", help="Keep one SQuAD article of --qa (e.g. Normans).")
+    p_train.add_argument(
+        "--corpus",
+        type=Path,
+        nargs="+",
+        help="Corpus files or folders, indexed first when the index lacks them.",
+    )
+    p_train.add_argument("--seed", type=int, default=0)
+    p_train.add_argument(
+        "--passages",
+        type=int,
+        help="Passages drawn for the self-supervised relevance examples (default 320; the "
+        "other groups scale with it).",
+    )
+    p_train.add_argument("--out", type=Path, help="Heads file (default: HOME/heads/<sha>.json).")
+    p_train.add_argument(
+        "--export-gguf",
+        type=Path,
+        metavar="OUT.gguf",
+        help="Also write a copy of the model whose vocabulary carries the reflection tokens "
+        "with the learned rows in its output matrix (critique 'native').",
+    )
+    p_train.add_argument(
+        "--reuse",
+        action="store_true",
+        help="With --export-gguf: export the heads this model already has instead of training.",
+    )
+    p_train.add_argument("--no-progress", action="store_true")
+
 
 def _settings(args: argparse.Namespace) -> Settings:
     from infra.settings import load_settings
@@ -482,7 +523,63 @@ def cmd_batch(args: argparse.Namespace) -> int:
     return EXIT_PARTIAL if summary.failed or summary.malformed else 0
 
 
-COMMANDS.update({"eval": cmd_eval, "calibrate": cmd_calibrate, "batch": cmd_batch})
+def cmd_train(args: argparse.Namespace) -> int:
+    from dataclasses import replace
+
+    from infra.evaluation import ensure_indexed, load_questions
+    from infra.heads_store import heads_path, save_heads
+    from infra.model_files import file_sha256
+    from infra.runtime import SelfRAG
+    from infra.training import TrainingPlan, describe, train
+
+    if args.reuse and args.export_gguf is None:
+        raise CLIError("--reuse only applies with --export-gguf")
+    if args.passages is not None and args.passages < 10:
+        raise CLIError("--passages must be at least 10")
+    questions = []
+    for path in args.qa:
+        questions += load_questions(path, article=args.article if path.suffix == ".json" else None)
+    plan = TrainingPlan(seed=args.seed)
+    if args.passages is not None:
+        n = args.passages
+        plan = replace(
+            plan,
+            relevance_passages=n,
+            support_passages=max(n // 2, 5),
+            utility_passages=max(n // 3, 5),
+            retrieve_passages=max(n // 3, 5),
+        )
+    settings = _settings(args)
+    with SelfRAG(settings) as rag:
+        sha = file_sha256(rag.model_path)
+        out = args.out or heads_path(settings.home, sha)
+        if args.reuse:
+            heads = rag.heads
+            if heads is None:
+                raise CLIError(f"no reflection heads for {rag.model_path.name}: train them first")
+        else:
+            ensure_indexed(rag, args.corpus, progress=not args.no_progress)
+            data = {
+                "qa": [str(p) for p in args.qa],
+                "article": args.article,
+                "command": "selfrag " + " ".join(sys.argv[1:]),
+            }
+            weights, manifest = train(
+                rag, questions, plan, data=data, progress=not args.no_progress
+            )
+            heads = save_heads(out, sha, weights, manifest)
+            print(describe(manifest, out))
+        if args.export_gguf is not None:
+            from infra.gguf_export import export_reflection_model
+
+            written = export_reflection_model(rag.model_path, heads, args.export_gguf)
+            print(f"wrote {written} (critique 'native': reflection tokens with the learned rows)")
+    return 0
+
+
+COMMANDS.update(
+    {"eval": cmd_eval, "calibrate": cmd_calibrate, "batch": cmd_batch, "train": cmd_train}
+)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -294,6 +294,26 @@ class QdrantStore(Closeable):
             )
         return [_passage(point) for point in response.points]
 
+    def passages(self, batch: int = 256) -> Iterator[Passage]:
+        """Every indexed passage, in the collection's point order (for `selfrag train`)."""
+        with self._lock:
+            if not self._collection_exists():
+                return
+        offset: Any = None
+        while True:
+            with self._lock:
+                points, offset = self._client.scroll(
+                    self._collection,
+                    limit=batch,
+                    offset=offset,
+                    with_payload=True,
+                    with_vectors=False,
+                )
+            for point in points:
+                yield _passage(point)
+            if offset is None:
+                break
+
     # -- internals --------------------------------------------------------------------------
 
     def _collection_exists(self) -> bool:
@@ -429,13 +449,13 @@ def _point(passage: Passage, vector: np.ndarray) -> models.PointStruct:
     )
 
 
-def _passage(point: models.ScoredPoint) -> Passage:
+def _passage(point: models.ScoredPoint | models.Record) -> Passage:
     payload = point.payload or {}
     doc_id = str(payload.get("doc_id", ""))
     return Passage(
         id=str(payload.get("passage_id", point.id)),
         text=str(payload.get("text", "")),
         title=payload.get("title"),
-        score=float(point.score),
+        score=float(getattr(point, "score", 0.0) or 0.0),
         metadata={"doc_id": doc_id} if doc_id else {},
     )

@@ -1,0 +1,358 @@
+"""`selfrag train`: fit the reflection heads of a model file on its own hidden states.
+
+Examples come from `pipeline.reflection_data` (self-supervised from the index, plus labelled QA
+when given); each is turned into the prompt the learned critique reads at inference
+(`ChatCritic`'s layout) and the engine returns the final hidden state there. Each group is a
+multinomial logistic regression without bias (rows of the output matrix, `pipeline.heads`),
+balanced over the labels present, its L2 strength chosen on a validation split held out by
+passage or question.
+"""
+
+from __future__ import annotations
+
+import random
+import sys
+import time
+import zlib
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+from scipy.optimize import minimize
+from tqdm import tqdm
+
+from infra.evaluation import EvalQuestion
+from pipeline.calibration import auc
+from pipeline.critique import Branch, ChatCritic
+from pipeline.heads import GROUP_LABELS
+from pipeline.protocols import Generation, LanguageModel, Passage, TokenScoreRequest
+from pipeline.reflection_data import (
+    EntityPool,
+    Example,
+    inverse_cloze,
+    qa_draft_examples,
+    qa_relevance_examples,
+    retrieve_examples,
+    support_examples,
+    utility_examples,
+)
+from pipeline.scoring import (
+    relevance_score,
+    retrieval_probability,
+    support_score,
+    utility_score,
+)
+
+if TYPE_CHECKING:
+    from infra.runtime import SelfRAG
+
+# The fewest examples, and of each group's two contrasted labels, a group trains on.
+MIN_EXAMPLES = 20
+MIN_PER_LABEL = 5
+L2_GRID = (0.003, 0.01, 0.03, 0.1, 0.3)
+VALIDATION_SHARE = 0.2
+# The labels whose score separation the validation AUC measures, per group.
+CONTRAST = {
+    "retrieve": ("yes", "no"),
+    "relevance": ("relevant", "irrelevant"),
+    "support": ("full", "none"),
+    "utility": ("5", "1"),
+}
+SCORE = {
+    "retrieve": retrieval_probability,
+    "relevance": relevance_score,
+    "support": support_score,
+    "utility": utility_score,
+}
+
+
+class TrainingError(ValueError):
+    """Too little data to train a group, or unusable training input."""
+
+
+@dataclass(frozen=True)
+class TrainingPlan:
+    """How many examples to draw; defaults fit the shared corpus in ~10 minutes on 2 cores."""
+
+    seed: int = 0
+    relevance_passages: int = 320
+    support_passages: int = 160
+    utility_passages: int = 100
+    retrieve_passages: int = 100
+    hard_negative_depth: int = 4
+    qa_negatives: int = 2
+    draft_tokens: int = 48
+    batch: int = 8
+
+
+# --- examples ---------------------------------------------------------------------------------
+
+
+def corpus_examples(
+    passages: Sequence[Passage],
+    search: Callable[[str, int], list[Passage]],
+    plan: TrainingPlan,
+    rng: random.Random,
+) -> list[Example]:
+    """The self-supervised examples of every group from the indexed passages."""
+    order = list(passages)
+    rng.shuffle(order)
+    pool = EntityPool.from_texts([p.text for p in passages])
+
+    def hard_negative(query: str, own: Passage) -> Passage | None:
+        for p in search(query, plan.hard_negative_depth):
+            if p.id != own.id and p.title != own.title:
+                return p
+        return None
+
+    out = inverse_cloze(order[: plan.relevance_passages], rng, hard_negative)
+    out += support_examples(order[: plan.support_passages], order, rng, pool)
+    out += utility_examples(order[: plan.utility_passages], order, rng)
+    out += retrieve_examples(order[: plan.retrieve_passages], rng)
+    return out
+
+
+def qa_examples(
+    critic: ChatCritic,
+    questions: Sequence[EvalQuestion],
+    search: Callable[[str, int], list[Passage]],
+    plan: TrainingPlan,
+    *,
+    progress: bool,
+) -> list[Example]:
+    """Labelled examples: retrieved passages for IsRel, and the critic's own drafts from the
+    evidence passage (the gold paragraph, else the best retrieved) for IsSup and IsUse."""
+    out: list[Example] = []
+    todo: list[tuple[EvalQuestion, Passage]] = []
+    for q in questions:
+        retrieved = search(q.question, plan.qa_negatives + 1)
+        gold = _gold_passage(q)
+        if q.answerable:
+            out += qa_relevance_examples(q.id, q.question, q.golds, retrieved)
+            if gold is not None:
+                out += qa_relevance_examples(q.id, q.question, q.golds, [gold])
+        evidence = gold or (retrieved[0] if retrieved else None)
+        if evidence is not None:
+            todo.append((q, evidence))
+    bar = tqdm(total=len(todo), desc="drafts", file=sys.stderr, disable=not progress)
+    for start in range(0, len(todo), plan.batch):
+        chunk = todo[start : start + plan.batch]
+        drafts = critic.draft([Branch(q.question, "", p) for q, p in chunk], plan.draft_tokens)
+        for (q, p), d in zip(chunk, drafts, strict=True):
+            out += qa_draft_examples(q.id, q.question, q.golds, q.answerable, p, d.text)
+        bar.update(len(chunk))
+    bar.close()
+    return out
+
+
+def _gold_passage(q: EvalQuestion) -> Passage | None:
+    if q.context is None or q.paragraph_id is None:
+        return None
+    title = q.article.replace("_", " ") if q.article else None
+    return Passage(id=q.paragraph_id, text=" ".join(q.context.split()), title=title)
+
+
+# --- features ---------------------------------------------------------------------------------
+
+
+def example_prompt(critic: ChatCritic, model: LanguageModel, ex: Example) -> tuple[list[int], int]:
+    """The prompt after which the learned critique reads `ex.group`, and its reusable prefix."""
+    if ex.group == "retrieve":
+        return critic.retrieval_prompt(ex.branch), 0
+    if ex.group == "relevance":
+        return critic.relevance_prompt(ex.branch)
+    tokens = model.tokenize(ex.answer, special=False)
+    draft = Generation(tokens, ex.answer, [0.0] * len(tokens), "sentence", 0)
+    if ex.group == "support":
+        return critic.support_prompt(ex.branch, draft)
+    return critic.utility_prompt(ex.branch, draft)
+
+
+def hidden_features(
+    model: LanguageModel,
+    critic: ChatCritic,
+    examples: Sequence[Example],
+    *,
+    batch: int = 8,
+    progress: bool = True,
+) -> np.ndarray:
+    """The final hidden state at each example's read position (examples × hidden)."""
+    prompts = [example_prompt(critic, model, ex) for ex in examples]
+    # Neighbours sharing a passage reuse its KV cells from the engine's prefix cache.
+    order = sorted(range(len(examples)), key=lambda i: (prompts[i][0][: prompts[i][1]], i))
+    out = np.zeros((len(examples), model.hidden_size or 0), dtype=np.float32)
+    bar = tqdm(total=len(order), desc="hidden states", file=sys.stderr, disable=not progress)
+    for start in range(0, len(order), batch):
+        idx = order[start : start + batch]
+        requests = [
+            TokenScoreRequest(prompts[i][0], (), prompts[i][1], hidden_state=True) for i in idx
+        ]
+        for i, r in zip(idx, model.next_token_logprobs(requests), strict=True):
+            assert r.hidden_state is not None
+            out[i] = r.hidden_state
+        bar.update(len(idx))
+    bar.close()
+    return out
+
+
+# --- fitting ----------------------------------------------------------------------------------
+
+
+def fit_softmax(
+    X: np.ndarray, y: np.ndarray, n_labels: int, l2: float, sample_weight: np.ndarray
+) -> np.ndarray:
+    """Weights (n_labels × d) of softmax(W·x) without bias: weighted cross-entropy + l2/2·|W|².
+
+    Features are scaled per dimension (not centred, which would need a bias) for the fit and
+    the scale folded back into W.
+    """
+    scale = np.sqrt((X.astype(np.float64) ** 2).mean(axis=0)) + 1e-6
+    Z = X / scale
+    Y = np.eye(n_labels)[y]
+    w = sample_weight / sample_weight.sum()
+    d = Z.shape[1]
+
+    def loss(flat: np.ndarray) -> tuple[float, np.ndarray]:
+        W = flat.reshape(n_labels, d)
+        logits = Z @ W.T
+        logits -= logits.max(axis=1, keepdims=True)
+        log_p = logits - np.log(np.exp(logits).sum(axis=1, keepdims=True))
+        value = -(w * (Y * log_p).sum(axis=1)).sum() + 0.5 * l2 * (W * W).sum()
+        grad = (np.exp(log_p) - Y).T @ (Z * w[:, None]) + l2 * W
+        return float(value), grad.ravel()
+
+    result = minimize(
+        loss, np.zeros(n_labels * d), jac=True, method="L-BFGS-B", options={"maxiter": 500}
+    )
+    return result.x.reshape(n_labels, d) / scale
+
+
+def probabilities(W: np.ndarray, X: np.ndarray, labels: Sequence[str]) -> list[dict[str, float]]:
+    z = X.astype(np.float64) @ W.T.astype(np.float64)
+    z -= z.max(axis=1, keepdims=True)
+    p = np.exp(z)
+    p /= p.sum(axis=1, keepdims=True)
+    return [dict(zip(labels, row.tolist(), strict=True)) for row in p]
+
+
+def group_auc(group: str, W: np.ndarray, X: np.ndarray, labels: Sequence[str]) -> float | None:
+    """AUC of the group's score (p_ret, s_rel, s_sup, s_use) for its two contrasted labels."""
+    positive, negative = CONTRAST[group]
+    keep = [i for i, label in enumerate(labels) if label in (positive, negative)]
+    if not keep:
+        return None
+    probs = probabilities(W, X[keep], GROUP_LABELS[group])
+    return auc([SCORE[group](p) for p in probs], [labels[i] == positive for i in keep])
+
+
+def _is_validation(key: str, seed: int) -> bool:
+    return zlib.crc32(f"{seed}:{key}".encode()) % 1000 < VALIDATION_SHARE * 1000
+
+
+def check_counts(examples: Sequence[Example]) -> dict[str, Counter[str]]:
+    counts: dict[str, Counter[str]] = {g: Counter() for g in GROUP_LABELS}
+    for ex in examples:
+        counts[ex.group][ex.label] += 1
+    for group, c in counts.items():
+        total = sum(c.values())
+        contrast = CONTRAST[group]
+        if total < MIN_EXAMPLES or any(c[label] < MIN_PER_LABEL for label in contrast):
+            got = ", ".join(f"{label} {c[label]}" for label in GROUP_LABELS[group])
+            raise TrainingError(
+                f"the corpus is too small to train the {group!r} head: it got {total} examples "
+                f"({got}); it needs {MIN_EXAMPLES}, with at least {MIN_PER_LABEL} each of "
+                f"{' and '.join(contrast)}. Index more passages or pass labelled questions (--qa)"
+            )
+    return counts
+
+
+def fit_heads(
+    examples: Sequence[Example], X: np.ndarray, seed: int
+) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    """Per group: choose L2 on the validation split, refit on all examples. Returns the weights
+    (rounded to float16, the precision an exported output matrix keeps) and statistics."""
+    weights: dict[str, np.ndarray] = {}
+    stats: dict[str, Any] = {}
+    for group, labels in GROUP_LABELS.items():
+        idx = [i for i, ex in enumerate(examples) if ex.group == group]
+        y = np.array([labels.index(examples[i].label) for i in idx])
+        names = [examples[i].label for i in idx]
+        Xg = X[idx]
+        present = Counter(y.tolist())
+        sw = np.array([1.0 / present[v] for v in y])
+        val = np.array([_is_validation(examples[i].key, seed) for i in idx])
+        tried: dict[float, float | None] = {}
+        for l2 in L2_GRID:
+            W = fit_softmax(Xg[~val], y[~val], len(labels), l2, sw[~val])
+            tried[l2] = group_auc(
+                group, W, Xg[val], [n for n, v in zip(names, val, strict=True) if v]
+            )
+        best = max(L2_GRID, key=lambda v: (tried[v] or 0.0, v))
+        W = fit_softmax(Xg, y, len(labels), best, sw).astype(np.float16).astype(np.float32)
+        weights[group] = W
+        stats[group] = {
+            "examples": len(idx),
+            "labels": {label: int((y == k).sum()) for k, label in enumerate(labels)},
+            "sources": dict(Counter(examples[i].source for i in idx)),
+            "validation_examples": int(val.sum()),
+            "validation_auc": tried[best],
+            "l2": best,
+            "l2_grid_auc": {str(k): v for k, v in tried.items()},
+        }
+    return weights, stats
+
+
+# --- the command ------------------------------------------------------------------------------
+
+
+def train(
+    rag: SelfRAG,
+    questions: Sequence[EvalQuestion],
+    plan: TrainingPlan,
+    *,
+    data: dict[str, Any],
+    progress: bool = True,
+) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    """Build the examples, read the hidden states and fit every head; returns weights and the
+    manifest."""
+    engine = rag.engine
+    if engine.hidden_size is None:
+        raise TrainingError("this engine returns no hidden states: train on the llama.cpp backend")
+    started = time.monotonic()
+    rng = random.Random(plan.seed)
+    passages = list(rag.store.passages())
+    if not passages:
+        raise TrainingError("the index is empty: run `selfrag index` (or pass --corpus) first")
+    critic = ChatCritic(engine)
+    examples = corpus_examples(passages, rag.store.search, plan, rng)
+    if questions:
+        examples += qa_examples(critic, questions, rag.store.search, plan, progress=progress)
+    counts = check_counts(examples)
+    X = hidden_features(engine, critic, examples, batch=plan.batch, progress=progress)
+    weights, stats = fit_heads(examples, X, plan.seed)
+    manifest = {
+        "model_file": rag.model_path.name,
+        "hidden_size": engine.hidden_size,
+        "layout": "chat",
+        "seed": plan.seed,
+        "plan": plan.__dict__,
+        "data": {**data, "indexed_passages": len(passages), "qa_questions": len(questions)},
+        "counts": {g: dict(c) for g, c in counts.items()},
+        "groups": stats,
+        "seconds": round(time.monotonic() - started, 1),
+    }
+    return weights, manifest
+
+
+def describe(manifest: dict[str, Any], path: Path) -> str:
+    lines = [f"reflection heads for {manifest['model_file']} -> {path}"]
+    for group, s in manifest["groups"].items():
+        a = s["validation_auc"]
+        shown = f"{a:.3f}" if a is not None else "n/a"
+        labels = ", ".join(f"{k} {v}" for k, v in s["labels"].items() if v)
+        lines.append(f"  {group:<9} {s['examples']:>5} examples ({labels}); validation AUC {shown}")
+    lines.append(f"  {manifest['seconds']:.0f} s")
+    return "\n".join(lines)
