@@ -126,6 +126,8 @@ class _Job:
     """Leading tokens placed in a slot before planning (restored or decoded alone to save)."""
     hidden: bool = False
     """The final hidden state is wanted with the logits at `out_from`."""
+    last_alone: bool = False
+    """Decode the last prompt token in a call of its own (with the other jobs' last tokens)."""
     prefill: int = 0
     slot: _Slot | None = None
 
@@ -426,6 +428,10 @@ class LlamaEngine(Closeable):
                     out_from=n - 1,
                     reusable=min(req.reusable_prefix, n - 1),
                     hidden=req.hidden_state,
+                    # Reads with and without hidden states then run the same batch shapes, so
+                    # an exported model's reflection logits equal the learned heads' (kernels
+                    # of other shapes differ by ~1e-2 nats).
+                    last_alone=True,
                 )
             )
         results: list[list[float]] = [[] for _ in requests]
@@ -692,7 +698,7 @@ class LlamaEngine(Closeable):
                 on_logits=(lambda pos, bi, job_index=i: on_logits(job_index, pos, bi)),
                 hidden=job.hidden,
             )
-            if job.hidden and len(suffix) > 1:
+            if job.last_alone and len(suffix) > 1:
                 # With hidden states on, llama.cpp outputs every token of a decode call: only
                 # the last token, whose output is read, goes into that call.
                 feeds.append(_Feed(feed.slot, suffix[:-1], job.out_from, None))
