@@ -52,7 +52,7 @@ if TYPE_CHECKING:
 # The fewest examples, and of each group's two contrasted labels, a group trains on.
 MIN_EXAMPLES = 20
 MIN_PER_LABEL = 5
-L2_GRID = (0.003, 0.01, 0.03, 0.1, 0.3)
+L2_GRID = (0.01, 0.03, 0.1, 0.3, 1.0, 3.0)
 VALIDATION_SHARE = 0.2
 # The labels whose score separation the validation AUC measures, per group.
 CONTRAST = {
@@ -248,6 +248,22 @@ def group_auc(group: str, W: np.ndarray, X: np.ndarray, labels: Sequence[str]) -
     return auc([SCORE[group](p) for p in probs], [labels[i] == positive for i in keep])
 
 
+def lowered(W: np.ndarray, X: np.ndarray, ceiling: float = -10.0) -> tuple[np.ndarray, float]:
+    """W with every row moved by the same vector −c·μ̂ (μ̂: the mean hidden-state direction) so
+    that no row's logit exceeds `ceiling` on the training states. Within-group probabilities
+    do not change (softmax ignores a shift common to a group), but as rows of an exported
+    output matrix the reflection tokens then stay far below ordinary tokens (whose top logit is
+    ~8-25 for SmolLM2) and never interrupt generated text. Returns W and c."""
+    mu = X.astype(np.float64).mean(axis=0)
+    mu_hat = mu / (np.linalg.norm(mu) + 1e-12)
+    along = X.astype(np.float64) @ mu_hat
+    if along.min() <= 0.0:
+        return W, 0.0  # no direction every state shares: leave the rows as they are
+    top = (X.astype(np.float64) @ W.T).max(axis=1)
+    c = max(float(((top - ceiling) / along).max()), 0.0)
+    return W - c * mu_hat[None, :], c
+
+
 def _is_validation(key: str, seed: int) -> bool:
     return zlib.crc32(f"{seed}:{key}".encode()) % 1000 < VALIDATION_SHARE * 1000
 
@@ -291,8 +307,9 @@ def fit_heads(
                 group, W, Xg[val], [n for n, v in zip(names, val, strict=True) if v]
             )
         best = max(L2_GRID, key=lambda v: (tried[v] or 0.0, v))
-        W = fit_softmax(Xg, y, len(labels), best, sw).astype(np.float16).astype(np.float32)
-        weights[group] = W
+        W = fit_softmax(Xg, y, len(labels), best, sw)
+        W, shift = lowered(W, X)
+        weights[group] = W.astype(np.float16).astype(np.float32)
         stats[group] = {
             "examples": len(idx),
             "labels": {label: int((y == k).sum()) for k, label in enumerate(labels)},
@@ -301,6 +318,7 @@ def fit_heads(
             "validation_auc": tried[best],
             "l2": best,
             "l2_grid_auc": {str(k): v for k, v in tried.items()},
+            "shift": shift,
         }
     return weights, stats
 

@@ -5,12 +5,13 @@ model's final hidden state (after the output norm) at the position where the gro
 There is no bias term on purpose: a row of `W_g` is then exactly one more row of the output
 matrix, so a model file whose vocabulary carries the reflection tokens with these rows
 (`selfrag train --export-gguf`) yields the same within-group probabilities through its own
-softmax.
+softmax. Rows are float16 values, the precision of such an output matrix.
 """
 
 from __future__ import annotations
 
 import math
+import struct
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -22,8 +23,18 @@ GROUP_LABELS: dict[str, tuple[str, ...]] = {
 }
 
 
+HALF_MAX = 65504.0
+
+
 class HeadsError(ValueError):
     """Heads that do not fit the model or are malformed."""
+
+
+def half_precision(values: Sequence[float]) -> tuple[float, ...]:
+    """`values` rounded to the nearest float16 (clamped to its range)."""
+    n = len(values)
+    clamped = [min(max(v, -HALF_MAX), HALF_MAX) for v in values]
+    return struct.unpack(f"{n}e", struct.pack(f"{n}e", *clamped))
 
 
 @dataclass(frozen=True)
@@ -44,11 +55,14 @@ class GroupHead:
         return len(self.rows[0])
 
     def logits(self, hidden: Sequence[float]) -> list[float]:
+        """W·h, with h rounded to float16 as llama.cpp does when it multiplies the (float16)
+        output matrix, so these logits equal an exported model's own."""
         if len(hidden) != self.hidden_size:
             raise HeadsError(
                 f"a hidden state of {len(hidden)} values for heads of size {self.hidden_size}"
             )
-        return [math.fsum(w * x for w, x in zip(row, hidden, strict=True)) for row in self.rows]
+        h = half_precision(hidden)
+        return [math.fsum(w * x for w, x in zip(row, h, strict=True)) for row in self.rows]
 
     def probabilities(self, hidden: Sequence[float]) -> dict[str, float]:
         """softmax(W·h) over this group's labels."""
