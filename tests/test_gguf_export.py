@@ -137,7 +137,7 @@ def test_ordinary_generation_is_unchanged(base: LlamaEngine, exported: Path) -> 
     engine = LlamaEngine(exported, model_id="exported", **ENGINE)
     try:
         texts = [
-            "<|im_start|>user\nWrite a short poem about the sea.<|im_end|>\n<|im_start|>assistant\n",
+            "<|im_start|>user\nWrite a poem about the sea.<|im_end|>\n<|im_start|>assistant\n",
             "<|im_start|>user\nWho founded Normandy?<|im_end|>\n<|im_start|>assistant\n",
             "The history of the Normans begins",
         ]
