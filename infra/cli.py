@@ -313,9 +313,21 @@ def render_answer(r: AnswerResponse) -> str:
     lines = [" ".join(body) if body else r.answer]
     if r.abstained and body:
         lines.append(r.answer)
+    weak = [
+        i
+        for i, seg in enumerate(r.segments, 1)
+        if seg.citation is not None and seg.is_sup is not None and seg.is_sup != "full"
+    ]
+    if weak:
+        which = ", ".join(str(i) for i in weak)
+        lines.append(
+            f"Low support: the cited evidence does not fully support segment(s) {which} "
+            "(IsSup below); check the source before relying on it."
+        )
     lines.append("")
     if r.segments:
-        header = f"{'#':>2}  {'cite':>4}  {'p_ret':>5}  {'s_rel':>5}  {'s_sup':>5}  {'s_use':>6}"
+        header = f"{'#':>2}  {'cite':>4}  {'p_ret':>5}  {'s_rel':>5}  {'s_sup':>5}  {'IsSup':>7}"
+        header += f"  {'s_use':>6}"
         header += f"  {'logp':>7}  {'S':>7}  segment"
         lines.append(header)
         for i, seg in enumerate(r.segments, 1):
@@ -323,7 +335,8 @@ def render_answer(r: AnswerResponse) -> str:
             text = seg.text.strip()
             lines.append(
                 f"{i:>2}  {cite:>4}  {_fmt(seg.p_ret):>5}  {_fmt(seg.s_rel):>5}  "
-                f"{_fmt(seg.s_sup):>5}  {_fmt(seg.s_use, signed=True):>6}  {seg.logprob:>7.2f}  "
+                f"{_fmt(seg.s_sup):>5}  {seg.is_sup or '-':>7}  {_fmt(seg.s_use, signed=True):>6}  "
+                f"{seg.logprob:>7.2f}  "
                 f"{seg.score:>7.2f}  {text[:60] + ('…' if len(text) > 60 else '')}"
             )
         lines.append("")

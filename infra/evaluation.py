@@ -26,8 +26,15 @@ from schemas.decoding import DecodingConfig
 if TYPE_CHECKING:
     from infra.runtime import SelfRAG
 
-SYSTEMS = ("closed-book", "vanilla-rag", "selfrag-prompted", "selfrag-likelihood", "selfrag-native")
-DEFAULT_SYSTEMS = ("closed-book", "vanilla-rag", "selfrag-prompted", "selfrag-likelihood")
+SYSTEMS = (
+    "closed-book",
+    "vanilla-rag",
+    "selfrag-prompted",
+    "selfrag-likelihood",
+    "selfrag-learned",
+    "selfrag-native",
+)
+DEFAULT_SYSTEMS = ("closed-book", "vanilla-rag", "selfrag-likelihood", "selfrag-learned")
 RECORDS_FILE = "records.jsonl"
 REPORT_COLUMNS = (
     "accuracy",

@@ -1,0 +1,49 @@
+"""`selfrag ask`'s text rendering: citations, the score table and the low-support warning."""
+
+from __future__ import annotations
+
+from infra.cli import render_answer
+from schemas.answer import AnswerResponse, Citation, PassageOut, SegmentOut, Usage
+from schemas.decoding import DecodingConfig
+
+
+def _response(is_sup: str | None, s_sup: float | None) -> AnswerResponse:
+    seg = SegmentOut(
+        text="Rollo founded Normandy.",
+        citation=Citation(passage_id="p1", title="Normans"),
+        retrieved=True,
+        p_ret=0.9,
+        s_rel=0.8,
+        s_sup=s_sup,
+        s_use=0.2,
+        is_sup=is_sup,
+        logprob=-3.0,
+        n_tokens=5,
+        score=1.0,
+    )
+    return AnswerResponse(
+        question="Who founded Normandy?",
+        answer=seg.text,
+        abstained=False,
+        segments=[seg],
+        passages=[PassageOut(id="p1", title="Normans", text="Rollo ...", score=0.5)],
+        usage=Usage(),
+        timings_ms={"total": 10.0},
+        model_id="m",
+        critique="learned",
+        config=DecodingConfig(),
+    )
+
+
+def test_a_weakly_supported_cited_segment_is_flagged() -> None:
+    text = render_answer(_response("none", 0.12))
+    assert "Rollo founded Normandy. [1]" in text
+    assert "Low support" in text and "segment(s) 1" in text
+    row = next(line for line in text.splitlines() if line.startswith(" 1 "))
+    assert row.split()[5] == "none"  # the IsSup column of segment 1
+
+
+def test_a_fully_supported_segment_is_not_flagged() -> None:
+    text = render_answer(_response("full", 0.93))
+    assert "Low support" not in text
+    assert "full" in text
