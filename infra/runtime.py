@@ -60,13 +60,18 @@ class SelfRAG(Closeable):
 
     @cached_property
     def model_fingerprint(self) -> str:
-        """The model's identity in query-cache keys: its id and the GGUF file's SHA-256
-        (hashed once per file and process); a vLLM server's model has only its name."""
+        """The model's identity in query-cache keys: its id, the GGUF file's SHA-256 (hashed
+        once per file and process) and its reflection heads file's; a vLLM server's model has
+        only its name."""
         if self.settings.model.backend == "vllm":
             return self.engine.model_id
         from infra.model_files import file_sha256
 
-        return f"{self.engine.model_id} sha256:{file_sha256(self.model_path)}"
+        fingerprint = f"{self.engine.model_id} sha256:{file_sha256(self.model_path)}"
+        if self.heads_file is not None:
+            # Retrained heads change the learned critique's answers.
+            fingerprint += f" heads:{file_sha256(self.heads_file)}"
+        return fingerprint
 
     @cached_property
     def engine(self) -> LlamaEngine | VLLMEngine:
@@ -108,21 +113,28 @@ class SelfRAG(Closeable):
         return SelfRAGDecoder(self.critic, self.store, self.engine.model_id)
 
     @cached_property
-    def heads(self) -> ReflectionHeads | None:
-        """The reflection heads of the model file (configured, trained here, or shipped), or
-        None; configured heads of another model file are refused (`HeadsError`)."""
+    def heads_file(self) -> Path | None:
+        """The reflection heads file of the model: configured, else trained here for the model
+        file, else shipped for it; None without one (or on the vLLM backend)."""
         if self.settings.model.backend == "vllm":
             return None
-        from infra.heads_store import find_heads, load_heads
+        if self.settings.model.heads is not None:
+            return self.settings.model.heads
+        from infra.heads_store import find_heads
         from infra.model_files import file_sha256
 
-        sha = file_sha256(self.model_path)
-        configured = self.settings.model.heads
-        path = configured if configured is not None else find_heads(self.settings.home, sha)
-        if path is None:
+        return find_heads(self.settings.home, file_sha256(self.model_path))
+
+    @cached_property
+    def heads(self) -> ReflectionHeads | None:
+        """The heads in `heads_file`; heads of another model file are refused (`HeadsError`)."""
+        if self.heads_file is None:
             return None
-        heads = load_heads(path)
-        heads.check_model(sha, None)
+        from infra.heads_store import load_heads
+        from infra.model_files import file_sha256
+
+        heads = load_heads(self.heads_file)
+        heads.check_model(file_sha256(self.model_path), None)
         return heads
 
     def critic(self, source: str) -> Critic:
