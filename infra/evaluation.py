@@ -46,6 +46,8 @@ REPORT_COLUMNS = (
     "citation_precision",
     "s_sup_correct",
     "s_sup_wrong",
+    "s_sup_auc",
+    "pruned_rate",
     "p50_ms",
     "p95_ms",
     "prefill_tokens",
@@ -269,6 +271,8 @@ def make_record(
         "latency_ms": round(ms, 1),
         "prefill_tokens": r.usage.prefill_tokens + extra,
         "decode_tokens": r.usage.decode_tokens,
+        "evidence_branches": r.usage.evidence_branches,
+        "branches_pruned": r.usage.branches_pruned,
     }
 
 
@@ -283,6 +287,8 @@ def outcome(record: dict[str, Any]) -> Outcome:
         cited_has_answer=tuple(record.get("cited_has_answer", [])),
         latency_ms=float(record["latency_ms"]),
         prefill_tokens=int(record["prefill_tokens"]),
+        evidence_branches=int(record.get("evidence_branches", 0)),
+        branches_pruned=int(record.get("branches_pruned", 0)),
     )
 
 

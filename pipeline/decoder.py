@@ -171,6 +171,7 @@ class SelfRAGDecoder:
                 run.usage.retrievals += 1
                 for p in passages:
                     run.passages.setdefault(p.id, p)
+            run.usage.evidence_branches += len(passages)
             for p in passages:
                 candidates.append(Candidate(index, Branch(question, h.text, p), True, p_ret))
             candidates.append(Candidate(index, Branch(question, h.text, None), retrieve, p_ret))

@@ -9,6 +9,8 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from pipeline.calibration import auc
+
 _ARTICLES = re.compile(r"\b(a|an|the)\b")
 _PUNCTUATION = frozenset(string.punctuation)
 
@@ -84,6 +86,8 @@ class Outcome:
     cited_has_answer: tuple[bool, ...]
     latency_ms: float
     prefill_tokens: int
+    evidence_branches: int = 0
+    branches_pruned: int = 0
 
     @property
     def correct(self) -> bool:
@@ -113,7 +117,10 @@ def summarize(outcomes: Sequence[Outcome]) -> dict[str, float | int | None]:
     unanswerable questions (any answer to one is wrong; confident = s_sup ≥ 0.5 or no score);
     overall: answerable answered right plus unanswerable abstained, over all questions;
     citation_precision: over all passages cited by answers to answerable questions;
-    s_sup_correct / s_sup_wrong: mean s_sup of right / wrong answers to answerable questions.
+    s_sup_correct / s_sup_wrong: mean s_sup of right / wrong answers to answerable questions;
+    s_sup_auc: how well s_sup ranks right answers (answerable, correct) above wrong ones (any
+    other answer given, unanswerable included); pruned_rate: evidence branches pruned by
+    `min_relevance` before drafting, over all evidence branches opened.
     """
     answerable = [o for o in outcomes if o.answerable]
     impossible = [o for o in outcomes if not o.answerable]
@@ -123,6 +130,8 @@ def summarize(outcomes: Sequence[Outcome]) -> dict[str, float | int | None]:
     sup_wrong = [
         o.s_sup for o in answerable if not o.correct and not o.abstained and o.s_sup is not None
     ]
+    answered = [o for o in outcomes if not o.abstained and o.s_sup is not None]
+    evidence = sum(o.evidence_branches for o in outcomes)
     return {
         "questions": len(outcomes),
         "answerable": len(answerable),
@@ -137,6 +146,10 @@ def summarize(outcomes: Sequence[Outcome]) -> dict[str, float | int | None]:
         "citation_precision": mean_or_none([float(f) for f in cited]),
         "s_sup_correct": mean_or_none(sup_right),
         "s_sup_wrong": mean_or_none(sup_wrong),
+        "s_sup_auc": auc(
+            [o.s_sup for o in answered], [o.answerable and o.correct for o in answered]
+        ),
+        "pruned_rate": (sum(o.branches_pruned for o in outcomes) / evidence if evidence else None),
         "p50_ms": percentile(latencies, 50),
         "p95_ms": percentile(latencies, 95),
         "prefill_tokens": mean_or_none([float(o.prefill_tokens) for o in outcomes]),

@@ -58,6 +58,7 @@ class Usage(BaseModel):
     prefill_tokens: int = 0
     decode_tokens: int = 0
     branches_opened: int = 0
+    evidence_branches: int = Field(0, description="Branches opened with a retrieved passage.")
     branches_pruned: int = 0
     branches_filtered: int = 0
     retrievals: int = 0

@@ -92,3 +92,23 @@ def test_summary_splits_answerable_and_unanswerable():
 def test_answer_without_support_score_counts_as_confident():
     s = summarize([_o(False, "Rollo")])
     assert s["wrong_confident_rate"] == 1.0 and s["accuracy"] is None and s["s_sup_wrong"] is None
+
+
+def test_support_auc_ranks_right_answers_above_wrong_ones_and_pruned_rate():
+    from dataclasses import replace
+
+    outcomes = [
+        _o(True, "It is France.", s_sup=0.9),  # right
+        _o(True, "It is Spain.", s_sup=0.2),  # wrong
+        _o(False, "Maybe Spain.", s_sup=0.4),  # answered an unanswerable question: wrong
+        _o(False, "", abstained=True, s_sup=0.95),  # abstained: not ranked
+    ]
+    outcomes = [
+        replace(o, evidence_branches=3, branches_pruned=i % 2) for i, o in enumerate(outcomes)
+    ]
+    row = summarize(outcomes)
+    assert row["s_sup_auc"] == pytest.approx(1.0)
+    assert row["pruned_rate"] == pytest.approx(2 / 12)
+    flipped = [replace(o, s_sup=1.0 - o.s_sup) for o in outcomes]
+    assert summarize(flipped)["s_sup_auc"] == pytest.approx(0.0)
+    assert summarize([_o(True, "France")])["pruned_rate"] is None
