@@ -25,6 +25,7 @@ from pipeline.protocols import (
     TokenScoreRequest,
 )
 from schemas.calibration import CalibrationSettings
+from schemas.decoding import DecodingConfig
 
 RETRIEVE_LABELS = ("yes", "no", "continue")
 RELEVANCE_LABELS = ("relevant", "irrelevant")
@@ -489,6 +490,26 @@ class LearnedCritic(ChatCritic):
                 raise RuntimeError("the engine returned no hidden state for a learned critique")
             out.append((r.hidden_state, r.prefill_tokens))
         return out
+
+
+# Filter defaults of a critique source, by name: (min_relevance, min_support), used where a
+# request leaves them unset. Only calibrated heads earn them (docs/evaluation.md: learned).
+CRITIQUE_FILTERS: dict[str, tuple[float, str]] = {"learned": (0.5, "partial")}
+
+
+def resolve_filters(config: DecodingConfig, critique: str) -> DecodingConfig:
+    """`config` with unset filters (None) replaced by the defaults of the critique source."""
+    if config.min_relevance is not None and config.min_support is not None:
+        return config
+    min_relevance, min_support = CRITIQUE_FILTERS.get(critique, (0.0, "none"))
+    return config.model_copy(
+        update={
+            "min_relevance": (
+                config.min_relevance if config.min_relevance is not None else min_relevance
+            ),
+            "min_support": config.min_support if config.min_support is not None else min_support,
+        }
+    )
 
 
 def make_critic(

@@ -6,7 +6,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from pipeline.critique import Branch, Critic
+from pipeline.critique import Branch, Critic, resolve_filters
 from pipeline.protocols import Passage, Retriever
 from pipeline.ranking import Candidate, Hypothesis, StepRanking, rank_step
 from pipeline.scoring import relevance_score, retrieval_probability, should_retrieve
@@ -69,8 +69,9 @@ class SelfRAGDecoder:
         self, question: str, config: DecodingConfig, on_step: StepListener | None = None
     ) -> AnswerResponse:
         """Answer `question`. `on_step` sees the leading hypothesis after every step."""
-        run = _Run(config=config, clock=self._clock, started=self._clock())
         critic = self._critic_for(config.critique)
+        config = resolve_filters(config, critic.name)
+        run = _Run(config=config, clock=self._clock, started=self._clock())
         beam: list[Hypothesis] = [Hypothesis()]
         for _ in range(config.max_segments):
             live = [h for h in beam if not h.done]
@@ -109,7 +110,7 @@ class SelfRAGDecoder:
         run.timed("relevance", t)
         kept: list[Candidate] = []
         for c in candidates:
-            if c.rel is not None and relevance_score(c.rel.probs) < cfg.min_relevance:
+            if c.rel is not None and relevance_score(c.rel.probs) < (cfg.min_relevance or 0.0):
                 run.usage.branches_pruned += 1
             else:
                 kept.append(c)

@@ -63,7 +63,7 @@ def passes_filters(c: Candidate, cfg: DecodingConfig) -> bool:
         c.rel is None or most_likely(c.rel.probs, RELEVANCE_LABELS) != "relevant"
     ):
         return False
-    if cfg.min_support != "none":
+    if cfg.min_support not in (None, "none"):
         if c.sup is None:
             return False
         label = most_likely(c.sup.probs, SUPPORT_LABELS)

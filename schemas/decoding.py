@@ -41,14 +41,17 @@ class DecodingConfig(BaseModel):
         description="Use the mean token log-probability in S instead of the sum (measured: "
         "the sum drowns the critique terms and favours the shortest draft).",
     )
-    min_relevance: float = Field(
-        0.0,
+    min_relevance: float | None = Field(
+        None,
         ge=0.0,
         le=1.0,
-        description="Branches with s_rel below this are pruned before drafting.",
+        description="Branches with s_rel below this are pruned before drafting. None: the "
+        "critique source's default (pipeline.critique.CRITIQUE_FILTERS; 0 when it has none).",
     )
-    min_support: SupportLevel = Field(
-        "none", description="Hard filter: the most likely IsSup label must reach this level."
+    min_support: SupportLevel | None = Field(
+        None,
+        description="Hard filter: the most likely IsSup label must reach this level. None: the "
+        "critique source's default (pipeline.critique.CRITIQUE_FILTERS; 'none' when it has none).",
     )
     require_relevant: bool = Field(
         False, description="Hard filter: the most likely IsRel label must be 'relevant'."

@@ -272,7 +272,9 @@ def test_min_relevance_prunes_the_passage_the_head_calls_irrelevant() -> None:
 
 
 def test_min_support_abstains_when_the_support_head_says_none_for_every_branch() -> None:
-    out, _ = decode(make_heads(support=SUPPORT_ALWAYS_NONE), min_support="partial")
+    out, _ = decode(
+        make_heads(support=SUPPORT_ALWAYS_NONE), min_support="partial", min_relevance=0.0
+    )
     assert out.abstained
     assert out.answer == ABSTAIN_MESSAGE
     # Both evidence branches fail the filter, and so does the no-evidence branch of the step.
@@ -285,3 +287,15 @@ def test_min_support_abstains_when_the_support_head_says_none_for_every_branch()
     assert not grounded.abstained
     assert grounded.segments[0].citation is not None
     assert grounded.segments[0].citation.passage_id == ROLLO.id
+
+
+def test_unset_filters_take_the_learned_critiques_defaults() -> None:
+    from pipeline.critique import CRITIQUE_FILTERS, resolve_filters
+
+    out, _ = decode(make_heads())
+    min_relevance, min_support = CRITIQUE_FILTERS["learned"]
+    assert out.config.min_relevance == min_relevance and out.config.min_support == min_support
+    # A request's own values win, and other critiques keep filters off by default.
+    assert resolve_filters(DecodingConfig(min_support="none"), "learned").min_support == "none"
+    plain = resolve_filters(DecodingConfig(), "likelihood")
+    assert plain.min_relevance == 0.0 and plain.min_support == "none"
