@@ -63,6 +63,7 @@ def save_heads(
         with os.fdopen(fd, "w") as fh:
             json.dump(doc, fh, indent=1)
             fh.write("\n")
+        os.chmod(tmp, 0o644)  # mkstemp makes it private; heads are no secret
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
