@@ -266,3 +266,27 @@ def test_settings_select_the_vllm_backend(server: str, tmp_path: Path):
     with SelfRAG(load_settings(environ=env)) as rag:
         assert isinstance(rag.engine, VLLMEngine)
         assert rag.critic("auto").name == "likelihood"  # no reflection tokens in the fake
+
+
+def test_the_adapter_says_it_cannot_return_hidden_states(engine: VLLMEngine):
+    from pipeline.critique import make_critic
+    from pipeline.likelihood import LikelihoodCritic
+
+    assert engine.hidden_size is None
+    prompt = engine.tokenize("Question: who?", special=False)
+    with pytest.raises(VLLMError, match="cannot return hidden states"):
+        engine.next_token_logprobs([TokenScoreRequest(prompt, [1], hidden_state=True)])
+    with pytest.raises(ValueError, match="hidden states"):
+        make_critic(engine, "learned", heads=_any_heads())
+    # auto never picks heads it cannot read.
+    assert isinstance(make_critic(engine, "auto", heads=_any_heads()), LikelihoodCritic)
+
+
+def _any_heads():  # type: ignore[no-untyped-def]
+    from pipeline.heads import GROUP_LABELS, GroupHead, ReflectionHeads
+
+    groups = {
+        g: GroupHead(labels, tuple((0.0,) * 4 for _ in labels))
+        for g, labels in GROUP_LABELS.items()
+    }
+    return ReflectionHeads("0" * 64, groups)
