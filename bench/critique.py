@@ -51,10 +51,17 @@ from infra.llama_engine import LlamaEngine
 from infra.model_files import default_model_path, derive_weights, file_sha256
 from infra.settings import load_settings
 from pipeline.calibration import auc
-from pipeline.critique import Branch, Critic, LabelProbs, LearnedCritic, make_critic
+from pipeline.critique import (
+    Branch,
+    Critic,
+    LabelProbs,
+    LearnedCritic,
+    make_critic,
+    read_requests,
+)
 from pipeline.heads import HeadsError, ReflectionHeads
 from pipeline.metrics import contains_answer
-from pipeline.protocols import Generation, LanguageModel, Passage, TokenScoreRequest
+from pipeline.protocols import Generation, LanguageModel, Passage
 from pipeline.scoring import (
     relevance_score,
     retrieval_probability,
@@ -83,10 +90,7 @@ class NoHiddenCritic(LearnedCritic):
     ) -> list[tuple[tuple[float, ...], int]]:
         if not prompts:
             return []
-        requests = [
-            TokenScoreRequest(prompt=p, candidates=(), reusable_prefix=n, hidden_state=False)
-            for p, n in zip(prompts, reusable, strict=True)
-        ]
+        requests = read_requests(prompts, reusable, hidden=False)
         zero = (0.0,) * self.heads.hidden_size
         return [(zero, r.prefill_tokens) for r in self.engine.next_token_logprobs(requests)]
 

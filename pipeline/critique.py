@@ -480,12 +480,8 @@ class LearnedCritic(ChatCritic):
         """The final hidden state after each prompt and the prompt tokens it cost."""
         if not prompts:
             return []
-        requests = [
-            TokenScoreRequest(prompt=p, candidates=(), reusable_prefix=n, hidden_state=True)
-            for p, n in zip(prompts, reusable, strict=True)
-        ]
         out = []
-        for r in self._model.next_token_logprobs(requests):
+        for r in self._model.next_token_logprobs(read_requests(prompts, reusable, hidden=True)):
             if r.hidden_state is None:
                 raise RuntimeError("the engine returned no hidden state for a learned critique")
             out.append((r.hidden_state, r.prefill_tokens))
@@ -510,6 +506,16 @@ def resolve_filters(config: DecodingConfig, critique: str) -> DecodingConfig:
             "min_support": config.min_support if config.min_support is not None else min_support,
         }
     )
+
+
+def read_requests(
+    prompts: Sequence[list[int]], reusable: Sequence[int], *, hidden: bool
+) -> list[TokenScoreRequest]:
+    """The engine requests of a learned read: no candidate tokens, the hidden state or not."""
+    return [
+        TokenScoreRequest(prompt=p, candidates=(), reusable_prefix=n, hidden_state=hidden)
+        for p, n in zip(prompts, reusable, strict=True)
+    ]
 
 
 def make_critic(
