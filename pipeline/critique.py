@@ -488,24 +488,24 @@ class LearnedCritic(ChatCritic):
         return out
 
 
-# Filter defaults of a critique source, by name: (min_relevance, min_support), used where a
-# request leaves them unset. Only calibrated heads earn them (docs/evaluation.md: learned).
-CRITIQUE_FILTERS: dict[str, tuple[float, str]] = {"learned": (0.5, "partial")}
+# The filters a request may leave unset (None), with the value they take without a default.
+FILTERS_OFF: dict[str, object] = {
+    "min_relevance": 0.0,
+    "min_support": "none",
+    "min_support_score": 0.0,
+}
+# A critique source's own filter defaults, by name. Only the learned heads earn any: chosen on
+# the Normans questions (docs/evaluation.md).
+CRITIQUE_FILTERS: dict[str, dict[str, object]] = {
+    "learned": {"min_relevance": 0.5, "min_support_score": 0.5},
+}
 
 
 def resolve_filters(config: DecodingConfig, critique: str) -> DecodingConfig:
     """`config` with unset filters (None) replaced by the defaults of the critique source."""
-    if config.min_relevance is not None and config.min_support is not None:
-        return config
-    min_relevance, min_support = CRITIQUE_FILTERS.get(critique, (0.0, "none"))
-    return config.model_copy(
-        update={
-            "min_relevance": (
-                config.min_relevance if config.min_relevance is not None else min_relevance
-            ),
-            "min_support": config.min_support if config.min_support is not None else min_support,
-        }
-    )
+    defaults = {**FILTERS_OFF, **CRITIQUE_FILTERS.get(critique, {})}
+    unset = {name: defaults[name] for name in FILTERS_OFF if getattr(config, name) is None}
+    return config.model_copy(update=unset) if unset else config
 
 
 def read_requests(

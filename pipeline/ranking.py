@@ -63,6 +63,9 @@ def passes_filters(c: Candidate, cfg: DecodingConfig) -> bool:
         c.rel is None or most_likely(c.rel.probs, RELEVANCE_LABELS) != "relevant"
     ):
         return False
+    if cfg.min_support_score:
+        if c.sup is None or support_score(c.sup.probs) < cfg.min_support_score:
+            return False
     if cfg.min_support not in (None, "none"):
         if c.sup is None:
             return False

@@ -53,6 +53,13 @@ class DecodingConfig(BaseModel):
         description="Hard filter: the most likely IsSup label must reach this level. None: the "
         "critique source's default (pipeline.critique.CRITIQUE_FILTERS; 'none' when it has none).",
     )
+    min_support_score: float | None = Field(
+        None,
+        ge=0.0,
+        le=1.0,
+        description="Hard filter: a grounded branch's s_sup must reach this. None: the "
+        "critique source's default (pipeline.critique.CRITIQUE_FILTERS; 0 when it has none).",
+    )
     require_relevant: bool = Field(
         False, description="Hard filter: the most likely IsRel label must be 'relevant'."
     )
@@ -95,6 +102,7 @@ class DecodingOverrides(BaseModel):
     length_normalize: bool | None = None
     min_relevance: float | None = Field(None, ge=0.0, le=1.0)
     min_support: SupportLevel | None = None
+    min_support_score: float | None = Field(None, ge=0.0, le=1.0)
     require_relevant: bool | None = None
     on_unsupported: UnsupportedPolicy | None = None
     critique: CritiqueSource | None = None

@@ -281,7 +281,9 @@ def test_min_support_abstains_when_the_support_head_says_none_for_every_branch()
     assert out.usage.branches_filtered == 3
 
     # The same heads without the filter answer; grounded support heads pass the filter.
-    unfiltered, _ = decode(make_heads(support=SUPPORT_ALWAYS_NONE), min_support="none")
+    unfiltered, _ = decode(
+        make_heads(support=SUPPORT_ALWAYS_NONE), min_support="none", min_support_score=0.0
+    )
     assert not unfiltered.abstained and unfiltered.answer == DRAFT.strip()
     grounded, _ = decode(make_heads(), min_support="partial")
     assert not grounded.abstained
@@ -293,9 +295,18 @@ def test_unset_filters_take_the_learned_critiques_defaults() -> None:
     from pipeline.critique import CRITIQUE_FILTERS, resolve_filters
 
     out, _ = decode(make_heads())
-    min_relevance, min_support = CRITIQUE_FILTERS["learned"]
-    assert out.config.min_relevance == min_relevance and out.config.min_support == min_support
+    for name, value in CRITIQUE_FILTERS["learned"].items():
+        assert getattr(out.config, name) == value
     # A request's own values win, and other critiques keep filters off by default.
-    assert resolve_filters(DecodingConfig(min_support="none"), "learned").min_support == "none"
+    assert (
+        resolve_filters(DecodingConfig(min_support_score=0.1), "learned").min_support_score == 0.1
+    )
     plain = resolve_filters(DecodingConfig(), "likelihood")
-    assert plain.min_relevance == 0.0 and plain.min_support == "none"
+    assert (plain.min_relevance, plain.min_support, plain.min_support_score) == (0.0, "none", 0.0)
+
+
+def test_min_support_score_filters_grounded_branches_by_s_sup() -> None:
+    out, _ = decode(make_heads(support=SUPPORT_ALWAYS_NONE), min_support_score=0.3)
+    assert out.abstained
+    passed, _ = decode(make_heads(), min_support_score=0.3)
+    assert not passed.abstained and passed.segments[0].s_sup >= 0.3
