@@ -497,7 +497,7 @@ FILTERS_OFF: dict[str, object] = {
 # A critique source's own filter defaults, by name. Only the learned heads earn any: chosen on
 # the Normans questions (docs/evaluation.md).
 CRITIQUE_FILTERS: dict[str, dict[str, object]] = {
-    "learned": {"min_relevance": 0.5, "min_support_score": 0.5},
+    "learned": {"min_relevance": 0.5, "min_support_score": 0.36},
 }
 
 
