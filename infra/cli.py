@@ -199,7 +199,7 @@ def _eval_parsers(sub: Any) -> None:
     p_train.add_argument(
         "--passages",
         type=int,
-        help="Passages drawn for the self-supervised relevance examples (default 320; the "
+        help="Passages drawn for the self-supervised relevance examples (default 200; the "
         "other groups scale with it).",
     )
     p_train.add_argument("--out", type=Path, help="Heads file (default: HOME/heads/<sha>.json).")
@@ -559,8 +559,8 @@ def cmd_train(args: argparse.Namespace) -> int:
             plan,
             relevance_passages=n,
             support_passages=max(n // 2, 5),
-            utility_passages=max(n // 3, 5),
-            retrieve_passages=max(n // 3, 5),
+            utility_passages=max(n // 3, 12),
+            retrieve_passages=max(n // 3, 12),
         )
     settings = _settings(args)
     with SelfRAG(settings) as rag:
