@@ -102,7 +102,8 @@ def test_answer_end_to_end_with_the_real_model(api: httpx.Client):
     assert r.status_code == 200, r.text
     body = r.json()
     assert body["answer"].strip()
-    assert body["critique"] == "likelihood" and "SmolLM2" in body["model_id"]
+    # auto: the heads shipped for the embedded default.
+    assert body["critique"] == "learned" and "SmolLM2" in body["model_id"]
     assert body["config"]["top_k"] == 2 and body["usage"]["retrievals"] == 1
     cited = [s for s in body["segments"] if s["citation"] is not None]
     if cited:
