@@ -118,7 +118,7 @@ def _score(
     engine = rag.engine
     engine.clear_cache()
     model = Recording(engine)
-    critic = make_critic(model, source, rag.settings.calibration)  # type: ignore[arg-type]
+    critic = make_critic(model, source, rag.settings.calibration, rag.heads)  # type: ignore[arg-type]
     branch = Branch(question, "", passage)
     scores = {"relevance": critic.relevance([branch])[0]}
     drafted = critic.draft([branch], 12)[0]
@@ -137,7 +137,7 @@ def test_the_forgery_would_be_control_tokens_if_tokenized_as_trusted(rag: SelfRA
     assert not controls & set(rag.engine.tokenize(neutralise(FORGERY), special=False))
 
 
-@pytest.mark.parametrize("source", ["likelihood", "prompted"])
+@pytest.mark.parametrize("source", ["likelihood", "prompted", "learned"])
 def test_forged_passage_scores_equal_the_defused_passage(
     rag: SelfRAG, forged_passage: Passage, source: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
