@@ -428,10 +428,7 @@ class LlamaEngine(Closeable):
                     out_from=n - 1,
                     reusable=min(req.reusable_prefix, n - 1),
                     hidden=req.hidden_state,
-                    # Reads with and without hidden states then run the same batch shapes, so
-                    # an exported model's reflection logits equal the learned heads' (kernels
-                    # of other shapes differ by ~1e-2 nats).
-                    last_alone=True,
+                    last_alone=req.hidden_state,
                 )
             )
         results: list[list[float]] = [[] for _ in requests]

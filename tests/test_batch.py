@@ -36,7 +36,15 @@ from pipeline.critique import Branch
 from schemas.decoding import DecodingConfig
 from tests.fakes import ScriptedCritic
 
-SMALL = {"mode": "always", "top_k": 2, "max_segments": 1, "max_segment_tokens": 16}
+# The likelihood critique: these tests are about the batch path, not the critique, and an
+# answer must carry segments (the learned default abstains on unsupported answers).
+SMALL = {
+    "mode": "always",
+    "top_k": 2,
+    "max_segments": 1,
+    "max_segment_tokens": 16,
+    "critique": "likelihood",
+}
 
 
 # --- unit ---------------------------------------------------------------------------------------

@@ -44,6 +44,8 @@ def test_cli_ask_table(indexed_home: Path, capsys: pytest.CaptureFixture[str]):
             str(indexed_home),
             "ask",
             "When did the Normans conquer England?",
+            "--min-support-score",
+            "0",
             "--mode",
             "always",
             "--top-k",
@@ -54,7 +56,7 @@ def test_cli_ask_table(indexed_home: Path, capsys: pytest.CaptureFixture[str]):
     )
     assert code == 0
     out = capsys.readouterr().out
-    assert "s_sup" in out and "critique=likelihood" in out
+    assert "s_sup" in out and "IsSup" in out and "critique=learned" in out
 
 
 def test_reindexing_does_not_duplicate(indexed_home: Path, normans_squad: Path):
