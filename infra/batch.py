@@ -48,7 +48,7 @@ from tqdm import tqdm
 
 from infra.corpus import read_lines
 from infra.ray_cluster import init_ray
-from pipeline.critique import Branch, Critic, LabelProbs
+from pipeline.critique import Branch, Critic, LabelProbs, unresolved_filters
 from pipeline.decoder import SelfRAGDecoder
 from pipeline.protocols import Generation, Passage
 from schemas.answer import AnswerRequest, AnswerResponse
@@ -333,7 +333,11 @@ def earlier_answers(path: Path, keys: set[str]) -> dict[str, tuple[str, dict[str
                 if record.get("status") != "ok":
                     continue
                 response = record["response"]
-                config = DecodingConfig.model_validate(response["config"])
+                # The response holds the filters its critique resolved; the jobs' keys have
+                # the request's (None for a default).
+                config = unresolved_filters(
+                    DecodingConfig.model_validate(response["config"]), str(response["critique"])
+                )
                 key = query_key(str(record["question"]), config, "", "")
             except (ValueError, KeyError, TypeError, AttributeError):
                 continue  # a torn line, or not an answer record

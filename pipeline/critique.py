@@ -523,6 +523,14 @@ def resolve_filters(config: DecodingConfig, critique: str) -> DecodingConfig:
     return config.model_copy(update=unset) if unset else config
 
 
+def unresolved_filters(config: DecodingConfig, critique: str) -> DecodingConfig:
+    """The inverse of `resolve_filters`: filters equal to the source's default back to None
+    (a response's config, as the request that asked for the defaults would have it)."""
+    defaults = {**FILTERS_OFF, **CRITIQUE_FILTERS.get(critique, {})}
+    same = {name: None for name in FILTERS_OFF if getattr(config, name) == defaults[name]}
+    return config.model_copy(update=same) if same else config
+
+
 def read_requests(
     prompts: Sequence[list[int]], reusable: Sequence[int], *, hidden: bool
 ) -> list[TokenScoreRequest]:

@@ -310,3 +310,13 @@ def test_min_support_score_filters_grounded_branches_by_s_sup() -> None:
     assert out.abstained
     passed, _ = decode(make_heads(), min_support_score=0.3)
     assert not passed.abstained and passed.segments[0].s_sup >= 0.3
+
+
+def test_unresolved_filters_inverts_resolve_filters() -> None:
+    from pipeline.critique import resolve_filters, unresolved_filters
+
+    for source in ("learned", "likelihood"):
+        request = DecodingConfig(top_k=2)
+        assert unresolved_filters(resolve_filters(request, source), source) == request
+    chosen = DecodingConfig(min_support_score=0.7)
+    assert unresolved_filters(resolve_filters(chosen, "learned"), "learned") == chosen
