@@ -336,7 +336,8 @@ def earlier_answers(path: Path, keys: set[str]) -> dict[str, tuple[str, dict[str
                 # The response holds the filters its critique resolved; the jobs' keys have
                 # the request's (None for a default).
                 config = unresolved_filters(
-                    DecodingConfig.model_validate(response["config"]), str(response["critique"])
+                    DecodingConfig.model_validate(response["config"]),
+                    str(response.get("critique", "")),
                 )
                 key = query_key(str(record["question"]), config, "", "")
             except (ValueError, KeyError, TypeError, AttributeError):
