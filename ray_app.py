@@ -1,4 +1,5 @@
-"""The Ray Serve application: `serve run ray_app:app`, `selfrag serve`, or `infra/serve.yaml`.
+"""The Ray Serve application: `serve run selfrag.ray_app:app`, `selfrag serve`, or
+`infra/serve.yaml`.
 
 `app` is built on first access from the effective settings (`SELFRAG_*` environment, config
 file), so importing this module starts nothing. Building it warns (WARNING log and stderr) when
@@ -7,83 +8,22 @@ the HTTP proxies bind a non-loopback address and `SELFRAG_API_KEYS` is empty.
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 from ray.serve import Application
 
-from schemas.settings import Settings
-
-APP_NAME = "selfrag"
-
-
-def build_app(settings: Settings | None = None) -> Application:
-    """Bind the deployments: ingress → (decider → pool), retriever, ranker, pool."""
-    from actors.deployments import BranchPool, Ranker, RetrievalDecider, Retriever, SelfRAGIngress
-
-    if settings is None:
-        from infra.settings import load_settings
-
-        settings = load_settings()
-    # The address the proxies really bind: infra/serve.yaml and KubeRay set their own.
-    warn_if_open(serve_http_host() or settings.serve.host)
-    # Bounded queues everywhere: past `max_queued_requests` waiting calls a handle raises
-    # BackPressureError at once (the ingress answers 503 + Retry-After) instead of piling up.
-    queued: dict[str, Any] = {
-        "max_queued_requests": settings.serve.max_queued_requests,
-        "logging_config": serve_logging(settings),
-    }
-    pool = BranchPool.options(**queued).bind(settings)
-    decider = RetrievalDecider.options(**queued).bind(pool)
-    # Embedded Qdrant allows one client per folder; with a server URL the config may scale it.
-    embedded = settings.retrieval.qdrant_url is None
-    replicas = {"num_replicas": 1} if embedded else {}
-    retriever = Retriever.options(**queued, **replicas).bind(settings)
-    ranker = Ranker.options(**queued).bind()
-    return SelfRAGIngress.options(**queued).bind(pool, decider, retriever, ranker, settings)
-
-
-def serve_http_host() -> str | None:
-    """The address the running Serve instance's HTTP proxies bind, which infra/serve.yaml or
-    KubeRay set, not `serve.host`; None when Ray or Serve is not running here."""
-    import ray
-
-    if not ray.is_initialized():
-        return None
-    # Ray has no public accessor for a running instance's http_options: ask its controller.
-    from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
-
-    try:
-        controller = ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)
-        return str(ray.get(controller.get_http_config.remote(), timeout=10).host)
-    except (ValueError, ray.exceptions.RayError):  # no controller, or one that does not answer
-        return None
-
-
-def warn_if_open(host: str) -> str | None:
-    """Warn (once per process and address) when an API bound to `host` would answer anyone:
-    not loopback, and no API keys in the environment, read as the ingress replicas read them
-    (the nodes share it)."""
-    from actors.http import parse_api_keys
-    from infra.settings import API_KEYS_ENV, warn_if_exposed
-
-    return warn_if_exposed(host, parse_api_keys(os.environ.get(API_KEYS_ENV)))
-
-
-def serve_logging(settings: Settings) -> dict[str, Any]:
-    """Ray Serve's `logging_config` for the proxy and the deployments."""
-    return {"enable_access_log": settings.serve.ray_access_log}
+from selfrag.actors.app import build_app
 
 
 def app_builder(args: dict[str, Any]) -> Application:
-    """`serve run ray_app:app_builder home=/data`: settings overrides as `key=value`."""
-    from infra.settings import load_settings
+    """`serve run selfrag.ray_app:app_builder home=/data`: settings overrides as `key=value`."""
+    from selfrag.infra.settings import load_settings
 
     return build_app(load_settings(overrides=args))
 
 
 def __getattr__(name: str) -> Any:
-    # PEP 562: `ray_app:app` is built only when Serve imports it.
+    # PEP 562: `selfrag.ray_app:app` is built only when Serve imports it.
     if name == "app":
         return build_app()
     raise AttributeError(name)

@@ -26,18 +26,20 @@ from fastapi import FastAPI
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
-from actors.http import DependencyDown, Misconfigured, build_http_app, parse_api_keys
-from actors.metrics import BatchStats, Metrics, family
-from actors.service import QueryCache, ServeAnswerService, query_cache_scope
-from infra.settings import API_KEYS_ENV
-from pipeline.critique import Branch, LabelProbs
-from pipeline.protocols import Generation, Passage
-from pipeline.ranking import Candidate, Hypothesis, StepRanking, rank_step
-from schemas.decoding import DecodingConfig
-from schemas.settings import Settings
+from selfrag.actors.http import build_http_app, parse_api_keys
+from selfrag.actors.metrics import BatchStats, Metrics, family
+from selfrag.actors.service import ServeAnswerService
+from selfrag.infra.settings import API_KEYS_ENV
+from selfrag.pipeline.critics import Branch, LabelProbs
+from selfrag.pipeline.protocols import Generation, Passage
+from selfrag.pipeline.ranking import Candidate, Hypothesis, StepRanking, rank_step
+from selfrag.runtime.answering import QueryCache, query_cache_scope
+from selfrag.schemas.decoding import DecodingConfig
+from selfrag.schemas.errors import DependencyDown, Misconfigured
+from selfrag.schemas.settings import Settings
 
 if TYPE_CHECKING:
-    from infra.qdrant_store import QdrantStore
+    from selfrag.infra.qdrant_store import QdrantStore
 
 log = logging.getLogger("selfrag.actors")
 
@@ -80,7 +82,7 @@ class BranchPool:
     multi-sequence llama.cpp batch."""
 
     def __init__(self, settings: Settings) -> None:
-        from infra.runtime import SelfRAG
+        from selfrag.runtime.system import SelfRAG
 
         self._rag = SelfRAG(settings)
         self._engine = self._rag.engine  # load now, in this process; never fork after this
@@ -265,7 +267,7 @@ class Retriever:
     RECHECK_S = 10.0
 
     def __init__(self, settings: Settings) -> None:
-        from infra.runtime import SelfRAG
+        from selfrag.runtime.system import SelfRAG
 
         self._rag = SelfRAG(settings)
         self._refused: tuple[float, str] | None = None  # (until when, the 500's detail)
@@ -283,7 +285,7 @@ class Retriever:
         """The open store with an index that fits the embedder; DependencyDown (503) when
         the server does not answer, Misconfigured (500) when the index cannot serve."""
         # Imported here: qdrant-client costs every other replica process 0.6 s at import.
-        from infra.qdrant_store import IndexMissing, StoreMisconfigured, StoreUnavailable
+        from selfrag.infra.qdrant_store import IndexMissing, StoreMisconfigured, StoreUnavailable
 
         if self._refused is not None and time.monotonic() < self._refused[0]:
             raise Misconfigured(self._refused[1])
@@ -309,7 +311,7 @@ class Retriever:
         return store
 
     def search(self, query: str, k: int) -> list[Passage]:
-        from infra.qdrant_store import StoreMisconfigured
+        from selfrag.infra.qdrant_store import StoreMisconfigured
 
         store = self._store()
         try:
@@ -343,7 +345,7 @@ class Retriever:
 
 def _public(exc: BaseException) -> str:
     """An index error's reason without the folder or server it names (those stay in logs)."""
-    from infra.qdrant_store import IndexMissing
+    from selfrag.infra.qdrant_store import IndexMissing
 
     if isinstance(exc, IndexMissing):
         return "no passages are indexed: run `selfrag index PATH` with these settings first"
@@ -367,7 +369,7 @@ class Ranker:
 def open_query_cache(settings: Settings) -> QueryCache | None:
     """The query cache configured by `settings` (infra/cache.py), or None while absent."""
     try:
-        from infra.cache import open_query_cache as _open  # type: ignore[import-not-found]
+        from selfrag.infra.cache import open_query_cache as _open  # type: ignore[import-not-found]
     except ImportError:  # the cache module is built separately (serving issue, item 5)
         return None
     return _open(settings)  # type: ignore[no-any-return]

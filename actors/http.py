@@ -18,8 +18,7 @@ import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass
-from typing import Any, Literal, Protocol
+from typing import Any, Protocol
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -28,9 +27,13 @@ from pydantic import SecretStr
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from actors.metrics import Metrics
-from pipeline.ranking import Hypothesis
-from schemas.answer import AnswerRequest, AnswerResponse, SegmentOut
+from selfrag.actors.metrics import Metrics
+from selfrag.pipeline.decoder import StepListener
+from selfrag.pipeline.ranking import Hypothesis
+from selfrag.runtime.answering import Answer
+from selfrag.schemas.answer import AnswerRequest, AnswerResponse, SegmentOut
+from selfrag.schemas.errors import AnswerError
+from selfrag.schemas.events import ErrorEvent, SegmentEvent
 
 log = logging.getLogger("selfrag.http")
 
@@ -46,63 +49,12 @@ CLIENT_CLOSED_REQUEST = 499  # nginx's status for "client went away"; only metri
 _REQUEST_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}")
 _REQUEST_ID_KEY = "selfrag.request_id"  # in the ASGI scope
 
-StepListener = Callable[[Hypothesis], None]
-CacheStatus = Literal["hit", "miss", "off", "error"]
-
-
-class ServiceError(Exception):
-    """A failure with an HTTP status; `detail` is safe to show to the client."""
-
-    status = 500
-    error = "internal_error"
-
-    def __init__(self, detail: str) -> None:
-        super().__init__(detail)
-        self.detail = detail
-
-
-class Overloaded(ServiceError):
-    status = 503
-    error = "overloaded"
-
-
-class DependencyDown(ServiceError):
-    status = 503
-    error = "dependency_unavailable"
-
-
-class DeadlineExceeded(ServiceError):
-    status = 504
-    error = "deadline_exceeded"
-
-
-class Misconfigured(ServiceError):
-    """A permanent fault of the deployment (e.g. the index does not match the embedder):
-    retrying cannot help, so no `Retry-After`; an operator must fix it."""
-
-    status = 500
-    error = "misconfigured"
-
 
 class PayloadTooLarge(StarletteHTTPException):
     """The request body passed `MAX_BODY_BYTES` (raised while it is read)."""
 
     def __init__(self, limit: int) -> None:
         super().__init__(413, f"request body over {limit} bytes")
-
-
-class Unprocessable(ServiceError):
-    """The request is well-formed but cannot be answered as configured (e.g. `native`
-    critique on a model without reflection tokens)."""
-
-    status = 422
-    error = "unprocessable"
-
-
-@dataclass(frozen=True)
-class Answer:
-    response: AnswerResponse
-    cache: CacheStatus
 
 
 class AnswerService(Protocol):
@@ -235,6 +187,221 @@ def _sse(event: str, data: Any) -> bytes:
     return f"event: {event}\ndata: {json.dumps(data, separators=(',', ':'))}\n\n".encode()
 
 
+class _Failures:
+    """How an `AnswerError` becomes a response: its status and kind, `Retry-After` on a 503, and
+    nothing about an internal failure but the request id."""
+
+    def __init__(self, retry_after_s: int) -> None:
+        self.retry_after = {"Retry-After": str(retry_after_s)}
+
+    def response(self, exc: AnswerError, rid: str) -> JSONResponse:
+        headers = self.retry_after if exc.status == 503 else None
+        if exc.status == 500 and exc.kind == "internal_error":
+            return JSONResponse(internal_error(rid), status_code=500, headers=headers)
+        return _error(exc.status, exc.kind, exc.detail, headers)
+
+    def install(self, app: FastAPI) -> None:
+        """The handlers that give every error the same body: {error, detail}."""
+
+        @app.exception_handler(RequestValidationError)
+        async def invalid_request(_: Request, exc: RequestValidationError) -> JSONResponse:
+            detail = [
+                {
+                    "field": _field(e.get("loc", ())),
+                    "message": e.get("msg", ""),
+                    "type": e.get("type"),
+                }
+                for e in exc.errors()
+            ]
+            return _error(422, "invalid_request", detail)
+
+        @app.exception_handler(StarletteHTTPException)
+        async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+            slug = {
+                401: "unauthorized",
+                404: "not_found",
+                405: "method_not_allowed",
+                413: "payload_too_large",
+            }.get(exc.status_code, "http_error")
+            return _error(exc.status_code, slug, exc.detail, dict(exc.headers or {}))
+
+        @app.exception_handler(AnswerError)
+        async def answer_error(request: Request, exc: AnswerError) -> JSONResponse:
+            return self.response(exc, request_id(request))
+
+
+def api_key_check(api_keys: Sequence[SecretStr]) -> Callable[[Request], None]:
+    """A FastAPI dependency: with keys, a request needs one of them as `Authorization: Bearer
+    <key>` or `X-API-Key: <key>` (401 otherwise); without keys it lets everything through."""
+    keys = [k.get_secret_value().encode() for k in api_keys]
+
+    def require_key(request: Request) -> None:
+        if not keys:
+            return
+        auth = request.headers.get("authorization", "")
+        given = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
+        given = given or request.headers.get("x-api-key", "")
+        # Compare against every key so timing does not reveal which one nearly matched.
+        ok = False
+        for key in keys:
+            ok |= hmac.compare_digest(given.encode(), key)
+        if not ok:
+            raise StarletteHTTPException(
+                401, "missing or invalid API key", headers={"WWW-Authenticate": "Bearer"}
+            )
+
+    return require_key
+
+
+class AnswerLog:
+    """One INFO line per answer: outcome, latency and request id; the question itself only
+    when asked for, else its length and a short hash (enough to match repeats)."""
+
+    def __init__(self, log_questions: bool) -> None:
+        self._log_questions = log_questions
+
+    def __call__(self, question: str, outcome: int | str, started: float, rid: str) -> None:
+        shown = (
+            repr(question)
+            if self._log_questions
+            else f"<{len(question)} chars {hashlib.sha256(question.encode()).hexdigest()[:8]}>"
+        )
+        log.info(
+            "answer %s %.0f ms question=%s request_id=%s",
+            outcome,
+            1000 * (time.perf_counter() - started),
+            shown,
+            rid,
+        )
+
+
+class _AnswerStream:
+    """One `/v1/answer/stream` request: the decode runs as a task whose steps become `segment`
+    events, then `answer` or `error`; keep-alives while idle; a disconnect cancels it."""
+
+    def __init__(
+        self,
+        service: AnswerService,
+        body: AnswerRequest,
+        request: Request,
+        *,
+        failures: _Failures,
+        log_answer: AnswerLog,
+        metrics: Metrics,
+        keepalive_s: float,
+    ) -> None:
+        self._service = service
+        self._body = body
+        self._request = request
+        self._failures = failures
+        self._log_answer = log_answer
+        self._metrics = metrics
+        self._keepalive_s = keepalive_s
+        self._rid = request_id(request)
+        self._loop = asyncio.get_running_loop()
+        self._queue: asyncio.Queue[tuple[str, Any] | None] = asyncio.Queue()
+        self._sent: list[SegmentOut] = []
+        self._idle, self._disconnected = object(), object()
+
+    def _on_step(self, h: Hypothesis) -> None:
+        """From the decoder thread: the leader's segments that changed since the last step."""
+        segments = list(h.segments)
+        start = 0
+        while start < min(len(self._sent), len(segments)) and self._sent[start] == segments[start]:
+            start += 1
+        for i in range(start, len(segments)):
+            event = SegmentEvent(index=i, segment=segments[i], hypothesis_score=h.score)
+            self._loop.call_soon_threadsafe(
+                self._queue.put_nowait, ("segment", event.model_dump(mode="json"))
+            )
+        self._sent[:] = segments
+
+    async def _run(self) -> None:
+        body, rid = self._body, self._rid
+        started = time.perf_counter()
+        try:
+            result = await self._service.answer(body, self._on_step)
+            item: tuple[str, Any] = ("answer", result.response.model_dump(mode="json"))
+            self._log_answer(body.question, "200 stream", started, rid)
+        except asyncio.CancelledError:
+            self._log_answer(body.question, "cancelled stream", started, rid)
+            raise
+        except AnswerError as exc:
+            item = ("error", exc)
+            self._log_answer(body.question, f"{exc.status} stream", started, rid)
+        except Exception as exc:
+            log.error("internal error; request id %s", rid, exc_info=exc)
+            item = ("error", AnswerError("internal error"))
+        # Put after any segment events still scheduled by call_soon_threadsafe.
+        self._loop.call_soon(self._queue.put_nowait, item)
+        self._loop.call_soon(self._queue.put_nowait, None)
+
+    async def respond(self) -> Response:
+        task = asyncio.create_task(self._run())
+        # Watches the connection for the whole request: before the first event nothing else
+        # does, and a decode nobody reads must not hold its in-flight slot.
+        gone = asyncio.create_task(_until_disconnect(self._request.receive))
+        getter: asyncio.Future[tuple[str, Any] | None] = asyncio.ensure_future(self._queue.get())
+
+        def close() -> None:
+            if not task.done():
+                task.cancel()  # the service cancels the decoder; its slot frees when it ends
+                self._metrics.count_stream_abandoned()
+            for t in (gone, getter):
+                if not t.done():
+                    t.cancel()
+                elif not t.cancelled():
+                    t.exception()  # retrieved: a broken receive just means the client is gone
+
+        async def next_item() -> object:
+            """The next queue item; `idle` after keepalive_s without one; `disconnected`."""
+            nonlocal getter
+            await asyncio.wait(
+                {getter, gone}, timeout=self._keepalive_s, return_when=asyncio.FIRST_COMPLETED
+            )
+            if gone.done():
+                return self._disconnected
+            if not getter.done():
+                return self._idle
+            item = getter.result()
+            getter = asyncio.ensure_future(self._queue.get())
+            return item
+
+        try:
+            first = await next_item()
+        except BaseException:  # this handler was cancelled (Ray Serve does on a disconnect)
+            close()
+            raise
+        if first is self._disconnected:
+            close()
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
+        if isinstance(first, tuple) and first[0] == "error":
+            # Nothing was sent yet, so the failure can still have its own status code.
+            close()
+            return self._failures.response(first[1], self._rid)
+
+        async def events() -> AsyncIterator[bytes]:
+            item = first
+            try:
+                while item is not None and item is not self._disconnected:
+                    if item is self._idle:
+                        yield KEEPALIVE
+                    else:
+                        kind, data = item  # type: ignore[misc]
+                        if kind == "error":
+                            data = _error_event(data, self._rid)
+                        yield _sse(kind, data)
+                    item = await next_item()
+            finally:
+                close()
+
+        return StreamingResponse(
+            events(),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
+
+
 def build_http_app(
     service: AnswerService,
     metrics: Metrics,
@@ -252,81 +419,17 @@ def build_http_app(
     status, latency and request id; the question text only with `log_questions`. A stream
     sends `: keep-alive` every `keepalive_s` without an event; a body over `max_body_bytes`
     is refused (413) as soon as that many bytes have arrived."""
-    keys = [k.get_secret_value().encode() for k in api_keys]
-    retry_after = {"Retry-After": str(retry_after_s)}
-
-    def service_failure(exc: ServiceError, rid: str) -> JSONResponse:
-        headers = retry_after if exc.status == 503 else None
-        if exc.status == 500 and exc.error == "internal_error":
-            return JSONResponse(internal_error(rid), status_code=500, headers=headers)
-        return _error(exc.status, exc.error, exc.detail, headers)
-
-    def log_answer(question: str, outcome: int | str, started: float, rid: str) -> None:
-        # User text stays out of logs unless asked for: a length and a short hash still let
-        # an operator match repeated questions.
-        shown = (
-            repr(question)
-            if log_questions
-            else f"<{len(question)} chars {hashlib.sha256(question.encode()).hexdigest()[:8]}>"
-        )
-        log.info(
-            "answer %s %.0f ms question=%s request_id=%s",
-            outcome,
-            1000 * (time.perf_counter() - started),
-            shown,
-            rid,
-        )
-
+    failures = _Failures(retry_after_s)
+    log_answer = AnswerLog(log_questions)
     app = FastAPI(
         title=title,
         summary="Self-RAG answers with per-segment citations and critique scores.",
         version="1",
     )
-    # --- cross-cutting: request id, body limit, metrics, errors ----------------------------------
+    # Cross-cutting: request id, body limit, metrics, errors.
     app.add_middleware(_Edge, metrics=metrics, max_body_bytes=max_body_bytes)
-
-    @app.exception_handler(RequestValidationError)
-    async def invalid_request(_: Request, exc: RequestValidationError) -> JSONResponse:
-        detail = [
-            {"field": _field(e.get("loc", ())), "message": e.get("msg", ""), "type": e.get("type")}
-            for e in exc.errors()
-        ]
-        return _error(422, "invalid_request", detail)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        slug = {
-            401: "unauthorized",
-            404: "not_found",
-            405: "method_not_allowed",
-            413: "payload_too_large",
-        }.get(exc.status_code, "http_error")
-        return _error(exc.status_code, slug, exc.detail, dict(exc.headers or {}))
-
-    @app.exception_handler(ServiceError)
-    async def service_error(request: Request, exc: ServiceError) -> JSONResponse:
-        return service_failure(exc, request_id(request))
-
-    # --- auth ----------------------------------------------------------------------------------
-
-    def require_key(request: Request) -> None:
-        if not keys:
-            return
-        auth = request.headers.get("authorization", "")
-        given = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
-        given = given or request.headers.get("x-api-key", "")
-        # Compare against every key so timing does not reveal which one nearly matched.
-        ok = False
-        for key in keys:
-            ok |= hmac.compare_digest(given.encode(), key)
-        if not ok:
-            raise StarletteHTTPException(
-                401, "missing or invalid API key", headers={"WWW-Authenticate": "Bearer"}
-            )
-
-    authed = [Depends(require_key)]
-
-    # --- routes ----------------------------------------------------------------------------------
+    failures.install(app)
+    authed = [Depends(api_key_check(api_keys))]
 
     @app.post("/v1/answer", response_model=AnswerResponse, dependencies=authed)
     async def answer(body: AnswerRequest, request: Request, response: Response) -> AnswerResponse:
@@ -336,7 +439,7 @@ def build_http_app(
         rid = request_id(request)
         try:
             result = await service.answer(body)
-        except ServiceError as exc:
+        except AnswerError as exc:
             log_answer(body.question, exc.status, started, rid)
             raise
         log_answer(body.question, 200, started, rid)
@@ -355,109 +458,16 @@ def build_http_app(
         `answer` with the full response, or `error`; `: keep-alive` comments while no event
         is ready. A failure before anything was sent has its own status code, as on
         `/v1/answer`. A client that disconnects cancels its decode."""
-        rid = request_id(request)
-        loop = asyncio.get_running_loop()
-        queue: asyncio.Queue[tuple[str, Any] | None] = asyncio.Queue()
-        sent: list[SegmentOut] = []
-
-        def on_step(h: Hypothesis) -> None:
-            segments = list(h.segments)
-            start = 0
-            while start < min(len(sent), len(segments)) and sent[start] == segments[start]:
-                start += 1
-            for i in range(start, len(segments)):
-                event = {
-                    "index": i,
-                    "segment": segments[i].model_dump(mode="json"),
-                    "hypothesis_score": h.score,
-                }
-                loop.call_soon_threadsafe(queue.put_nowait, ("segment", event))
-            sent[:] = segments
-
-        async def run() -> None:
-            started = time.perf_counter()
-            try:
-                result = await service.answer(body, on_step)
-                item: tuple[str, Any] = ("answer", result.response.model_dump(mode="json"))
-                log_answer(body.question, "200 stream", started, rid)
-            except asyncio.CancelledError:
-                log_answer(body.question, "cancelled stream", started, rid)
-                raise
-            except ServiceError as exc:
-                item = ("error", exc)
-                log_answer(body.question, f"{exc.status} stream", started, rid)
-            except Exception as exc:
-                log.error("internal error; request id %s", rid, exc_info=exc)
-                item = ("error", ServiceError("internal error"))
-            # Put after any segment events still scheduled by call_soon_threadsafe.
-            loop.call_soon(queue.put_nowait, item)
-            loop.call_soon(queue.put_nowait, None)
-
-        task = asyncio.create_task(run())
-        # Watches the connection for the whole request: before the first event nothing else
-        # does, and a decode nobody reads must not hold its in-flight slot.
-        gone = asyncio.create_task(_until_disconnect(request.receive))
-        getter: asyncio.Future[tuple[str, Any] | None] = asyncio.ensure_future(queue.get())
-
-        def close() -> None:
-            if not task.done():
-                task.cancel()  # the service cancels the decoder; its slot frees when it ends
-                metrics.count_stream_abandoned()
-            for t in (gone, getter):
-                if not t.done():
-                    t.cancel()
-                elif not t.cancelled():
-                    t.exception()  # retrieved: a broken receive just means the client is gone
-
-        idle, disconnected = object(), object()
-
-        async def next_item() -> object:
-            """The next queue item; `idle` after keepalive_s without one; `disconnected`."""
-            nonlocal getter
-            await asyncio.wait(
-                {getter, gone}, timeout=keepalive_s, return_when=asyncio.FIRST_COMPLETED
-            )
-            if gone.done():
-                return disconnected
-            if not getter.done():
-                return idle
-            item = getter.result()
-            getter = asyncio.ensure_future(queue.get())
-            return item
-
-        try:
-            first = await next_item()
-        except BaseException:  # this handler was cancelled (Ray Serve does on a disconnect)
-            close()
-            raise
-        if first is disconnected:
-            close()
-            return Response(status_code=CLIENT_CLOSED_REQUEST)
-        if isinstance(first, tuple) and first[0] == "error":
-            # Nothing was sent yet, so the failure can still have its own status code.
-            close()
-            return service_failure(first[1], rid)
-
-        async def events() -> AsyncIterator[bytes]:
-            item = first
-            try:
-                while item is not None and item is not disconnected:
-                    if item is idle:
-                        yield KEEPALIVE
-                    else:
-                        kind, data = item  # type: ignore[misc]
-                        if kind == "error":
-                            data = _error_event(data, rid)
-                        yield _sse(kind, data)
-                    item = await next_item()
-            finally:
-                close()
-
-        return StreamingResponse(
-            events(),
-            media_type="text/event-stream",
-            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        stream = _AnswerStream(
+            service,
+            body,
+            request,
+            failures=failures,
+            log_answer=log_answer,
+            metrics=metrics,
+            keepalive_s=keepalive_s,
         )
+        return await stream.respond()
 
     @app.get("/healthz")
     async def healthz() -> dict[str, str]:
@@ -473,13 +483,13 @@ def build_http_app(
             rid = request_id(request)
             log.warning("readiness check failed; request id %s", rid, exc_info=exc)
             return _error(
-                503, "not_ready", f"readiness check failed; request id {rid}", retry_after
+                503, "not_ready", f"readiness check failed; request id {rid}", failures.retry_after
             )
         ready = all(checks.values())
         return JSONResponse(
             {"ready": ready, "checks": checks},
             status_code=200 if ready else 503,
-            headers=None if ready else retry_after,
+            headers=None if ready else failures.retry_after,
         )
 
     @app.get("/metrics", dependencies=authed, response_class=PlainTextResponse)
@@ -495,8 +505,10 @@ def build_http_app(
     return app
 
 
-def _error_event(exc: ServiceError, rid: str) -> dict[str, Any]:
+def _error_event(exc: AnswerError, rid: str) -> dict[str, Any]:
     """The data of a stream's `error` event."""
-    if exc.status == 500 and exc.error == "internal_error":
-        return {**internal_error(rid), "status": 500}
-    return {"error": exc.error, "detail": exc.detail, "status": exc.status}
+    if exc.status == 500 and exc.kind == "internal_error":
+        event = ErrorEvent(**internal_error(rid), status=500)
+    else:
+        event = ErrorEvent(error=exc.kind, detail=exc.detail, status=exc.status)
+    return event.model_dump(mode="json", exclude_none=True)

@@ -12,115 +12,45 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import hashlib
-import importlib.metadata
-import json
 import logging
-import threading
 import time
-import unicodedata
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Protocol
+from typing import Any
 
 from ray.exceptions import RayActorError, RayTaskError
 from ray.serve.exceptions import BackPressureError, RayServeException
 from ray.serve.handle import DeploymentHandle, DeploymentResponse
 
-from actors.http import (
+from selfrag.actors.metrics import Metrics, family
+from selfrag.pipeline.critics import Branch, LabelProbs
+from selfrag.pipeline.decoder import SelfRAGDecoder, StepListener
+from selfrag.pipeline.protocols import Generation, Passage
+from selfrag.pipeline.ranking import Candidate, Hypothesis, StepRanking
+from selfrag.runtime.answering import (
     Answer,
-    CacheStatus,
+    AnswerPath,
+    CacheIdentity,
+    Deadline,
+    QueryCache,
+)
+from selfrag.schemas.answer import AnswerRequest, AnswerResponse
+from selfrag.schemas.decoding import DecodingConfig
+from selfrag.schemas.errors import (
+    AnswerError,
     DeadlineExceeded,
     DependencyDown,
     Overloaded,
-    ServiceError,
-    StepListener,
     Unprocessable,
 )
-from actors.metrics import Metrics, family
-from pipeline.critique import Branch, LabelProbs
-from pipeline.decoder import SelfRAGDecoder
-from pipeline.protocols import Generation, Passage
-from pipeline.ranking import Candidate, Hypothesis, StepRanking
-from schemas.answer import AnswerRequest, AnswerResponse
-from schemas.decoding import DecodingConfig
-from schemas.settings import Settings
 
 log = logging.getLogger("selfrag.service")
 
 READY_PROBE_KEY = "selfrag:readyz-probe"
 
 
-class QueryCache(Protocol):
-    """The repeated-query cache (infra/cache.py): Redis when configured, else in-process."""
-
-    def get(self, key: str) -> AnswerResponse | None: ...
-
-    def put(self, key: str, response: AnswerResponse) -> None: ...
-
-
-QUERY_KEY_FORMAT = 2
-"""Version of the query-key layout and of the cached answer's meaning; bump it when either
-changes so entries written by older code are never read as current."""
-
 REMOTE_POLL_S = 0.2
 """How often a decoder thread blocked on a remote call looks at its cancel flag."""
-
-
-@functools.cache
-def package_version() -> str:
-    """The installed selfrag version (part of every query key; read once per process)."""
-    try:
-        return importlib.metadata.version("selfrag")
-    except importlib.metadata.PackageNotFoundError:  # run from a source tree, not installed
-        return "source"
-
-
-def query_cache_scope(settings: Settings) -> dict[str, Any]:
-    """The settings besides the request's config that change an answer: the likelihood
-    critique's calibration and how passages were cut, embedded and are searched. Part of
-    every query key. (The index content is the index version; secrets are left out.)"""
-    r = settings.retrieval
-    return {
-        "calibration": settings.calibration.model_dump(mode="json"),
-        "retrieval": {
-            "collection": r.collection,
-            "embedding_model": r.embedding_model,
-            "hybrid": r.hybrid,
-            "passage_words": r.passage_words,
-            "passage_overlap_words": r.passage_overlap_words,
-        },
-    }
-
-
-def query_key(
-    question: str,
-    config: DecodingConfig,
-    index_version: str,
-    model: str,
-    scope: Mapping[str, Any] | None = None,
-) -> str:
-    """Hash of the normalised question, the effective config, the index version, the model
-    (its fingerprint: id and file hash), the serving `scope` (`query_cache_scope`) and the
-    code version: any change to one of them is a different answer."""
-    normal = " ".join(unicodedata.normalize("NFKC", question).casefold().split())
-    payload = json.dumps(
-        [
-            QUERY_KEY_FORMAT,
-            package_version(),
-            normal,
-            config.model_dump(mode="json"),
-            index_version,
-            model,
-            dict(scope or {}),
-        ],
-        sort_keys=True,
-    )
-    return "selfrag:answer:" + hashlib.sha256(payload.encode()).hexdigest()
-
-
-class Cancelled(Exception):
-    """The request was abandoned (client gone); the decoder thread stops waiting and ends."""
 
 
 def _cancel_call(response: DeploymentResponse[Any]) -> None:
@@ -142,32 +72,26 @@ async def _awaited(response: DeploymentResponse[Any]) -> Any:
 
 class _Remote:
     """Blocking calls to deployment handles from a decoder thread, each bounded by the
-    request's deadline (`time.monotonic()`) and ended early by `cancel`."""
+    request's `Deadline` and ended early when it is cancelled."""
 
-    def __init__(self, cancel: threading.Event, deadline: float, timeout_s: float) -> None:
-        self._cancel = cancel
+    def __init__(self, deadline: Deadline) -> None:
         self._deadline = deadline
-        self._timeout_s = timeout_s
 
     def call(self, handle: DeploymentHandle, method: str, *args: Any) -> Any:
-        if self._cancel.is_set():
-            raise Cancelled
+        self._deadline.check()
         response = getattr(handle, method).remote(*args)
         while True:
-            remaining = self._deadline - time.monotonic()
-            if remaining <= 0:
-                self._cancel.set()
+            remaining = self._deadline.remaining()
+            if remaining > 0:
+                try:
+                    # Short slices, so a cancelled request stops waiting within REMOTE_POLL_S.
+                    return response.result(timeout_s=min(remaining, REMOTE_POLL_S))
+                except TimeoutError as exc:
+                    if isinstance(exc, RayTaskError):  # the remote code's own TimeoutError
+                        raise
+            if remaining <= 0 or self._deadline.cancelled:
                 _cancel_call(response)
-                raise DeadlineExceeded(f"no answer within timeout_s={self._timeout_s:g}")
-            try:
-                # Short slices, so a cancelled request stops waiting within REMOTE_POLL_S.
-                return response.result(timeout_s=min(remaining, REMOTE_POLL_S))
-            except TimeoutError as exc:
-                if isinstance(exc, RayTaskError):  # the remote code's own TimeoutError
-                    raise
-            if self._cancel.is_set():
-                _cancel_call(response)
-                raise Cancelled
+                self._deadline.check()
 
 
 class PoolCritic:
@@ -249,12 +173,12 @@ def _cause(exc: BaseException) -> BaseException:
     return exc
 
 
-def as_service_error(exc: BaseException) -> ServiceError | None:
+def as_service_error(exc: BaseException) -> AnswerError | None:
     """The HTTP meaning of a failure raised while answering, or None if it is a bug."""
-    if isinstance(exc, ServiceError):
+    if isinstance(exc, AnswerError):
         return exc
     cause = _cause(exc)
-    if isinstance(cause, ServiceError):  # raised by a deployment (e.g. the store is down)
+    if isinstance(cause, AnswerError):  # raised by a deployment (e.g. the store is down)
         return cause
     if isinstance(exc, BackPressureError) or isinstance(cause, BackPressureError):
         # A deployment's queue is full (`max_queued_requests`): shed load now, never pile up.
@@ -285,8 +209,8 @@ class _Admission:
 
 
 class ServeAnswerService:
-    """`actors.http.AnswerService` over deployment handles, with the query-cache hook:
-    look up before decoding, store after."""
+    """`actors.http.AnswerService` over deployment handles: the answer path (`AnswerPath`:
+    defaults, query cache, deadline, error kinds) decoding through the pool."""
 
     def __init__(
         self,
@@ -309,13 +233,17 @@ class ServeAnswerService:
         self._decider = decider
         self._retriever = retriever
         self._ranker = ranker
-        self._defaults = defaults
+        self._path = AnswerPath(
+            defaults,
+            cache=cache,
+            cache_scope=cache_scope,
+            max_timeout_s=max_timeout_s,
+            events=metrics,
+        )
+        self._cache = cache
         self._max_inflight = max_inflight
-        self._max_timeout_s = max_timeout_s
         self._inflight = 0
         self._metrics = metrics
-        self._cache = cache
-        self._cache_scope = dict(cache_scope)
         # A thread per admitted answer: the default executor has only cpu+4 threads.
         self._executor = ThreadPoolExecutor(max_inflight, thread_name_prefix="selfrag-decoder")
         self._model_id: str | None = None
@@ -341,7 +269,7 @@ class ServeAnswerService:
         slot = _Admission(self)
         try:
             return await self._answer(request, on_step, slot)
-        except (ServiceError, asyncio.CancelledError, Cancelled):
+        except (AnswerError, asyncio.CancelledError):
             raise
         except Exception as exc:
             mapped = as_service_error(exc)
@@ -355,73 +283,72 @@ class ServeAnswerService:
     async def _answer(
         self, request: AnswerRequest, on_step: StepListener | None, slot: _Admission
     ) -> Answer:
-        config = request.config.apply_to(self._defaults)
-        if self._max_timeout_s is not None and config.timeout_s > self._max_timeout_s:
-            raise Unprocessable(
-                f"timeout_s={config.timeout_s:g} is above this server's maximum "
-                f"({self._max_timeout_s:g} s, serve.max_timeout_s)"
-            )
+        config = self._path.config(request)
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + config.timeout_s
-        # The same instant on the decoder thread's clock.
-        thread_deadline = time.monotonic() + config.timeout_s
-        cancel = threading.Event()
-        key: str | None = None
+        # One deadline for everything before the answer exists: the lookups that precede
+        # decoding wait on other deployments too. The loop's timer and the decoder thread's
+        # own checks share it; whichever sees it pass first ends the answer.
+        deadline = Deadline(config.timeout_s)
         try:
-            # One deadline for everything before the answer exists: the lookups that precede
-            # decoding wait on other deployments too.
-            async with asyncio.timeout_at(deadline):
+            async with asyncio.timeout_at(loop.time() + config.timeout_s):
                 model_id = await self._get_model_id()
                 critic_name = await self._get_critic_name(config.critique)
+                identity: CacheIdentity | None = None
                 if self._cache is not None:
-                    index_version = await self._get_index_version()
-                    fingerprint = await self._get_model_fingerprint()
-                    key = query_key(
-                        request.question, config, index_version, fingerprint, self._cache_scope
+                    identity = CacheIdentity(
+                        await self._get_index_version(), await self._get_model_fingerprint()
                     )
-                    hit = await self._cache_get(key)
-                    if hit is not None:
-                        if on_step is not None:
-                            on_step(Hypothesis(segments=tuple(hit.segments), done=True))
-                        return Answer(hit, "hit")
-                remote = _Remote(cancel, thread_deadline, config.timeout_s)
+                decode = functools.partial(self._decode, model_id, critic_name)
                 future = self._executor.submit(
-                    self._decode, request.question, config, model_id, critic_name, on_step, remote
+                    self._path.answer,
+                    request.question,
+                    config,
+                    decode,
+                    identity=(lambda: identity) if identity is not None else None,
+                    deadline=deadline,
+                    on_step=on_step,
                 )
                 # The slot stays taken until the thread really ends, even after a 504.
                 slot.deferred = True
                 future.add_done_callback(lambda _: loop.call_soon_threadsafe(slot.release))
-                response = await asyncio.wrap_future(future)
-        except (TimeoutError, DeadlineExceeded):
-            # The loop's timer or the decoder thread's own deadline check, whichever came first.
-            cancel.set()
+                answer = await asyncio.wrap_future(future)
+        except TimeoutError:
+            # The loop's timer came first (the decoder thread counts its own).
+            deadline.expire()
             self._metrics.count_deadline()
             raise DeadlineExceeded(f"no answer within timeout_s={config.timeout_s:g}") from None
         except asyncio.CancelledError:
-            cancel.set()
+            deadline.cancel()
             raise
-        self._metrics.observe_answer(response)
-        status: CacheStatus = "off"
-        if self._cache is not None and key is not None:
-            status = "miss" if await self._cache_put(key, response) else "error"
-        return Answer(response, status)
+        if answer.cache != "hit":
+            self._metrics.observe_answer(answer.response)
+        return answer
 
     def _decode(
         self,
-        question: str,
-        config: DecodingConfig,
         model_id: str,
         critic_name: str,
+        question: str,
+        config: DecodingConfig,
+        deadline: Deadline,
         on_step: StepListener | None,
-        remote: _Remote,
     ) -> AnswerResponse:
+        remote = _Remote(deadline)
         decoder = SelfRAGDecoder(
             lambda source: PoolCritic(remote, self._pool, self._decider, source, critic_name),
             RemoteRetriever(remote, self._retriever),
             model_id,
             ranker=RemoteRanker(remote, self._ranker),
         )
-        return decoder.answer(question, config, on_step)
+        try:
+            return decoder.answer(question, config, on_step)
+        except (AnswerError, asyncio.CancelledError):
+            raise
+        except Exception as exc:
+            mapped = as_service_error(exc)
+            if mapped is None:
+                raise
+            raise mapped from exc
 
     async def _get_model_id(self) -> str:
         if self._model_id is None:
@@ -444,29 +371,6 @@ class ServeAnswerService:
         if source not in self._critic_names:
             self._critic_names[source] = await _awaited(self._pool.critic_name.remote(source))
         return self._critic_names[source]
-
-    # --- the query cache hook --------------------------------------------------------------------
-
-    async def _cache_get(self, key: str) -> AnswerResponse | None:
-        assert self._cache is not None
-        try:
-            hit = await asyncio.to_thread(self._cache.get, key)
-        except Exception as exc:  # a cache outage must not fail the request
-            log.warning("query cache get failed, bypassing: %s", exc)
-            self._metrics.count_cache("errors")
-            return None
-        self._metrics.count_cache("hits" if hit is not None else "misses")
-        return hit
-
-    async def _cache_put(self, key: str, response: AnswerResponse) -> bool:
-        assert self._cache is not None
-        try:
-            await asyncio.to_thread(self._cache.put, key, response)
-        except Exception as exc:
-            log.warning("query cache put failed: %s", exc)
-            self._metrics.count_cache("errors")
-            return False
-        return True
 
     # --- probes --------------------------------------------------------------------------------
 

@@ -1,5 +1,5 @@
 """Questions per second: one question at a time (the CLI path, `SelfRAG.answer` in a loop) vs
-`selfrag batch` (`infra.batch.run_batch`) with 1 and 2 engine actors, in one run.
+`selfrag batch` (`selfrag.jobs.batch.run_batch`) with 1 and 2 engine actors, in one run.
 
 Every request is `{"mode": "always", "top_k": 2, "max_segments": 1, "max_segment_tokens": 16}`
 on distinct SQuAD questions, so no answer comes from a cache. One-at-a-time excludes the model
@@ -18,10 +18,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from infra.batch import ensure_ray, run_batch
-from infra.runtime import SelfRAG
-from infra.settings import load_settings
-from schemas.answer import AnswerRequest
+from selfrag.infra.settings import load_settings
+from selfrag.jobs.batch import ensure_ray, run_batch
+from selfrag.runtime.system import SelfRAG
+from selfrag.schemas.answer import AnswerRequest
 
 SMALL = {"mode": "always", "top_k": 2, "max_segments": 1, "max_segment_tokens": 16}
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "squad_v2_small.json"

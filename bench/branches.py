@@ -36,9 +36,9 @@ from pathlib import Path
 
 import llama_cpp
 
-from infra.llama_engine import LlamaEngine
-from infra.model_files import default_model_path, derive_weights
-from pipeline.protocols import GenerationRequest
+from selfrag.infra.llama_engine import LlamaEngine
+from selfrag.infra.model_files import default_model_path, derive_weights
+from selfrag.pipeline.protocols import GenerationRequest
 
 SYSTEM = (
     "You are a careful assistant that answers questions using only the evidence passage given "

@@ -44,14 +44,14 @@ from pathlib import Path
 from typing import TypeVar
 
 from bench.kv_cache import branch_step
-from infra.corpus import Document, read_documents
-from infra.evaluation import EvalQuestion, load_questions
-from infra.heads_store import find_heads, load_heads
-from infra.llama_engine import LlamaEngine
-from infra.model_files import default_model_path, derive_weights, file_sha256
-from infra.settings import load_settings
-from pipeline.calibration import auc
-from pipeline.critique import (
+from selfrag.infra.corpus import Document, read_documents
+from selfrag.infra.heads_store import find_heads, load_heads
+from selfrag.infra.llama_engine import LlamaEngine
+from selfrag.infra.model_files import default_model_path, derive_weights, file_sha256
+from selfrag.infra.settings import load_settings
+from selfrag.jobs.evaluation import EvalQuestion, load_questions
+from selfrag.pipeline.calibration import auc
+from selfrag.pipeline.critics import (
     Branch,
     Critic,
     LabelProbs,
@@ -59,10 +59,10 @@ from pipeline.critique import (
     make_critic,
     read_requests,
 )
-from pipeline.heads import HeadsError, ReflectionHeads
-from pipeline.metrics import contains_answer
-from pipeline.protocols import Generation, LanguageModel, Passage
-from pipeline.scoring import (
+from selfrag.pipeline.heads import HeadsError, ReflectionHeads
+from selfrag.pipeline.metrics import contains_answer
+from selfrag.pipeline.protocols import Generation, LanguageModel, Passage
+from selfrag.pipeline.scoring import (
     relevance_score,
     retrieval_probability,
     support_score,

@@ -26,13 +26,13 @@ import tempfile
 import time
 from pathlib import Path
 
-from infra.cache import MemoryLRU
-from infra.kv_cache import TieredStateStore
-from infra.llama_engine import LlamaEngine
-from infra.model_files import default_model_path, derive_weights
-from infra.settings import load_settings
-from pipeline.critique import Branch, Critic, make_critic
-from pipeline.protocols import Passage
+from selfrag.infra.cache import MemoryLRU
+from selfrag.infra.kv_cache import TieredStateStore
+from selfrag.infra.llama_engine import LlamaEngine
+from selfrag.infra.model_files import default_model_path, derive_weights
+from selfrag.infra.settings import load_settings
+from selfrag.pipeline.critics import Branch, Critic, make_critic
+from selfrag.pipeline.protocols import Passage
 
 
 def squad_passages(

@@ -17,10 +17,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from infra.embedder import SentenceEmbedder
-from infra.indexing import index_corpus
-from infra.qdrant_store import QdrantStore
-from schemas.settings import RetrievalSettings
+from selfrag.infra.embedder import SentenceEmbedder
+from selfrag.infra.qdrant_store import QdrantStore
+from selfrag.jobs.indexing import index_corpus
+from selfrag.schemas.settings import RetrievalSettings
 
 TUNING_ARTICLE = "Normans"
 TOP_K = 5

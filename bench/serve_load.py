@@ -199,7 +199,7 @@ def served(home: str | None, port: int, batch_size: int | None) -> Iterator[str]
         env["SELFRAG_HOME"] = home
     if batch_size is not None:
         env["SELFRAG_SERVE__MAX_BATCH_SIZE"] = str(batch_size)
-    cmd = [sys.executable, "-m", "infra.cli", "serve", "--port", str(port)]
+    cmd = [sys.executable, "-m", "selfrag.cli", "serve", "--port", str(port)]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     try:

@@ -28,8 +28,8 @@ from dataclasses import dataclass
 
 from pydantic import ValidationError
 
-from schemas.answer import AnswerResponse
-from schemas.settings import Settings
+from selfrag.schemas.answer import AnswerResponse
+from selfrag.schemas.settings import Settings
 
 log = logging.getLogger("selfrag.cache")
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from pipeline.protocols import Passage
+from selfrag.pipeline.protocols import Passage
 
 # Default cap on one document's UTF-8 size: far above any real article, small enough that one
 # runaway record (a dumped binary, a whole book in a line) cannot stall indexing.

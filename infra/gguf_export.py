@@ -23,10 +23,10 @@ from pathlib import Path
 import gguf
 import numpy as np
 
-from infra.heads_store import heads_matrix
-from infra.model_files import ModelFileError, file_sha256
-from pipeline.critique import NATIVE_CHAT_LAYOUT, NATIVE_MARKUP, NATIVE_TOKENS
-from pipeline.heads import ReflectionHeads
+from selfrag.infra.heads_store import heads_matrix
+from selfrag.infra.model_files import ModelFileError, file_sha256
+from selfrag.pipeline.critics import NATIVE_CHAT_LAYOUT, NATIVE_MARKUP, NATIVE_TOKENS
+from selfrag.pipeline.heads import ReflectionHeads
 
 CONTROL = int(gguf.TokenType.CONTROL)
 _FLOAT_TYPES = {

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from pipeline.heads import GROUP_LABELS, GroupHead, HeadsError, ReflectionHeads
+from selfrag.pipeline.heads import GROUP_LABELS, GroupHead, HeadsError, ReflectionHeads
 
 HEADS_FORMAT = 1
 SHIPPED_DIR = Path(__file__).with_name("shipped_heads")

@@ -32,8 +32,8 @@ from typing import Protocol
 
 import numpy as np
 
-from infra.cache import MB, MemoryLRU, RedisTier, open_redis_tier
-from schemas.settings import Settings
+from selfrag.infra.cache import MB, MemoryLRU, RedisTier, open_redis_tier
+from selfrag.schemas.settings import Settings
 
 log = logging.getLogger("selfrag.kv_cache")
 

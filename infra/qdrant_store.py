@@ -27,10 +27,10 @@ from typing import Any, Protocol
 import numpy as np
 from qdrant_client import QdrantClient, models
 
-from infra import sparse
-from infra.lifecycle import Closeable
-from pipeline.protocols import Passage
-from schemas.settings import RetrievalSettings
+from selfrag.infra import sparse
+from selfrag.infra.lifecycle import Closeable
+from selfrag.pipeline.protocols import Passage
+from selfrag.schemas.settings import RetrievalSettings
 
 DENSE = "dense"
 SPARSE = "sparse"

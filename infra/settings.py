@@ -28,7 +28,7 @@ from typing import Any
 
 from pydantic import BaseModel, SecretStr, ValidationError
 
-from schemas.settings import Settings
+from selfrag.schemas.settings import Settings
 
 log = logging.getLogger("selfrag.settings")
 

@@ -24,9 +24,9 @@ from typing import Any
 
 import httpx
 
-from infra.lifecycle import Closeable
-from pipeline.prompts import split_on
-from pipeline.protocols import (
+from selfrag.infra.lifecycle import Closeable
+from selfrag.pipeline.prompts import split_on
+from selfrag.pipeline.protocols import (
     ContinuationRequest,
     ContinuationScores,
     FinishReason,
@@ -35,7 +35,7 @@ from pipeline.protocols import (
     TokenScoreRequest,
     TokenScores,
 )
-from pipeline.segmenting import ends_sentence
+from selfrag.pipeline.segmenting import ends_sentence
 
 # A single token spelling chat or reflection markup (<|im_start|>, </s>, [Retrieval], ...).
 _MARKUP_TOKEN = re.compile(r"^(?:<\|?/?[A-Za-z_][\w:\-]{0,40}\|?>|\[[^\[\]\n]{1,40}\])$")

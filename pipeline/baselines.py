@@ -10,12 +10,20 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from pipeline.critique import NATIVE_TOKENS, SYSTEM_PROMPT, _passage_text
-from pipeline.metrics import normalize_answer
-from pipeline.prompts import Part, PromptBuilder, Trusted, Untrusted, chat_glue
-from pipeline.protocols import GenerationRequest, LanguageModel, Passage, Retriever
-from schemas.answer import AnswerResponse, PassageOut, SegmentOut, Usage
-from schemas.decoding import DecodingConfig
+from selfrag.pipeline.critics.base import RESERVED_PIECES
+from selfrag.pipeline.metrics import normalize_answer
+from selfrag.pipeline.prompts import (
+    Part,
+    PromptBuilder,
+    Trusted,
+    Untrusted,
+    chat_glue,
+    passage_part,
+    system_head,
+)
+from selfrag.pipeline.protocols import GenerationRequest, LanguageModel, Passage, Retriever
+from selfrag.schemas.answer import AnswerResponse, PassageOut, SegmentOut, Usage
+from selfrag.schemas.decoding import DecodingConfig
 
 ABSTAIN_REPLY = "I don't know"
 _TASK_CLOSED = (
@@ -55,18 +63,14 @@ class BaselineAnswerer:
         self._model = model
         self._retriever = retriever
         self._glue = chat_glue(model.chat_template)
-        self._builder = PromptBuilder(
-            model, reserved=[p for g in NATIVE_TOKENS.values() for p in g.values()]
-        )
+        self._builder = PromptBuilder(model, reserved=RESERVED_PIECES)
         self._clock = clock
 
     def prompt(self, question: str, passages: list[Passage]) -> list[int]:
         g = self._glue
-        parts: list[Part] = [Trusted(g.start)]
-        if g.has_system:
-            parts += [Trusted(SYSTEM_PROMPT), Trusted(g.system_to_user)]
+        parts: list[Part] = system_head(g)
         for i, p in enumerate(passages, 1):
-            parts += [Trusted(f"Passage [{i}]: "), Untrusted(_passage_text(p)), Trusted("\n\n")]
+            parts += passage_part(p, f"Passage [{i}]")
         task = _TASK_RAG if passages else _TASK_CLOSED
         parts += [
             Trusted("Question: "),

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from schemas.calibration import LogisticParams
+from selfrag.schemas.calibration import LogisticParams
 
 
 def fit_logistic(

@@ -6,12 +6,12 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from pipeline.critique import Branch, Critic, resolve_filters
-from pipeline.protocols import Passage, Retriever
-from pipeline.ranking import Candidate, Hypothesis, StepRanking, rank_step
-from pipeline.scoring import relevance_score, retrieval_probability, should_retrieve
-from schemas.answer import AnswerResponse, PassageOut, Usage
-from schemas.decoding import DecodingConfig
+from selfrag.pipeline.critics import Branch, Critic, resolve_filters
+from selfrag.pipeline.protocols import Passage, Retriever
+from selfrag.pipeline.ranking import Candidate, Hypothesis, StepRanking, rank_step
+from selfrag.pipeline.scoring import relevance_score, retrieval_probability, should_retrieve
+from selfrag.schemas.answer import AnswerResponse, PassageOut, Usage
+from selfrag.schemas.decoding import DecodingConfig
 
 Ranker = Callable[
     [Sequence[Hypothesis], Sequence[Hypothesis], Sequence[Candidate], DecodingConfig], StepRanking

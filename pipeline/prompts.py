@@ -13,6 +13,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from selfrag.pipeline.protocols import Passage
+
 # Chat control markup such as <|im_start|>, <|eot_id|>, <start_of_turn> and <paragraph>.
 _ANGLE_MARKUP = re.compile(r"<\|?/?[A-Za-z_][A-Za-z0-9_:\-]{0,40}\|?>")
 _BRACKET_MARKUP = re.compile(
@@ -187,3 +189,33 @@ def split_on(rendered: str, sentinels: Sequence[str]) -> list[str]:
         pieces.append(before)
     pieces.append(rest)
     return pieces
+
+
+# --- the prompt head shared by the critique sources and the baselines ---------------------------
+
+SYSTEM_PROMPT = (
+    "You answer questions accurately and briefly, using the given evidence when there is some."
+)
+
+
+def passage_text(p: Passage) -> str:
+    """A passage as prompts show it: its title on the first line, when it has one."""
+    return f"{p.title}\n{p.text}" if p.title else p.text
+
+
+def system_head(glue: ChatGlue) -> list[Part]:
+    """The start of every prompt: the template's opening and the system message."""
+    parts: list[Part] = [Trusted(glue.start)]
+    if glue.has_system:
+        parts += [Trusted(SYSTEM_PROMPT), Trusted(glue.system_to_user)]
+    return parts
+
+
+def passage_part(p: Passage, label: str = "Passage") -> list[Part]:
+    """`label: <passage>` and a blank line; the passage is untrusted."""
+    return [Trusted(f"{label}: "), Untrusted(passage_text(p)), Trusted("\n\n")]
+
+
+def evidence_head(glue: ChatGlue, passage: Passage | None) -> list[Part]:
+    """System and passage: the same for any question, so its KV state is a reusable prefix."""
+    return system_head(glue) + (passage_part(passage) if passage is not None else [])

@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from pipeline.critique import RELEVANCE_LABELS, SUPPORT_LABELS, Branch, LabelProbs
-from pipeline.protocols import Generation
-from pipeline.scoring import (
+from selfrag.pipeline.critics import RELEVANCE_LABELS, SUPPORT_LABELS, Branch, LabelProbs
+from selfrag.pipeline.protocols import Generation
+from selfrag.pipeline.scoring import (
     CritiqueWeights,
     most_likely,
     relevance_score,
@@ -16,8 +16,8 @@ from pipeline.scoring import (
     support_score,
     utility_score,
 )
-from schemas.answer import Citation, SegmentOut
-from schemas.decoding import DecodingConfig
+from selfrag.schemas.answer import Citation, SegmentOut
+from selfrag.schemas.decoding import DecodingConfig
 
 
 @dataclass(frozen=True)

@@ -26,9 +26,9 @@ import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from pipeline.critique import Branch
-from pipeline.metrics import contains_answer
-from pipeline.protocols import Passage
+from selfrag.pipeline.critics import Branch
+from selfrag.pipeline.metrics import contains_answer
+from selfrag.pipeline.protocols import Passage
 
 _SENTENCE_END = re.compile(r"(?<=[.!?])\s+(?=[A-Z0-9\"'(])")
 _YEAR = re.compile(r"\b(?:1[0-9]{3}|20[0-9]{2})\b")

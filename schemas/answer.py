@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from schemas.decoding import DecodingConfig, DecodingOverrides
+from selfrag.schemas.decoding import DecodingConfig, DecodingOverrides
 
 MAX_QUESTION_CHARS = 2000
 

@@ -32,7 +32,7 @@ class LogisticParams(BaseModel):
 
 
 class CalibrationSettings(BaseModel):
-    """Parameters of the four likelihood signals (see `pipeline.likelihood`).
+    """Parameters of the four likelihood signals (see `pipeline.critics.likelihood`).
 
     - relevance: x = mean per-token query-likelihood gain log p(q | d) − log p(q);
     - support: x = mean per-token segment-likelihood gain log p(y | x, d) − log p(y | x);

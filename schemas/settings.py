@@ -15,8 +15,8 @@ from pydantic import (
     SecretStr,
 )
 
-from schemas.calibration import CalibrationSettings
-from schemas.decoding import DecodingConfig
+from selfrag.schemas.calibration import CalibrationSettings
+from selfrag.schemas.decoding import DecodingConfig
 
 WeightFormat = Literal["auto", "original", "bf16", "f16", "q8_0", "q4_0"]
 Backend = Literal["llama_cpp", "vllm"]

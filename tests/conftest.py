@@ -41,7 +41,7 @@ def indexed_corpus(normans_squad: Path, shared_data: Path) -> list[str]:
 def indexed_home(tmp_path_factory: pytest.TempPathFactory, indexed_corpus: list[str]) -> Path:
     """A data folder indexed once per session: the Normans paragraphs + 1,000 Wikipedia
     passages, through the real CLI, embedder and embedded Qdrant."""
-    from infra.cli import main
+    from selfrag.cli import main
 
     home = tmp_path_factory.mktemp("home")
     assert main(["--home", str(home), "index", "--no-progress", *indexed_corpus]) == 0

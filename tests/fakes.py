@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from pipeline.critique import Branch, LabelProbs
-from pipeline.protocols import Generation, Passage
+from selfrag.pipeline.critics import Branch, LabelProbs
+from selfrag.pipeline.protocols import Generation, Passage
 
 
 @dataclass
@@ -151,7 +151,7 @@ class WordModel:
     def next_token_logprobs(self, requests):
         import math
 
-        from pipeline.protocols import TokenScores
+        from selfrag.pipeline.protocols import TokenScores
 
         out = []
         for r in requests:
@@ -173,7 +173,7 @@ class WordModel:
         return out
 
     def generate(self, requests):
-        from pipeline.protocols import Generation
+        from selfrag.pipeline.protocols import Generation
 
         out = []
         for r in requests:

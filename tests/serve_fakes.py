@@ -17,13 +17,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from actors.metrics import BatchStats, Metrics
-from actors.service import ServeAnswerService, query_cache_scope
-from pipeline.protocols import Passage
-from pipeline.ranking import rank_step
-from schemas.answer import AnswerResponse
-from schemas.decoding import DecodingConfig
-from schemas.settings import Settings
+from selfrag.actors.metrics import BatchStats, Metrics
+from selfrag.actors.service import ServeAnswerService
+from selfrag.pipeline.protocols import Passage
+from selfrag.pipeline.ranking import rank_step
+from selfrag.runtime.answering import query_cache_scope
+from selfrag.schemas.answer import AnswerResponse
+from selfrag.schemas.decoding import DecodingConfig
+from selfrag.schemas.settings import Settings
 from tests.fakes import ListRetriever, ScriptedCritic
 
 # Enough threads that calls left hanging by a test never starve the next ones.

@@ -11,15 +11,16 @@ from typing import Any
 
 import pytest
 
-from actors import service as service_module
-from actors.http import DeadlineExceeded, DependencyDown, Overloaded, Unprocessable
-from actors.metrics import Metrics
-from actors.service import ServeAnswerService, as_service_error, query_cache_scope, query_key
-from pipeline.protocols import Passage
-from schemas.answer import AnswerRequest
-from schemas.calibration import CalibrationSettings, LogisticParams
-from schemas.decoding import DecodingConfig
-from schemas.settings import RetrievalSettings, Settings
+from selfrag.actors.metrics import Metrics
+from selfrag.actors.service import ServeAnswerService, as_service_error
+from selfrag.pipeline.protocols import Passage
+from selfrag.runtime import answering as answering_module
+from selfrag.runtime.answering import query_cache_scope, query_key
+from selfrag.schemas.answer import AnswerRequest
+from selfrag.schemas.calibration import CalibrationSettings, LogisticParams
+from selfrag.schemas.decoding import DecodingConfig
+from selfrag.schemas.errors import DeadlineExceeded, DependencyDown, Overloaded, Unprocessable
+from selfrag.schemas.settings import RetrievalSettings, Settings
 from tests.fakes import ScriptedCritic
 from tests.serve_fakes import DictCache, Pool, Store, make_service
 
@@ -103,10 +104,10 @@ def test_the_query_key_covers_the_model_file_settings_and_code_version(
         ),
     ]
     with monkeypatch.context() as m:
-        m.setattr(service_module, "QUERY_KEY_FORMAT", service_module.QUERY_KEY_FORMAT + 1)
+        m.setattr(answering_module, "QUERY_KEY_FORMAT", answering_module.QUERY_KEY_FORMAT + 1)
         variants.append(query_key("q", cfg, "v1", "m.gguf sha256:aa", scope))
     with monkeypatch.context() as m:
-        m.setattr(service_module, "package_version", lambda: "99.0")
+        m.setattr(answering_module, "package_version", lambda: "99.0")
         variants.append(query_key("q", cfg, "v1", "m.gguf sha256:aa", scope))
     assert base not in variants and len(set(variants)) == len(variants)
     # Secrets never reach the key's inputs.

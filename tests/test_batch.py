@@ -16,8 +16,8 @@ from typing import Any
 
 import pytest
 
-import infra.batch
-from infra.batch import (
+import selfrag.jobs.batch as batch_module
+from selfrag.jobs.batch import (
     BatchQuestion,
     CallMerger,
     OutputLockedError,
@@ -32,8 +32,9 @@ from infra.batch import (
     run_batch,
     select,
 )
-from pipeline.critique import Branch
-from schemas.decoding import DecodingConfig
+from selfrag.pipeline.critics import Branch
+from selfrag.runtime.answering import AnswerPath
+from selfrag.schemas.decoding import DecodingConfig
 from tests.fakes import ScriptedCritic
 
 # The likelihood critique: these tests are about the batch path, not the critique, and an
@@ -88,7 +89,7 @@ def test_a_non_utf8_line_is_one_problem_and_the_rest_is_read(tmp_path: Path):
 
 
 def test_an_over_long_jsonl_line_is_skipped_by_line(tmp_path: Path, monkeypatch):
-    monkeypatch.setattr(infra.batch, "MAX_LINE_BYTES", 100)
+    monkeypatch.setattr(batch_module, "MAX_LINE_BYTES", 100)
     path = tmp_path / "q.jsonl"
     long_line = json.dumps({"id": "long", "question": "x" * 200})
     path.write_text(f'{{"question": "Who?"}}\n{long_line}\n{{"question": "Where?"}}\n')
@@ -190,7 +191,7 @@ def test_a_second_writer_is_refused_while_the_first_holds_the_lock(tmp_path: Pat
         [
             sys.executable,
             "-c",
-            "import sys; from pathlib import Path; from infra.batch import lock_output\n"
+            "import sys; from pathlib import Path; from selfrag.jobs.batch import lock_output\n"
             "with lock_output(Path(sys.argv[1])):\n"
             "    print('held', flush=True); sys.stdin.read()",
             str(out),
@@ -340,8 +341,8 @@ def test_a_question_past_its_timeout_gets_an_error_record():
     import time
     from types import SimpleNamespace
 
-    from infra.batch import BatchAnswerer
-    from pipeline.protocols import Passage
+    from selfrag.jobs.batch import BatchAnswerer
+    from selfrag.pipeline.protocols import Passage
     from tests.fakes import ListRetriever
 
     class Slow(ScriptedCritic):
@@ -354,11 +355,12 @@ def test_a_question_past_its_timeout_gets_an_error_record():
     actor = object.__new__(BatchAnswerer)
     actor._rag = SimpleNamespace(critic=lambda source: critic)  # type: ignore[attr-defined]
     actor._store = ListRetriever([Passage("p1", "Rollo founded Normandy.")])  # type: ignore[attr-defined]
-    actor._index_version, actor._model_id, actor._cache = "v", "m", None  # type: ignore[attr-defined]
+    actor._index_version, actor._model_id = "v", "m"  # type: ignore[attr-defined]
+    actor._path = AnswerPath(DecodingConfig())  # type: ignore[attr-defined]
     actor._merger = CallMerger(lambda source: critic, max_wait_s=0.01)  # type: ignore[attr-defined]
     config = DecodingConfig(mode="always", timeout_s=0.1)
     outcome = json.loads(actor._answer_one("Who founded Normandy?", config))
-    assert outcome["status"] == "error" and outcome["error"]["type"] == "timeout"
+    assert outcome["status"] == "error" and outcome["error"]["type"] == "deadline_exceeded"
     assert "timeout_s=0.1" in outcome["error"]["message"]
     ok = json.loads(actor._answer_one("Who founded Normandy?", DecodingConfig(mode="always")))
     assert ok["status"] == "ok" and ok["response"]["answer"]
@@ -367,9 +369,9 @@ def test_a_question_past_its_timeout_gets_an_error_record():
 def test_batch_caches_answers_under_the_online_endpoints_key():
     from types import SimpleNamespace
 
-    from actors.service import query_key
-    from infra.batch import BatchAnswerer
-    from pipeline.protocols import Passage
+    from selfrag.jobs.batch import BatchAnswerer
+    from selfrag.pipeline.protocols import Passage
+    from selfrag.runtime.answering import query_key
     from tests.fakes import ListRetriever
 
     class DictCache(dict):
@@ -378,23 +380,25 @@ def test_batch_caches_answers_under_the_online_endpoints_key():
 
     critic = ScriptedCritic()
     actor = object.__new__(BatchAnswerer)
-    actor._rag = SimpleNamespace(critic=lambda source: critic)  # type: ignore[attr-defined]
+    actor._rag = SimpleNamespace(  # type: ignore[attr-defined]
+        critic=lambda source: critic, model_fingerprint="m sha256:abc"
+    )
     actor._store = ListRetriever([Passage("p1", "Rollo founded Normandy.")])  # type: ignore[attr-defined]
     actor._index_version, actor._model_id = "v", "m"  # type: ignore[attr-defined]
-    actor._cache = DictCache()  # type: ignore[attr-defined]
+    cache = DictCache()
     scope = {"calibration": {"a": 1}}
-    actor._key_parts = ("m sha256:abc", scope)  # type: ignore[attr-defined]
+    actor._path = AnswerPath(  # type: ignore[attr-defined]
+        DecodingConfig(), cache=cache, cache_scope=scope
+    )
     actor._merger = CallMerger(lambda source: critic, max_wait_s=0.01)  # type: ignore[attr-defined]
     config = DecodingConfig(mode="always")
     assert json.loads(actor._answer_one("Who founded Normandy?", config))["cache"] == "miss"
-    assert list(actor._cache) == [
-        query_key("Who founded Normandy?", config, "v", "m sha256:abc", scope)
-    ]
+    assert list(cache) == [query_key("Who founded Normandy?", config, "v", "m sha256:abc", scope)]
     assert json.loads(actor._answer_one("who founded normandy?", config))["cache"] == "hit"
 
 
 def _offline_settings(tmp_path: Path) -> Any:
-    from infra.settings import load_settings
+    from selfrag.infra.settings import load_settings
 
     return load_settings(environ={"SELFRAG_HOME": str(tmp_path / "home")})
 
@@ -438,7 +442,7 @@ def _records(path: Path) -> list[dict[str, Any]]:
 def test_batch_kill_resume_duplicates_and_errors(
     ray_local: None, indexed_home: Path, normans_questions: list[str], tmp_path: Path
 ):
-    from infra.settings import load_settings
+    from selfrag.infra.settings import load_settings
 
     settings = load_settings(overrides={"home": str(indexed_home)})
     lines = [
@@ -507,7 +511,7 @@ def test_batch_kill_resume_duplicates_and_errors(
 def test_batch_retry_failed_answers_an_error_id_again(
     ray_local: None, indexed_home: Path, normans_questions: list[str], tmp_path: Path
 ):
-    from infra.settings import load_settings
+    from selfrag.infra.settings import load_settings
 
     settings = load_settings(overrides={"home": str(indexed_home)})
     src, out = tmp_path / "q.jsonl", tmp_path / "a.jsonl"
@@ -541,7 +545,7 @@ def test_batch_cli_reads_csv_and_parquet(
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from infra.cli import main
+    from selfrag.cli import main
 
     config = json.dumps(SMALL)
     csv_path = tmp_path / "q.csv"
@@ -581,7 +585,7 @@ def test_eval_ray_answers_selfrag_systems_on_the_batch_path(
     indexed_corpus: list[str],
     tmp_path: Path,
 ):
-    from infra.cli import main
+    from selfrag.cli import main
 
     out = tmp_path / "eval"
     args = [

@@ -7,10 +7,10 @@ import random
 
 import pytest
 
-from infra.calibrate import calibration_toml, fit_samples
-from infra.settings import load_settings
-from pipeline.calibration import auc, fit_logistic
-from schemas.calibration import CalibrationSettings, LogisticParams
+from selfrag.infra.settings import load_settings
+from selfrag.jobs.calibrate import calibration_toml, fit_samples
+from selfrag.pipeline.calibration import auc, fit_logistic
+from selfrag.schemas.calibration import CalibrationSettings, LogisticParams
 
 
 def _synthetic(a: float, b: float, n: int, seed: int) -> tuple[list[float], list[bool]]:

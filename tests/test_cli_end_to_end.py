@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from infra.cli import main
-from infra.runtime import SelfRAG
-from infra.settings import load_settings
+from selfrag.cli import main
+from selfrag.infra.settings import load_settings
+from selfrag.runtime.system import SelfRAG
 
 pytestmark = pytest.mark.real
 

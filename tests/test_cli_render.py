@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from infra.cli import render_answer
-from schemas.answer import AnswerResponse, Citation, PassageOut, SegmentOut, Usage
-from schemas.decoding import DecodingConfig
+from selfrag.cli import render_answer
+from selfrag.schemas.answer import AnswerResponse, Citation, PassageOut, SegmentOut, Usage
+from selfrag.schemas.decoding import DecodingConfig
 
 
 def _response(is_sup: str | None, s_sup: float | None) -> AnswerResponse:

@@ -1,14 +1,14 @@
 import pytest
 
-from pipeline.critique import (
+from selfrag.pipeline.critics import (
     NATIVE_TOKENS,
     Branch,
     NativeCritic,
     make_critic,
 )
-from pipeline.likelihood import LikelihoodCritic
-from pipeline.protocols import Passage
-from pipeline.scoring import relevance_score, retrieval_probability, support_score
+from selfrag.pipeline.critics.likelihood import LikelihoodCritic
+from selfrag.pipeline.protocols import Passage
+from selfrag.pipeline.scoring import relevance_score, retrieval_probability, support_score
 from tests.fakes import WordModel
 
 NATIVE_PIECES = [p for g in NATIVE_TOKENS.values() for p in g.values()] + [

@@ -1,8 +1,8 @@
 import pytest
 
-from pipeline.decoder import ABSTAIN_MESSAGE, SelfRAGDecoder
-from pipeline.protocols import Passage
-from schemas.decoding import DecodingConfig
+from selfrag.pipeline.decoder import ABSTAIN_MESSAGE, SelfRAGDecoder
+from selfrag.pipeline.protocols import Passage
+from selfrag.schemas.decoding import DecodingConfig
 from tests.fakes import ListRetriever, ScriptedCritic
 
 PASSAGES = [

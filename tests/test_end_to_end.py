@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from infra.runtime import SelfRAG
-from infra.settings import load_settings
-from schemas.answer import AnswerRequest, AnswerResponse
+from selfrag.infra.settings import load_settings
+from selfrag.runtime.system import SelfRAG
+from selfrag.schemas.answer import AnswerRequest, AnswerResponse
 
 pytestmark = pytest.mark.real
 

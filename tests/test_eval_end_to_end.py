@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from infra.cli import main
-from infra.evaluation import REPORT_COLUMNS
+from selfrag.cli import main
+from selfrag.jobs.evaluation import REPORT_COLUMNS
 
 pytestmark = pytest.mark.real
 

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from infra.cli import main
-from infra.evaluation import (
+from selfrag.cli import main
+from selfrag.jobs.evaluation import (
     REPORT_COLUMNS,
     EvalError,
     load_questions,
@@ -17,9 +17,10 @@ from infra.evaluation import (
     run_evaluation,
     threshold_curve,
 )
-from pipeline.decoder import SelfRAGDecoder
-from pipeline.protocols import Passage
-from schemas.decoding import DecodingConfig
+from selfrag.pipeline.decoder import SelfRAGDecoder
+from selfrag.pipeline.protocols import Passage
+from selfrag.runtime.answering import Answer, AnswerPath
+from selfrag.schemas.decoding import DecodingConfig
 from tests.fakes import ListRetriever, ScriptedCritic, WordModel
 
 SQUAD = {
@@ -74,7 +75,7 @@ SQUAD = {
 
 
 class FakeRag:
-    """What the evaluation uses of `SelfRAG`: engine, store, critic(), decoder."""
+    """What the evaluation uses of `SelfRAG`: engine, store, critic(), answer_config()."""
 
     def __init__(self) -> None:
         self.engine = WordModel(draft_text=" Rollo founded it.")
@@ -84,6 +85,10 @@ class FakeRag:
 
     def critic(self, source: str) -> ScriptedCritic:
         return self.critic_obj
+
+    def answer_config(self, question: str, config: DecodingConfig) -> Answer:
+        path = AnswerPath(config)
+        return path.answer(question, config, lambda q, c, _d, _s: self.decoder.answer(q, c))
 
 
 @pytest.fixture()
@@ -201,7 +206,7 @@ def test_cli_rejects_bad_input(squad_file: Path, tmp_path: Path, capsys):
 
 
 def test_baselines_put_passages_in_one_prompt_and_detect_abstention():
-    from pipeline.baselines import BaselineAnswerer, is_abstention
+    from selfrag.pipeline.baselines import BaselineAnswerer, is_abstention
 
     model = WordModel(draft_text=" I'm not sure.")
     passages = [Passage("a", "Rollo founded Normandy.", "N"), Passage("b", "Bees.", "B")]

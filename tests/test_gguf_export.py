@@ -10,11 +10,16 @@ import gguf
 import numpy as np
 import pytest
 
-from infra.gguf_export import export_reflection_model
-from infra.heads_store import load_heads, save_heads
-from infra.llama_engine import LlamaEngine
-from infra.model_files import ModelFileError, default_model_path, derive_weights, file_sha256
-from pipeline.critique import (
+from selfrag.infra.gguf_export import export_reflection_model
+from selfrag.infra.heads_store import load_heads, save_heads
+from selfrag.infra.llama_engine import LlamaEngine
+from selfrag.infra.model_files import (
+    ModelFileError,
+    default_model_path,
+    derive_weights,
+    file_sha256,
+)
+from selfrag.pipeline.critics import (
     NATIVE_CHAT_LAYOUT,
     NATIVE_TOKENS,
     Branch,
@@ -22,9 +27,14 @@ from pipeline.critique import (
     NativeChatCritic,
     make_critic,
 )
-from pipeline.heads import GROUP_LABELS, HeadsError
-from pipeline.protocols import GenerationRequest, Passage, TokenScoreRequest
-from pipeline.scoring import relevance_score, retrieval_probability, support_score, utility_score
+from selfrag.pipeline.heads import GROUP_LABELS, HeadsError
+from selfrag.pipeline.protocols import GenerationRequest, Passage, TokenScoreRequest
+from selfrag.pipeline.scoring import (
+    relevance_score,
+    retrieval_probability,
+    support_score,
+    utility_score,
+)
 
 pytestmark = pytest.mark.real
 
@@ -52,7 +62,7 @@ def base(base_path: Path) -> Iterator[LlamaEngine]:
 def heads_file(base: LlamaEngine, base_path: Path, tmp_path_factory: pytest.TempPathFactory):
     """Heads with random rows (seeded), lowered below ordinary logits the way training does:
     the export must carry whatever rows it is given."""
-    from infra.training import lowered
+    from selfrag.jobs.training import lowered
 
     rng = np.random.default_rng(0)
     prompt = base.tokenize("<|im_start|>user\nTell me about the sea.<|im_end|>\n", special=True)

@@ -9,9 +9,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import infra.heads_store as heads_store
-from infra.heads_store import find_heads, heads_path, load_heads, read_manifest, save_heads
-from pipeline.heads import GROUP_LABELS, GroupHead, HeadsError, ReflectionHeads
+import selfrag.infra.heads_store as heads_store
+from selfrag.infra.heads_store import find_heads, heads_path, load_heads, read_manifest, save_heads
+from selfrag.pipeline.heads import GROUP_LABELS, GroupHead, HeadsError, ReflectionHeads
 
 SHA = "a" * 64
 OTHER_SHA = "b" * 64

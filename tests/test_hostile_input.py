@@ -24,12 +24,11 @@ from typing import Any
 
 import pytest
 
-from infra.indexing import index_corpus
-from infra.runtime import SelfRAG
-from infra.settings import load_settings
-from pipeline.critique import Branch, LabelProbs, make_critic
-from pipeline.prompts import neutralise
-from pipeline.protocols import (
+from selfrag.infra.settings import load_settings
+from selfrag.jobs.indexing import index_corpus
+from selfrag.pipeline.critics import Branch, LabelProbs, make_critic
+from selfrag.pipeline.prompts import neutralise
+from selfrag.pipeline.protocols import (
     ContinuationRequest,
     ContinuationScores,
     Generation,
@@ -38,6 +37,7 @@ from pipeline.protocols import (
     TokenScoreRequest,
     TokenScores,
 )
+from selfrag.runtime.system import SelfRAG
 
 pytestmark = pytest.mark.real
 

@@ -18,19 +18,12 @@ import uvicorn
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
-from actors.http import (
-    MAX_BODY_BYTES,
-    Answer,
-    DeadlineExceeded,
-    DependencyDown,
-    Overloaded,
-    StepListener,
-    build_http_app,
-    parse_api_keys,
-)
-from actors.metrics import BatchStats, Metrics
-from pipeline.ranking import Hypothesis
-from schemas.answer import (
+from selfrag.actors.http import MAX_BODY_BYTES, build_http_app, parse_api_keys
+from selfrag.actors.metrics import BatchStats, Metrics
+from selfrag.pipeline.decoder import StepListener
+from selfrag.pipeline.ranking import Hypothesis
+from selfrag.runtime.answering import Answer
+from selfrag.schemas.answer import (
     MAX_QUESTION_CHARS,
     AnswerRequest,
     AnswerResponse,
@@ -38,7 +31,8 @@ from schemas.answer import (
     SegmentOut,
     Usage,
 )
-from schemas.decoding import DecodingConfig
+from selfrag.schemas.decoding import DecodingConfig
+from selfrag.schemas.errors import DeadlineExceeded, DependencyDown, Overloaded
 from tests.redis_proc import free_port
 from tests.serve_fakes import Rig, make_service
 

@@ -19,12 +19,17 @@ import numpy as np
 import pytest
 import redis
 
-from infra.cache import MemoryLRU, RedisTier
-from infra.kv_cache import ContextLayout, TieredStateStore, open_prefix_store, prefix_state_key
-from infra.llama_engine import LlamaEngine
-from infra.model_files import default_model_path, derive_weights
-from infra.settings import load_settings
-from pipeline.protocols import TokenScoreRequest
+from selfrag.infra.cache import MemoryLRU, RedisTier
+from selfrag.infra.kv_cache import (
+    ContextLayout,
+    TieredStateStore,
+    open_prefix_store,
+    prefix_state_key,
+)
+from selfrag.infra.llama_engine import LlamaEngine
+from selfrag.infra.model_files import default_model_path, derive_weights
+from selfrag.infra.settings import load_settings
+from selfrag.pipeline.protocols import TokenScoreRequest
 from tests.redis_proc import RedisProcess
 
 LAYOUT = ContextLayout(
@@ -152,9 +157,9 @@ def test_a_poisoned_state_in_redis_is_refused_counted_and_replaced(
 
 @pytest.mark.real
 def test_refused_states_are_counted_in_the_pool_metrics(redis_url: str, tmp_path: Path):
-    from actors.deployments import PoolStats
-    from actors.metrics import BatchStats
-    from infra.runtime import SelfRAG
+    from selfrag.actors.deployments import PoolStats
+    from selfrag.actors.metrics import BatchStats
+    from selfrag.runtime.system import SelfRAG
 
     env = {"SELFRAG_HOME": str(tmp_path), "SELFRAG_REDIS_URL": redis_url}
     with SelfRAG(load_settings(environ=env)) as rag:

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 import pytest
 
-from pipeline.critique import (
+from selfrag.pipeline.critics import (
     NATIVE_CHAT_LAYOUT,
     NATIVE_TOKENS,
     Branch,
@@ -16,12 +16,12 @@ from pipeline.critique import (
     NativeCritic,
     make_critic,
 )
-from pipeline.decoder import ABSTAIN_MESSAGE, SelfRAGDecoder
-from pipeline.heads import GROUP_LABELS, GroupHead, HeadsError, ReflectionHeads
-from pipeline.likelihood import LikelihoodCritic
-from pipeline.protocols import GenerationRequest, Passage, TokenScoreRequest
-from schemas.answer import AnswerResponse
-from schemas.decoding import DecodingConfig
+from selfrag.pipeline.critics.likelihood import LikelihoodCritic
+from selfrag.pipeline.decoder import ABSTAIN_MESSAGE, SelfRAGDecoder
+from selfrag.pipeline.heads import GROUP_LABELS, GroupHead, HeadsError, ReflectionHeads
+from selfrag.pipeline.protocols import GenerationRequest, Passage, TokenScoreRequest
+from selfrag.schemas.answer import AnswerResponse
+from selfrag.schemas.decoding import DecodingConfig
 from tests.fakes import ListRetriever, WordModel
 
 CHAT_SPECIALS = ["<|im_start|>", "<|im_end|>"]
@@ -292,7 +292,7 @@ def test_min_support_abstains_when_the_support_head_says_none_for_every_branch()
 
 
 def test_unset_filters_take_the_learned_critiques_defaults() -> None:
-    from pipeline.critique import CRITIQUE_FILTERS, resolve_filters
+    from selfrag.pipeline.critics import CRITIQUE_FILTERS, resolve_filters
 
     out, _ = decode(make_heads())
     for name, value in CRITIQUE_FILTERS["learned"].items():
@@ -313,7 +313,7 @@ def test_min_support_score_filters_grounded_branches_by_s_sup() -> None:
 
 
 def test_unresolved_filters_inverts_resolve_filters() -> None:
-    from pipeline.critique import resolve_filters, unresolved_filters
+    from selfrag.pipeline.critics import resolve_filters, unresolved_filters
 
     for source in ("learned", "likelihood"):
         request = DecodingConfig(top_k=2)

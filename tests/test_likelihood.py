@@ -4,13 +4,18 @@ from __future__ import annotations
 
 import pytest
 
-from pipeline.critique import Branch, make_critic
-from pipeline.decoder import SelfRAGDecoder
-from pipeline.likelihood import LikelihoodCritic, support_probs
-from pipeline.protocols import ContinuationScores, Passage
-from pipeline.scoring import relevance_score, retrieval_probability, support_score, utility_score
-from schemas.calibration import CalibrationSettings, LogisticParams
-from schemas.decoding import DecodingConfig
+from selfrag.pipeline.critics import Branch, make_critic
+from selfrag.pipeline.critics.likelihood import LikelihoodCritic, support_probs
+from selfrag.pipeline.decoder import SelfRAGDecoder
+from selfrag.pipeline.protocols import ContinuationScores, Passage
+from selfrag.pipeline.scoring import (
+    relevance_score,
+    retrieval_probability,
+    support_score,
+    utility_score,
+)
+from selfrag.schemas.calibration import CalibrationSettings, LogisticParams
+from selfrag.schemas.decoding import DecodingConfig
 from tests.fakes import ListRetriever, WordModel
 
 

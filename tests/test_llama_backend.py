@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from infra.llama_backend import (
+from selfrag.infra.llama_backend import (
     BUILTIN,
     VARIANT_FEATURES,
     BackendError,
@@ -32,7 +32,7 @@ from infra.llama_backend import (
     probe_cached,
     variant_files,
 )
-from infra.model_files import default_model_path, derive_weights
+from selfrag.infra.model_files import default_model_path, derive_weights
 
 REPO = Path(__file__).resolve().parents[1]
 ILLEGAL_INSTRUCTION_BACKEND = r"""
@@ -64,7 +64,7 @@ def test_a_crashed_backend_falls_back_and_names_the_feature(
         asdict(ProbeResult(False, "killed by SIGILL: no output", "SIGILL")),
     )
     cache.put(cache.model_key(model, avx512), asdict(ProbeResult(True, "")))
-    with caplog.at_level(logging.WARNING, logger="infra.llama_backend"):
+    with caplog.at_level(logging.WARNING, logger="selfrag.infra.llama_backend"):
         chosen = choose_backend(model, [amx, avx512], cache, n_threads=1)
     assert chosen == avx512
     message = caplog.text
@@ -150,7 +150,7 @@ def test_a_backend_dying_of_sigill_is_skipped_for_the_next(
     result = probe(model, crashing, n_threads=1)
     assert not result.ok and result.signal_name == "SIGILL", result
     real = candidates(cache)
-    with caplog.at_level(logging.WARNING, logger="infra.llama_backend"):
+    with caplog.at_level(logging.WARNING, logger="selfrag.infra.llama_backend"):
         chosen = choose_backend(model, [crashing, *real], cache, n_threads=1)
     assert chosen == real[0]
     assert "crashed the 'sapphirerapids' CPU backend" in caplog.text
@@ -161,7 +161,7 @@ def test_a_backend_dying_of_sigill_is_skipped_for_the_next(
 
 @pytest.mark.real
 def test_engine_process_uses_a_probed_variant() -> None:
-    from infra.llama_engine import LlamaEngine
+    from selfrag.infra.llama_engine import LlamaEngine
 
     with LlamaEngine(
         default_model_path(), n_ctx=512, n_seq_max=1, n_threads=1, n_batch=64, model_id="q4"
@@ -177,7 +177,7 @@ def test_cli_answers_on_the_original_quantized_weights(indexed_home: Path) -> No
     env = {**os.environ, "SELFRAG_MODEL__WEIGHTS": "original", "SELFRAG_MODEL__N_THREADS": "1"}
     done = subprocess.run(
         [
-            *(sys.executable, "-m", "infra.cli", "--home", str(indexed_home)),
+            *(sys.executable, "-m", "selfrag.cli", "--home", str(indexed_home)),
             *("ask", "Who founded Normandy?", "--json", "--mode", "always"),
             *("--top-k", "2", "--max-segments", "1"),
         ],
@@ -196,7 +196,7 @@ def test_cli_answers_on_the_original_quantized_weights(indexed_home: Path) -> No
 def test_serve_stops_before_ray_when_llama_cpp_cannot_load_the_model(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from infra.cli import main
+    from selfrag.cli import main
 
     # A well-formed GGUF header with no metadata and no tensors: no architecture to load.
     model = tmp_path / "empty.gguf"

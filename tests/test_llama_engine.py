@@ -20,8 +20,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from infra.llama_engine import EngineError, LlamaEngine
-from infra.model_files import (
+from selfrag.infra.llama_engine import EngineError, LlamaEngine
+from selfrag.infra.model_files import (
     ModelFileError,
     default_model_path,
     derive_weights,
@@ -29,14 +29,14 @@ from infra.model_files import (
     gguf_file_type,
     resolve_model,
 )
-from pipeline.protocols import (
+from selfrag.pipeline.protocols import (
     ContinuationRequest,
     GenerationRequest,
     LanguageModel,
     TokenScoreRequest,
 )
-from pipeline.segmenting import ends_sentence
-from schemas.settings import ModelSettings
+from selfrag.pipeline.segmenting import ends_sentence
+from selfrag.schemas.settings import ModelSettings
 
 pytestmark = pytest.mark.real
 
@@ -466,12 +466,12 @@ def test_random_call_sequences_keep_cache_consistent(weights: Path) -> None:
                 assert_close(g.logprobs, w.logprobs)
                 assert g.prefill_tokens <= w.prefill_tokens
             memory = llama_cpp.llama_get_memory(warm._ctx)
-            for slot in warm._slots:
+            for slot in warm.slots:
                 assert (
                     llama_cpp.llama_memory_seq_pos_max(memory, slot.seq_id) == len(slot.tokens) - 1
                 )
                 assert len(slot.cells) == len(slot.tokens)
-            live = {cell for slot in warm._slots for cell in slot.cells}
+            live = {cell for slot in warm.slots for cell in slot.cells}
             assert len(live) <= warm.n_ctx
         assert warm.stats.cached_tokens + warm.stats.shared_tokens > 0
         assert warm.stats.prefill_tokens < cold.stats.prefill_tokens

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pipeline.metrics import (
+from selfrag.pipeline.metrics import (
     Outcome,
     best_f1,
     contains_answer,

@@ -11,11 +11,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from infra.embedder import SentenceEmbedder
-from infra.indexing import index_corpus
-from infra.qdrant_store import QdrantStore, StoreError, point_id
-from pipeline.protocols import Passage, Retriever
-from schemas.settings import RetrievalSettings
+from selfrag.infra.embedder import SentenceEmbedder
+from selfrag.infra.qdrant_store import QdrantStore, StoreError, point_id
+from selfrag.jobs.indexing import index_corpus
+from selfrag.pipeline.protocols import Passage, Retriever
+from selfrag.schemas.settings import RetrievalSettings
 
 pytestmark = pytest.mark.real
 
@@ -261,9 +261,9 @@ def test_a_qdrant_server_down_at_start_is_503_not_ready_then_connects(
     real client's refused connection makes the replica start not ready and answer 503; once
     the store answers (here: an embedded store standing in for the returned server, since no
     Qdrant server binary exists on this machine), the next call connects and searches."""
-    from actors.deployments import Retriever
-    from actors.http import DependencyDown
-    from infra.settings import load_settings
+    from selfrag.actors.deployments import Retriever
+    from selfrag.infra.settings import load_settings
+    from selfrag.schemas.errors import DependencyDown
     from tests.redis_proc import free_port
 
     settings = load_settings(
@@ -296,8 +296,8 @@ def test_a_qdrant_server_down_at_start_is_503_not_ready_then_connects(
 def test_an_embedded_store_that_cannot_open_stops_the_replica(
     home: Path, embedder: SentenceEmbedder
 ) -> None:
-    from actors.deployments import Retriever
-    from infra.settings import load_settings
+    from selfrag.actors.deployments import Retriever
+    from selfrag.infra.settings import load_settings
 
     settings = load_settings(environ={"SELFRAG_HOME": str(home)})
     with QdrantStore.open(settings.retrieval, home, embedder):

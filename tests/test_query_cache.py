@@ -8,11 +8,18 @@ from pathlib import Path
 import pytest
 import redis
 
-from actors.service import query_key
-from infra.cache import MAX_ANSWER_BYTES, MB, AnswerCache, MemoryLRU, RedisTier, open_query_cache
-from infra.settings import load_settings
-from schemas.answer import AnswerResponse, Usage
-from schemas.decoding import DecodingConfig
+from selfrag.infra.cache import (
+    MAX_ANSWER_BYTES,
+    MB,
+    AnswerCache,
+    MemoryLRU,
+    RedisTier,
+    open_query_cache,
+)
+from selfrag.infra.settings import load_settings
+from selfrag.runtime.answering import query_key
+from selfrag.schemas.answer import AnswerResponse, Usage
+from selfrag.schemas.decoding import DecodingConfig
 from tests.redis_proc import RedisProcess
 
 

@@ -1,6 +1,6 @@
-"""Starting or joining Ray (`infra.ray_cluster.init_ray`, used by `selfrag serve` and `selfrag
-batch`): each case in a child Python process with its own Ray temp folder (`RAY_TMPDIR`), so
-the machine's /tmp/ray and any Ray this test session runs are left alone."""
+"""Starting or joining Ray (`selfrag.runtime.ray_cluster.init_ray`, used by `selfrag serve` and
+`selfrag batch`): each case in a child Python process with its own Ray temp folder (`RAY_TMPDIR`),
+so the machine's /tmp/ray and any Ray this test session runs are left alone."""
 
 from __future__ import annotations
 
@@ -59,7 +59,7 @@ def _run(
 
 CONNECT = """
 import sys
-from infra.ray_cluster import RayUnavailable, init_ray
+from selfrag.runtime.ray_cluster import RayUnavailable, init_ray
 try:
     init_ray(sys.argv[1] if len(sys.argv) > 1 else {address!r}, log_to_driver=False)
 except RayUnavailable as exc:
@@ -77,7 +77,7 @@ def test_without_an_address_a_private_instance_starts_despite_a_dead_recorded_cl
     _stale_record(ray_tmp)
     code = (
         "import ray\n"
-        "from infra.ray_cluster import init_ray\n"
+        "from selfrag.runtime.ray_cluster import init_ray\n"
         "started = init_ray(None, log_to_driver=False)\n"
         "print(started, ray.get(ray.put(41)) + 1, len(ray.nodes()))\n"
         "ray.shutdown()\n"

@@ -19,7 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from infra.settings import load_settings
+from selfrag.infra.settings import load_settings
 from tests.redis_proc import RedisProcess, free_port
 
 pytestmark = pytest.mark.real
@@ -63,7 +63,7 @@ def api(
 ) -> Iterator[httpx.Client]:
     from ray import serve
 
-    from ray_app import APP_NAME, build_app
+    from selfrag.actors.app import APP_NAME, build_app
 
     env = {"SELFRAG_HOME": str(indexed_home)}
     if redis_for_app is not None:

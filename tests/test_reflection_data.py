@@ -7,9 +7,9 @@ import re
 
 import pytest
 
-from pipeline.critique import Branch
-from pipeline.protocols import Passage
-from pipeline.reflection_data import (
+from selfrag.pipeline.critics import Branch
+from selfrag.pipeline.protocols import Passage
+from selfrag.pipeline.reflection_data import (
     EntityPool,
     Example,
     inverse_cloze,

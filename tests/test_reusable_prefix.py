@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from pipeline.critique import Branch, PromptedCritic
-from pipeline.likelihood import LikelihoodCritic
-from pipeline.protocols import ContinuationScores, Generation, Passage
+from selfrag.pipeline.critics import Branch, PromptedCritic
+from selfrag.pipeline.critics.likelihood import LikelihoodCritic
+from selfrag.pipeline.protocols import ContinuationScores, Generation, Passage
 from tests.fakes import WordModel
 
 CHATML = (

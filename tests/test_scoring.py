@@ -2,7 +2,7 @@ import math
 
 import pytest
 
-from pipeline.scoring import (
+from selfrag.pipeline.scoring import (
     CritiqueWeights,
     most_likely,
     relevance_score,

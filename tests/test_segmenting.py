@@ -1,6 +1,6 @@
 import pytest
 
-from pipeline.segmenting import ends_sentence
+from selfrag.pipeline.segmenting import ends_sentence
 
 
 @pytest.mark.parametrize(

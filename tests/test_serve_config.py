@@ -17,9 +17,9 @@ import yaml
 from pydantic import SecretStr
 from ray.serve.schema import ServeDeploySchema
 
-from infra.cli import main
-from infra.settings import API_KEYS_ENV, exposure_warning, is_loopback
-from schemas.settings import ServeSettings
+from selfrag.cli import main
+from selfrag.infra.settings import API_KEYS_ENV, exposure_warning, is_loopback
+from selfrag.schemas.settings import ServeSettings
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOYMENTS = {"SelfRAGIngress", "RetrievalDecider", "BranchPool", "Retriever", "Ranker"}
@@ -28,7 +28,7 @@ DEPLOYMENTS = {"SelfRAGIngress", "RetrievalDecider", "BranchPool", "Retriever", 
 def _check(config: dict) -> None:
     schema = ServeDeploySchema.model_validate(config)
     app = schema.applications[0]
-    assert app.import_path == "ray_app:app"
+    assert app.import_path == "selfrag.ray_app:app"
     names = {d.name for d in app.deployments}
     assert names == DEPLOYMENTS
     for d in app.deployments:
@@ -175,8 +175,8 @@ def _run_python(code: str, env: dict[str, str], timeout: float = 120) -> str:
 
 
 BUILD_ON_PUBLIC_HOST = """
-    from ray_app import build_app
-    from infra.settings import load_settings
+    from selfrag.actors.app import build_app
+    from selfrag.infra.settings import load_settings
     build_app(load_settings())
 """
 
@@ -199,8 +199,8 @@ def test_app_build_checks_the_address_serve_really_binds(tmp_path: Path):
         import ray
         from ray import serve
         from tests.redis_proc import free_port
-        from ray_app import build_app, serve_http_host
-        from infra.settings import load_settings
+        from selfrag.actors.app import build_app, serve_http_host
+        from selfrag.infra.settings import load_settings
 
         ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False)
         try:

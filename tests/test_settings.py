@@ -5,10 +5,10 @@ from pathlib import Path
 
 import pytest
 
-from actors.http import parse_api_keys
-from infra.cli import main
-from infra.settings import SettingsError, load_settings
-from schemas.settings import mask_url
+from selfrag.actors.http import parse_api_keys
+from selfrag.cli import main
+from selfrag.infra.settings import SettingsError, load_settings
+from selfrag.schemas.settings import mask_url
 
 
 def test_defaults_then_file_then_environment(tmp_path: Path):
@@ -175,7 +175,7 @@ def test_secrets_are_masked_everywhere_they_are_shown(tmp_path: Path):
 
 
 def test_secrets_reach_ray_actors_intact(tmp_path: Path):
-    """Ray pickles actor arguments (infra/batch.py passes the Settings object): the secret
+    """Ray pickles actor arguments (jobs/batch.py passes the Settings object): the secret
     survives for the consumer, and the reprs Ray may log stay masked."""
     s = pickle.loads(pickle.dumps(load_settings(environ=_secret_env(tmp_path))))
     assert s.retrieval.qdrant_api_key is not None and s.redis_url is not None

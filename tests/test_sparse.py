@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from infra.sparse import (
+from selfrag.infra.sparse import (
     AVERAGE_LENGTH,
     K1,
     document_vector,
@@ -33,7 +33,7 @@ def test_token_index_is_pinned_and_in_range() -> None:
 
 
 def test_token_index_does_not_depend_on_the_hash_seed() -> None:
-    code = "from infra.sparse import token_index; print(token_index('normans'))"
+    code = "from selfrag.infra.sparse import token_index; print(token_index('normans'))"
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     outputs = {
         subprocess.run(

@@ -13,13 +13,14 @@ import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 
-from actors.deployments import Retriever
-from actors.http import DependencyDown, Misconfigured, build_http_app
-from infra.embedder import SentenceEmbedder
-from infra.qdrant_store import IndexMissing, QdrantStore, StoreMisconfigured
-from infra.settings import load_settings
-from pipeline.protocols import Passage
-from schemas.settings import RetrievalSettings, Settings
+from selfrag.actors.deployments import Retriever
+from selfrag.actors.http import build_http_app
+from selfrag.infra.embedder import SentenceEmbedder
+from selfrag.infra.qdrant_store import IndexMissing, QdrantStore, StoreMisconfigured
+from selfrag.infra.settings import load_settings
+from selfrag.pipeline.protocols import Passage
+from selfrag.schemas.errors import DependencyDown, Misconfigured
+from selfrag.schemas.settings import RetrievalSettings, Settings
 from tests.redis_proc import free_port
 from tests.serve_fakes import make_service
 
@@ -94,7 +95,7 @@ def test_the_retriever_answers_500_misconfigured_for_an_index_of_another_size(
         for call in (lambda: retriever.search("Who ruled Normandy?", 2), retriever.index_version):
             with pytest.raises(Misconfigured, match="vectors of size 8, but the embedder") as err:
                 call()
-            assert (err.value.status, err.value.error) == (500, "misconfigured")
+            assert (err.value.status, err.value.kind) == (500, "misconfigured")
     finally:
         retriever._rag.close()
 
@@ -163,7 +164,7 @@ def test_a_server_that_does_not_answer_stays_503(tmp_path: Path):
 def test_ask_with_an_index_of_another_size_is_a_message_not_a_traceback(
     settings: Settings, real_model_id: str, capsys: pytest.CaptureFixture[str]
 ):
-    from infra.cli import main
+    from selfrag.cli import main
 
     _index(settings.home, HashEmbedder(8, real_model_id))
     assert main(["--home", str(settings.home), "ask", "Who ruled Normandy?"]) == 2

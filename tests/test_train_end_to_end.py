@@ -7,12 +7,12 @@ from pathlib import Path
 
 import pytest
 
-from infra.cli import main
-from infra.heads_store import load_heads, read_manifest
-from infra.model_files import file_sha256
-from infra.runtime import SelfRAG
-from infra.settings import load_settings
-from pipeline.heads import GROUP_LABELS
+from selfrag.cli import main
+from selfrag.infra.heads_store import load_heads, read_manifest
+from selfrag.infra.model_files import file_sha256
+from selfrag.infra.settings import load_settings
+from selfrag.pipeline.heads import GROUP_LABELS
+from selfrag.runtime.system import SelfRAG
 
 pytestmark = pytest.mark.real
 
@@ -67,7 +67,7 @@ def test_ask_refuses_heads_of_another_model_file(
 ) -> None:
     import numpy as np
 
-    from infra.heads_store import save_heads
+    from selfrag.infra.heads_store import save_heads
 
     other = "ab" * 32
     weights = {g: np.zeros((len(labels), 576)) for g, labels in GROUP_LABELS.items()}

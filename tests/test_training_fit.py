@@ -11,7 +11,7 @@ from collections.abc import Sequence
 import numpy as np
 import pytest
 
-from infra.training import (
+from selfrag.jobs.training import (
     L2_GRID,
     MIN_EXAMPLES,
     MIN_PER_LABEL,
@@ -23,10 +23,10 @@ from infra.training import (
     hidden_features,
     probabilities,
 )
-from pipeline.critique import Branch, ChatCritic
-from pipeline.heads import GROUP_LABELS
-from pipeline.protocols import Passage
-from pipeline.reflection_data import Example
+from selfrag.pipeline.critics import Branch, ChatCritic
+from selfrag.pipeline.heads import GROUP_LABELS
+from selfrag.pipeline.protocols import Passage
+from selfrag.pipeline.reflection_data import Example
 from tests.fakes import WordModel
 
 DIM = 6

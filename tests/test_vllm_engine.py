@@ -18,10 +18,10 @@ from typing import Any, ClassVar
 
 import pytest
 
-from infra.vllm_engine import VLLMEngine, VLLMError
-from pipeline.critique import PromptedCritic
-from pipeline.prompts import chat_glue
-from pipeline.protocols import ContinuationRequest, GenerationRequest, TokenScoreRequest
+from selfrag.infra.vllm_engine import VLLMEngine, VLLMError
+from selfrag.pipeline.critics import PromptedCritic
+from selfrag.pipeline.prompts import chat_glue
+from selfrag.pipeline.protocols import ContinuationRequest, GenerationRequest, TokenScoreRequest
 
 BOS, EOS, IM_START, IM_END = 256, 257, 258, 259
 SPECIALS = {"<s>": BOS, "</s>": EOS, "<|im_start|>": IM_START, "<|im_end|>": IM_END}
@@ -238,8 +238,8 @@ def test_generation_stops_like_the_llama_engine(engine: VLLMEngine):
 
 
 def test_prompted_critic_runs_on_the_vllm_adapter(engine: VLLMEngine):
-    from pipeline.critique import Branch
-    from pipeline.protocols import Passage
+    from selfrag.pipeline.critics import Branch
+    from selfrag.pipeline.protocols import Passage
 
     critic = PromptedCritic(engine)
     branch = Branch("Who founded Normandy?", "", Passage("p", "Rollo founded Normandy."))
@@ -255,8 +255,8 @@ def test_server_errors_are_vllm_errors(server: str):
 
 
 def test_settings_select_the_vllm_backend(server: str, tmp_path: Path):
-    from infra.runtime import SelfRAG
-    from infra.settings import load_settings
+    from selfrag.infra.settings import load_settings
+    from selfrag.runtime.system import SelfRAG
 
     env = {
         "SELFRAG_HOME": str(tmp_path),
@@ -269,8 +269,8 @@ def test_settings_select_the_vllm_backend(server: str, tmp_path: Path):
 
 
 def test_the_adapter_says_it_cannot_return_hidden_states(engine: VLLMEngine):
-    from pipeline.critique import make_critic
-    from pipeline.likelihood import LikelihoodCritic
+    from selfrag.pipeline.critics import make_critic
+    from selfrag.pipeline.critics.likelihood import LikelihoodCritic
 
     assert engine.hidden_size is None
     prompt = engine.tokenize("Question: who?", special=False)
@@ -283,7 +283,7 @@ def test_the_adapter_says_it_cannot_return_hidden_states(engine: VLLMEngine):
 
 
 def _any_heads():  # type: ignore[no-untyped-def]
-    from pipeline.heads import GROUP_LABELS, GroupHead, ReflectionHeads
+    from selfrag.pipeline.heads import GROUP_LABELS, GroupHead, ReflectionHeads
 
     groups = {
         g: GroupHead(labels, tuple((0.0,) * 4 for _ in labels))

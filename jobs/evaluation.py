@@ -17,14 +17,14 @@ from typing import TYPE_CHECKING, Any
 
 from tqdm import tqdm
 
-from pipeline.critique import Branch, native_token_ids
-from pipeline.metrics import Outcome, contains_answer, summarize
-from pipeline.scoring import retrieval_probability
-from schemas.answer import AnswerResponse
-from schemas.decoding import DecodingConfig
+from selfrag.pipeline.critics import Branch, native_token_ids
+from selfrag.pipeline.metrics import Outcome, contains_answer, summarize
+from selfrag.pipeline.scoring import retrieval_probability
+from selfrag.schemas.answer import AnswerResponse
+from selfrag.schemas.decoding import DecodingConfig
 
 if TYPE_CHECKING:
-    from infra.runtime import SelfRAG
+    from selfrag.runtime.system import SelfRAG
 
 SYSTEMS = (
     "closed-book",
@@ -149,7 +149,7 @@ def _read_jsonl_questions(path: Path) -> Iterable[EvalQuestion]:
 def corpus_indexed(rag: SelfRAG, corpus: Path) -> bool:
     """True when the first and last passages of `corpus` are found in the index by their own
     text (a cheap check through the public search API; re-indexing is idempotent anyway)."""
-    from infra.corpus import CorpusError, read_documents, split_passages
+    from selfrag.infra.corpus import CorpusError, read_documents, split_passages
 
     r = rag.settings.retrieval
     first = last = None
@@ -170,7 +170,7 @@ def corpus_indexed(rag: SelfRAG, corpus: Path) -> bool:
 def ensure_indexed(rag: SelfRAG, corpora: Sequence[Path] | None, progress: bool) -> None:
     """Index every corpus the store does not hold yet. Without corpora the existing index is
     used as it is, and must not be empty."""
-    from infra.indexing import index_corpus
+    from selfrag.jobs.indexing import index_corpus
 
     if not corpora:
         if rag.store.count() == 0:
@@ -215,7 +215,7 @@ def runner_for(
 ) -> Callable[[EvalQuestion], tuple[AnswerResponse, float | None, int]]:
     """A function answering one question with `system`: (response, first-step p_ret, extra
     prefill tokens spent on a p_ret probe)."""
-    from pipeline.baselines import BaselineAnswerer
+    from selfrag.pipeline.baselines import BaselineAnswerer
 
     if system in ("closed-book", "vanilla-rag"):
         baseline = BaselineAnswerer(rag.engine, rag.store)
@@ -234,7 +234,7 @@ def runner_for(
             # critic caches this closed-book draft and reuses it as the no-retrieval branch.
             (decision,) = rag.critic(source).retrieval([Branch(q.question, "", None)])
             p_ret, extra = retrieval_probability(decision.probs), decision.prefill_tokens
-        response = rag.decoder.answer(q.question, cfg)
+        response = rag.answer_config(q.question, cfg).response
         if p_ret is None and response.segments and response.segments[0].p_ret is not None:
             p_ret = response.segments[0].p_ret
         return response, p_ret, extra

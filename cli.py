@@ -13,12 +13,14 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from schemas.answer import AnswerRequest, AnswerResponse
-from schemas.decoding import DecodingOverrides
-from schemas.settings import Settings
+from selfrag.schemas.answer import AnswerRequest, AnswerResponse
+from selfrag.schemas.decoding import DecodingOverrides
+from selfrag.schemas.errors import AnswerError
+from selfrag.schemas.settings import Settings
 
 EXIT_USAGE = 2
 EXIT_PARTIAL = 1
+EXIT_FAILED = 1
 
 
 class CLIError(Exception):
@@ -46,7 +48,7 @@ def _decoding_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def _field_docs() -> dict[str, str]:
-    from schemas.decoding import DecodingConfig
+    from selfrag.schemas.decoding import DecodingConfig
 
     return {n: f.description or "" for n, f in DecodingConfig.model_fields.items()}
 
@@ -134,7 +136,7 @@ def _dataset_args(p: argparse.ArgumentParser) -> None:
 
 
 def _eval_parsers(sub: Any) -> None:
-    from infra.evaluation import DEFAULT_SYSTEMS, SYSTEMS
+    from selfrag.jobs.evaluation import DEFAULT_SYSTEMS, SYSTEMS
 
     p_eval = sub.add_parser("eval", help="Run QA systems on a dataset and write a report.")
     _dataset_args(p_eval)
@@ -193,13 +195,15 @@ def _eval_parsers(sub: Any) -> None:
         "--corpus",
         type=Path,
         nargs="+",
-        help="Corpus files or folders, indexed first when the index lacks them.",
+        help="Corpus files or folders, indexed first when the index lacks them; the "
+        "self-supervised examples come from their passages (default: the whole index). Train on "
+        "the corpus you serve: the heads adapt to its text without any labels.",
     )
     p_train.add_argument("--seed", type=int, default=0)
     p_train.add_argument(
         "--passages",
         type=int,
-        help="Passages drawn for the self-supervised relevance examples (default 200; the "
+        help="Passages drawn for the self-supervised relevance examples (default 150; the "
         "other groups scale with it).",
     )
     p_train.add_argument("--out", type=Path, help="Heads file (default: HOME/heads/<sha>.json).")
@@ -219,7 +223,7 @@ def _eval_parsers(sub: Any) -> None:
 
 
 def _settings(args: argparse.Namespace) -> Settings:
-    from infra.settings import load_settings
+    from selfrag.infra.settings import load_settings
 
     overrides: dict[str, Any] = {}
     if args.home is not None:
@@ -245,8 +249,8 @@ def cmd_config(args: argparse.Namespace) -> int:
 
 
 def cmd_index(args: argparse.Namespace) -> int:
-    from infra.indexing import index_corpus
-    from infra.runtime import SelfRAG
+    from selfrag.jobs.indexing import index_corpus
+    from selfrag.runtime.system import SelfRAG
 
     for path in args.paths:
         if not path.exists():
@@ -285,7 +289,7 @@ def _request_from_args(args: argparse.Namespace) -> AnswerRequest:
 
 
 def cmd_ask(args: argparse.Namespace) -> int:
-    from infra.runtime import SelfRAG
+    from selfrag.runtime.system import SelfRAG
 
     request = _request_from_args(args)
     settings = _settings(args)
@@ -367,7 +371,7 @@ def _fmt(value: float | None, signed: bool = False) -> str:
 def _check_model_runs(model: Path, n_threads: int) -> None:
     """Probe `model` on this machine's llama.cpp CPU backends (in child processes);
     `BackendError` with the reason when none runs it."""
-    from infra.llama_backend import check_backend
+    from selfrag.infra.llama_backend import check_backend
 
     check_backend(model, n_threads=n_threads or os.cpu_count() or 1)
 
@@ -381,12 +385,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     settings = _settings(args)
     host = args.host or settings.serve.host
     port = args.port or settings.serve.port
-    from ray_app import warn_if_open
+    from selfrag.actors.app import warn_if_open
 
     # Loud and early, before the model check and Ray: an open port without keys answers anyone.
     warn_if_open(host)
     if settings.model.backend == "llama_cpp":
-        from infra.runtime import SelfRAG
+        from selfrag.runtime.system import SelfRAG
 
         # Fail here, naming the file, before Ray starts: a missing or corrupt model, or one no
         # CPU backend can run, would otherwise surface as a replica that keeps failing to start.
@@ -394,8 +398,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import ray
     from ray import serve
 
-    from infra.ray_cluster import init_ray
-    from ray_app import APP_NAME, build_app, serve_logging
+    from selfrag.actors.app import APP_NAME, build_app, serve_logging
+    from selfrag.runtime.ray_cluster import init_ray
 
     local = init_ray(args.address, log_to_driver=True)  # True: a private instance, ours
     stop = threading.Event()
@@ -434,7 +438,7 @@ def _limit(args: argparse.Namespace) -> int | None:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    from infra.evaluation import (
+    from selfrag.jobs.evaluation import (
         ensure_indexed,
         load_questions,
         parse_systems,
@@ -442,7 +446,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         run_evaluation,
         write_plots,
     )
-    from infra.runtime import SelfRAG
+    from selfrag.runtime.system import SelfRAG
 
     systems = parse_systems(args.systems)
     questions = load_questions(args.dataset, article=args.article, limit=_limit(args))
@@ -453,7 +457,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         ensure_indexed(rag, args.corpus, progress=not args.no_progress)
         config = overrides.apply_to(settings.decoding)
         if args.ray:
-            from infra.batch import run_eval_systems
+            from selfrag.jobs.batch import run_eval_systems
 
             # The actors' retriever needs the embedded store folder: release it meanwhile.
             rag.close()
@@ -484,15 +488,15 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
-    from infra.calibrate import (
+    from selfrag.jobs.calibrate import (
         collect_samples,
         dataset_label,
         describe,
         fit_samples,
         write_calibration,
     )
-    from infra.evaluation import ensure_indexed, load_questions
-    from infra.runtime import SelfRAG
+    from selfrag.jobs.evaluation import ensure_indexed, load_questions
+    from selfrag.runtime.system import SelfRAG
 
     questions = load_questions(args.dataset, article=args.article, limit=_limit(args))
     if all(q.context is None for q in questions):
@@ -514,7 +518,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
 
 def cmd_batch(args: argparse.Namespace) -> int:
-    from infra.batch import parse_shard, run_batch
+    from selfrag.jobs.batch import parse_shard, run_batch
 
     if args.actors is not None and args.actors < 1:
         raise CLIError("--actors must be at least 1")
@@ -539,11 +543,12 @@ def cmd_batch(args: argparse.Namespace) -> int:
 def cmd_train(args: argparse.Namespace) -> int:
     from dataclasses import replace
 
-    from infra.evaluation import ensure_indexed, load_questions
-    from infra.heads_store import heads_path, save_heads
-    from infra.model_files import file_sha256
-    from infra.runtime import SelfRAG
-    from infra.training import TrainingPlan, describe, train
+    from selfrag.infra.heads_store import heads_path, save_heads
+    from selfrag.infra.model_files import file_sha256
+    from selfrag.jobs.evaluation import ensure_indexed, load_questions
+    from selfrag.jobs.indexing import corpus_passages
+    from selfrag.jobs.training import TrainingPlan, describe, train
+    from selfrag.runtime.system import SelfRAG
 
     if args.reuse and args.export_gguf is None:
         raise CLIError("--reuse only applies with --export-gguf")
@@ -572,18 +577,27 @@ def cmd_train(args: argparse.Namespace) -> int:
                 raise CLIError(f"no reflection heads for {rag.model_path.name}: train them first")
         else:
             ensure_indexed(rag, args.corpus, progress=not args.no_progress)
+            passages = None
+            if args.corpus:
+                r = settings.retrieval
+                passages = [
+                    p
+                    for c in args.corpus
+                    for p in corpus_passages(c, r.passage_words, r.passage_overlap_words)
+                ]
             data = {
                 "qa": [str(p) for p in args.qa],
                 "article": args.article,
+                "corpus": [str(c) for c in args.corpus or []],
                 "command": "selfrag " + " ".join(sys.argv[1:]),
             }
             weights, manifest = train(
-                rag, questions, plan, data=data, progress=not args.no_progress
+                rag, questions, plan, data=data, passages=passages, progress=not args.no_progress
             )
             heads = save_heads(out, sha, weights, manifest)
             print(describe(manifest, out))
         if args.export_gguf is not None:
-            from infra.gguf_export import export_reflection_model
+            from selfrag.infra.gguf_export import export_reflection_model
 
             written = export_reflection_model(rag.model_path, heads, args.export_gguf)
             print(f"wrote {written} (critique 'native': reflection tokens with the learned rows)")
@@ -601,15 +615,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return COMMANDS[args.command](args)
     except ValidationError as exc:
-        from infra.settings import describe_validation_error
+        from selfrag.infra.settings import describe_validation_error
 
         print(f"selfrag: invalid request: {describe_validation_error(exc)}", file=sys.stderr)
+    except AnswerError as exc:
+        print(f"selfrag: {exc.kind.replace('_', ' ')}: {exc.detail}", file=sys.stderr)
+        return EXIT_USAGE if exc.kind == "unprocessable" else EXIT_FAILED
     except (CLIError, ValueError, OSError) as exc:
         print(f"selfrag: {exc}", file=sys.stderr)
     except RuntimeError as exc:
-        from infra.llama_backend import BackendError
-        from infra.model_files import ModelFileError
-        from infra.qdrant_store import StoreError
+        from selfrag.infra.llama_backend import BackendError
+        from selfrag.infra.model_files import ModelFileError
+        from selfrag.infra.qdrant_store import StoreError
 
         if not isinstance(exc, ModelFileError | BackendError | StoreError):
             raise

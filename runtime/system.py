@@ -12,20 +12,27 @@ from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from infra.lifecycle import Closeable
-from pipeline.critique import Critic, make_critic
-from pipeline.decoder import SelfRAGDecoder
-from pipeline.heads import ReflectionHeads
-from schemas.answer import AnswerRequest, AnswerResponse
-from schemas.decoding import DecodingConfig
-from schemas.settings import Settings
+from selfrag.infra.lifecycle import Closeable
+from selfrag.pipeline.critics import Critic, make_critic
+from selfrag.pipeline.decoder import SelfRAGDecoder, StepListener
+from selfrag.pipeline.heads import ReflectionHeads
+from selfrag.runtime.answering import (
+    Answer,
+    AnswerPath,
+    CacheIdentity,
+    Deadline,
+    query_cache_scope,
+)
+from selfrag.schemas.answer import AnswerRequest, AnswerResponse
+from selfrag.schemas.decoding import DecodingConfig
+from selfrag.schemas.settings import Settings
 
 if TYPE_CHECKING:  # heavy modules (torch, llama.cpp) load only when a component is built
-    from infra.embedder import SentenceEmbedder
-    from infra.kv_cache import TieredStateStore
-    from infra.llama_engine import LlamaEngine
-    from infra.qdrant_store import QdrantStore
-    from infra.vllm_engine import VLLMEngine
+    from selfrag.infra.embedder import SentenceEmbedder
+    from selfrag.infra.kv_cache import TieredStateStore
+    from selfrag.infra.llama_engine import LlamaEngine
+    from selfrag.infra.qdrant_store import QdrantStore
+    from selfrag.infra.vllm_engine import VLLMEngine
 
 
 class SelfRAG(Closeable):
@@ -41,19 +48,19 @@ class SelfRAG(Closeable):
 
     @cached_property
     def embedder(self) -> SentenceEmbedder:
-        from infra.embedder import SentenceEmbedder
+        from selfrag.infra.embedder import SentenceEmbedder
 
         return SentenceEmbedder(self.settings.retrieval.embedding_model)
 
     @cached_property
     def store(self) -> QdrantStore:
-        from infra.qdrant_store import QdrantStore
+        from selfrag.infra.qdrant_store import QdrantStore
 
         return QdrantStore.open(self.settings.retrieval, self.settings.home, self.embedder)
 
     @cached_property
     def model_path(self) -> Path:
-        from infra.model_files import derive_weights, resolve_model
+        from selfrag.infra.model_files import derive_weights, resolve_model
 
         source = resolve_model(self.settings.model, self.settings.home)
         return derive_weights(source, self.settings.model.weights, self.settings.home)
@@ -65,7 +72,7 @@ class SelfRAG(Closeable):
         only its name."""
         if self.settings.model.backend == "vllm":
             return self.engine.model_id
-        from infra.model_files import file_sha256
+        from selfrag.infra.model_files import file_sha256
 
         fingerprint = f"{self.engine.model_id} sha256:{file_sha256(self.model_path)}"
         if self.heads_file is not None:
@@ -77,12 +84,12 @@ class SelfRAG(Closeable):
     def engine(self) -> LlamaEngine | VLLMEngine:
         m = self.settings.model
         if m.backend == "vllm":
-            from infra.vllm_engine import VLLMEngine
+            from selfrag.infra.vllm_engine import VLLMEngine
 
             if not m.vllm_url:
                 raise ValueError("model.backend = 'vllm' needs model.vllm_url")
             return VLLMEngine(m.vllm_url, model=m.vllm_model, timeout_s=m.vllm_timeout_s)
-        from infra.llama_engine import LlamaEngine
+        from selfrag.infra.llama_engine import LlamaEngine
 
         path = self.model_path
         return LlamaEngine(
@@ -99,7 +106,7 @@ class SelfRAG(Closeable):
     @cached_property
     def prefix_store(self) -> TieredStateStore | None:
         """The passage KV-state store (memory LRU, then Redis when configured), or None."""
-        from infra.kv_cache import open_prefix_store
+        from selfrag.infra.kv_cache import open_prefix_store
 
         return open_prefix_store(self.settings)
 
@@ -120,8 +127,8 @@ class SelfRAG(Closeable):
             return None
         if self.settings.model.heads is not None:
             return self.settings.model.heads
-        from infra.heads_store import find_heads
-        from infra.model_files import file_sha256
+        from selfrag.infra.heads_store import find_heads
+        from selfrag.infra.model_files import file_sha256
 
         return find_heads(self.settings.home, file_sha256(self.model_path))
 
@@ -130,8 +137,8 @@ class SelfRAG(Closeable):
         """The heads in `heads_file`; heads of another model file are refused (`HeadsError`)."""
         if self.heads_file is None:
             return None
-        from infra.heads_store import load_heads
-        from infra.model_files import file_sha256
+        from selfrag.infra.heads_store import load_heads
+        from selfrag.infra.model_files import file_sha256
 
         heads = load_heads(self.heads_file)
         heads.check_model(file_sha256(self.model_path), None)
@@ -148,11 +155,37 @@ class SelfRAG(Closeable):
 
     # --- operations -----------------------------------------------------------------------------
 
-    def effective_config(self, request: AnswerRequest) -> DecodingConfig:
-        return request.config.apply_to(self.settings.decoding)
+    @cached_property
+    def answer_path(self) -> AnswerPath:
+        """The answer path of this process: configured defaults, the query cache (none when
+        `cache.query` is off), deadline and error kinds."""
+        from selfrag.infra.cache import open_query_cache
+
+        return AnswerPath(
+            self.settings.decoding,
+            cache=open_query_cache(self.settings),
+            cache_scope=query_cache_scope(self.settings),
+        )
+
+    def cache_identity(self) -> CacheIdentity:
+        return CacheIdentity(self.store.index_version(), self.model_fingerprint)
+
+    def decode(
+        self,
+        question: str,
+        config: DecodingConfig,
+        deadline: Deadline,
+        on_step: StepListener | None = None,
+    ) -> AnswerResponse:
+        """Decode in this process (the decoder keeps to `config.timeout_s` itself)."""
+        return self.decoder.answer(question, config, on_step)
+
+    def answer_config(self, question: str, config: DecodingConfig) -> Answer:
+        """Answer with an effective config, through the answer path."""
+        return self.answer_path.answer(question, config, self.decode, identity=self.cache_identity)
 
     def answer(self, request: AnswerRequest) -> AnswerResponse:
-        return self.decoder.answer(request.question, self.effective_config(request))
+        return self.answer_config(request.question, self.answer_path.config(request)).response
 
     def close(self) -> None:
         for name in ("engine", "store", "prefix_store"):

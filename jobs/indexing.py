@@ -10,10 +10,10 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from infra.corpus import MAX_DOCUMENT_BYTES, CorpusError, read_documents, split_passages
-from infra.qdrant_store import QdrantStore
-from pipeline.protocols import Passage
-from schemas.settings import RetrievalSettings
+from selfrag.infra.corpus import MAX_DOCUMENT_BYTES, CorpusError, read_documents, split_passages
+from selfrag.infra.qdrant_store import QdrantStore
+from selfrag.pipeline.protocols import Passage
+from selfrag.schemas.settings import RetrievalSettings
 
 log = logging.getLogger(__name__)
 # Window defaults follow the deployment settings' defaults.
@@ -28,6 +28,22 @@ class IndexReport:
     passages: int = 0
     errors: list[CorpusError] = field(default_factory=list)
     seconds: float = 0.0
+
+
+def corpus_passages(
+    path: str | Path,
+    passage_words: int = _DEFAULTS.passage_words,
+    overlap: int = _DEFAULTS.passage_overlap_words,
+    max_document_bytes: int = MAX_DOCUMENT_BYTES,
+) -> list[Passage]:
+    """The passages `index_corpus` would write for `path` (same cuts and ids); unreadable
+    records are skipped."""
+    return [
+        p
+        for item in read_documents(path, max_document_bytes)
+        if not isinstance(item, CorpusError)
+        for p in split_passages(item, passage_words, overlap)
+    ]
 
 
 def index_corpus(

@@ -22,17 +22,17 @@ from typing import TYPE_CHECKING, Any
 
 from tqdm import tqdm
 
-from infra.evaluation import EvalQuestion
-from infra.settings import CALIBRATION_FILE
-from pipeline.calibration import auc, fit_logistic
-from pipeline.critique import Branch
-from pipeline.likelihood import LikelihoodCritic, mean
-from pipeline.metrics import contains_answer
-from pipeline.protocols import Passage
-from schemas.calibration import CalibrationSettings
+from selfrag.infra.settings import CALIBRATION_FILE
+from selfrag.jobs.evaluation import EvalQuestion
+from selfrag.pipeline.calibration import auc, fit_logistic
+from selfrag.pipeline.critics import Branch
+from selfrag.pipeline.critics.likelihood import LikelihoodCritic, mean
+from selfrag.pipeline.metrics import contains_answer
+from selfrag.pipeline.protocols import Passage
+from selfrag.schemas.calibration import CalibrationSettings
 
 if TYPE_CHECKING:
-    from infra.runtime import SelfRAG
+    from selfrag.runtime.system import SelfRAG
 
 SIGNALS = ("relevance", "support", "retrieval", "utility")
 SAMPLES_FILE = "calibration_samples.jsonl"

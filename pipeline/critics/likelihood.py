@@ -30,10 +30,24 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from pipeline.critique import NATIVE_TOKENS, SYSTEM_PROMPT, Branch, LabelProbs, _passage_text
-from pipeline.prompts import ChatGlue, Part, PromptBuilder, Trusted, Untrusted, chat_glue
-from pipeline.protocols import ContinuationRequest, Generation, GenerationRequest, LanguageModel
-from schemas.calibration import CalibrationSettings
+from selfrag.pipeline.critics.base import RESERVED_PIECES, Branch, LabelProbs
+from selfrag.pipeline.prompts import (
+    ChatGlue,
+    Part,
+    PromptBuilder,
+    Trusted,
+    Untrusted,
+    chat_glue,
+    evidence_head,
+)
+from selfrag.pipeline.protocols import (
+    ContinuationRequest,
+    Generation,
+    GenerationRequest,
+    LanguageModel,
+    Passage,
+)
+from selfrag.schemas.calibration import CalibrationSettings
 
 DRAFT_TASK = "Answer the question in one or two sentences."
 # Closed-book drafts cached for reuse as the no-retrieval branch; one entry per live hypothesis.
@@ -73,56 +87,40 @@ class LikelihoodCritic:
         self.calibration = calibration or CalibrationSettings()
         self._probe_tokens = probe_tokens
         self._glue: ChatGlue = chat_glue(model.chat_template)
-        self._builder = PromptBuilder(
-            model, reserved=[p for g in NATIVE_TOKENS.values() for p in g.values()]
-        )
+        self._builder = PromptBuilder(model, reserved=RESERVED_PIECES)
         self._lock = threading.Lock()
         self._closed: OrderedDict[tuple[str, str], Generation] = OrderedDict()
         self._question_lp: OrderedDict[str, tuple[float, int]] = OrderedDict()
 
     # --- prompt layout ----------------------------------------------------------------------------
 
-    def _evidence(self, passage_text: str | None) -> list[Part]:
-        """System and passage: the reusable prefix of a passage's prompts (any question)."""
-        g = self._glue
-        parts: list[Part] = [Trusted(g.start)]
-        if g.has_system:
-            parts += [Trusted(SYSTEM_PROMPT), Trusted(g.system_to_user)]
-        if passage_text is not None:
-            parts += [Trusted("Passage: "), Untrusted(passage_text), Trusted("\n\n")]
-        return parts
+    def _head(self, passage: Passage | None) -> list[Part]:
+        return [*evidence_head(self._glue, passage), Trusted("Question: ")]
 
-    def _head(self, passage_text: str | None) -> list[Part]:
-        return [*self._evidence(passage_text), Trusted("Question: ")]
-
-    def _build(self, parts: list[Part], passage_text: str | None) -> tuple[list[int], int]:
+    def _build(self, parts: list[Part], passage: Passage | None) -> tuple[list[int], int]:
         """Prompt tokens and the reusable prefix length (0 without a passage)."""
-        if passage_text is None:
+        if passage is None:
             return self._builder.build(parts), 0
-        return self._builder.build_split(parts, len(self._evidence(passage_text)))
+        return self._builder.build_split(parts, len(evidence_head(self._glue, passage)))
 
     def _answer_split(
-        self, question: str, prefix: str, passage_text: str | None
+        self, question: str, prefix: str, passage: Passage | None
     ) -> tuple[list[int], int]:
         parts = [
-            *self._head(passage_text),
+            *self._head(passage),
             Untrusted(question),
             Trusted("\n\n" + DRAFT_TASK),
             Trusted(self._glue.assistant_start),
         ]
         if prefix:
             parts.append(Untrusted(prefix))
-        return self._build(parts, passage_text)
+        return self._build(parts, passage)
 
-    def _answer(self, question: str, prefix: str, passage_text: str | None) -> list[int]:
-        return self._answer_split(question, prefix, passage_text)[0]
+    def _answer(self, question: str, prefix: str, passage: Passage | None) -> list[int]:
+        return self._answer_split(question, prefix, passage)[0]
 
     def _question_tokens(self, question: str) -> list[int]:
         return self._builder.build([Untrusted(question)], bos=False)
-
-    @staticmethod
-    def _text(b: Branch) -> str | None:
-        return _passage_text(b.passage) if b.passage is not None else None
 
     # --- raw signals (also used by `selfrag calibrate`) -----------------------------------------
 
@@ -140,7 +138,7 @@ class LikelihoodCritic:
                 ContinuationRequest(self._builder.build(self._head(None)), self._question_tokens(q))
             )
         for b in branches:
-            prompt, reusable = self._build(self._head(self._text(b)), self._text(b))
+            prompt, reusable = self._build(self._head(b.passage), b.passage)
             requests.append(
                 ContinuationRequest(prompt, self._question_tokens(b.question), reusable)
             )
@@ -236,7 +234,7 @@ class LikelihoodCritic:
         requests = []
         for i in todo:
             b = branches[i]
-            prompt, reusable = self._answer_split(b.question, b.prefix, self._text(b))
+            prompt, reusable = self._answer_split(b.question, b.prefix, b.passage)
             requests.append(GenerationRequest(prompt, max_tokens, reusable_prefix=reusable))
         for i, g in zip(todo, self._model.generate(requests) if requests else [], strict=True):
             out[i] = g

@@ -46,14 +46,22 @@ from typing import Any, TypeVar
 from pydantic import ValidationError
 from tqdm import tqdm
 
-from infra.corpus import read_lines
-from infra.ray_cluster import init_ray
-from pipeline.critique import Branch, Critic, LabelProbs, unresolved_filters
-from pipeline.decoder import SelfRAGDecoder
-from pipeline.protocols import Generation, Passage
-from schemas.answer import AnswerRequest, AnswerResponse
-from schemas.decoding import DecodingConfig
-from schemas.settings import Settings
+from selfrag.infra.corpus import read_lines
+from selfrag.pipeline.critics import Branch, Critic, LabelProbs, unresolved_filters
+from selfrag.pipeline.decoder import SelfRAGDecoder, StepListener
+from selfrag.pipeline.protocols import Generation, Passage
+from selfrag.runtime.answering import (
+    AnswerPath,
+    CacheIdentity,
+    Deadline,
+    query_cache_scope,
+    query_key,
+)
+from selfrag.runtime.ray_cluster import init_ray
+from selfrag.schemas.answer import AnswerRequest, AnswerResponse
+from selfrag.schemas.decoding import DecodingConfig
+from selfrag.schemas.errors import AnswerError
+from selfrag.schemas.settings import Settings
 
 # Seconds a critique call waits for the other decoder threads of its actor before it runs
 # alone. The threads' searches queue at one retriever (~0.1 s each on a loaded 2-core box),
@@ -74,13 +82,6 @@ class BatchInputError(ValueError):
 
 class OutputLockedError(OSError):
     """Another run holds the output file's lock."""
-
-
-class Cancelled(Exception):
-    """A question ran past its `timeout_s`; its decoder stops at the next critique call."""
-
-
-# --- input ---------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -321,8 +322,6 @@ def last_statuses(path: Path) -> tuple[dict[str, str], int]:
 def earlier_answers(path: Path, keys: set[str]) -> dict[str, tuple[str, dict[str, Any]]]:
     """For each of `keys` answered by an ok record already in `path`: that record's id and
     response. A duplicate whose first id was answered by an earlier (killed) run reuses it."""
-    from actors.service import query_key
-
     found: dict[str, tuple[str, dict[str, Any]]] = {}
     if not keys or not path.exists():
         return found
@@ -597,15 +596,14 @@ class CallMerger:
 class MergedCritic:
     """The `Critic` one decoder thread sees: its calls go through the actor's `CallMerger`."""
 
-    def __init__(self, merger: CallMerger, source: str, name: str, cancel: threading.Event) -> None:
+    def __init__(self, merger: CallMerger, source: str, name: str, deadline: Deadline) -> None:
         self._merger = merger
         self._source = source
-        self._cancel = cancel
+        self._deadline = deadline
         self.name = name
 
     def _call(self, method: str, branches: Sequence[Branch], *rest: Any) -> list[Any]:
-        if self._cancel.is_set():
-            raise Cancelled
+        self._deadline.check()  # an expired question stops at its next critique call
         if not branches:
             return []
         return self._merger.call(method, self._source, branches, *rest)
@@ -633,7 +631,7 @@ class RetrieverActor:
     """The one owner of an embedded Qdrant folder (and its embedder) for all engine actors."""
 
     def __init__(self, settings: Settings) -> None:
-        from infra.runtime import SelfRAG
+        from selfrag.runtime.system import SelfRAG
 
         self._rag = SelfRAG(settings)
         self._store = self._rag.store
@@ -673,8 +671,8 @@ class BatchAnswerer:
     """A Ray Data actor: one llama.cpp engine, and a thread per question of a batch."""
 
     def __init__(self, settings: Settings, retriever: Any | None, n_threads: int) -> None:
-        from infra.cache import open_query_cache
-        from infra.runtime import SelfRAG
+        from selfrag.infra.cache import open_query_cache
+        from selfrag.runtime.system import SelfRAG
 
         if n_threads and not settings.model.n_threads:
             model = settings.model.model_copy(update={"n_threads": n_threads})
@@ -684,13 +682,12 @@ class BatchAnswerer:
         self._model_id = self._rag.engine.model_id  # load now, in this actor's process
         self._store: Any = _RemoteStore(retriever) if retriever is not None else self._rag.store
         self._index_version = self._store.index_version()
-        self._cache = open_query_cache(settings)
-        self._key_parts: tuple[str, dict[str, Any]] = ("", {})
-        if self._cache is not None:
-            from actors.service import query_cache_scope
-
-            # Hashes the model file once per actor, and only when answers are cached.
-            self._key_parts = (self._rag.model_fingerprint, query_cache_scope(settings))
+        # The key the online endpoint uses too: a Redis shared with it serves both.
+        self._path = AnswerPath(
+            settings.decoding,
+            cache=open_query_cache(settings),
+            cache_scope=query_cache_scope(settings),
+        )
         self._merger = CallMerger(self._rag.critic)
 
     def __call__(self, batch: dict[str, Any]) -> dict[str, list[str]]:
@@ -704,39 +701,37 @@ class BatchAnswerer:
     def _answer_one(self, question: str, config: DecodingConfig) -> str:
         """The outcome of one question as JSON: {status: ok, response, cache} or
         {status: error, error: {type, message}}."""
-        from actors.service import query_key
+        try:
+            answer = self._path.answer(question, config, self._decode, identity=self._identity)
+        except AnswerError as exc:
+            return _error(exc.kind, exc.detail)
+        except Exception as exc:  # any failure is this question's record, not the run's end
+            return _error("internal_error", f"{type(exc).__name__}: {exc}")
+        return _ok(answer.response, answer.cache)
 
-        key: str | None = None
-        if self._cache is not None:
-            # The key the online endpoint uses too: a Redis shared with it serves both.
-            key = query_key(question, config, self._index_version, *self._key_parts)
-            hit = self._cache.get(key)
-            if hit is not None:
-                return _ok(hit, "hit")
-        cancel = threading.Event()
-        timer = threading.Timer(config.timeout_s, cancel.set)
-        timer.start()
+    def _identity(self) -> CacheIdentity:
+        # Hashes the model file once per actor, and only when answers are cached.
+        return CacheIdentity(self._index_version, self._rag.model_fingerprint)
+
+    def _decode(
+        self,
+        question: str,
+        config: DecodingConfig,
+        deadline: Deadline,
+        on_step: StepListener | None,
+    ) -> AnswerResponse:
+        critic = self._rag.critic(config.critique)  # validates the source up front
+        name = critic.name
+        decoder = SelfRAGDecoder(
+            lambda source: MergedCritic(self._merger, source, name, deadline),
+            self._store,
+            self._model_id,
+        )
         self._merger.enter()
         try:
-            critic = self._rag.critic(config.critique)  # validates the source up front
-            name = critic.name
-            decoder = SelfRAGDecoder(
-                lambda source: MergedCritic(self._merger, source, name, cancel),
-                self._store,
-                self._model_id,
-            )
-            response = decoder.answer(question, config)
-        except Cancelled:
-            return _error("timeout", f"no answer within timeout_s={config.timeout_s:g}")
-        except Exception as exc:  # any failure is this question's record, not the run's end
-            kind = "invalid" if isinstance(exc, ValueError) else "model_error"
-            return _error(kind, f"{type(exc).__name__}: {exc}")
+            return decoder.answer(question, config, on_step)
         finally:
             self._merger.leave()
-            timer.cancel()
-        if self._cache is not None and key is not None:
-            self._cache.put(key, response)
-        return _ok(response, "miss")
 
 
 def _ok(response: AnswerResponse, cache: str) -> str:
@@ -765,15 +760,13 @@ def plan_jobs(
     questions: Iterable[BatchQuestion], defaults: DecodingConfig
 ) -> tuple[list[_Job], list[dict[str, Any]]]:
     """Distinct jobs of the valid requests, and an error record for each invalid one."""
-    from actors.service import query_key
-
     jobs: dict[str, _Job] = {}
     errors: list[dict[str, Any]] = []
     for q in questions:
         try:
             request = AnswerRequest.model_validate({"question": q.question, "config": q.config})
         except ValidationError as exc:
-            from infra.settings import describe_validation_error
+            from selfrag.infra.settings import describe_validation_error
 
             errors.append(error_record(q.id, q.question, "invalid", describe_validation_error(exc)))
             continue
@@ -1058,10 +1051,9 @@ def run_eval_systems(
 ) -> None:
     """`selfrag eval --ray`: answer the selfrag-* systems' missing records on the batch path,
     appending them to `out/records.jsonl` (`run_evaluation` then skips them and writes the
-    report). `questions` are `infra.evaluation.EvalQuestion`. p_ret is the first segment's
+    report). `questions` are `selfrag.jobs.evaluation.EvalQuestion`. p_ret is the first segment's
     (no extra probe), and latency is the decoder's own total time, batched with others."""
-    from actors.service import query_key
-    from infra.evaluation import RECORDS_FILE, make_record, read_records
+    from selfrag.jobs.evaluation import RECORDS_FILE, make_record, read_records
 
     path = out / RECORDS_FILE
     out.mkdir(parents=True, exist_ok=True)

@@ -24,12 +24,12 @@ import numpy as np
 from scipy.optimize import minimize
 from tqdm import tqdm
 
-from infra.evaluation import EvalQuestion
-from pipeline.calibration import auc
-from pipeline.critique import Branch, ChatCritic
-from pipeline.heads import GROUP_LABELS
-from pipeline.protocols import Generation, LanguageModel, Passage, TokenScoreRequest
-from pipeline.reflection_data import (
+from selfrag.jobs.evaluation import EvalQuestion
+from selfrag.pipeline.calibration import auc
+from selfrag.pipeline.critics import Branch, ChatCritic
+from selfrag.pipeline.heads import GROUP_LABELS
+from selfrag.pipeline.protocols import Generation, LanguageModel, Passage, TokenScoreRequest
+from selfrag.pipeline.reflection_data import (
     EntityPool,
     Example,
     inverse_cloze,
@@ -39,7 +39,7 @@ from pipeline.reflection_data import (
     support_examples,
     utility_examples,
 )
-from pipeline.scoring import (
+from selfrag.pipeline.scoring import (
     relevance_score,
     retrieval_probability,
     support_score,
@@ -47,7 +47,7 @@ from pipeline.scoring import (
 )
 
 if TYPE_CHECKING:
-    from infra.runtime import SelfRAG
+    from selfrag.runtime.system import SelfRAG
 
 # The fewest examples, and of each group's two contrasted labels, a group trains on.
 MIN_EXAMPLES = 20
@@ -76,13 +76,13 @@ class TrainingError(ValueError):
 @dataclass(frozen=True)
 class TrainingPlan:
     """How many examples to draw; the defaults train on the shared corpus and the Normans
-    questions in about 13 minutes on 2 cores (hidden states cost ~0.5 s per passage prompt)."""
+    questions in about 13 minutes on 2 cores (hidden states cost ~0.6 s per passage prompt)."""
 
     seed: int = 0
-    relevance_passages: int = 200
-    support_passages: int = 100
-    utility_passages: int = 60
-    retrieve_passages: int = 60
+    relevance_passages: int = 150
+    support_passages: int = 70
+    utility_passages: int = 45
+    retrieve_passages: int = 45
     hard_negative_depth: int = 4
     qa_negatives: int = 1
     """Per answerable question: retrieved non-gold passages, and as many other paragraphs of
@@ -348,18 +348,20 @@ def train(
     plan: TrainingPlan,
     *,
     data: dict[str, Any],
+    passages: Sequence[Passage] | None = None,
     progress: bool = True,
 ) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
     """Build the examples, read the hidden states and fit every head; returns weights and the
-    manifest."""
+    manifest. The self-supervised examples come from `passages` (default: the whole index);
+    hard negatives are searched in the whole index either way."""
     engine = rag.engine
     if engine.hidden_size is None:
         raise TrainingError("this engine returns no hidden states: train on the llama.cpp backend")
     started = time.monotonic()
     rng = random.Random(plan.seed)
-    passages = list(rag.store.passages())
+    passages = list(passages) if passages is not None else list(rag.store.passages())
     if not passages:
-        raise TrainingError("the index is empty: run `selfrag index` (or pass --corpus) first")
+        raise TrainingError("no passages to train on: run `selfrag index` (or pass --corpus) first")
     critic = ChatCritic(engine)
     examples = corpus_examples(passages, rag.store.search, plan, rng)
     if questions:
@@ -373,7 +375,12 @@ def train(
         "layout": "chat",
         "seed": plan.seed,
         "plan": plan.__dict__,
-        "data": {**data, "indexed_passages": len(passages), "qa_questions": len(questions)},
+        "data": {
+            **data,
+            "indexed_passages": rag.store.count(),
+            "self_supervised_passages": len(passages),
+            "qa_questions": len(questions),
+        },
         "counts": {g: dict(c) for g, c in counts.items()},
         "groups": stats,
         "seconds": round(time.monotonic() - started, 1),

@@ -1,0 +1,5 @@
+"""`python -m selfrag`: the command line."""
+
+from selfrag.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,170 @@
+"""The chat layout shared by the prompted, learned and native-chat critique sources."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+
+from selfrag.pipeline.critics.base import RESERVED_PIECES, Branch, LabelProbs
+from selfrag.pipeline.prompts import (
+    ChatGlue,
+    Part,
+    PromptBuilder,
+    Tokens,
+    Trusted,
+    Untrusted,
+    chat_glue,
+    evidence_head,
+    system_head,
+)
+from selfrag.pipeline.protocols import Generation, GenerationRequest, LanguageModel
+
+
+@dataclass(frozen=True)
+class PromptedQuestions:
+    """The wording of the prompted critique. Answers are read from the first answer token."""
+
+    retrieve: str = (
+        "Question: {question}\n{answer_so_far}"
+        "Does answering this question need facts looked up in a reference text? Answer Yes or No."
+    )
+    relevance: str = (
+        "Does the passage above contain the information needed to answer the question? "
+        "Answer Yes or No."
+    )
+    draft: str = "Answer the question in one or two sentences, using only the passage above."
+    draft_closed: str = "Answer the question in one or two sentences."
+    support: str = (
+        "Is every claim of your answer stated in the passage? Answer Fully, Partially or No."
+    )
+    utility: str = (
+        "Rate how well your answer answers the question, from 1 (useless) to 5 (complete). "
+        "Reply with one digit."
+    )
+    label_words: dict[str, dict[str, tuple[str, ...]]] = field(
+        default_factory=lambda: {
+            "retrieve": {"yes": ("Yes", "yes"), "no": ("No", "no")},
+            "relevance": {"relevant": ("Yes", "yes"), "irrelevant": ("No", "no")},
+            "support": {
+                "full": ("Fully", "fully", "Yes"),
+                "partial": ("Partially", "partially", "Part"),
+                "none": ("No", "no"),
+            },
+            "utility": {str(i): (str(i),) for i in range(1, 6)},
+        }
+    )
+
+
+class ChatCritic:
+    """The chat layout shared by the prompted, learned and native-chat critique.
+
+    Every group is read at the end of a short conversation: [system, user(passage, question,
+    task), assistant] for retrieval and relevance, and [..., assistant(draft), user(critique
+    question), assistant] for support and utility. The passage comes first, so "system +
+    passage" is a prefix shared by the relevance, drafting and support prompts of a branch (and
+    reusable across questions). Data flow as in the paper: Retrieve after (x, y<t), IsRel after
+    (x, d), IsSup after (x, d, y_t), IsUse after (x, y_t). Subclasses say how a group is read.
+    """
+
+    name = "chat"
+
+    def __init__(self, model: LanguageModel, questions: PromptedQuestions | None = None) -> None:
+        self._model = model
+        self._q = questions or PromptedQuestions()
+        self._glue: ChatGlue = chat_glue(model.chat_template)
+        self._builder = PromptBuilder(model, reserved=RESERVED_PIECES)
+
+    def _read(
+        self, group: str, prompts: Sequence[list[int]], reusable: Sequence[int]
+    ) -> list[LabelProbs]:
+        """The label probabilities of `group` as the next token after each prompt."""
+        raise NotImplementedError
+
+    def _stop_tokens(self) -> frozenset[int]:
+        return frozenset()
+
+    # The conversation is [system, user(evidence + task), assistant(answer), user(critique)].
+    def _user(self, b: Branch, task: str) -> list[Part]:
+        parts = self._evidence_head(b)
+        parts += [Trusted("Question: "), Untrusted(b.question), Trusted("\n\n" + task)]
+        return parts
+
+    def _evidence_head(self, b: Branch) -> list[Part]:
+        """The start of every prompt of `b` up to the end of its passage: the same for any
+        question, so its KV state is reusable (`reusable_prefix`)."""
+        return evidence_head(self._glue, b.passage)
+
+    def _build(self, b: Branch, parts: Sequence[Part]) -> tuple[list[int], int]:
+        """Prompt tokens and the reusable prefix length (0 without a passage)."""
+        if b.passage is None:
+            return self._builder.build(parts), 0
+        return self._builder.build_split(parts, len(self._evidence_head(b)))
+
+    def _answer(self, b: Branch) -> list[Part]:
+        task = self._q.draft if b.passage is not None else self._q.draft_closed
+        parts = [*self._user(b, task), Trusted(self._glue.assistant_start)]
+        if b.prefix:
+            parts.append(Untrusted(b.prefix))
+        return parts
+
+    def _follow_up(self, b: Branch, d: Generation, question: str) -> tuple[list[int], int]:
+        g = self._glue
+        return self._build(
+            b,
+            [
+                *self._answer(b),
+                Tokens(tuple(d.tokens)),
+                Trusted(g.assistant_to_user + question + g.assistant_start),
+            ],
+        )
+
+    def retrieval_prompt(self, b: Branch) -> list[int]:
+        g = self._glue
+        so_far = f"Answer so far: {b.prefix}\n" if b.prefix else ""
+        text = self._q.retrieve.format(question="\x00", answer_so_far="\x00")
+        before, middle, after = text.split("\x00")
+        parts = [*system_head(g), Trusted(before), Untrusted(b.question), Trusted(middle)]
+        if so_far:
+            parts.append(Untrusted(so_far))
+        parts += [Trusted(after + g.assistant_start)]
+        return self._builder.build(parts)
+
+    def relevance_prompt(self, b: Branch) -> tuple[list[int], int]:
+        return self._build(
+            b, [*self._user(b, self._q.relevance), Trusted(self._glue.assistant_start)]
+        )
+
+    def draft_prompt(self, b: Branch) -> tuple[list[int], int]:
+        return self._build(b, self._answer(b))
+
+    def support_prompt(self, b: Branch, d: Generation) -> tuple[list[int], int]:
+        return self._follow_up(b, d, self._q.support)
+
+    def utility_prompt(self, b: Branch, d: Generation) -> tuple[list[int], int]:
+        # IsUse judges the answer against the question alone, (x, y_t): no passage in view.
+        return self._follow_up(replace(b, passage=None), d, self._q.utility)
+
+    def retrieval(self, branches: Sequence[Branch]) -> list[LabelProbs]:
+        prompts = [self.retrieval_prompt(b) for b in branches]
+        return self._read("retrieve", prompts, [0] * len(prompts))
+
+    def relevance(self, branches: Sequence[Branch]) -> list[LabelProbs]:
+        built = [self.relevance_prompt(b) for b in branches]
+        return self._read("relevance", [p for p, _ in built], [n for _, n in built])
+
+    def draft(self, branches: Sequence[Branch], max_tokens: int) -> list[Generation]:
+        requests = []
+        for b in branches:
+            prompt, reusable = self.draft_prompt(b)
+            requests.append(
+                GenerationRequest(prompt, max_tokens, self._stop_tokens(), reusable_prefix=reusable)
+            )
+        return self._model.generate(requests) if requests else []
+
+    def support(self, branches: Sequence[Branch], drafts: Sequence[Generation]) -> list[LabelProbs]:
+        built = [self.support_prompt(b, d) for b, d in zip(branches, drafts, strict=True)]
+        return self._read("support", [p for p, _ in built], [n for _, n in built])
+
+    def utility(self, branches: Sequence[Branch], drafts: Sequence[Generation]) -> list[LabelProbs]:
+        built = [self.utility_prompt(b, d) for b, d in zip(branches, drafts, strict=True)]
+        return self._read("utility", [p for p, _ in built], [n for _, n in built])

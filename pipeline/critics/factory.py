@@ -1,0 +1,59 @@
+"""`make_critic`: the critique source a name (or `auto`) stands for, on a given model."""
+
+from __future__ import annotations
+
+from selfrag.pipeline.critics.base import NATIVE_CHAT_LAYOUT, Critic
+from selfrag.pipeline.critics.learned import LearnedCritic
+from selfrag.pipeline.critics.likelihood import LikelihoodCritic
+from selfrag.pipeline.critics.native import (
+    NativeChatCritic,
+    NativeCritic,
+    native_token_ids,
+)
+from selfrag.pipeline.critics.prompted import PromptedCritic
+from selfrag.pipeline.heads import ReflectionHeads
+from selfrag.pipeline.protocols import LanguageModel
+from selfrag.schemas.calibration import CalibrationSettings
+
+
+def make_critic(
+    model: LanguageModel,
+    source: str,
+    calibration: CalibrationSettings | None = None,
+    heads: ReflectionHeads | None = None,
+) -> Critic:
+    """Build the critique source named by `source`.
+
+    auto: native when the model has the reflection tokens, else learned when `heads` were
+    trained for this model file, else likelihood (on the Normans tuning questions it ranked
+    evidence far better than prompted yes/no questions with SmolLM2, docs/evaluation.md).
+
+    `calibration` parameterises the `likelihood` source (defaults when None); `heads` are the
+    reflection heads of this model file (`selfrag train`), or None.
+    """
+    if source == "likelihood":
+        return LikelihoodCritic(model, calibration)
+    if source == "prompted":
+        return PromptedCritic(model)
+    if source == "learned":
+        if heads is None:
+            raise ValueError(
+                "critique 'learned' needs reflection heads for this model file; train them "
+                "with `selfrag train`"
+            )
+        return LearnedCritic(model, heads)
+    if source not in ("native", "auto"):
+        raise ValueError(f"unknown critique source {source!r}")
+    groups = native_token_ids(model)
+    if groups is not None:
+        if model.special_token_id(NATIVE_CHAT_LAYOUT) is not None:
+            return NativeChatCritic(model, groups)
+        return NativeCritic(model, groups)
+    if source == "native":
+        raise ValueError(
+            "critique 'native' needs a Self-RAG checkpoint; this model's vocabulary has no "
+            "reflection tokens (use 'learned', 'likelihood' or 'prompted')"
+        )
+    if heads is not None and model.hidden_size is not None:
+        return LearnedCritic(model, heads)
+    return LikelihoodCritic(model, calibration)

@@ -1,0 +1,32 @@
+"""Hard-filter defaults per critique source, and their resolution in a request's config."""
+
+from __future__ import annotations
+
+from selfrag.schemas.decoding import DecodingConfig
+
+# The filters a request may leave unset (None), with the value they take without a default.
+FILTERS_OFF: dict[str, object] = {
+    "min_relevance": 0.0,
+    "min_support": "none",
+    "min_support_score": 0.0,
+}
+# A critique source's own filter defaults, by name. Only the learned heads earn any: chosen on
+# the Normans questions (docs/evaluation.md).
+CRITIQUE_FILTERS: dict[str, dict[str, object]] = {
+    "learned": {"min_relevance": 0.5, "min_support_score": 0.36},
+}
+
+
+def resolve_filters(config: DecodingConfig, critique: str) -> DecodingConfig:
+    """`config` with unset filters (None) replaced by the defaults of the critique source."""
+    defaults = {**FILTERS_OFF, **CRITIQUE_FILTERS.get(critique, {})}
+    unset = {name: defaults[name] for name in FILTERS_OFF if getattr(config, name) is None}
+    return config.model_copy(update=unset) if unset else config
+
+
+def unresolved_filters(config: DecodingConfig, critique: str) -> DecodingConfig:
+    """The inverse of `resolve_filters`: filters equal to the source's default back to None
+    (a response's config, as the request that asked for the defaults would have it)."""
+    defaults = {**FILTERS_OFF, **CRITIQUE_FILTERS.get(critique, {})}
+    same = {name: None for name in FILTERS_OFF if getattr(config, name) == defaults[name]}
+    return config.model_copy(update=same) if same else config

@@ -1,0 +1,256 @@
+"""The one answer path, shared by the CLI, the HTTP ingress, batch jobs and evaluation.
+
+`AnswerPath` owns what every entry point would otherwise decide for itself: the configured
+defaults under a request's dials, the query-cache key and its get/put (a cache outage never
+fails an answer), the deadline and cancellation (`Deadline`), and the error kinds
+(`selfrag.schemas.errors`). Entry points only supply how to decode (local engine, the Serve
+pool, a batch actor's merged calls) and translate its errors into exit codes, HTTP statuses or
+error records.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import importlib.metadata
+import json
+import logging
+import threading
+import time
+import unicodedata
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol
+
+from selfrag.pipeline.decoder import StepListener
+from selfrag.pipeline.ranking import Hypothesis
+from selfrag.schemas.answer import AnswerRequest, AnswerResponse
+from selfrag.schemas.decoding import DecodingConfig
+from selfrag.schemas.errors import AnswerError, Cancelled, DeadlineExceeded, Unprocessable
+from selfrag.schemas.settings import Settings
+
+log = logging.getLogger("selfrag.answering")
+
+CacheStatus = Literal["hit", "miss", "off", "error"]
+
+QUERY_KEY_FORMAT = 2
+"""Version of the query-key layout and of the cached answer's meaning; bump it when either
+changes so entries written by older code are never read as current."""
+
+
+class QueryCache(Protocol):
+    """The repeated-query cache (infra/cache.py): Redis when configured, else in-process."""
+
+    def get(self, key: str) -> AnswerResponse | None: ...
+
+    def put(self, key: str, response: AnswerResponse) -> None: ...
+
+
+class AnswerEvents(Protocol):
+    """Where the path reports what metrics count (the ingress's `Metrics`)."""
+
+    def count_cache(self, event: str) -> None: ...
+
+    def count_deadline(self) -> None: ...
+
+
+@functools.cache
+def package_version() -> str:
+    """The installed selfrag version (part of every query key; read once per process)."""
+    try:
+        return importlib.metadata.version("selfrag")
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree, not installed
+        return "source"
+
+
+def query_cache_scope(settings: Settings) -> dict[str, Any]:
+    """The settings besides the request's config that change an answer: the likelihood
+    critique's calibration and how passages were cut, embedded and are searched. Part of
+    every query key. (The index content is the index version; secrets are left out.)"""
+    r = settings.retrieval
+    return {
+        "calibration": settings.calibration.model_dump(mode="json"),
+        "retrieval": {
+            "collection": r.collection,
+            "embedding_model": r.embedding_model,
+            "hybrid": r.hybrid,
+            "passage_words": r.passage_words,
+            "passage_overlap_words": r.passage_overlap_words,
+        },
+    }
+
+
+def query_key(
+    question: str,
+    config: DecodingConfig,
+    index_version: str,
+    model: str,
+    scope: Mapping[str, Any] | None = None,
+) -> str:
+    """Hash of the normalised question, the effective config, the index version, the model
+    (its fingerprint: id and file hash), the serving `scope` (`query_cache_scope`) and the
+    code version: any change to one of them is a different answer."""
+    normal = " ".join(unicodedata.normalize("NFKC", question).casefold().split())
+    payload = json.dumps(
+        [
+            QUERY_KEY_FORMAT,
+            package_version(),
+            normal,
+            config.model_dump(mode="json"),
+            index_version,
+            model,
+            dict(scope or {}),
+        ],
+        sort_keys=True,
+    )
+    return "selfrag:answer:" + hashlib.sha256(payload.encode()).hexdigest()
+
+
+class Deadline:
+    """When an answer must be done (`time.monotonic()`), and whether it was abandoned. Whoever
+    waits on the answer's behalf (a remote call, a merged engine call) calls `check` between
+    waits, so an expired or abandoned answer stops at its next wait."""
+
+    def __init__(self, timeout_s: float, *, clock: Callable[[], float] = time.monotonic) -> None:
+        self.timeout_s = timeout_s
+        self._clock = clock
+        self.at = clock() + timeout_s
+        self._cancelled = threading.Event()
+        self._expired = False
+
+    def remaining(self) -> float:
+        return self.at - self._clock()
+
+    def cancel(self) -> None:
+        """The caller went away (or gave up): every later `check` raises `Cancelled`."""
+        self._cancelled.set()
+
+    def expire(self) -> None:
+        """The caller's own timer ran out first: later checks raise `DeadlineExceeded`."""
+        self._expired = True
+        self._cancelled.set()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled.is_set()
+
+    def check(self) -> None:
+        if self._expired or self.remaining() <= 0:
+            self.expire()
+            raise DeadlineExceeded(f"no answer within timeout_s={self.timeout_s:g}")
+        if self._cancelled.is_set():
+            raise Cancelled("the request was abandoned")
+
+
+Decode = Callable[[str, DecodingConfig, Deadline, StepListener | None], AnswerResponse]
+
+
+@dataclass(frozen=True)
+class Answer:
+    response: AnswerResponse
+    cache: CacheStatus
+
+
+@dataclass(frozen=True)
+class CacheIdentity:
+    """What, besides the question and its config, names an answer in the query cache."""
+
+    index_version: str
+    model_fingerprint: str
+
+
+class AnswerPath:
+    """Defaults, query cache, deadline and error kinds around one way of decoding."""
+
+    def __init__(
+        self,
+        defaults: DecodingConfig,
+        *,
+        cache: QueryCache | None = None,
+        cache_scope: Mapping[str, Any] | None = None,
+        max_timeout_s: float | None = None,
+        events: AnswerEvents | None = None,
+    ) -> None:
+        self.defaults = defaults
+        self.cache = cache
+        self._scope = dict(cache_scope or {})
+        self._max_timeout_s = max_timeout_s
+        self._events = events
+
+    def config(self, request: AnswerRequest) -> DecodingConfig:
+        """The request's dials over the defaults; refused when past the server's limits."""
+        config = request.config.apply_to(self.defaults)
+        if self._max_timeout_s is not None and config.timeout_s > self._max_timeout_s:
+            raise Unprocessable(
+                f"timeout_s={config.timeout_s:g} is above this server's maximum "
+                f"({self._max_timeout_s:g} s, serve.max_timeout_s)"
+            )
+        return config
+
+    def key(self, question: str, config: DecodingConfig, identity: CacheIdentity) -> str:
+        return query_key(
+            question, config, identity.index_version, identity.model_fingerprint, self._scope
+        )
+
+    def lookup(self, key: str) -> AnswerResponse | None:
+        """The cached answer, or None; a failing cache is bypassed, never an error."""
+        assert self.cache is not None
+        try:
+            hit = self.cache.get(key)
+        except Exception as exc:
+            log.warning("query cache get failed, bypassing: %s", exc)
+            self._count("errors")
+            return None
+        self._count("hits" if hit is not None else "misses")
+        return hit
+
+    def store(self, key: str, response: AnswerResponse) -> CacheStatus:
+        assert self.cache is not None
+        try:
+            self.cache.put(key, response)
+        except Exception as exc:
+            log.warning("query cache put failed: %s", exc)
+            self._count("errors")
+            return "error"
+        return "miss"
+
+    def answer(
+        self,
+        question: str,
+        config: DecodingConfig,
+        decode: Decode,
+        *,
+        identity: Callable[[], CacheIdentity] | None = None,
+        deadline: Deadline | None = None,
+        on_step: StepListener | None = None,
+    ) -> Answer:
+        """Answer from the cache, else by `decode`, then cache it. `identity` is asked only
+        when a cache is configured; failures come out as `AnswerError`s (a bug stays itself)."""
+        deadline = deadline or Deadline(config.timeout_s)
+        key: str | None = None
+        try:
+            if self.cache is not None and identity is not None:
+                key = self.key(question, config, identity())
+                hit = self.lookup(key)
+                if hit is not None:
+                    if on_step is not None:
+                        on_step(Hypothesis(segments=tuple(hit.segments), done=True))
+                    return Answer(hit, "hit")
+            deadline.check()
+            response = decode(question, config, deadline, on_step)
+        except DeadlineExceeded:
+            deadline.expire()
+            if self._events is not None:
+                self._events.count_deadline()
+            raise
+        except AnswerError:
+            raise
+        except ValueError as exc:  # a request the configured system cannot answer
+            raise Unprocessable(str(exc)) from exc
+        if key is None:
+            return Answer(response, "off")
+        return Answer(response, self.store(key, response))
+
+    def _count(self, event: str) -> None:
+        if self._events is not None:
+            self._events.count_cache(event)
