@@ -1,4 +1,4 @@
-"""The Serve application graph: ingress → (decider → pool), retriever, ranker, pool, bound from
+"""The Serve application graph: ingress → decider, retriever, pool, ranker, bound from
 settings. `selfrag.ray_app` (for `serve run` and serve.yaml) and `selfrag serve` build it here."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ APP_NAME = "selfrag"
 
 
 def build_app(settings: Settings | None = None) -> Application:
-    """Bind the deployments: ingress → (decider → pool), retriever, ranker, pool."""
+    """Bind the deployments: ingress → decider, retriever, pool, ranker."""
     from selfrag.actors.deployments import (
         BranchPool,
         Ranker,
@@ -36,7 +36,7 @@ def build_app(settings: Settings | None = None) -> Application:
         "logging_config": serve_logging(settings),
     }
     pool = BranchPool.options(**queued).bind(settings)
-    decider = RetrievalDecider.options(**queued).bind(pool)
+    decider = RetrievalDecider.options(**queued).bind(settings)
     # Embedded Qdrant allows one client per folder; with a server URL the config may scale it.
     embedded = settings.retrieval.qdrant_url is None
     replicas = {"num_replicas": 1} if embedded else {}

@@ -1,8 +1,8 @@
 """Ray Serve deployments: thin wrappers around `pipeline/` and `infra/` pieces.
 
-* `BranchPool` owns the llama.cpp engine (loaded in the replica's own process) and merges the
-  critique calls of concurrent requests into one engine call with `@serve.batch`.
-* `RetrievalDecider` asks the pool for the retrieval probabilities of a batch of hypotheses.
+* `BranchPool` owns a llama.cpp engine (loaded in the replica's own process) and does all
+  branch work of a request's step in one call, merging concurrent requests' engine calls.
+* `RetrievalDecider` decides retrieval for a step's hypotheses on an engine of its own.
 * `Retriever` searches Qdrant. Embedded Qdrant locks its folder: keep it at one replica then.
 * `Ranker` applies critique weights, hard filters and the beam (`pipeline.ranking.rank_step`).
 * `SelfRAGIngress` serves the HTTP API (`actors.http`) and runs the decoder (`actors.service`).
@@ -18,22 +18,27 @@ import copy
 import logging
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, TypeVar
 
 from fastapi import FastAPI
 from ray import serve
+from ray.serve.config import RequestRouterConfig
 from ray.serve.handle import DeploymentHandle
 
 from selfrag.actors.http import build_http_app, parse_api_keys
 from selfrag.actors.metrics import BatchStats, Metrics, family
 from selfrag.actors.service import ServeAnswerService
+from selfrag.infra.cache import open_query_cache
 from selfrag.infra.settings import API_KEYS_ENV
+from selfrag.pipeline.branching import StepWork, expand
 from selfrag.pipeline.critics import Branch, LabelProbs
-from selfrag.pipeline.protocols import Generation, Passage
-from selfrag.pipeline.ranking import Candidate, Hypothesis, StepRanking, rank_step
-from selfrag.runtime.answering import QueryCache, query_cache_scope
+from selfrag.pipeline.protocols import Passage
+from selfrag.pipeline.ranking import Candidate, Drafted, Hypothesis, StepRanking, rank_step
+from selfrag.runtime.answering import Deadline, query_cache_scope
+from selfrag.runtime.merging import CallMerger, MergedCritic
 from selfrag.schemas.decoding import DecodingConfig
 from selfrag.schemas.errors import DependencyDown, Misconfigured
 from selfrag.schemas.settings import Settings
@@ -42,6 +47,7 @@ if TYPE_CHECKING:
     from selfrag.infra.qdrant_store import QdrantStore
 
 log = logging.getLogger("selfrag.actors")
+_T = TypeVar("_T")
 
 
 @dataclass(frozen=True)
@@ -65,43 +71,73 @@ class PoolStats:
         return lines
 
 
-@dataclass(frozen=True)
-class _Call:
-    """One request's share of a critique batch."""
+class _EngineWorker:
+    """One engine in this replica, and the merger (`runtime.merging.CallMerger`) that turns
+    the critique calls of its concurrent requests into multi-sequence engine calls. Each
+    request runs in a thread of its own; its calls stop at the request's deadline."""
 
-    source: str
-    branches: list[Branch]
-    drafts: list[Generation] | None = None
-    max_tokens: int | None = None
-
-
-@serve.deployment(ray_actor_options={"num_cpus": 0.5}, max_ongoing_requests=128)
-class BranchPool:
-    """The engine and its cross-request batching. One engine call per (method, critique
-    source, max_tokens) group of a batch; the engine runs all its branches as one
-    multi-sequence llama.cpp batch."""
-
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, max_threads: int) -> None:
         from selfrag.runtime.system import SelfRAG
 
-        self._rag = SelfRAG(settings)
-        self._engine = self._rag.engine  # load now, in this process; never fork after this
-        self._stats = BatchStats()
-        size = settings.serve.max_batch_size
-        self._queue = EngineQueue(self._engine_call, size, self._stats)
-        wait = settings.serve.batch_wait_ms / 1000
-        for handler in (
-            self._retrieval,
-            self._relevance,
-            self._draft,
-            self._support,
-            self._utility,
-        ):
-            handler.set_max_batch_size(size)
-            handler.set_batch_wait_timeout_s(wait)
+        self.rag = SelfRAG(settings)
+        self.engine = self.rag.engine  # load now, in this process; never fork after this
+        self.batches = BatchStats()
+        self._merger = CallMerger(
+            self.rag.critic,
+            settings.serve.batch_wait_ms / 1000,
+            max_calls=settings.serve.max_batch_size,
+            on_batch=self.batches.record,
+        )
+        # A thread per ongoing request: the default executor has only cpu+4 threads.
+        self._executor = ThreadPoolExecutor(max_threads, thread_name_prefix="selfrag-engine")
+
+    async def run(self, source: str, timeout_s: float, work: Callable[[MergedCritic], _T]) -> _T:
+        """`work` on a critic whose calls merge with the other requests' ones."""
+        name = self.rag.critic(source).name  # validates the source before any engine work
+        deadline = Deadline(timeout_s)
+
+        def call() -> _T:
+            self._merger.enter()
+            try:
+                return work(MergedCritic(self._merger, source, name, deadline))
+            finally:
+                self._merger.leave()
+
+        return await asyncio.get_running_loop().run_in_executor(self._executor, call)
+
+
+# A request's steps go to the replica that holds its KV slots (its prompts grow step by step):
+# the ingress sends every call of one answer with the same `session_id`, and the consistent-
+# hash router maps it to one replica (falling back to the next ones under backpressure).
+AFFINITY = RequestRouterConfig(
+    request_router_class="ray.serve.experimental.consistent_hash_router.ConsistentHashRouter",
+    request_router_kwargs={"num_virtual_nodes": 100, "num_fallback_replicas": 2},
+)
+
+
+@serve.deployment(
+    ray_actor_options={"num_cpus": 0.5},
+    max_ongoing_requests=128,
+    request_router_config=AFFINITY,
+)
+class BranchPool:
+    """The branch-generation pool: all branches of a request's step in one call — relevance,
+    pruning, drafting, support and utility (`pipeline.branching.expand`) — with the engine
+    calls of concurrent requests merged into multi-sequence llama.cpp batches."""
+
+    def __init__(self, settings: Settings) -> None:
+        self._worker = _EngineWorker(settings, max_threads=128)
+        self._rag = self._worker.rag
+
+    async def expand(
+        self, source: str, candidates: list[Candidate], cfg: DecodingConfig, timeout_s: float
+    ) -> StepWork:
+        return await self._worker.run(
+            source, timeout_s, lambda critic: expand(critic, candidates, cfg)
+        )
 
     def model_id(self) -> str:
-        return self._engine.model_id
+        return self._worker.engine.model_id
 
     def model_fingerprint(self) -> str:
         """`SelfRAG.model_fingerprint`: the model's identity in query-cache keys."""
@@ -112,142 +148,35 @@ class BranchPool:
         return self._rag.critic(source).name
 
     def ready(self) -> bool:
-        return bool(self._engine.tokenize("ready"))
+        return bool(self._worker.engine.tokenize("ready"))
 
     def stats(self) -> PoolStats:
-        return PoolStats(copy.deepcopy(self._stats), dict(self._rag.kv_store_counters()))
-
-    async def retrieval(self, source: str, branches: list[Branch]) -> list[LabelProbs]:
-        return await self._retrieval(_Call(source, branches))
-
-    async def relevance(self, source: str, branches: list[Branch]) -> list[LabelProbs]:
-        return await self._relevance(_Call(source, branches))
-
-    async def draft(self, source: str, branches: list[Branch], max_tokens: int) -> list[Generation]:
-        return await self._draft(_Call(source, branches, max_tokens=max_tokens))
-
-    async def support(
-        self, source: str, branches: list[Branch], drafts: list[Generation]
-    ) -> list[LabelProbs]:
-        return await self._support(_Call(source, branches, drafts))
-
-    async def utility(
-        self, source: str, branches: list[Branch], drafts: list[Generation]
-    ) -> list[LabelProbs]:
-        return await self._utility(_Call(source, branches, drafts))
-
-    # @serve.batch collects the calls that arrive together (one queue per method, so requests
-    # at the same stage of decoding meet). It hands a batch on as soon as it is formed, even
-    # while the engine is busy, so the engine queue below merges the batches that wait.
-    @serve.batch(max_batch_size=16, batch_wait_timeout_s=0.005, max_concurrent_batches=8)
-    async def _retrieval(self, calls: list[_Call]) -> list[list[Any]]:
-        return await self._queue.run("retrieval", calls)
-
-    @serve.batch(max_batch_size=16, batch_wait_timeout_s=0.005, max_concurrent_batches=8)
-    async def _relevance(self, calls: list[_Call]) -> list[list[Any]]:
-        return await self._queue.run("relevance", calls)
-
-    @serve.batch(max_batch_size=16, batch_wait_timeout_s=0.005, max_concurrent_batches=8)
-    async def _draft(self, calls: list[_Call]) -> list[list[Any]]:
-        return await self._queue.run("draft", calls)
-
-    @serve.batch(max_batch_size=16, batch_wait_timeout_s=0.005, max_concurrent_batches=8)
-    async def _support(self, calls: list[_Call]) -> list[list[Any]]:
-        return await self._queue.run("support", calls)
-
-    @serve.batch(max_batch_size=16, batch_wait_timeout_s=0.005, max_concurrent_batches=8)
-    async def _utility(self, calls: list[_Call]) -> list[list[Any]]:
-        return await self._queue.run("utility", calls)
-
-    def _engine_call(self, method: str, calls: Sequence[_Call]) -> list[Any]:
-        """One engine call for all `calls` (same method, critique source and max_tokens)."""
-        critic = self._rag.critic(calls[0].source)
-        branches = [b for c in calls for b in c.branches]
-        if method == "draft":
-            assert calls[0].max_tokens is not None
-            return critic.draft(branches, calls[0].max_tokens)
-        if method in ("support", "utility"):
-            drafts = [d for c in calls for d in (c.drafts or [])]
-            return getattr(critic, method)(branches, drafts)
-        return getattr(critic, method)(branches)
+        return PoolStats(copy.deepcopy(self._worker.batches), dict(self._rag.kv_store_counters()))
 
 
-@dataclass
-class _Pending:
-    method: str
-    call: _Call
-    future: asyncio.Future[list[Any]]
-
-    @property
-    def key(self) -> tuple[str, str, int | None]:
-        return (self.method, self.call.source, self.call.max_tokens)
-
-
-class EngineQueue:
-    """Runs critique calls on the engine one engine call at a time; whatever waits while the
-    engine is busy is merged into the next call (at most `max_requests` calls, all with the
-    same method, critique source and max_tokens; oldest first)."""
-
-    def __init__(
-        self,
-        engine_call: Callable[[str, Sequence[_Call]], list[Any]],
-        max_requests: int,
-        stats: BatchStats,
-    ) -> None:
-        self._engine_call = engine_call
-        self.max_requests = max_requests
-        self._stats = stats
-        self._pending: list[_Pending] = []
-        self._busy = False
-        self._drainer: asyncio.Task[None] | None = None
-
-    async def run(self, method: str, calls: list[_Call]) -> list[list[Any]]:
-        loop = asyncio.get_running_loop()
-        entries = [_Pending(method, c, loop.create_future()) for c in calls]
-        self._pending.extend(entries)
-        if not self._busy:
-            self._busy = True
-            self._drainer = asyncio.create_task(self._drain())
-        return list(await asyncio.gather(*(e.future for e in entries)))
-
-    async def _drain(self) -> None:
-        try:
-            while self._pending:
-                key = self._pending[0].key
-                group = [e for e in self._pending if e.key == key][: self.max_requests]
-                taken = {id(e) for e in group}
-                self._pending = [e for e in self._pending if id(e) not in taken]
-                calls = [e.call for e in group]
-                try:
-                    # The engine blocks; in a thread, this replica's event loop keeps
-                    # accepting the calls that will form the next batch.
-                    outputs = await asyncio.to_thread(self._engine_call, key[0], calls)
-                except Exception as exc:
-                    for e in group:
-                        if not e.future.done():
-                            e.future.set_exception(exc)
-                    continue
-                self._stats.record(key[0], len(group), sum(len(c.branches) for c in calls))
-                start = 0
-                for e in group:
-                    n = len(e.call.branches)
-                    if not e.future.done():
-                        e.future.set_result(outputs[start : start + n])
-                    start += n
-        finally:
-            self._busy = False
-
-
-@serve.deployment(ray_actor_options={"num_cpus": 0.1}, max_ongoing_requests=128)
+@serve.deployment(
+    ray_actor_options={"num_cpus": 0.5},
+    max_ongoing_requests=128,
+    request_router_config=AFFINITY,
+)
 class RetrievalDecider:
-    """The retrieval-decision generator: p(retrieve) for a batch of hypotheses, computed in
-    the branch pool's shared batches."""
+    """The retrieval-decision generator, on an engine of its own: p(retrieve) for the live
+    hypotheses of a step (for the likelihood critique, with the closed-book draft it is read
+    from, which becomes the no-retrieval branch's draft)."""
 
-    def __init__(self, pool: DeploymentHandle) -> None:
-        self._pool = pool
+    def __init__(self, settings: Settings) -> None:
+        self._worker = _EngineWorker(settings, max_threads=128)
 
-    async def decide(self, source: str, branches: list[Branch]) -> list[LabelProbs]:
-        return await self._pool.retrieval.remote(source, branches)
+    async def decide(
+        self, source: str, branches: list[Branch], timeout_s: float
+    ) -> list[LabelProbs]:
+        return await self._worker.run(source, timeout_s, lambda critic: critic.retrieval(branches))
+
+    def ready(self) -> bool:
+        return bool(self._worker.engine.tokenize("ready"))
+
+    def stats(self) -> BatchStats:
+        return copy.deepcopy(self._worker.batches)
 
 
 @serve.deployment(ray_actor_options={"num_cpus": 0.25}, max_ongoing_requests=32)
@@ -310,6 +239,10 @@ class Retriever:
         self._down = False
         return store
 
+    def search_many(self, queries: list[str], k: int) -> list[list[Passage]]:
+        """A step's searches in one call (one per live hypothesis that retrieves)."""
+        return [self.search(q, k) for q in queries]
+
     def search(self, query: str, k: int) -> list[Passage]:
         from selfrag.infra.qdrant_store import StoreMisconfigured
 
@@ -360,19 +293,10 @@ class Ranker:
         self,
         beam: list[Hypothesis],
         live: list[Hypothesis],
-        drafted: list[Candidate],
+        drafted: list[Drafted],
         cfg: DecodingConfig,
     ) -> StepRanking:
         return rank_step(beam, live, drafted, cfg)
-
-
-def open_query_cache(settings: Settings) -> QueryCache | None:
-    """The query cache configured by `settings` (infra/cache.py), or None while absent."""
-    try:
-        from selfrag.infra.cache import open_query_cache as _open  # type: ignore[import-not-found]
-    except ImportError:  # the cache module is built separately (serving issue, item 5)
-        return None
-    return _open(settings)  # type: ignore[no-any-return]
 
 
 @serve.deployment(ray_actor_options={"num_cpus": 0.25}, max_ongoing_requests=256)

@@ -139,6 +139,8 @@ class Metrics:
         self._rejected_overload = 0
         self._inflight = 0
         self._streams_abandoned = 0
+        # (deployment, method) -> [calls, bytes sent, bytes received]
+        self._remote: dict[tuple[str, str], list[int]] = {}
 
     def observe_request(self, method: str, path: str, status: int, seconds: float) -> None:
         with self._lock:
@@ -174,6 +176,14 @@ class Metrics:
         """Admitted answers whose decoder still runs (a 504'd one counts until it ends)."""
         with self._lock:
             self._inflight = n
+
+    def count_remote(self, deployment: str, method: str, sent: int, received: int) -> None:
+        """One call from the decoder to another deployment, and its pickled payload sizes."""
+        with self._lock:
+            row = self._remote.setdefault((deployment, method), [0, 0, 0])
+            row[0] += 1
+            row[1] += sent
+            row[2] += received
 
     def count_stream_abandoned(self) -> None:
         """A stream whose client went away before its answer; its decode was cancelled."""
@@ -264,6 +274,25 @@ class Metrics:
                         ({"outcome": "opened"}, u["branches_opened"]),
                         ({"outcome": "pruned"}, u["branches_pruned"]),
                         ({"outcome": "filtered"}, u["branches_filtered"]),
+                    ],
+                ),
+                *family(
+                    "selfrag_remote_calls_total",
+                    "counter",
+                    "Calls from the decoder to other deployments, by deployment and method.",
+                    [
+                        ({"deployment": d, "method": m}, row[0])
+                        for (d, m), row in sorted(self._remote.items())
+                    ],
+                ),
+                *family(
+                    "selfrag_remote_bytes_total",
+                    "counter",
+                    "Pickled bytes of those calls' arguments (sent) and results (received).",
+                    [
+                        ({"deployment": d, "method": m, "direction": direction}, row[i])
+                        for (d, m), row in sorted(self._remote.items())
+                        for i, direction in ((1, "sent"), (2, "received"))
                     ],
                 ),
                 *family(

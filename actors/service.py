@@ -13,7 +13,9 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import pickle
 import time
+import uuid
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -23,10 +25,11 @@ from ray.serve.exceptions import BackPressureError, RayServeException
 from ray.serve.handle import DeploymentHandle, DeploymentResponse
 
 from selfrag.actors.metrics import Metrics, family
+from selfrag.pipeline.branching import StepWork
 from selfrag.pipeline.critics import Branch, LabelProbs
 from selfrag.pipeline.decoder import SelfRAGDecoder, StepListener
-from selfrag.pipeline.protocols import Generation, Passage
-from selfrag.pipeline.ranking import Candidate, Hypothesis, StepRanking
+from selfrag.pipeline.protocols import Passage
+from selfrag.pipeline.ranking import Candidate, Drafted, Hypothesis, StepRanking
 from selfrag.runtime.answering import (
     Answer,
     AnswerPath,
@@ -72,14 +75,26 @@ async def _awaited(response: DeploymentResponse[Any]) -> Any:
 
 class _Remote:
     """Blocking calls to deployment handles from a decoder thread, each bounded by the
-    request's `Deadline` and ended early when it is cancelled."""
+    request's `Deadline` and ended early when it is cancelled; each counted in `metrics` with
+    the pickled size of what it moved."""
 
-    def __init__(self, deadline: Deadline) -> None:
+    def __init__(self, deadline: Deadline, metrics: Metrics) -> None:
         self._deadline = deadline
+        self._metrics = metrics
 
     def call(self, handle: DeploymentHandle, method: str, *args: Any) -> Any:
         self._deadline.check()
         response = getattr(handle, method).remote(*args)
+        result = self._wait(response)
+        self._metrics.count_remote(
+            str(getattr(handle, "deployment_name", "?")),
+            method,
+            len(pickle.dumps(args, protocol=5)),
+            len(pickle.dumps(result, protocol=5)),
+        )
+        return result
+
+    def _wait(self, response: DeploymentResponse[Any]) -> Any:
         while True:
             remaining = self._deadline.remaining()
             if remaining > 0:
@@ -94,9 +109,10 @@ class _Remote:
                 self._deadline.check()
 
 
-class PoolCritic:
-    """A `Critic` whose batched calls go to the `BranchPool` (retrieval via the
-    `RetrievalDecider`), where they meet the calls of concurrent requests."""
+class PoolCritique:
+    """The decoder's `StepCritique` in the ingress: the retrieval decision goes to the
+    `RetrievalDecider`, a step's branch work to the `BranchPool`, one call each per step,
+    each with what is left of the request's deadline."""
 
     def __init__(
         self,
@@ -105,37 +121,26 @@ class PoolCritic:
         decider: DeploymentHandle,
         source: str,
         name: str,
+        deadline: Deadline,
     ) -> None:
         self._remote = remote
         self._pool = pool
         self._decider = decider
         self._source = source
+        self._deadline = deadline
         self.name = name
 
     def retrieval(self, branches: Sequence[Branch]) -> list[LabelProbs]:
         if not branches:
             return []
-        return self._remote.call(self._decider, "decide", self._source, list(branches))
+        return self._remote.call(
+            self._decider, "decide", self._source, list(branches), self._deadline.remaining()
+        )
 
-    def relevance(self, branches: Sequence[Branch]) -> list[LabelProbs]:
-        if not branches:
-            return []
-        return self._remote.call(self._pool, "relevance", self._source, list(branches))
-
-    def draft(self, branches: Sequence[Branch], max_tokens: int) -> list[Generation]:
-        if not branches:
-            return []
-        return self._remote.call(self._pool, "draft", self._source, list(branches), max_tokens)
-
-    def support(self, branches: Sequence[Branch], drafts: Sequence[Generation]) -> list[LabelProbs]:
-        if not branches:
-            return []
-        return self._remote.call(self._pool, "support", self._source, list(branches), list(drafts))
-
-    def utility(self, branches: Sequence[Branch], drafts: Sequence[Generation]) -> list[LabelProbs]:
-        if not branches:
-            return []
-        return self._remote.call(self._pool, "utility", self._source, list(branches), list(drafts))
+    def expand(self, candidates: Sequence[Candidate], cfg: DecodingConfig) -> StepWork:
+        return self._remote.call(
+            self._pool, "expand", self._source, list(candidates), cfg, self._deadline.remaining()
+        )
 
 
 class RemoteRetriever:
@@ -147,6 +152,9 @@ class RemoteRetriever:
 
     def search(self, query: str, k: int) -> list[Passage]:
         return self._remote.call(self._handle, "search", query, k)
+
+    def search_many(self, queries: Sequence[str], k: int) -> list[list[Passage]]:
+        return self._remote.call(self._handle, "search_many", list(queries), k)
 
 
 class RemoteRanker:
@@ -160,7 +168,7 @@ class RemoteRanker:
         self,
         beam: Sequence[Hypothesis],
         live: Sequence[Hypothesis],
-        drafted: Sequence[Candidate],
+        drafted: Sequence[Drafted],
         cfg: DecodingConfig,
     ) -> StepRanking:
         return self._remote.call(self._handle, "rank", list(beam), list(live), list(drafted), cfg)
@@ -333,9 +341,13 @@ class ServeAnswerService:
         deadline: Deadline,
         on_step: StepListener | None,
     ) -> AnswerResponse:
-        remote = _Remote(deadline)
+        remote = _Remote(deadline, self._metrics)
+        # One session per answer: all its steps reach the same pool and decider replicas.
+        session = uuid.uuid4().hex
+        pool = self._pool.options(session_id=session)
+        decider = self._decider.options(session_id=session)
         decoder = SelfRAGDecoder(
-            lambda source: PoolCritic(remote, self._pool, self._decider, source, critic_name),
+            lambda source: PoolCritique(remote, pool, decider, source, critic_name, deadline),
             RemoteRetriever(remote, self._retriever),
             model_id,
             ranker=RemoteRanker(remote, self._ranker),
@@ -402,7 +414,15 @@ class ServeAnswerService:
         return {"model": model, "store": store, "cache": cache}
 
     async def metrics_text(self) -> list[str]:
-        stats = await asyncio.wait_for(_awaited(self._pool.stats.remote()), 5.0)
+        stats, decisions = await asyncio.wait_for(
+            asyncio.gather(
+                _awaited(self._pool.stats.remote()), _awaited(self._decider.stats.remote())
+            ),
+            5.0,
+        )
+        # The decider's engine calls are the `retrieval` series of the same histograms.
+        stats.batches.requests.update(decisions.requests)
+        stats.batches.branches.update(decisions.branches)
         lines: list[str] = stats.render()
         counters = getattr(self._cache, "counters", None)
         if callable(counters):

@@ -259,6 +259,9 @@ class QdrantStore(Closeable):
             self.bump_index_version()
         return written
 
+    def search_many(self, queries: Sequence[str], k: int) -> list[list[Passage]]:
+        return [self.search(q, k) for q in queries]
+
     def search(self, query: str, k: int) -> list[Passage]:
         """The `k` best passages for `query`, best first; [] when nothing is indexed.
 

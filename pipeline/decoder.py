@@ -6,15 +6,16 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from selfrag.pipeline.branching import StepCritique, reusable_draft, step_critique
 from selfrag.pipeline.critics import Branch, Critic, resolve_filters
-from selfrag.pipeline.protocols import Passage, Retriever
-from selfrag.pipeline.ranking import Candidate, Hypothesis, StepRanking, rank_step
-from selfrag.pipeline.scoring import relevance_score, retrieval_probability, should_retrieve
+from selfrag.pipeline.protocols import Generation, Passage, Retriever
+from selfrag.pipeline.ranking import Candidate, Drafted, Hypothesis, StepRanking, rank_step
+from selfrag.pipeline.scoring import retrieval_probability, should_retrieve
 from selfrag.schemas.answer import AnswerResponse, PassageOut, Usage
 from selfrag.schemas.decoding import DecodingConfig
 
 Ranker = Callable[
-    [Sequence[Hypothesis], Sequence[Hypothesis], Sequence[Candidate], DecodingConfig], StepRanking
+    [Sequence[Hypothesis], Sequence[Hypothesis], Sequence[Drafted], DecodingConfig], StepRanking
 ]
 StepListener = Callable[[Hypothesis], None]
 
@@ -48,11 +49,13 @@ class SelfRAGDecoder:
     """Runs segment-level beam search over retrieval branches for one question at a time.
 
     Engines, retrievers and critique come in through protocols; this class is pure logic.
+    Per step: the retrieval decision for the live hypotheses, one search per hypothesis that
+    retrieves, the branch work of all branches (`StepCritique.expand`), then the ranker.
     """
 
     def __init__(
         self,
-        critic_for: Callable[[str], Critic],
+        critic_for: Callable[[str], Critic | StepCritique],
         retriever: Retriever,
         model_id: str,
         *,
@@ -69,7 +72,7 @@ class SelfRAGDecoder:
         self, question: str, config: DecodingConfig, on_step: StepListener | None = None
     ) -> AnswerResponse:
         """Answer `question`. `on_step` sees the leading hypothesis after every step."""
-        critic = self._critic_for(config.critique)
+        critic = step_critique(self._critic_for(config.critique), clock=self._clock)
         config = resolve_filters(config, critic.name)
         run = _Run(config=config, clock=self._clock, started=self._clock())
         beam: list[Hypothesis] = [Hypothesis()]
@@ -96,86 +99,75 @@ class SelfRAGDecoder:
         question: str,
         beam: list[Hypothesis],
         live: list[Hypothesis],
-        critic: Critic,
+        critic: StepCritique,
         run: _Run,
     ) -> list[Hypothesis]:
         cfg = run.config
         candidates = self._open_branches(question, live, critic, run)
-
-        evidence = [c for c in candidates if c.branch.passage is not None]
-        t = run.clock()
-        for c, rel in zip(evidence, critic.relevance([c.branch for c in evidence]), strict=True):
-            c.rel = rel
-            run.usage.prefill_tokens += rel.prefill_tokens
-        run.timed("relevance", t)
-        kept: list[Candidate] = []
-        for c in candidates:
-            if c.rel is not None and relevance_score(c.rel.probs) < (cfg.min_relevance or 0.0):
-                run.usage.branches_pruned += 1
-            else:
-                kept.append(c)
+        work = critic.expand(candidates, cfg)
+        run.usage.prefill_tokens += work.prefill_tokens
+        run.usage.decode_tokens += work.decode_tokens
+        run.usage.branches_pruned += work.pruned
+        for stage, ms in work.timings_ms.items():
+            run.timings[stage] = run.timings.get(stage, 0.0) + ms
 
         t = run.clock()
-        drafts = critic.draft([c.branch for c in kept], cfg.max_segment_tokens)
-        for c, d in zip(kept, drafts, strict=True):
-            c.draft = d
-            run.usage.prefill_tokens += d.prefill_tokens
-            run.usage.decode_tokens += len(d.tokens)
-        run.timed("draft", t)
-        kept = [c for c in kept if c.draft is not None and c.draft.text.strip()]
-
-        t = run.clock()
-        grounded = [c for c in kept if c.branch.passage is not None]
-        sups = critic.support([c.branch for c in grounded], [c.draft for c in grounded])  # type: ignore[misc]
-        for c, sup in zip(grounded, sups, strict=True):
-            c.sup = sup
-            run.usage.prefill_tokens += sup.prefill_tokens
-        uses = critic.utility([c.branch for c in kept], [c.draft for c in kept])  # type: ignore[misc]
-        for c, use in zip(kept, uses, strict=True):
-            c.use = use
-            run.usage.prefill_tokens += use.prefill_tokens
-        run.timed("critique", t)
-
-        t = run.clock()
-        ranking = self._ranker(beam, live, kept, cfg)
+        ranking = self._ranker(beam, live, work.drafted, cfg)
         run.usage.branches_filtered += ranking.filtered
         run.timed("rank", t)
         return ranking.beam
 
     def _open_branches(
-        self, question: str, live: list[Hypothesis], critic: Critic, run: _Run
+        self, question: str, live: list[Hypothesis], critic: StepCritique, run: _Run
     ) -> list[Candidate]:
         cfg = run.config
         p_rets: list[float | None] = [None] * len(live)
+        closed: list[Generation | None] = [None] * len(live)
         if cfg.mode == "adaptive":
             t = run.clock()
             decisions = critic.retrieval([Branch(question, h.text, None) for h in live])
             run.timed("retrieval_decision", t)
             for i, d in enumerate(decisions):
                 p_rets[i] = retrieval_probability(d.probs)
+                # The closed-book draft the decision was read from is this hypothesis's
+                # no-retrieval draft: never generated twice.
+                closed[i] = reusable_draft(d.draft, cfg.max_segment_tokens)
                 run.usage.prefill_tokens += d.prefill_tokens
 
-        candidates: list[Candidate] = []
-        for index, (h, p_ret) in enumerate(zip(live, p_rets, strict=True)):
+        retrieving: list[int] = []
+        for index, p_ret in enumerate(p_rets):
             wants = cfg.mode == "always" or (
                 cfg.mode == "adaptive"
                 and p_ret is not None
                 and should_retrieve(p_ret, cfg.threshold)
             )
-            retrieve = wants and run.usage.retrievals < cfg.max_retrievals
-            passages: list[Passage] = []
-            if retrieve:
-                t = run.clock()
-                query = " ".join(f"{question} {h.text}".split())
-                passages = self._retriever.search(query, cfg.top_k)
-                run.timed("retrieve", t)
-                run.usage.retrievals += 1
+            if wants and run.usage.retrievals + len(retrieving) < cfg.max_retrievals:
+                retrieving.append(index)
+        found: dict[int, list[Passage]] = {}
+        if retrieving:
+            t = run.clock()
+            queries = [" ".join(f"{question} {live[i].text}".split()) for i in retrieving]
+            found = dict(
+                zip(retrieving, self._retriever.search_many(queries, cfg.top_k), strict=True)
+            )
+            run.timed("retrieve", t)
+            run.usage.retrievals += len(retrieving)
+            for passages in found.values():
                 for p in passages:
                     run.passages.setdefault(p.id, p)
+
+        candidates: list[Candidate] = []
+        for index, (h, p_ret) in enumerate(zip(live, p_rets, strict=True)):
+            retrieve = index in found
+            passages = found.get(index, [])
             run.usage.evidence_branches += len(passages)
             for p in passages:
                 candidates.append(Candidate(index, Branch(question, h.text, p), True, p_ret))
-            candidates.append(Candidate(index, Branch(question, h.text, None), retrieve, p_ret))
+            candidates.append(
+                Candidate(
+                    index, Branch(question, h.text, None), retrieve, p_ret, draft=closed[index]
+                )
+            )
         run.usage.branches_opened += len(candidates)
         return candidates
 

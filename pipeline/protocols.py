@@ -143,3 +143,7 @@ class Passage:
 @runtime_checkable
 class Retriever(Protocol):
     def search(self, query: str, k: int) -> list[Passage]: ...
+
+    def search_many(self, queries: Sequence[str], k: int) -> list[list[Passage]]:
+        """`search` for each query, in order: a step's searches as one call."""
+        ...

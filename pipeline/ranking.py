@@ -36,7 +36,8 @@ class Hypothesis:
 
 @dataclass
 class Candidate:
-    """A drafted (or pruned) branch of the live hypothesis at index `parent` of a step."""
+    """A branch of the live hypothesis at index `parent` of a step, as the branch work fills
+    it in (`pipeline.branching`): relevance, its draft, support and utility."""
 
     parent: int
     branch: Branch
@@ -47,6 +48,46 @@ class Candidate:
     sup: LabelProbs | None = None
     use: LabelProbs | None = None
 
+    def drafted(self) -> Drafted:
+        """What ranking needs of this drafted branch."""
+        assert self.draft is not None
+        d, p = self.draft, self.branch.passage
+        return Drafted(
+            parent=self.parent,
+            retrieved=self.retrieved,
+            p_ret=self.p_ret,
+            citation=Citation(passage_id=p.id, title=p.title) if p is not None else None,
+            text=d.text,
+            logprob=d.logprob,
+            n_tokens=len(d.tokens),
+            finished=d.finish_reason == "eos",
+            rel=self.rel.probs if self.rel is not None else None,
+            sup=self.sup.probs if self.sup is not None else None,
+            use=self.use.probs if self.use is not None else None,
+        )
+
+
+@dataclass(frozen=True)
+class Drafted:
+    """A drafted branch as the ranker sees it: scores and the segment's text, no token lists
+    and no passage text."""
+
+    parent: int
+    retrieved: bool
+    p_ret: float | None
+    citation: Citation | None
+    text: str
+    logprob: float
+    n_tokens: int
+    finished: bool
+    rel: dict[str, float] | None
+    sup: dict[str, float] | None
+    use: dict[str, float] | None
+
+    @property
+    def grounded(self) -> bool:
+        return self.citation is not None
+
 
 @dataclass(frozen=True)
 class StepRanking:
@@ -54,64 +95,61 @@ class StepRanking:
     filtered: int
 
 
-def passes_filters(c: Candidate, cfg: DecodingConfig) -> bool:
+def passes_filters(c: Drafted, cfg: DecodingConfig) -> bool:
     """Hard filters apply to every branch of a retrieval step; a branch without evidence
     cannot meet an evidence requirement."""
     if not c.retrieved:
         return True
     if cfg.require_relevant and (
-        c.rel is None or most_likely(c.rel.probs, RELEVANCE_LABELS) != "relevant"
+        c.rel is None or most_likely(c.rel, RELEVANCE_LABELS) != "relevant"
     ):
         return False
     if cfg.min_support_score:
-        if c.sup is None or support_score(c.sup.probs) < cfg.min_support_score:
+        if c.sup is None or support_score(c.sup) < cfg.min_support_score:
             return False
     if cfg.min_support not in (None, "none"):
         if c.sup is None:
             return False
-        label = most_likely(c.sup.probs, SUPPORT_LABELS)
+        label = most_likely(c.sup, SUPPORT_LABELS)
         if support_rank(label) < support_rank(cfg.min_support):
             return False
     return True
 
 
-def score_candidate(c: Candidate, cfg: DecodingConfig) -> tuple[float, SegmentOut, bool]:
+def score_candidate(c: Drafted, cfg: DecodingConfig) -> tuple[float, SegmentOut, bool]:
     """S for a drafted branch, the segment it would add, and whether it ends the answer."""
-    assert c.draft is not None
-    d = c.draft
-    s_rel = relevance_score(c.rel.probs) if c.rel is not None else None
-    s_sup = support_score(c.sup.probs) if c.sup is not None else None
-    s_use = utility_score(c.use.probs) if c.use is not None else None
+    s_rel = relevance_score(c.rel) if c.rel is not None else None
+    s_sup = support_score(c.sup) if c.sup is not None else None
+    s_use = utility_score(c.use) if c.use is not None else None
     score = segment_score(
-        d.logprob,
+        c.logprob,
         s_rel=s_rel,
         s_sup=s_sup,
         s_use=s_use,
         weights=CritiqueWeights(cfg.w_rel, cfg.w_sup, cfg.w_use),
-        n_tokens=len(d.tokens),
+        n_tokens=c.n_tokens,
         length_normalize=cfg.length_normalize,
     )
-    p = c.branch.passage
     segment = SegmentOut(
-        text=d.text,
-        citation=Citation(passage_id=p.id, title=p.title) if p is not None else None,
+        text=c.text,
+        citation=c.citation,
         retrieved=c.retrieved,
         p_ret=c.p_ret,
         s_rel=s_rel,
         s_sup=s_sup,
         s_use=s_use,
-        is_sup=most_likely(c.sup.probs, SUPPORT_LABELS) if c.sup is not None else None,
-        logprob=d.logprob,
-        n_tokens=len(d.tokens),
+        is_sup=most_likely(c.sup, SUPPORT_LABELS) if c.sup is not None else None,
+        logprob=c.logprob,
+        n_tokens=c.n_tokens,
         score=score,
     )
-    return score, segment, d.finish_reason == "eos"
+    return score, segment, c.finished
 
 
 def rank_step(
     beam: Sequence[Hypothesis],
     live: Sequence[Hypothesis],
-    drafted: Sequence[Candidate],
+    drafted: Sequence[Drafted],
     cfg: DecodingConfig,
 ) -> StepRanking:
     """Score the drafted branches, drop those failing hard filters, keep the best `cfg.beam`.
@@ -126,7 +164,7 @@ def rank_step(
         fallback: tuple[float, SegmentOut, bool] | None = None
         for c in (c for c in drafted if c.parent == index):
             scored = score_candidate(c, cfg)
-            if c.branch.passage is None and c.retrieved:
+            if not c.grounded and c.retrieved:
                 fallback = scored
             if passes_filters(c, cfg):
                 available.append(scored)

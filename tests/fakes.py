@@ -79,6 +79,9 @@ class ListRetriever:
         self.queries.append(query)
         return self.passages[:k]
 
+    def search_many(self, queries, k):  # type: ignore[no-untyped-def]
+        return [self.search(q, k) for q in queries]
+
 
 class WordModel:
     """A toy `LanguageModel`: one token per word or special piece, scripted next-token logprobs.

@@ -17,8 +17,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from selfrag.actors.deployments import PoolStats
 from selfrag.actors.metrics import BatchStats, Metrics
 from selfrag.actors.service import ServeAnswerService
+from selfrag.pipeline.branching import expand
 from selfrag.pipeline.protocols import Passage
 from selfrag.pipeline.ranking import rank_step
 from selfrag.runtime.answering import query_cache_scope
@@ -67,6 +69,11 @@ class Handle:
         self._target = target
         self.calls: list[Response] = []
 
+    def options(self, **options: Any) -> Handle:
+        """Routing options (`session_id`) change nothing in-process; they are recorded."""
+        self.options_seen = options
+        return self
+
     def __getattr__(self, name: str) -> _Method:
         return _Method(getattr(self._target, name), self.calls)
 
@@ -96,8 +103,12 @@ class Pool:
     def ready(self) -> bool:
         return True
 
-    def stats(self) -> BatchStats:
-        return BatchStats()
+    def stats(self) -> PoolStats:
+        return PoolStats(BatchStats(), {})
+
+    def expand(self, source, candidates, cfg, timeout_s):  # type: ignore[no-untyped-def]
+        """The pool's one call per step: the branch work over this pool's methods."""
+        return expand(_PoolMethods(self, source), candidates, cfg)
 
     def relevance(self, source, branches):  # type: ignore[no-untyped-def]
         return self.critic.relevance(branches)
@@ -116,12 +127,39 @@ class Pool:
         return self.critic.utility(branches, drafts)
 
 
+class _PoolMethods:
+    """A `Critic` over a fake pool's methods (which count, delay and hang drafts)."""
+
+    def __init__(self, pool: Pool, source: str) -> None:
+        self._pool = pool
+        self._source = source
+        self.name = pool.critic.name
+
+    def retrieval(self, branches):  # type: ignore[no-untyped-def]
+        return self._pool.critic.retrieval(branches)
+
+    def relevance(self, branches):  # type: ignore[no-untyped-def]
+        return self._pool.relevance(self._source, branches)
+
+    def draft(self, branches, max_tokens):  # type: ignore[no-untyped-def]
+        return self._pool.draft(self._source, branches, max_tokens)
+
+    def support(self, branches, drafts):  # type: ignore[no-untyped-def]
+        return self._pool.support(self._source, branches, drafts)
+
+    def utility(self, branches, drafts):  # type: ignore[no-untyped-def]
+        return self._pool.utility(self._source, branches, drafts)
+
+
 class Decider:
     def __init__(self, critic: ScriptedCritic) -> None:
         self.critic = critic
 
-    def decide(self, source, branches):  # type: ignore[no-untyped-def]
+    def decide(self, source, branches, timeout_s):  # type: ignore[no-untyped-def]
         return self.critic.retrieval(branches)
+
+    def stats(self) -> BatchStats:
+        return BatchStats()
 
 
 class Store(ListRetriever):

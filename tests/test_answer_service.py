@@ -56,6 +56,24 @@ def test_answers_through_the_handles_with_the_pipeline_decoder():
     assert "selfrag_answers_total 1" in metrics.render()
 
 
+def test_each_step_makes_one_call_to_each_deployment_with_no_token_lists():
+    service, metrics = _service()
+    adaptive = AnswerRequest(
+        question="Who founded Normandy?",
+        config={"mode": "adaptive", "threshold": 0.0, "max_segments": 2},
+    )
+    r = asyncio.run(service.answer(adaptive)).response
+    steps = r.usage.steps
+    assert steps >= 1
+    text = metrics.render()
+    for method in ("decide", "search_many", "expand", "rank"):
+        assert f'selfrag_remote_calls_total{{deployment="?",method="{method}"}} {steps}' in text
+    # The old route: relevance, draft, support and utility were four calls to the pool.
+    for method in ("relevance", "draft", "support", "utility", "retrieval", "search"):
+        assert f'method="{method}"' not in text
+    assert 'selfrag_remote_bytes_total{deployment="?",direction="sent",method="rank"}' in text
+
+
 def test_repeated_query_is_a_cache_hit_and_the_key_covers_config():
     cache = DictCache()
     service, metrics = _service(cache=cache)

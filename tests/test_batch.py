@@ -19,7 +19,6 @@ import pytest
 import selfrag.jobs.batch as batch_module
 from selfrag.jobs.batch import (
     BatchQuestion,
-    CallMerger,
     OutputLockedError,
     compact_records,
     done_ids,
@@ -34,6 +33,7 @@ from selfrag.jobs.batch import (
 )
 from selfrag.pipeline.critics import Branch
 from selfrag.runtime.answering import AnswerPath
+from selfrag.runtime.merging import CallMerger
 from selfrag.schemas.decoding import DecodingConfig
 from tests.fakes import ScriptedCritic
 

@@ -73,12 +73,41 @@ def test_closed_book_probe_is_reused_as_the_no_retrieval_draft():
     critic = LikelihoodCritic(model, probe_tokens=48)
     (decision,) = critic.retrieval([Branch(QUESTION, "", None)])
     assert 0.0 <= retrieval_probability(decision.probs) <= 1.0
-    generated = len(model.prompts)
-    (draft,) = critic.draft([Branch(QUESTION, "", None)], 48)
-    assert draft.text == " Rollo did." and draft.prefill_tokens == 0
-    assert len(model.prompts) == generated  # no second generation
+    draft = decision.draft
+    assert draft is not None and draft.text == " Rollo did." and draft.prefill_tokens == 0
     (use,) = critic.utility([Branch(QUESTION, "", None)], [draft])
     assert -1.0 <= utility_score(use.probs) <= 1.0
+    # The decoder drafts the no-retrieval branch of an adaptive step from it: the closed-book
+    # prompt is generated once (the decision), the evidence branch's once.
+    fresh = CopyModel(draft_text=" Rollo did.")
+    generated: list[str] = []
+    generate = fresh.generate
+
+    def recording(requests):  # type: ignore[no-untyped-def]
+        generated.extend("Passage" in fresh.detokenize(r.prompt) for r in requests)
+        return generate(requests)
+
+    fresh.generate = recording  # type: ignore[method-assign]
+    decoder = SelfRAGDecoder(
+        lambda _: LikelihoodCritic(fresh, probe_tokens=48), ListRetriever([GOOD]), "toy"
+    )
+    cfg = DecodingConfig(mode="adaptive", threshold=0.0, max_segments=1, max_segment_tokens=48)
+    response = decoder.answer(QUESTION, cfg)
+    assert sorted(generated) == [False, True]
+    assert response.usage.branches_opened == 2
+
+
+def test_a_closed_book_draft_is_reused_only_when_it_is_what_drafting_would_give():
+    from selfrag.pipeline.branching import reusable_draft
+    from selfrag.pipeline.protocols import Generation
+
+    ended = Generation([1, 2], " a.", [-0.1, -0.1], "eos", 0)
+    cut = Generation([1, 2, 3], " a b c", [-0.1] * 3, "length", 0)
+    assert reusable_draft(ended, 48) is ended
+    assert reusable_draft(ended, 1) is None  # longer than the budget
+    assert reusable_draft(cut, 3) is cut  # cut at exactly this budget
+    assert reusable_draft(cut, 48) is None  # drafting would have gone on
+    assert reusable_draft(None, 48) is None
 
 
 def test_untrusted_text_cannot_forge_control_tokens():

@@ -31,6 +31,9 @@ class LabelProbs:
 
     probs: dict[str, float]
     prefill_tokens: int
+    draft: Generation | None = None
+    """A retrieval decision read from a closed-book draft (likelihood) carries that draft: it
+    is the hypothesis's no-retrieval draft (prompt already paid for: `prefill_tokens` 0)."""
 
 
 class Critic(Protocol):

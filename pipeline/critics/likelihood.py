@@ -9,7 +9,8 @@ their likelihoods still carry the signal. Every raw signal is a mean per-token l
 * support: segment-likelihood gain, mean over segment tokens of
   log p(y | x, passage) − log p(y | x), with the same prompt apart from the passage;
 * retrieval need: the mean token log-probability of a first segment drafted without evidence
-  (low confidence → retrieve). That closed-book draft is kept and reused as the no-retrieval
+  (low confidence → retrieve). That closed-book draft comes with the decision (`LabelProbs.draft`)
+  and is reused as the no-retrieval
   branch of the same step, so it is never generated twice;
 * utility: the mean token log-probability of the drafted segment itself, calibrated on whether
   drafts contain the gold answer, i.e. p("this segment is a right answer").
@@ -50,7 +51,7 @@ from selfrag.pipeline.protocols import (
 from selfrag.schemas.calibration import CalibrationSettings
 
 DRAFT_TASK = "Answer the question in one or two sentences."
-# Closed-book drafts cached for reuse as the no-retrieval branch; one entry per live hypothesis.
+# Closed-book drafts of recent decisions (a repeated decision is not drafted again).
 _CACHE_SIZE = 64
 
 
@@ -203,7 +204,8 @@ class LikelihoodCritic:
             # An empty closed-book draft is no evidence of knowledge: treat it as least confident.
             x = mean(g.logprobs) if g.tokens else -20.0
             p = self.calibration.retrieval.probability(x)
-            out.append(LabelProbs({"yes": p, "no": 1.0 - p}, g.prefill_tokens))
+            paid = Generation(g.tokens, g.text, g.logprobs, g.finish_reason, 0, g.stop_token)
+            out.append(LabelProbs({"yes": p, "no": 1.0 - p}, g.prefill_tokens, paid))
         return out
 
     def relevance(self, branches: Sequence[Branch]) -> list[LabelProbs]:
@@ -214,31 +216,13 @@ class LikelihoodCritic:
         return out
 
     def draft(self, branches: Sequence[Branch], max_tokens: int) -> list[Generation]:
-        out: list[Generation | None] = [None] * len(branches)
-        with self._lock:
-            for i, b in enumerate(branches):
-                if b.passage is not None:
-                    continue
-                g = self._closed.pop((b.question, b.prefix), None)
-                # The cached probe fits when it ended on its own within max_tokens, or when it
-                # was drafted with the same budget.
-                if g is not None and (
-                    max_tokens == self._probe_tokens
-                    or (g.finish_reason != "length" and len(g.tokens) <= max_tokens)
-                ):
-                    # Its prompt was already paid for by the retrieval decision.
-                    out[i] = Generation(
-                        g.tokens, g.text, g.logprobs, g.finish_reason, 0, g.stop_token
-                    )
-        todo = [i for i, g in enumerate(out) if g is None]
+        # A no-retrieval branch of an adaptive step comes with its decision's closed-book
+        # draft (`LabelProbs.draft`) and is not drafted again here.
         requests = []
-        for i in todo:
-            b = branches[i]
+        for b in branches:
             prompt, reusable = self._answer_split(b.question, b.prefix, b.passage)
             requests.append(GenerationRequest(prompt, max_tokens, reusable_prefix=reusable))
-        for i, g in zip(todo, self._model.generate(requests) if requests else [], strict=True):
-            out[i] = g
-        return [g for g in out if g is not None]
+        return self._model.generate(requests) if requests else []
 
     def support(self, branches: Sequence[Branch], drafts: Sequence[Generation]) -> list[LabelProbs]:
         return [

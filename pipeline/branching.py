@@ -1,0 +1,129 @@
+"""One decoding step's branch work: relevance, pruning, drafting and critique of every branch.
+
+This is what the branch-generation pool does for a step, in one call: every evidence branch is
+read for relevance and pruned under `min_relevance` before it drafts; the rest draft a segment
+(a no-retrieval branch reuses the closed-book draft its retrieval decision was read from, when
+there is one); drafts are critiqued for support (evidence branches) and utility. What comes
+back is small: `Drafted` scores for the ranker, and the step's token counts.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+from selfrag.pipeline.critics import Branch, Critic, LabelProbs
+from selfrag.pipeline.protocols import Generation
+from selfrag.pipeline.ranking import Candidate, Drafted
+from selfrag.pipeline.scoring import relevance_score
+from selfrag.schemas.decoding import DecodingConfig
+
+
+@dataclass
+class StepWork:
+    """The branch work of one step: drafted branches and what they cost."""
+
+    drafted: list[Drafted] = field(default_factory=list)
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+    pruned: int = 0
+    timings_ms: dict[str, float] = field(default_factory=dict)
+
+
+@runtime_checkable
+class StepCritique(Protocol):
+    """What the decoder asks of a critique source per step: the retrieval decision for the
+    live hypotheses, and the branch work (`expand`). `LocalCritique` runs both on a `Critic`
+    in this process; the Serve ingress sends them to the decider and the pool."""
+
+    name: str
+
+    def retrieval(self, branches: Sequence[Branch]) -> list[LabelProbs]: ...
+
+    def expand(self, candidates: Sequence[Candidate], cfg: DecodingConfig) -> StepWork: ...
+
+
+def reusable_draft(g: Generation | None, max_tokens: int) -> Generation | None:
+    """A closed-book draft that is what drafting with `max_tokens` would give: it ended on
+    its own within the budget, or it was cut at exactly this budget."""
+    if g is None or len(g.tokens) > max_tokens:
+        return None
+    if g.finish_reason == "length" and len(g.tokens) != max_tokens:
+        return None
+    return g
+
+
+def expand(
+    critic: Critic,
+    candidates: Sequence[Candidate],
+    cfg: DecodingConfig,
+    *,
+    clock: Callable[[], float] = time.perf_counter,
+) -> StepWork:
+    """Relevance, pruning, drafting, support and utility for every candidate of a step."""
+    work = StepWork()
+
+    def timed(stage: str, start: float) -> None:
+        work.timings_ms[stage] = work.timings_ms.get(stage, 0.0) + (clock() - start) * 1e3
+
+    evidence = [c for c in candidates if c.branch.passage is not None]
+    t = clock()
+    for c, rel in zip(evidence, critic.relevance([c.branch for c in evidence]), strict=True):
+        c.rel = rel
+        work.prefill_tokens += rel.prefill_tokens
+    timed("relevance", t)
+    kept: list[Candidate] = []
+    for c in candidates:
+        if c.rel is not None and relevance_score(c.rel.probs) < (cfg.min_relevance or 0.0):
+            work.pruned += 1
+        else:
+            kept.append(c)
+
+    t = clock()
+    todo = [c for c in kept if c.draft is None]
+    drafts = critic.draft([c.branch for c in todo], cfg.max_segment_tokens)
+    for c, d in zip(todo, drafts, strict=True):
+        c.draft = d
+        work.prefill_tokens += d.prefill_tokens
+    for c in kept:
+        work.decode_tokens += len(c.draft.tokens) if c.draft is not None else 0
+    timed("draft", t)
+    kept = [c for c in kept if c.draft is not None and c.draft.text.strip()]
+
+    t = clock()
+    grounded = [c for c in kept if c.branch.passage is not None]
+    sups = critic.support([c.branch for c in grounded], [c.draft for c in grounded])  # type: ignore[misc]
+    for c, sup in zip(grounded, sups, strict=True):
+        c.sup = sup
+        work.prefill_tokens += sup.prefill_tokens
+    uses = critic.utility([c.branch for c in kept], [c.draft for c in kept])  # type: ignore[misc]
+    for c, use in zip(kept, uses, strict=True):
+        c.use = use
+        work.prefill_tokens += use.prefill_tokens
+    timed("critique", t)
+    work.drafted = [c.drafted() for c in kept]
+    return work
+
+
+class LocalCritique:
+    """`StepCritique` on a `Critic` of this process (CLI, batch actors, the pool itself)."""
+
+    def __init__(self, critic: Critic, *, clock: Callable[[], float] = time.perf_counter) -> None:
+        self.critic = critic
+        self.name = critic.name
+        self._clock = clock
+
+    def retrieval(self, branches: Sequence[Branch]) -> list[LabelProbs]:
+        return self.critic.retrieval(branches)
+
+    def expand(self, candidates: Sequence[Candidate], cfg: DecodingConfig) -> StepWork:
+        return expand(self.critic, candidates, cfg, clock=self._clock)
+
+
+def step_critique(
+    source: Critic | StepCritique, *, clock: Callable[[], float] = time.perf_counter
+) -> StepCritique:
+    """`source` itself when it does the branch work, else a `LocalCritique` around it."""
+    return source if isinstance(source, StepCritique) else LocalCritique(source, clock=clock)
