@@ -203,7 +203,7 @@ def _eval_parsers(sub: Any) -> None:
     p_train.add_argument(
         "--passages",
         type=int,
-        help="Passages drawn for the self-supervised relevance examples (default 150; the "
+        help="Passages drawn for the self-supervised relevance examples (default 120; the "
         "other groups scale with it).",
     )
     p_train.add_argument("--out", type=Path, help="Heads file (default: HOME/heads/<sha>.json).")

@@ -16,8 +16,9 @@ import logging
 import pickle
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from typing import Any
 
 from ray.exceptions import RayActorError, RayTaskError
@@ -201,6 +202,20 @@ def as_service_error(exc: BaseException) -> AnswerError | None:
     return None
 
 
+@contextmanager
+def service_errors() -> Iterator[None]:
+    """Failures with a known meaning raised as `AnswerError`s; anything else (a bug) as is."""
+    try:
+        yield
+    except (AnswerError, asyncio.CancelledError):
+        raise
+    except Exception as exc:
+        mapped = as_service_error(exc)
+        if mapped is None:
+            raise
+        raise mapped from exc
+
+
 class _Admission:
     """One admitted answer's place in the in-flight count."""
 
@@ -276,14 +291,8 @@ class ServeAnswerService:
         self._metrics.set_inflight(self._inflight)
         slot = _Admission(self)
         try:
-            return await self._answer(request, on_step, slot)
-        except (AnswerError, asyncio.CancelledError):
-            raise
-        except Exception as exc:
-            mapped = as_service_error(exc)
-            if mapped is None:
-                raise
-            raise mapped from exc
+            with service_errors():
+                return await self._answer(request, on_step, slot)
         finally:
             if not slot.deferred:
                 slot.release()
@@ -352,15 +361,8 @@ class ServeAnswerService:
             model_id,
             ranker=RemoteRanker(remote, self._ranker),
         )
-        try:
+        with service_errors():
             return decoder.answer(question, config, on_step)
-        except (AnswerError, asyncio.CancelledError):
-            raise
-        except Exception as exc:
-            mapped = as_service_error(exc)
-            if mapped is None:
-                raise
-            raise mapped from exc
 
     async def _get_model_id(self) -> str:
         if self._model_id is None:

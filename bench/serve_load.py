@@ -7,6 +7,10 @@ step of questions whose passages the server has not seen (cold passage-KV cache)
 questions whose passages it has (warm), then the latency of one question asked again and again.
 With `--url` it measures that endpoint only (no batching-off column). Bounded by
 `--requests-per-client` and `--level-seconds` per level.
+After the load levels it reads the server's `/metrics`: remote calls and pickled bytes per
+decoding step between the ingress and the other deployments (`selfrag_remote_*`, when the
+server counts them), and the memory of the app's replica processes (VmRSS and PSS; with
+`--url`, of the processes under `--server-pid`).
 The last line holds the figures as `name=value`.
 
     .venv/bin/python -m bench.serve_load --home /path/to/indexed/home
@@ -191,9 +195,52 @@ def _wait_ready(url: str, proc: subprocess.Popen[bytes] | None, limit_s: float) 
     raise RuntimeError(f"{url} not ready within {limit_s:.0f} s")
 
 
+def route_figures(url: str) -> dict[str, float]:
+    """Remote calls and bytes per decoding step, from the server's own counters."""
+    text = httpx.get(url + "/metrics", timeout=10).text
+    totals = {"calls": 0.0, "sent": 0.0, "received": 0.0, "steps": 0.0}
+    for line in text.splitlines():
+        if line.startswith("selfrag_remote_calls_total{"):
+            totals["calls"] += float(line.rsplit(" ", 1)[1])
+        elif line.startswith("selfrag_remote_bytes_total{"):
+            direction = "sent" if 'direction="sent"' in line else "received"
+            totals[direction] += float(line.rsplit(" ", 1)[1])
+        elif line.startswith("selfrag_decoding_steps_total "):
+            totals["steps"] = float(line.rsplit(" ", 1)[1])
+    if not totals["steps"] or not totals["calls"]:
+        return {}
+    n = totals["steps"]
+    return {
+        "calls_per_step": totals["calls"] / n,
+        "kb_sent_per_step": totals["sent"] / n / 1024,
+        "kb_received_per_step": totals["received"] / n / 1024,
+    }
+
+
+def app_memory_mib(server_pid: int | None) -> dict[str, dict[str, float]]:
+    """VmRSS and PSS (MiB) of the Serve replica processes, per deployment. PSS splits pages
+    that processes share (the model file mapped by every engine replica) between them."""
+    from bench.soak import replica_rss
+
+    out: dict[str, dict[str, float]] = {}
+    for name, rss in replica_rss(server_pid).items():
+        deployment, pid = name.rstrip("]").split("[", 1)
+        pss = 0
+        try:
+            for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+                if line.startswith("Pss:"):
+                    pss = int(line.split()[1]) * 1024
+        except OSError:  # the process ended meanwhile
+            continue
+        row = out.setdefault(deployment, {"rss": 0.0, "pss": 0.0})
+        row["rss"] += rss / 2**20
+        row["pss"] += pss / 2**20
+    return out
+
+
 @contextmanager
-def served(home: str | None, port: int, batch_size: int | None) -> Iterator[str]:
-    """`selfrag serve` in a child process; SIGTERM on exit."""
+def served(home: str | None, port: int, batch_size: int | None) -> Iterator[tuple[str, int]]:
+    """`selfrag serve` in a child process (its URL and pid); SIGTERM on exit."""
     env = dict(os.environ)
     if home:
         env["SELFRAG_HOME"] = home
@@ -204,7 +251,7 @@ def served(home: str | None, port: int, batch_size: int | None) -> Iterator[str]
     url = f"http://127.0.0.1:{port}"
     try:
         _wait_ready(url, proc, 300)
-        yield url
+        yield url, proc.pid
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
@@ -243,7 +290,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument(
         "--kv-pairs", type=int, default=8, help="Paragraphs for the passage-KV comparison."
     )
+    p.add_argument("--server-pid", type=int, help="With --url: the server, for its RSS.")
+    p.add_argument(
+        "--skip-unbatched",
+        action="store_true",
+        help="Leave out the second server with cross-request batching off.",
+    )
     args = p.parse_args(argv)
+    route: dict[str, float] = {}
+    memory: dict[str, dict[str, float]] = {}
     qs = questions()
     pairs = paragraph_question_pairs(args.kv_pairs)
 
@@ -253,17 +308,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"measuring {args.url}", flush=True)
         steps = passage_kv(args.url, pairs, SMALL_CONFIG)
         results["batched"] = run_levels(args.url, args, qs)
+        route, memory = route_figures(args.url), app_memory_mib(args.server_pid)
         repeat = repeated(args.url, qs[0], args.repeats, SMALL_CONFIG)
     else:
         print("batching on (serve.max_batch_size from settings)", flush=True)
-        with served(args.home, args.port, None) as url:
+        with served(args.home, args.port, None) as (url, pid):
             # First, while this server has seen no Normans passage yet.
             steps = passage_kv(url, pairs, SMALL_CONFIG)
             results["batched"] = run_levels(url, args, qs)
+            route, memory = route_figures(url), app_memory_mib(pid)
             repeat = repeated(url, qs[0], args.repeats, SMALL_CONFIG)
-        print("batching off (serve.max_batch_size=1)", flush=True)
-        with served(args.home, args.port, 1) as url:
-            results["unbatched"] = run_levels(url, args, qs)
+        if not args.skip_unbatched:
+            print("batching off (serve.max_batch_size=1)", flush=True)
+            with served(args.home, args.port, 1) as (url, _):
+                results["unbatched"] = run_levels(url, args, qs)
 
     print()
     header = f"{'clients':>7}  {'mode':<9}  {'answers':>7}  {'err':>3}  {'answers/s':>9}"
@@ -302,6 +360,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         speedup = medians["cold"] / medians["warm"]
         print(f"warm passage-KV: {speedup:.2f}x faster per branch step")
         figures["kv_warm_speedup"] = f"{speedup:.2f}"
+    if route:
+        print(
+            f"\nroute: {route['calls_per_step']:.2f} remote calls per step, "
+            f"{route['kb_sent_per_step']:.1f} KiB sent and "
+            f"{route['kb_received_per_step']:.1f} KiB received per step"
+        )
+        figures.update({k: f"{v:.2f}" for k, v in route.items()})
+    if memory:
+        print("\napp memory, MiB (RSS / PSS):")
+        for deployment, row in sorted(memory.items()):
+            print(f"  {deployment:<18} {row['rss']:>6.0f} / {row['pss']:>6.0f}")
+        figures["app_rss_mib"] = f"{sum(r['rss'] for r in memory.values()):.0f}"
+        figures["app_pss_mib"] = f"{sum(r['pss'] for r in memory.values()):.0f}"
     times, cache = repeat
     ms = [t * 1e3 for t in times]
     later = sorted(ms[1:] or ms)

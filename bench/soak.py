@@ -321,19 +321,6 @@ def report(
     return figures
 
 
-def server_pid(port: int) -> int | None:
-    """The `selfrag serve --port PORT` process this script started (its replicas are below it)."""
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                cmd = (entry / "cmdline").read_bytes().split(b"\0")
-            except OSError:
-                continue
-            if b"serve" in cmd and b"--port" in cmd and str(port).encode() in cmd:
-                return int(entry.name)
-    return None
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--url", help="Endpoint to soak; default: start `selfrag serve` here.")
@@ -350,8 +337,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.url, args.duration_s, args.clients, args.sample_s, args.seed, args.server_pid
         )
     else:
-        with served(args.home, args.port, None) as url:
-            pid = server_pid(args.port)
+        with served(args.home, args.port, None) as (url, pid):
             figures = soak(url, args.duration_s, args.clients, args.sample_s, args.seed, pid)
     print(" ".join(f"{k}={v}" for k, v in figures.items()))
     return 1 if figures["failed"] or figures.get("inflight_end") != 0 else 0

@@ -76,13 +76,14 @@ class TrainingError(ValueError):
 @dataclass(frozen=True)
 class TrainingPlan:
     """How many examples to draw; the defaults train on the shared corpus and the Normans
-    questions in about 13 minutes on 2 cores (hidden states cost ~0.6 s per passage prompt)."""
+    questions in under 15 minutes on 2 cores (hidden states cost ~0.6 s per passage prompt;
+    docs/benchmarks.md has the measured time)."""
 
     seed: int = 0
-    relevance_passages: int = 150
-    support_passages: int = 70
-    utility_passages: int = 45
-    retrieve_passages: int = 45
+    relevance_passages: int = 120
+    support_passages: int = 60
+    utility_passages: int = 40
+    retrieve_passages: int = 40
     hard_negative_depth: int = 4
     qa_negatives: int = 1
     """Per answerable question: retrieved non-gold passages, and as many other paragraphs of
