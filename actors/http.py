@@ -32,7 +32,7 @@ from selfrag.pipeline.decoder import StepListener
 from selfrag.pipeline.ranking import Hypothesis
 from selfrag.runtime.answering import Answer
 from selfrag.schemas.answer import AnswerRequest, AnswerResponse, SegmentOut
-from selfrag.schemas.errors import AnswerError
+from selfrag.schemas.errors import AnswerError, ErrorBody
 from selfrag.schemas.events import ErrorEvent, SegmentEvent
 
 log = logging.getLogger("selfrag.http")
@@ -185,6 +185,20 @@ def _field(loc: Sequence[int | str]) -> str:
 
 def _sse(event: str, data: Any) -> bytes:
     return f"event: {event}\ndata: {json.dumps(data, separators=(',', ':'))}\n\n".encode()
+
+
+# Every error has the same body (`ErrorBody`); OpenAPI documents it per status.
+ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    status: {"model": ErrorBody, "description": description}
+    for status, description in (
+        (401, "missing or invalid API key"),
+        (413, "request body too large"),
+        (422, "invalid request, or one this server cannot answer as configured"),
+        (500, "internal error or misconfigured deployment"),
+        (503, "overloaded or a dependency is down; retry after Retry-After seconds"),
+        (504, "no answer within timeout_s"),
+    )
+}
 
 
 class _Failures:
@@ -431,7 +445,9 @@ def build_http_app(
     failures.install(app)
     authed = [Depends(api_key_check(api_keys))]
 
-    @app.post("/v1/answer", response_model=AnswerResponse, dependencies=authed)
+    @app.post(
+        "/v1/answer", response_model=AnswerResponse, dependencies=authed, responses=ERROR_RESPONSES
+    )
     async def answer(body: AnswerRequest, request: Request, response: Response) -> AnswerResponse:
         """Answer a question; `config` overrides any decoding dial for this request.
         503 (overloaded, dependency down; with `Retry-After`), 504 past `timeout_s`."""
@@ -450,7 +466,7 @@ def build_http_app(
         "/v1/answer/stream",
         dependencies=authed,
         response_class=StreamingResponse,
-        responses={200: {"content": {"text/event-stream": {}}}},
+        responses={200: {"content": {"text/event-stream": {}}}, **ERROR_RESPONSES},
     )
     async def answer_stream(body: AnswerRequest, request: Request) -> Response:
         """Server-sent events: `segment` after each decoding step (`index` i replaces any

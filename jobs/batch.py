@@ -61,6 +61,7 @@ from selfrag.runtime.ray_cluster import init_ray
 from selfrag.schemas.answer import AnswerRequest, AnswerResponse
 from selfrag.schemas.decoding import DecodingConfig
 from selfrag.schemas.errors import AnswerError
+from selfrag.schemas.records import BatchRecord, RecordError, RecordErrorType
 from selfrag.schemas.settings import Settings
 
 # Seconds a critique call waits for the other decoder threads of its actor before it runs
@@ -456,21 +457,29 @@ class BatchSummary:
         )
 
 
-def error_record(ident: str, question: str | None, kind: str, message: str) -> dict[str, Any]:
-    return {
-        "id": ident,
-        "status": "error",
-        "question": question,
-        "error": {"type": kind, "message": message},
-    }
+def error_record(
+    ident: str, question: str | None, kind: RecordErrorType, message: str
+) -> dict[str, Any]:
+    error = RecordError(type=kind, message=message)
+    return BatchRecord(id=ident, status="error", question=question, error=error).to_json()
+
+
+def ok_record(
+    ident: str, question: str, response: dict[str, Any], duplicate_of: str | None = None
+) -> dict[str, Any]:
+    extra = {"duplicate_of": duplicate_of} if duplicate_of is not None else {}
+    return BatchRecord(
+        id=ident, status="ok", question=question, response=response, **extra
+    ).to_json()
 
 
 def malformed_record(problem: InputProblem) -> dict[str, Any]:
     """The error record of a row that could not be read (its question is unknown)."""
     assert problem.id is not None
-    record = error_record(problem.id, None, "malformed", problem.reason)
-    record["line"] = problem.line
-    return record
+    error = RecordError(type="malformed", message=problem.reason)
+    return BatchRecord(
+        id=problem.id, status="error", question=None, error=error, line=problem.line
+    ).to_json()
 
 
 # --- Ray actors ----------------------------------------------------------------------------------
@@ -848,15 +857,7 @@ def _answer_into(
                 for ident in job.ids:
                     summary.answered += 1
                     summary.cache_hits += 1
-                    emit(
-                        {
-                            "id": ident,
-                            "status": "ok",
-                            "question": job.question,
-                            "response": response,
-                            "duplicate_of": first,
-                        }
-                    )
+                    emit(ok_record(ident, job.question, response, duplicate_of=first))
         pending = [job for job in jobs if job.key not in earlier]
         if pending:
             started_ray = ensure_ray(address)
@@ -869,22 +870,12 @@ def _answer_into(
                         summary.answered += 1
                         if outcome["cache"] == "hit" or n > 0:
                             summary.cache_hits += 1
-                        record = {
-                            "id": ident,
-                            "status": "ok",
-                            "question": job.question,
-                            "response": outcome["response"],
-                        }
-                        if n > 0:
-                            record["duplicate_of"] = job.ids[0]
+                        first = job.ids[0] if n > 0 else None
+                        record = ok_record(ident, job.question, outcome["response"], first)
                     else:
                         summary.failed += 1
-                        record = {
-                            "id": ident,
-                            "status": "error",
-                            "question": job.question,
-                            "error": outcome["error"],
-                        }
+                        error = outcome["error"]
+                        record = error_record(ident, job.question, error["type"], error["message"])
                     emit(record)
     finally:
         bar.close()

@@ -22,6 +22,7 @@ from selfrag.pipeline.metrics import Outcome, contains_answer, summarize
 from selfrag.pipeline.scoring import retrieval_probability
 from selfrag.schemas.answer import AnswerResponse
 from selfrag.schemas.decoding import DecodingConfig
+from selfrag.schemas.records import EvalRecord
 
 if TYPE_CHECKING:
     from selfrag.runtime.system import SelfRAG
@@ -255,25 +256,25 @@ def make_record(
         # Vanilla RAG cites nothing per segment: it is credited with every passage it was given.
         cited_ids = list(by_id)
     cited = [contains_answer(by_id[i].text, q.golds) if i in by_id else False for i in cited_ids]
-    return {
-        "system": system,
-        "id": q.id,
-        "question": q.question,
-        "answerable": q.answerable,
-        "golds": list(q.golds),
-        "answer": r.answer,
-        "abstained": r.abstained,
-        "retrieved": r.usage.retrievals > 0,
-        "s_sup": sum(sups) / len(sups) if sups else None,
-        "p_ret": p_ret,
-        "cited": cited_ids,
-        "cited_has_answer": cited,
-        "latency_ms": round(ms, 1),
-        "prefill_tokens": r.usage.prefill_tokens + extra,
-        "decode_tokens": r.usage.decode_tokens,
-        "evidence_branches": r.usage.evidence_branches,
-        "branches_pruned": r.usage.branches_pruned,
-    }
+    return EvalRecord(
+        system=system,
+        id=q.id,
+        question=q.question,
+        answerable=q.answerable,
+        golds=list(q.golds),
+        answer=r.answer,
+        abstained=r.abstained,
+        retrieved=r.usage.retrievals > 0,
+        s_sup=sum(sups) / len(sups) if sups else None,
+        p_ret=p_ret,
+        cited=cited_ids,
+        cited_has_answer=cited,
+        latency_ms=round(ms, 1),
+        prefill_tokens=r.usage.prefill_tokens + extra,
+        decode_tokens=r.usage.decode_tokens,
+        evidence_branches=r.usage.evidence_branches,
+        branches_pruned=r.usage.branches_pruned,
+    ).model_dump(mode="json")
 
 
 def outcome(record: dict[str, Any]) -> Outcome:

@@ -11,7 +11,7 @@ from selfrag.pipeline.critics import Branch, Critic, resolve_filters
 from selfrag.pipeline.protocols import Generation, Passage, Retriever
 from selfrag.pipeline.ranking import Candidate, Drafted, Hypothesis, StepRanking, rank_step
 from selfrag.pipeline.scoring import retrieval_probability, should_retrieve
-from selfrag.schemas.answer import AnswerResponse, PassageOut, Usage
+from selfrag.schemas.answer import AnswerResponse, PassageOut, StopReason, Usage
 from selfrag.schemas.decoding import DecodingConfig
 
 Ranker = Callable[
@@ -37,7 +37,7 @@ class _Run:
     def timed(self, stage: str, start: float) -> None:
         self.timings[stage] = self.timings.get(stage, 0.0) + (self.clock() - start) * 1e3
 
-    def budget_exceeded(self) -> str | None:
+    def budget_exceeded(self) -> StopReason | None:
         if self.clock() - self.started > self.config.timeout_s:
             return "timeout_s"
         if self.usage.prefill_tokens >= self.config.max_prefill_tokens:

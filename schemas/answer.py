@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from selfrag.schemas.decoding import DecodingConfig, DecodingOverrides
+from selfrag.schemas.decoding import DecodingConfig, DecodingOverrides, SupportLevel
+
+StopReason = Literal["timeout_s", "max_prefill_tokens"]
+"""The budget that ended a decode early."""
 
 MAX_QUESTION_CHARS = 2000
 
@@ -41,7 +46,7 @@ class SegmentOut(BaseModel):
     s_rel: float | None = Field(None, ge=0.0, le=1.0)
     s_sup: float | None = Field(None, ge=0.0, le=1.0)
     s_use: float | None = Field(None, ge=-1.0, le=1.0)
-    is_sup: str | None = Field(None, description="Most likely IsSup label: full, partial or none.")
+    is_sup: SupportLevel | None = Field(None, description="Most likely IsSup label.")
     logprob: float = Field(description="log p(segment | question, passage), summed over tokens.")
     n_tokens: int
     score: float = Field(description="S, the ranking score of the segment.")
@@ -63,8 +68,8 @@ class Usage(BaseModel):
     branches_filtered: int = 0
     retrievals: int = 0
     steps: int = 0
-    stopped_by: str | None = Field(
-        None, description="Budget that ended decoding early: max_prefill_tokens, timeout_s, ..."
+    stopped_by: StopReason | None = Field(
+        None, description="The budget that ended decoding early, if one did."
     )
 
 

@@ -264,6 +264,13 @@ def test_openapi_documents_the_api(client: TestClient):
     )
     assert "AnswerRequest" in spec["components"]["schemas"]
     assert client.get("/docs").status_code == 200
+    # Error bodies are documented per status, with the one ErrorBody model.
+    assert "ErrorBody" in spec["components"]["schemas"]
+    for path in ("/v1/answer", "/v1/answer/stream"):
+        responses = spec["paths"][path]["post"]["responses"]
+        for status in ("401", "422", "503", "504"):
+            ref = responses[status]["content"]["application/json"]["schema"]["$ref"]
+            assert ref.endswith("/ErrorBody")
 
 
 def test_api_keys_when_configured(service: FakeService):
