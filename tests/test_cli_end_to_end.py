@@ -59,6 +59,19 @@ def test_cli_ask_table(indexed_home: Path, capsys: pytest.CaptureFixture[str]):
     assert "s_sup" in out and "IsSup" in out and "critique=learned" in out
 
 
+def test_the_readme_example_is_right_or_abstains_or_shows_low_support(
+    indexed_home: Path, capsys: pytest.CaptureFixture[str]
+):
+    """Issue 11: the first answer a new user sees is not a confident invention."""
+    from selfrag.pipeline.decoder import ABSTAIN_MESSAGE
+
+    question = "Who was the Norse leader who founded Normandy?"
+    assert main(["--home", str(indexed_home), "ask", question]) == 0
+    out = capsys.readouterr().out
+    first = out.splitlines()[0]
+    assert "Rollo" in first or ABSTAIN_MESSAGE in out or "Low support" in out, out
+
+
 def test_reindexing_does_not_duplicate(indexed_home: Path, normans_squad: Path):
     settings = load_settings(environ={"SELFRAG_HOME": str(indexed_home)})
     with SelfRAG(settings) as system:
