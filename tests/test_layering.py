@@ -81,6 +81,23 @@ def _graph() -> dict[str, set[str]]:
     return graph
 
 
+def test_the_wheel_lists_every_subpackage():
+    """pyproject names the packages one by one (the root maps to `selfrag`): a new folder with
+    an __init__.py must be listed, or a non-editable install lacks it."""
+    import tomllib
+
+    listed = set(
+        tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
+    )
+    found = {"selfrag"} | {
+        ".".join(("selfrag", *p.parent.relative_to(ROOT).parts))
+        for folder in LAYERS
+        if (ROOT / folder).is_dir()
+        for p in (ROOT / folder).rglob("__init__.py")
+    }
+    assert found == listed
+
+
 def test_every_folder_module_is_found():
     assert "selfrag.pipeline.decoder" in MODULES
     assert "selfrag.cli" in MODULES
