@@ -35,7 +35,11 @@ def build_app(settings: Settings | None = None) -> Application:
         "max_queued_requests": settings.serve.max_queued_requests,
         "logging_config": serve_logging(settings),
     }
-    pool = BranchPool.options(**queued).bind(settings)
+    # serve.yaml's autoscaling replaces a replica count, so only an explicit one is set.
+    pools = (
+        {"num_replicas": settings.serve.pool_replicas} if settings.serve.pool_replicas > 1 else {}
+    )
+    pool = BranchPool.options(**queued, **pools).bind(settings)
     decider = RetrievalDecider.options(**queued).bind(settings)
     # Embedded Qdrant allows one client per folder; with a server URL the config may scale it.
     embedded = settings.retrieval.qdrant_url is None

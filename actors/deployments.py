@@ -326,6 +326,7 @@ class SelfRAGIngress:
             cache=open_query_cache(settings),
             max_timeout_s=settings.serve.max_timeout_s,
             index_version_ttl_s=settings.serve.index_version_ttl_s,
+            affinity=settings.serve.affinity,
         )
         self._serve_settings = settings.serve
 

@@ -249,9 +249,12 @@ class ServeAnswerService:
         cache: QueryCache | None = None,
         max_timeout_s: float | None = None,
         index_version_ttl_s: float = 0.0,
+        affinity: bool = True,
     ) -> None:
         """`cache_scope` is `query_cache_scope(settings)`: what besides the request decides
-        an answer, so the query cache keys on it."""
+        an answer, so the query cache keys on it. With `affinity` every call of one answer
+        carries the same session id (the pool and decider route by it)."""
+        self._affinity = affinity
         self._pool = pool
         self._decider = decider
         self._retriever = retriever
@@ -351,10 +354,12 @@ class ServeAnswerService:
         on_step: StepListener | None,
     ) -> AnswerResponse:
         remote = _Remote(deadline, self._metrics)
-        # One session per answer: all its steps reach the same pool and decider replicas.
-        session = uuid.uuid4().hex
-        pool = self._pool.options(session_id=session)
-        decider = self._decider.options(session_id=session)
+        pool, decider = self._pool, self._decider
+        if self._affinity:
+            # One session per answer: all its steps reach the same pool and decider replicas.
+            session = uuid.uuid4().hex
+            pool = pool.options(session_id=session)
+            decider = decider.options(session_id=session)
         decoder = SelfRAGDecoder(
             lambda source: PoolCritique(remote, pool, decider, source, critic_name, deadline),
             RemoteRetriever(remote, self._retriever),

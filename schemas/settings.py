@@ -165,6 +165,17 @@ class ServeSettings(BaseModel):
     retry_after_s: int = Field(
         2, ge=1, le=3600, description="Retry-After (seconds) sent with every 503."
     )
+    pool_replicas: int = Field(
+        1,
+        ge=1,
+        le=64,
+        description="BranchPool replicas `selfrag serve` starts (infra/serve.yaml autoscales).",
+    )
+    affinity: bool = Field(
+        True,
+        description="Route every call of one answer to the same pool and decider replica "
+        "(consistent hashing on a per-answer session id), where its KV slots are.",
+    )
     index_version_ttl_s: float = Field(
         1.0,
         ge=0.0,

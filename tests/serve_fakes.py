@@ -222,6 +222,7 @@ def make_service(
     index_version_ttl_s: float = 0.0,
     max_timeout_s: float | None = None,
     settings: Settings | None = None,
+    affinity: bool = True,
 ) -> Rig:
     """The answer service over fakes (one segment per answer by default)."""
     pool = pool or Pool(ScriptedCritic(relevance_of={"p1": 0.9}))
@@ -241,5 +242,6 @@ def make_service(
         cache=cache,
         max_timeout_s=max_timeout_s,
         index_version_ttl_s=index_version_ttl_s,
+        affinity=affinity,
     )
     return Rig(service, metrics, pool, pool_handle, store, store_handle)

@@ -74,6 +74,17 @@ def test_each_step_makes_one_call_to_each_deployment_with_no_token_lists():
     assert 'selfrag_remote_bytes_total{deployment="?",direction="sent",method="rank"}' in text
 
 
+@pytest.mark.parametrize("affinity", [True, False])
+def test_an_answers_pool_calls_share_one_session_id_unless_affinity_is_off(affinity: bool):
+    rig = make_service(affinity=affinity)
+    asyncio.run(rig.service.answer(REQUEST))
+    seen = getattr(rig.pool_handle, "__dict__", {}).get("options_seen")
+    if affinity:
+        assert seen is not None and len(seen["session_id"]) == 32
+    else:
+        assert seen is None
+
+
 def test_repeated_query_is_a_cache_hit_and_the_key_covers_config():
     cache = DictCache()
     service, metrics = _service(cache=cache)
