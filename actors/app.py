@@ -16,6 +16,7 @@ APP_NAME = "selfrag"
 def build_app(settings: Settings | None = None) -> Application:
     """Bind the deployments: ingress → decider, retriever, pool, ranker."""
     from selfrag.actors.deployments import (
+        POOL_CPUS,
         BranchPool,
         Ranker,
         RetrievalDecider,
@@ -35,16 +36,25 @@ def build_app(settings: Settings | None = None) -> Application:
         "max_queued_requests": settings.serve.max_queued_requests,
         "logging_config": serve_logging(settings),
     }
-    # serve.yaml's autoscaling replaces a replica count, so only an explicit one is set.
-    pools = (
-        {"num_replicas": settings.serve.pool_replicas} if settings.serve.pool_replicas > 1 else {}
+    # serve.yaml's autoscaling replaces a replica count, so only an explicit one is set. The
+    # replicas share the pool's CPU reservation: the cores are used by their llama.cpp threads
+    # (engine.n_threads each), and on a small machine a reservation per replica would leave
+    # the extra ones unschedulable.
+    replicas = settings.serve.pool_replicas
+    pools: dict[str, Any] = (
+        {
+            "num_replicas": replicas,
+            "ray_actor_options": {"num_cpus": POOL_CPUS / replicas},
+        }
+        if replicas > 1
+        else {}
     )
     pool = BranchPool.options(**queued, **pools).bind(settings)
     decider = RetrievalDecider.options(**queued).bind(settings)
     # Embedded Qdrant allows one client per folder; with a server URL the config may scale it.
     embedded = settings.retrieval.qdrant_url is None
-    replicas = {"num_replicas": 1} if embedded else {}
-    retriever = Retriever.options(**queued, **replicas).bind(settings)
+    single = {"num_replicas": 1} if embedded else {}
+    retriever = Retriever.options(**queued, **single).bind(settings)
     ranker = Ranker.options(**queued).bind()
     return SelfRAGIngress.options(**queued).bind(pool, decider, retriever, ranker, settings)
 

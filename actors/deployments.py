@@ -115,8 +115,12 @@ AFFINITY = RequestRouterConfig(
 )
 
 
+# The pool's CPU reservation; `pool_replicas` > 1 replicas share it (actors/app.py).
+POOL_CPUS = 0.5
+
+
 @serve.deployment(
-    ray_actor_options={"num_cpus": 0.5},
+    ray_actor_options={"num_cpus": POOL_CPUS},
     max_ongoing_requests=128,
     request_router_config=AFFINITY,
 )

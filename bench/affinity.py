@@ -55,11 +55,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--home", help="SELFRAG_HOME of the servers this script starts.")
     p.add_argument("--port", type=int, default=8767)
     p.add_argument("--questions", type=int, default=10)
+    p.add_argument(
+        "--order",
+        default="on,off",
+        help="Which setting runs first (off,on to check that the order does not decide it).",
+    )
     args = p.parse_args(argv)
+    order = [s.strip() for s in args.order.split(",")]
+    if sorted(order) != ["off", "on"]:
+        p.error("--order must name on and off once each")
     qs = questions()[: args.questions]
     results: dict[str, dict[str, float]] = {}
     os.environ["SELFRAG_SERVE__POOL_REPLICAS"] = "2"
-    for setting in ("on", "off"):
+    for setting in order:
         os.environ["SELFRAG_SERVE__AFFINITY"] = "true" if setting == "on" else "false"
         print(f"affinity {setting}: starting selfrag serve with 2 pool replicas", flush=True)
         with served(args.home, args.port, None) as (url, _):

@@ -19,7 +19,7 @@ from ray.serve.schema import ServeDeploySchema
 
 from selfrag.cli import main
 from selfrag.infra.settings import API_KEYS_ENV, exposure_warning, is_loopback
-from selfrag.schemas.settings import ServeSettings
+from selfrag.schemas.settings import ServeSettings, Settings
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOYMENTS = {"SelfRAGIngress", "RetrievalDecider", "BranchPool", "Retriever", "Ranker"}
@@ -214,3 +214,20 @@ def test_app_build_checks_the_address_serve_really_binds(tmp_path: Path):
     env = {"SELFRAG_HOME": str(tmp_path), "SELFRAG_SERVE__HOST": "0.0.0.0"}
     err = _run_python(code, env, timeout=300)
     assert "binds 0.0.0.0" not in err and "binds 127.0.0.1" not in err
+
+
+def _bound(app: object) -> Any:
+    """The deployment an `Application` binds (Ray has no public accessor)."""
+    return app._bound_deployment  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize(("replicas", "cpus"), [(1, 0.5), (2, 0.25), (4, 0.125)])
+def test_pool_replicas_share_the_pools_cpu_reservation(tmp_path: Path, replicas, cpus):
+    """Two pools at 0.5 CPU each would not fit a 2-CPU machine beside the other deployments."""
+    from selfrag.actors.app import build_app
+
+    settings = Settings(home=tmp_path, serve={"pool_replicas": replicas})
+    pool = _bound(_bound(build_app(settings)).init_args[0])
+    assert pool.name == "BranchPool"
+    assert pool.ray_actor_options["num_cpus"] == cpus
+    assert pool.num_replicas == replicas
