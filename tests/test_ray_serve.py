@@ -20,11 +20,13 @@ import httpx
 import pytest
 
 from selfrag.infra.settings import load_settings
+from tests.browser import CHROMIUM, NO_CHROMIUM, ask_in_playground, chromium
 from tests.redis_proc import RedisProcess, free_port
 
 pytestmark = pytest.mark.real
 
 SMALL = {"mode": "always", "top_k": 2, "max_segments": 1, "max_segment_tokens": 16}
+DOCS = Path(__file__).resolve().parents[1] / "docs"
 
 
 @pytest.fixture(scope="session")
@@ -164,6 +166,24 @@ def test_stream_sends_segments_then_the_answer(api: httpx.Client):
     final = events[-1][1]
     streamed = {e["index"]: e["segment"] for k, e in events if k == "segment"}
     assert [streamed[i] for i in range(len(final["segments"]))] == final["segments"]
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason=NO_CHROMIUM)
+def test_the_playground_answers_in_a_browser(api: httpx.Client, tmp_path: Path):
+    """The page at `/` in headless Chromium, against this module's app and the real model.
+    SELFRAG_UPDATE_SCREENSHOT=1 saves the screenshot as docs/playground.png."""
+    question = "Who was the Norse leader who founded Normandy?"
+    with chromium(timeout_s=30) as page:
+        shown = ask_in_playground(
+            page, str(api.base_url), question, {"mode": "always", "top_k": "2"}, 120.0
+        )
+        assert shown["error"] == "", shown
+        assert shown["segments"] and shown["citations"], shown
+        assert {c["id"] for c in shown["citations"]} <= {p["id"] for p in shown["passages"]}
+        assert "critique learned" in shown["usage"] and "SmolLM2" in shown["usage"]
+        update = os.environ.get("SELFRAG_UPDATE_SCREENSHOT") == "1"
+        shot = page.screenshot(DOCS / "playground.png" if update else tmp_path / "playground.png")
+    assert shot.read_bytes().startswith(b"\x89PNG")
 
 
 def test_repeated_query_is_a_cache_hit_and_redis_down_still_answers(

@@ -1,0 +1,130 @@
+"""A scripted answer service for the HTTP layer's tests, and `live_server` (an app under a
+real uvicorn socket); shared by tests/test_http_api.py and tests/test_playground.py."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import uvicorn
+from fastapi import FastAPI
+
+from selfrag.actors.metrics import BatchStats, Metrics
+from selfrag.pipeline.decoder import StepListener
+from selfrag.pipeline.ranking import Hypothesis
+from selfrag.runtime.answering import Answer
+from selfrag.schemas.answer import (
+    AnswerRequest,
+    AnswerResponse,
+    Citation,
+    PassageOut,
+    SegmentOut,
+    Usage,
+)
+from selfrag.schemas.decoding import DecodingConfig
+from tests.redis_proc import free_port
+
+
+def _segment(text: str, pid: str | None) -> SegmentOut:
+    return SegmentOut(
+        text=text,
+        citation=Citation(passage_id=pid, title="T") if pid else None,
+        retrieved=pid is not None,
+        p_ret=0.8,
+        s_rel=0.9 if pid else None,
+        s_sup=0.75 if pid else None,
+        s_use=0.5,
+        is_sup="full" if pid else None,
+        logprob=-1.5,
+        n_tokens=4,
+        score=1.2,
+    )
+
+
+def scripted_response(question: str, config: DecodingConfig) -> AnswerResponse:
+    """Two segments, the first citing passage p1, the second citing nothing."""
+    segs = [_segment(" Rollo founded it.", "p1"), _segment(" In 911.", None)]
+    return AnswerResponse(
+        question=question,
+        answer="".join(s.text for s in segs).strip(),
+        abstained=False,
+        segments=segs,
+        passages=[PassageOut(id="p1", title="T", text="Rollo founded Normandy.", score=0.9)],
+        usage=Usage(
+            steps=2, retrievals=1, branches_opened=5, branches_pruned=1, branches_filtered=1
+        ),
+        timings_ms={"total": 12.0},
+        model_id="fake",
+        critique="prompted",
+        config=config,
+    )
+
+
+@dataclass
+class FakeService:
+    """Answers from a script after `delay_s`; `fail` raises instead; records the requests
+    it saw. `ready_error` makes the readiness check itself fail."""
+
+    fail: Exception | None = None
+    delay_s: float = 0.0
+    ready: dict[str, bool] = field(
+        default_factory=lambda: {"model": True, "store": True, "cache": True}
+    )
+    ready_error: Exception | None = None
+    seen: list[AnswerRequest] = field(default_factory=list)
+    metrics: Metrics | None = None
+
+    def config(self, request: AnswerRequest) -> DecodingConfig:
+        config = request.config.apply_to(DecodingConfig())
+        return config if request.max_tokens is None else config.within_tokens(request.max_tokens)
+
+    async def answer(self, request: AnswerRequest, on_step: StepListener | None = None) -> Answer:
+        self.seen.append(request)
+        await asyncio.sleep(self.delay_s)
+        if self.fail is not None:
+            raise self.fail
+        r = scripted_response(request.question, self.config(request))
+        if on_step is not None:
+            # Steps come from a worker thread in the real service.
+            def steps() -> None:
+                on_step(Hypothesis(segments=(r.segments[0],)))
+                on_step(Hypothesis(segments=tuple(r.segments)))
+
+            await asyncio.to_thread(steps)
+        if self.metrics is not None:
+            self.metrics.observe_answer(r)
+        return Answer(r, "miss")
+
+    async def readiness(self) -> dict[str, bool]:
+        if self.ready_error is not None:
+            raise self.ready_error
+        return dict(self.ready)
+
+    async def metrics_text(self) -> list[str]:
+        stats = BatchStats()
+        stats.record("draft", 3, 7)
+        return stats.render()
+
+
+@contextmanager
+def live_server(app: FastAPI) -> Iterator[str]:
+    """`app` under uvicorn on a free loopback port, in a thread: real sockets, so a client
+    can really go away. Yields the base URL."""
+    port = free_port()
+    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="off")
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
+        time.sleep(0.01)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(10)

@@ -1,0 +1,157 @@
+"""The playground page at `GET /` (actors/playground.py): served, self-contained, open without
+a key; and driven in a real headless Chromium against the HTTP app over the scripted service."""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from fastapi.testclient import TestClient
+
+from selfrag.actors.http import build_http_app, parse_api_keys
+from selfrag.actors.metrics import Metrics
+from selfrag.actors.playground import PAGE
+from selfrag.pipeline.decoder import StepListener
+from selfrag.runtime.answering import Answer
+from selfrag.schemas.answer import AnswerRequest
+from tests.browser import CHROMIUM, NO_CHROMIUM, SHOWN, Page, ask_in_playground, chromium
+from tests.http_fakes import FakeService, live_server
+
+ROOT = Path(__file__).resolve().parents[1]
+QUESTION = "Who founded Normandy?"
+
+
+def test_the_page_is_served_at_the_root_without_a_key():
+    app = build_http_app(FakeService(), Metrics(), api_keys=parse_api_keys("k1"))
+    c = TestClient(app)
+    r = c.get("/")
+    assert r.status_code == 200
+    assert r.headers["content-type"].startswith("text/html")
+    assert "/answer/stream" in r.text and 'id="question"' in r.text
+    # Only the page is open: the API calls it makes still need the key.
+    assert c.post("/v1/answer/stream", json={"question": "q"}).status_code == 401
+    assert "/" not in c.get("/openapi.json").json()["paths"]
+
+
+def test_the_page_has_no_external_assets_and_no_inner_html():
+    html = TestClient(build_http_app(FakeService(), Metrics())).get("/").text
+    # Works offline: no other origin at all, so no CDN script, stylesheet or web font.
+    assert not re.search(r"(https?:)?//[a-z0-9.-]+\.[a-z]{2,}", html, re.IGNORECASE)
+    assert not re.search(r"<script[^>]+src=|<link[^>]+href=|@import|url\(", html, re.IGNORECASE)
+    # Server text (passages are untrusted) is only ever set as textContent.
+    assert "innerHTML" not in html and "insertAdjacentHTML" not in html
+
+
+def test_the_page_is_package_data():
+    data = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    assert PAGE in data["package-data"]["selfrag.actors"]
+    assert (ROOT / "actors" / PAGE).is_file()
+
+
+# --- in a real browser --------------------------------------------------------------------------
+
+HOSTILE = '<img src=x onerror="window.pwned = 1"> Rollo founded Normandy.'
+
+
+class HostilePassageService(FakeService):
+    """The scripted answer, its passage's text HTML that must show as text."""
+
+    async def answer(self, request: AnswerRequest, on_step: StepListener | None = None) -> Answer:
+        result = await super().answer(request, on_step)
+        result.response.passages[0].text = HOSTILE
+        return result
+
+
+@pytest.fixture(scope="module")
+def page() -> Iterator[Page]:
+    if CHROMIUM is None:
+        pytest.skip(NO_CHROMIUM)
+    with chromium() as p:
+        yield p
+
+
+@pytest.mark.real
+def test_the_page_streams_an_answer_with_citations(page: Page, tmp_path: Path):
+    service = HostilePassageService()
+    with live_server(build_http_app(service, Metrics())) as url:
+        shown = ask_in_playground(
+            page, url, QUESTION, {"mode": "always", "top_k": "5", "min_support": ""}, 20.0
+        )
+        assert shown["error"] == "" and not shown["abstained"], shown
+        assert shown["segments"] == ["Rollo founded it.", "In 911."]
+        (citation,) = shown["citations"]
+        assert citation["id"] == "p1" and citation["text"] == "[T (p1)]"
+        assert citation["href"] == "#passage-p1"
+        assert [(p["id"], p["anchor"], p["text"]) for p in shown["passages"]] == [
+            ("p1", "passage-p1", HOSTILE)
+        ]
+        assert page.evaluate("document.querySelectorAll('#passages img').length") == 0
+        assert page.evaluate("window.pwned === undefined")
+        for part in ("5 opened, 1 pruned, 1 filtered", "1 retrievals", "2 steps", "12 ms"):
+            assert part in shown["usage"]
+        assert "critique prompted" in shown["usage"] and "model fake" in shown["usage"]
+        # Scores as bars, a missing one as n/a.
+        first, second = page.evaluate(
+            "[...document.querySelectorAll('#answer .segment .meta')].map(e => e.textContent)"
+        )
+        assert "rel 0.90" in first and "sup 0.75" in first and "IsSup full" in first
+        assert "rel n/a" in second and "no passage" in second
+        # Only the dials that were set went out; blank ones are the server's defaults.
+        (seen,) = service.seen
+        assert seen.question == QUESTION
+        assert seen.config.model_dump(exclude_none=True) == {"mode": "always", "top_k": 5}
+        page.click("#answer .citation")
+        page.wait_for(
+            "document.getElementById('passage-p1').classList.contains('flash')",
+            5.0,
+            "the cited passage highlighted",
+        )
+        shot = page.screenshot(tmp_path / "playground.png")
+        # A `segment` event with index i replaces every segment shown at i and after.
+        replace = (
+            "(i => { handleEvent('segment', {index: i, hypothesis_score: 0, segment: {text: ' X.',"
+            " citation: null, s_rel: null, s_sup: null, s_use: null, is_sup: null}});"
+            " return [...document.querySelectorAll('#answer .segment .text')]"
+            ".map(e => e.textContent); })"
+        )
+        assert page.evaluate(f"{replace}(1)") == ["Rollo founded it.", "X."]
+        assert page.evaluate(f"{replace}(0)") == ["X."]
+    assert shot.read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
+
+
+@pytest.mark.real
+def test_the_page_shows_errors_and_sends_the_api_key(page: Page):
+    service = FakeService()
+    with live_server(build_http_app(service, Metrics(), api_keys=parse_api_keys("k1"))) as url:
+        shown = ask_in_playground(page, url, QUESTION, {}, 20.0)
+        assert shown["error"] == "401 unauthorized: missing or invalid API key", shown
+        assert service.seen == []
+
+        # A 422 names the field; Enter in the question box asks again.
+        page.type_into("#api_key", "k1")
+        page.type_into("#top_k", "0")
+        page.type_into("#question", QUESTION)
+        page.press_enter()
+        error = page.wait_for(
+            "(t => !t.startsWith('401') && t)(document.getElementById('error').textContent)",
+            20.0,
+            "the next error shown",
+        )
+        assert error.startswith("422 invalid_request: config.top_k: "), error
+
+        page.type_into("#top_k", "")
+        page.click("#ask")
+        page.wait_for(
+            "document.querySelectorAll('#answer .citation').length > 0"
+            " && document.getElementById('usage').textContent !== ''",
+            20.0,
+            "the answer with the key",
+        )
+        assert page.evaluate(SHOWN)["error"] == ""
+        assert len(service.seen) == 1 and service.seen[0].config.top_k is None
+        # The key stays in this tab's sessionStorage only.
+        assert page.evaluate("sessionStorage.getItem('selfrag.apiKey')") == "k1"
+        assert page.evaluate("localStorage.length") == 0
