@@ -260,18 +260,27 @@ class LlamaEngine(Closeable):
     # ----------------------------------------------------------------- lifecycle
 
     def close(self) -> None:
-        """Free the batch, the context and the model. Safe to call twice."""
+        """Free the batch, the context and the model once the call in progress (if any) has
+        ended; later calls raise. Safe to call twice."""
         if getattr(self, "_pid", os.getpid()) != os.getpid():
             # In a forked child the native objects belong to the parent: just let go of them.
             self._batch = self._ctx = self._model = None
             return
-        if self._batch is not None:
+        lock = getattr(self, "_lock", None)  # absent when __init__ failed early
+        if lock is None:
+            self._free()
+            return
+        with lock:  # freeing under a running decode would crash the process
+            self._free()
+
+    def _free(self) -> None:
+        if getattr(self, "_batch", None) is not None:
             llama_cpp.llama_batch_free(self._batch)
             self._batch = None
-        if self._ctx is not None:
+        if getattr(self, "_ctx", None) is not None:
             llama_cpp.llama_free(self._ctx)
             self._ctx = None
-        if self._model is not None:
+        if getattr(self, "_model", None) is not None:
             llama_cpp.llama_model_free(self._model)
             self._model = None
 

