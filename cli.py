@@ -249,8 +249,7 @@ def cmd_config(args: argparse.Namespace) -> int:
 
 
 def cmd_index(args: argparse.Namespace) -> int:
-    from selfrag.jobs.indexing import index_corpus
-    from selfrag.runtime.system import SelfRAG
+    from selfrag.api import SelfRAG
 
     for path in args.paths:
         if not path.exists():
@@ -259,14 +258,7 @@ def cmd_index(args: argparse.Namespace) -> int:
     failed = 0
     with SelfRAG(settings) as rag:
         for path in args.paths:
-            report = index_corpus(
-                path,
-                rag.store,
-                progress=not args.no_progress,
-                passage_words=settings.retrieval.passage_words,
-                overlap=settings.retrieval.passage_overlap_words,
-                max_document_bytes=settings.retrieval.max_document_bytes,
-            )
+            [report] = rag.index(path, progress=not args.no_progress)
             for error in report.errors:
                 where = f"{error.path}:{error.line}" if error.line else str(error.path)
                 print(f"error: {where}: {error.reason}", file=sys.stderr)
@@ -275,7 +267,7 @@ def cmd_index(args: argparse.Namespace) -> int:
                 f"{path}: {report.documents} documents, {report.passages} passages indexed"
                 + (f", {len(report.errors)} skipped" if report.errors else "")
             )
-        print(f"index: {rag.store.count()} passages in {settings.home}")
+        print(f"index: {rag.count()} passages in {settings.home}")
     return EXIT_PARTIAL if failed else 0
 
 
@@ -289,14 +281,15 @@ def _request_from_args(args: argparse.Namespace) -> AnswerRequest:
 
 
 def cmd_ask(args: argparse.Namespace) -> int:
-    from selfrag.runtime.system import SelfRAG
+    from selfrag.api import SelfRAG
 
-    request = _request_from_args(args)
+    request = _request_from_args(args)  # refused before the model loads
     settings = _settings(args)
     with SelfRAG(settings) as rag:
-        if rag.store.count() == 0:
+        if rag.count() == 0:
             raise CLIError(f"the index in {settings.home} is empty: run `selfrag index PATH` first")
-        response = rag.answer(request)
+        dials = request.config.model_dump(exclude_none=True)
+        response = rag.answer(request.question, **dials)
     if args.json:
         print(response.model_dump_json(indent=2))
     else:
@@ -390,11 +383,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     # Loud and early, before the model check and Ray: an open port without keys answers anyone.
     warn_if_open(host)
     if settings.model.backend == "llama_cpp":
-        from selfrag.runtime.system import SelfRAG
+        from selfrag.runtime.system import SelfRAGSystem
 
         # Fail here, naming the file, before Ray starts: a missing or corrupt model, or one no
         # CPU backend can run, would otherwise surface as a replica that keeps failing to start.
-        _check_model_runs(SelfRAG(settings).model_path, settings.model.n_threads)
+        _check_model_runs(SelfRAGSystem(settings).model_path, settings.model.n_threads)
     import ray
     from ray import serve
 
@@ -446,14 +439,14 @@ def cmd_eval(args: argparse.Namespace) -> int:
         run_evaluation,
         write_plots,
     )
-    from selfrag.runtime.system import SelfRAG
+    from selfrag.runtime.system import SelfRAGSystem
 
     systems = parse_systems(args.systems)
     questions = load_questions(args.dataset, article=args.article, limit=_limit(args))
     chosen = {n: getattr(args, n) for n in DecodingOverrides.model_fields}
     overrides = DecodingOverrides.model_validate({n: v for n, v in chosen.items() if v is not None})
     settings = _settings(args)
-    with SelfRAG(settings) as rag:
+    with SelfRAGSystem(settings) as rag:
         ensure_indexed(rag, args.corpus, progress=not args.no_progress)
         config = overrides.apply_to(settings.decoding)
         if args.ray:
@@ -496,7 +489,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         write_calibration,
     )
     from selfrag.jobs.evaluation import ensure_indexed, load_questions
-    from selfrag.runtime.system import SelfRAG
+    from selfrag.runtime.system import SelfRAGSystem
 
     questions = load_questions(args.dataset, article=args.article, limit=_limit(args))
     if all(q.context is None for q in questions):
@@ -505,7 +498,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         )
     settings = _settings(args)
     tokens = args.max_segment_tokens or settings.decoding.max_segment_tokens
-    with SelfRAG(settings) as rag:
+    with SelfRAGSystem(settings) as rag:
         ensure_indexed(rag, args.corpus, progress=not args.no_progress)
         samples = collect_samples(rag, questions, args.top_k, tokens, progress=not args.no_progress)
     if args.samples is not None:
@@ -548,7 +541,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     from selfrag.jobs.evaluation import ensure_indexed, load_questions
     from selfrag.jobs.indexing import corpus_passages
     from selfrag.jobs.training import TrainingPlan, describe, train
-    from selfrag.runtime.system import SelfRAG
+    from selfrag.runtime.system import SelfRAGSystem
 
     if args.reuse and args.export_gguf is None:
         raise CLIError("--reuse only applies with --export-gguf")
@@ -568,7 +561,7 @@ def cmd_train(args: argparse.Namespace) -> int:
             retrieve_passages=max(n // 3, 12),
         )
     settings = _settings(args)
-    with SelfRAG(settings) as rag:
+    with SelfRAGSystem(settings) as rag:
         sha = file_sha256(rag.model_path)
         out = args.out or heads_path(settings.home, sha)
         if args.reuse:

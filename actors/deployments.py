@@ -77,9 +77,9 @@ class _EngineWorker:
     request runs in a thread of its own; its calls stop at the request's deadline."""
 
     def __init__(self, settings: Settings, max_threads: int) -> None:
-        from selfrag.runtime.system import SelfRAG
+        from selfrag.runtime.system import SelfRAGSystem
 
-        self.rag = SelfRAG(settings)
+        self.rag = SelfRAGSystem(settings)
         self.engine = self.rag.engine  # load now, in this process; never fork after this
         self.batches = BatchStats()
         self._merger = CallMerger(
@@ -144,7 +144,7 @@ class BranchPool:
         return self._worker.engine.model_id
 
     def model_fingerprint(self) -> str:
-        """`SelfRAG.model_fingerprint`: the model's identity in query-cache keys."""
+        """`SelfRAGSystem.model_fingerprint`: the model's identity in query-cache keys."""
         return self._rag.model_fingerprint
 
     def critic_name(self, source: str) -> str:
@@ -200,9 +200,9 @@ class Retriever:
     RECHECK_S = 10.0
 
     def __init__(self, settings: Settings) -> None:
-        from selfrag.runtime.system import SelfRAG
+        from selfrag.runtime.system import SelfRAGSystem
 
-        self._rag = SelfRAG(settings)
+        self._rag = SelfRAGSystem(settings)
         self._refused: tuple[float, str] | None = None  # (until when, the 500's detail)
         self._down = False
         try:
@@ -342,4 +342,5 @@ class SelfRAGIngress:
             api_keys=parse_api_keys(os.environ.get(API_KEYS_ENV)),
             retry_after_s=self._serve_settings.retry_after_s,
             log_questions=self._serve_settings.log_questions,
+            model_name=self._serve_settings.model_name,
         )

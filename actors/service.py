@@ -232,7 +232,7 @@ class _Admission:
 
 
 class ServeAnswerService:
-    """`actors.http.AnswerService` over deployment handles: the answer path (`AnswerPath`:
+    """`actors.streaming.AnswerService` over deployment handles: the answer path (`AnswerPath`:
     defaults, query cache, deadline, error kinds) decoding through the pool."""
 
     def __init__(
@@ -285,6 +285,10 @@ class ServeAnswerService:
         return self._inflight
 
     # --- answering -------------------------------------------------------------------------------
+
+    def config(self, request: AnswerRequest) -> DecodingConfig:
+        """The effective config of `request` (`AnswerPath.config`)."""
+        return self._path.config(request)
 
     async def answer(self, request: AnswerRequest, on_step: StepListener | None = None) -> Answer:
         if self._inflight >= self._max_inflight:

@@ -1,4 +1,4 @@
-"""Questions per second: one question at a time (the CLI path, `SelfRAG.answer` in a loop) vs
+"""Questions per second: one question at a time (the CLI path, `SelfRAGSystem.answer` in a loop) vs
 `selfrag batch` (`selfrag.jobs.batch.run_batch`) with 1 and 2 engine actors, in one run.
 
 Every request is `{"mode": "always", "top_k": 2, "max_segments": 1, "max_segment_tokens": 16}`
@@ -20,7 +20,7 @@ from typing import Any
 
 from selfrag.infra.settings import load_settings
 from selfrag.jobs.batch import ensure_ray, run_batch
-from selfrag.runtime.system import SelfRAG
+from selfrag.runtime.system import SelfRAGSystem
 from selfrag.schemas.answer import AnswerRequest
 
 SMALL = {"mode": "always", "top_k": 2, "max_segments": 1, "max_segment_tokens": 16}
@@ -36,7 +36,7 @@ def squad_questions(n: int) -> list[str]:
 
 def one_at_a_time(home: Path, questions: list[str]) -> float:
     settings = load_settings(overrides={"home": str(home)})
-    with SelfRAG(settings) as rag:
+    with SelfRAGSystem(settings) as rag:
         rag.answer(AnswerRequest.model_validate({"question": questions[0], "config": SMALL}))
         started = time.perf_counter()
         for q in questions[1:]:
@@ -84,7 +84,7 @@ def main() -> None:
     n = len(questions) - 1
     seconds = one_at_a_time(args.home, questions)
     figures: dict[str, Any] = {"questions": n, "qps_single": n / seconds}
-    rows = [("one at a time (SelfRAG.answer loop)", n / seconds, None, seconds)]
+    rows = [("one at a time (SelfRAGSystem.answer loop)", n / seconds, None, seconds)]
     ensure_ray(None)  # one Ray instance for every batch run
     for actors in (int(a) for a in args.actors.split(",")):
         r = batch(args.home, questions, actors, args.per_actor)

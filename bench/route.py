@@ -118,11 +118,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.home:
         os.environ["SELFRAG_HOME"] = args.home
     from selfrag.infra.settings import load_settings
-    from selfrag.runtime.system import SelfRAG
+    from selfrag.runtime.system import SelfRAGSystem
 
     config = DecodingConfig(**{**SMALL_CONFIG, "mode": "adaptive", "max_segments": 2})
     config = config.model_copy(update={"critique": args.critique})
-    with SelfRAG(load_settings()) as rag:
+    with SelfRAGSystem(load_settings()) as rag:
         recorder = Recorder(LocalCritique(rag.critic(args.critique)), args.critique)
         decoder = SelfRAGDecoder(
             lambda _: recorder,  # type: ignore[arg-type,return-value]

@@ -489,9 +489,9 @@ class RetrieverActor:
     """The one owner of an embedded Qdrant folder (and its embedder) for all engine actors."""
 
     def __init__(self, settings: Settings) -> None:
-        from selfrag.runtime.system import SelfRAG
+        from selfrag.runtime.system import SelfRAGSystem
 
-        self._rag = SelfRAG(settings)
+        self._rag = SelfRAGSystem(settings)
         self._store = self._rag.store
         self._store.search("warm up", 1)  # load the embedder now, not on the first question
 
@@ -538,13 +538,13 @@ class BatchAnswerer:
 
     def __init__(self, settings: Settings, retriever: Any | None, n_threads: int) -> None:
         from selfrag.infra.cache import open_query_cache
-        from selfrag.runtime.system import SelfRAG
+        from selfrag.runtime.system import SelfRAGSystem
 
         if n_threads and not settings.model.n_threads:
             model = settings.model.model_copy(update={"n_threads": n_threads})
             settings = settings.model_copy(update={"model": model})
         self._settings = settings
-        self._rag = SelfRAG(settings)
+        self._rag = SelfRAGSystem(settings)
         self._model_id = self._rag.engine.model_id  # load now, in this actor's process
         self._store: Any = _RemoteStore(retriever) if retriever is not None else self._rag.store
         self._index_version = self._store.index_version()

@@ -25,7 +25,7 @@ from selfrag.schemas.decoding import DecodingConfig
 from selfrag.schemas.records import EvalRecord
 
 if TYPE_CHECKING:
-    from selfrag.runtime.system import SelfRAG
+    from selfrag.runtime.system import SelfRAGSystem
 
 SYSTEMS = (
     "closed-book",
@@ -147,7 +147,7 @@ def _read_jsonl_questions(path: Path) -> Iterable[EvalQuestion]:
 # --- corpus -----------------------------------------------------------------------------------
 
 
-def corpus_indexed(rag: SelfRAG, corpus: Path) -> bool:
+def corpus_indexed(rag: SelfRAGSystem, corpus: Path) -> bool:
     """True when the first and last passages of `corpus` are found in the index by their own
     text (a cheap check through the public search API; re-indexing is idempotent anyway)."""
     from selfrag.infra.corpus import CorpusError, read_documents, split_passages
@@ -168,7 +168,7 @@ def corpus_indexed(rag: SelfRAG, corpus: Path) -> bool:
     return True
 
 
-def ensure_indexed(rag: SelfRAG, corpora: Sequence[Path] | None, progress: bool) -> None:
+def ensure_indexed(rag: SelfRAGSystem, corpora: Sequence[Path] | None, progress: bool) -> None:
     """Index every corpus the store does not hold yet. Without corpora the existing index is
     used as it is, and must not be empty."""
     from selfrag.jobs.indexing import index_corpus
@@ -201,7 +201,7 @@ def ensure_indexed(rag: SelfRAG, corpora: Sequence[Path] | None, progress: bool)
 # --- running systems --------------------------------------------------------------------------
 
 
-def parse_systems(spec: str, rag: SelfRAG | None = None) -> list[str]:
+def parse_systems(spec: str, rag: SelfRAGSystem | None = None) -> list[str]:
     names = [s.strip() for s in spec.split(",") if s.strip()]
     if not names:
         raise EvalError("--systems names no system")
@@ -212,7 +212,7 @@ def parse_systems(spec: str, rag: SelfRAG | None = None) -> list[str]:
 
 
 def runner_for(
-    rag: SelfRAG, system: str, config: DecodingConfig, probe_p_ret: bool
+    rag: SelfRAGSystem, system: str, config: DecodingConfig, probe_p_ret: bool
 ) -> Callable[[EvalQuestion], tuple[AnswerResponse, float | None, int]]:
     """A function answering one question with `system`: (response, first-step p_ret, extra
     prefill tokens spent on a p_ret probe)."""
@@ -307,7 +307,7 @@ def read_records(path: Path) -> list[dict[str, Any]]:
 
 
 def run_evaluation(
-    rag: SelfRAG,
+    rag: SelfRAGSystem,
     questions: Sequence[EvalQuestion],
     systems: Sequence[str],
     out: Path,

@@ -180,6 +180,8 @@ class AnswerPath:
     def config(self, request: AnswerRequest) -> DecodingConfig:
         """The request's dials over the defaults; refused when past the server's limits."""
         config = request.config.apply_to(self.defaults)
+        if request.max_tokens is not None:
+            config = config.within_tokens(request.max_tokens)
         if self._max_timeout_s is not None and config.timeout_s > self._max_timeout_s:
             raise Unprocessable(
                 f"timeout_s={config.timeout_s:g} is above this server's maximum "

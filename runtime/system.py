@@ -35,7 +35,7 @@ if TYPE_CHECKING:  # heavy modules (torch, llama.cpp) load only when a component
     from selfrag.infra.vllm_engine import VLLMEngine
 
 
-class SelfRAG(Closeable):
+class SelfRAGSystem(Closeable):
     """One process's Self-RAG system. Thread-safe; the engine serialises its own calls."""
 
     def __init__(self, settings: Settings) -> None:
@@ -180,9 +180,13 @@ class SelfRAG(Closeable):
         """Decode in this process (the decoder keeps to `config.timeout_s` itself)."""
         return self.decoder.answer(question, config, on_step)
 
-    def answer_config(self, question: str, config: DecodingConfig) -> Answer:
+    def answer_config(
+        self, question: str, config: DecodingConfig, on_step: StepListener | None = None
+    ) -> Answer:
         """Answer with an effective config, through the answer path."""
-        return self.answer_path.answer(question, config, self.decode, identity=self.cache_identity)
+        return self.answer_path.answer(
+            question, config, self.decode, identity=self.cache_identity, on_step=on_step
+        )
 
     def answer(self, request: AnswerRequest) -> AnswerResponse:
         return self.answer_config(request.question, self.answer_path.config(request)).response

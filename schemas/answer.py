@@ -19,6 +19,13 @@ class AnswerRequest(BaseModel):
 
     question: str = Field(..., min_length=1, max_length=MAX_QUESTION_CHARS)
     config: DecodingOverrides = Field(default_factory=DecodingOverrides)
+    max_tokens: int | None = Field(
+        None,
+        ge=4,
+        le=32 * 512,
+        description="Caps the answer's length: max_segments × max_segment_tokens is brought "
+        "within it (OpenAI's max_tokens).",
+    )
 
     @field_validator("question")
     @classmethod

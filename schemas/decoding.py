@@ -84,6 +84,13 @@ class DecodingConfig(BaseModel):
         120.0, gt=0.0, le=3600.0, description="Wall-clock budget per question."
     )
 
+    def within_tokens(self, max_tokens: int) -> DecodingConfig:
+        """This config with an answer of at most `max_tokens` tokens: shorter segments first,
+        then fewer of them."""
+        seg = min(self.max_segment_tokens, max_tokens)
+        segments = min(self.max_segments, max(1, max_tokens // seg))
+        return self.model_copy(update={"max_segment_tokens": seg, "max_segments": segments})
+
 
 class DecodingOverrides(BaseModel):
     """A partial `DecodingConfig`: only the fields a request wants to change."""

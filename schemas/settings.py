@@ -165,6 +165,14 @@ class ServeSettings(BaseModel):
     retry_after_s: int = Field(
         2, ge=1, le=3600, description="Retry-After (seconds) sent with every 503."
     )
+    model_name: str = Field(
+        "selfrag",
+        min_length=1,
+        max_length=128,
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9._:/-]*$",
+        description="The model id the OpenAI-compatible API serves (`GET /v1/models`); "
+        "requests naming another model get 404.",
+    )
     pool_replicas: int = Field(
         1,
         ge=1,

@@ -9,7 +9,7 @@ import pytest
 
 from selfrag.cli import main
 from selfrag.infra.settings import load_settings
-from selfrag.runtime.system import SelfRAG
+from selfrag.runtime.system import SelfRAGSystem
 
 pytestmark = pytest.mark.real
 
@@ -74,8 +74,8 @@ def test_the_readme_example_is_right_or_abstains_or_shows_low_support(
 
 def test_reindexing_does_not_duplicate(indexed_home: Path, normans_squad: Path):
     settings = load_settings(environ={"SELFRAG_HOME": str(indexed_home)})
-    with SelfRAG(settings) as system:
+    with SelfRAGSystem(settings) as system:
         before = system.store.count()
     assert main(["--home", str(indexed_home), "index", "--no-progress", str(normans_squad)]) == 0
-    with SelfRAG(settings) as system:
+    with SelfRAGSystem(settings) as system:
         assert system.store.count() == before

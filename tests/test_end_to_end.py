@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from selfrag.infra.settings import load_settings
-from selfrag.runtime.system import SelfRAG
+from selfrag.runtime.system import SelfRAGSystem
 from selfrag.schemas.answer import AnswerRequest, AnswerResponse
 
 pytestmark = pytest.mark.real
@@ -16,7 +16,7 @@ pytestmark = pytest.mark.real
 @pytest.fixture(scope="module")
 def rag(indexed_home: Path):
     settings = load_settings(environ={"SELFRAG_HOME": str(indexed_home)})
-    with SelfRAG(settings) as system:
+    with SelfRAGSystem(settings) as system:
         yield system
 
 
@@ -29,7 +29,7 @@ def _check_ranges(r: AnswerResponse) -> None:
         assert seg.logprob <= 0.0
 
 
-def test_ask_always_retrieves_and_cites(rag: SelfRAG):
+def test_ask_always_retrieves_and_cites(rag: SelfRAGSystem):
     r = rag.answer(
         AnswerRequest(
             question="Who was the Norse leader who founded Normandy?",
@@ -55,7 +55,7 @@ def test_ask_always_retrieves_and_cites(rag: SelfRAG):
     assert r.critique == "learned"
 
 
-def test_never_mode_answers_closed_book(rag: SelfRAG):
+def test_never_mode_answers_closed_book(rag: SelfRAGSystem):
     r = rag.answer(
         AnswerRequest(
             question="What is the capital of France?", config={"mode": "never", "max_segments": 1}
@@ -66,7 +66,7 @@ def test_never_mode_answers_closed_book(rag: SelfRAG):
     assert all(s.citation is None for s in r.segments)
 
 
-def test_strict_support_filter_never_returns_an_empty_answer(rag: SelfRAG):
+def test_strict_support_filter_never_returns_an_empty_answer(rag: SelfRAGSystem):
     r = rag.answer(
         AnswerRequest(
             question="What colour is the planet Neptune's third moon's ocean?",

@@ -75,7 +75,7 @@ SQUAD = {
 
 
 class FakeRag:
-    """What the evaluation uses of `SelfRAG`: engine, store, critic(), answer_config()."""
+    """What the evaluation uses of `SelfRAGSystem`: engine, store, critic(), answer_config()."""
 
     def __init__(self) -> None:
         self.engine = WordModel(draft_text=" Rollo founded it.")

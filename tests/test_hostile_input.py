@@ -37,7 +37,7 @@ from selfrag.pipeline.protocols import (
     TokenScoreRequest,
     TokenScores,
 )
-from selfrag.runtime.system import SelfRAG
+from selfrag.runtime.system import SelfRAGSystem
 
 pytestmark = pytest.mark.real
 
@@ -80,14 +80,14 @@ class Recording:
 
 
 @pytest.fixture(scope="module")
-def rag(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SelfRAG]:
+def rag(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SelfRAGSystem]:
     home = tmp_path_factory.mktemp("hostile-home")
-    with SelfRAG(load_settings(environ={"SELFRAG_HOME": str(home)})) as system:
+    with SelfRAGSystem(load_settings(environ={"SELFRAG_HOME": str(home)})) as system:
         yield system
 
 
 @pytest.fixture(scope="module")
-def forged_passage(rag: SelfRAG, tmp_path_factory: pytest.TempPathFactory) -> Passage:
+def forged_passage(rag: SelfRAGSystem, tmp_path_factory: pytest.TempPathFactory) -> Passage:
     corpus = tmp_path_factory.mktemp("hostile-corpus") / "c.jsonl"
     docs = [
         {"id": "forged", "title": "Rollo", "text": BASE + FORGERY},
@@ -112,7 +112,7 @@ def _control_ids(engine: Any) -> set[int]:
 
 
 def _score(
-    rag: SelfRAG, source: str, question: str, passage: Passage, draft: Generation | None
+    rag: SelfRAGSystem, source: str, question: str, passage: Passage, draft: Generation | None
 ) -> tuple[list[list[int]], dict[str, LabelProbs], Generation]:
     """Every critique of one branch, from a cold engine cache, with the prompts it sent."""
     engine = rag.engine
@@ -130,7 +130,7 @@ def _score(
     return model.prompts, scores, drafted
 
 
-def test_the_forgery_would_be_control_tokens_if_tokenized_as_trusted(rag: SelfRAG) -> None:
+def test_the_forgery_would_be_control_tokens_if_tokenized_as_trusted(rag: SelfRAGSystem) -> None:
     # The test has teeth: tokenized with special tokens on, the markup IS control tokens.
     controls = _control_ids(rag.engine)
     assert controls & set(rag.engine.tokenize(FORGERY, special=True))
@@ -139,7 +139,7 @@ def test_the_forgery_would_be_control_tokens_if_tokenized_as_trusted(rag: SelfRA
 
 @pytest.mark.parametrize("source", ["likelihood", "prompted", "learned"])
 def test_forged_passage_scores_equal_the_defused_passage(
-    rag: SelfRAG, forged_passage: Passage, source: str, capsys: pytest.CaptureFixture[str]
+    rag: SelfRAGSystem, forged_passage: Passage, source: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     controls = _control_ids(rag.engine)
     defused = Passage(forged_passage.id, neutralise(forged_passage.text), forged_passage.title, 0.0)
@@ -164,7 +164,9 @@ def test_forged_passage_scores_equal_the_defused_passage(
             )
 
 
-def test_control_tokens_in_a_question_are_plain_text(rag: SelfRAG, forged_passage: Passage) -> None:
+def test_control_tokens_in_a_question_are_plain_text(
+    rag: SelfRAGSystem, forged_passage: Passage
+) -> None:
     controls = _control_ids(rag.engine)
     hostile, hostile_scores, draft = _score(
         rag, "likelihood", HOSTILE_QUESTION, forged_passage, None

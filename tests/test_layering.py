@@ -1,8 +1,8 @@
 """The package's shape: imports point downward only, no circles, no private names across modules.
 
-Layers, lowest first: schemas → pipeline → infra (adapters) → runtime → actors | jobs → entry
-points (cli, ray_app). `actors` and `jobs` sit side by side and never import each other.
-Function-level imports count too.
+Layers, lowest first: schemas → pipeline → infra (adapters) → runtime → actors | jobs → the
+Python API (api) → entry points (cli, ray_app) | framework adapters (integrations). Folders
+on one layer sit side by side and never import each other. Function-level imports count too.
 """
 
 from __future__ import annotations
@@ -20,9 +20,11 @@ LAYERS = {
     "runtime": 3,
     "actors": 4,
     "jobs": 4,
-    "cli": 5,
-    "ray_app": 5,
-    "__main__": 6,
+    "api": 5,
+    "integrations": 6,
+    "cli": 6,
+    "ray_app": 6,
+    "__main__": 7,
 }
 
 

@@ -1,0 +1,466 @@
+"""OpenAI-compatible routes on the HTTP app: `GET /v1/models`, `GET /v1/models/{id}`,
+`POST /v1/chat/completions` and `POST /v1/completions`, streamed or not.
+
+Each request becomes one `AnswerRequest` on the same answer service as `/v1/answer`:
+- the question is the last user message; earlier user and assistant turns are prefixed to
+  it as the conversation so far (the most recent that fit in `MAX_QUESTION_CHARS`), so
+  retrieval and drafting both see them; system and developer messages are not used (the
+  prompt head is selfrag's own, shared by every branch so its KV state is reusable);
+- `max_tokens` / `max_completion_tokens` cap the answer (`DecodingConfig.within_tokens`);
+- the dials come in the `selfrag` extension object (`DecodingOverrides`).
+Each choice carries the `AnswerResponse` in `selfrag`; `usage` counts every token the engine
+computed (all branches). A stream sends one chunk per segment with the segment (its citation
+and scores) in `selfrag`, as it is decoded (with `beam` > 1 the leader can change, so the
+segments come when the answer is done), then a chunk with `finish_reason` and the answer, and
+`data: [DONE]`. Errors use OpenAI's envelope `{"error": {message, type, param, code}}`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Sequence
+from typing import Any, Literal, TypeVar
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, ValidationError
+
+from selfrag.actors.metrics import Metrics
+from selfrag.actors.streaming import AnswerLog, AnswerService, AnswerStream, request_id, sse
+from selfrag.schemas.answer import MAX_QUESTION_CHARS, AnswerRequest, AnswerResponse
+from selfrag.schemas.errors import AnswerError
+from selfrag.schemas.events import SegmentEvent
+from selfrag.schemas.openai import (
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatMessage,
+    ChunkDelta,
+    Completion,
+    CompletionRequest,
+    CompletionUsage,
+    FinishReason,
+    ModelCard,
+    ModelList,
+    OpenAIErrorBody,
+    OpenAIErrorDetail,
+    StreamedSegment,
+    TextChoice,
+)
+
+OPENAI_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/models")
+DONE = b"data: [DONE]\n\n"
+_TURN = {"user": "User", "assistant": "Assistant"}
+
+
+def is_openai_path(path: str) -> bool:
+    """Whether errors on `path` use OpenAI's envelope."""
+    return any(path == p or path.startswith(p + "/") for p in OPENAI_PATHS)
+
+
+class OpenAIError(Exception):
+    """A failure on an OpenAI route, in OpenAI's terms."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        code: str | None = None,
+        param: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.body = OpenAIErrorBody(
+            error=OpenAIErrorDetail(
+                message=message, type=error_type(status), param=param, code=code
+            )
+        )
+        self.headers = headers
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(
+            self.body.model_dump(mode="json"), status_code=self.status, headers=self.headers
+        )
+
+
+def error_type(status: int) -> str:
+    """OpenAI's error `type` for a status."""
+    if status == 401:
+        return "authentication_error"
+    if status == 404:
+        return "not_found_error"
+    if status == 429:
+        return "rate_limit_error"
+    return "invalid_request_error" if status < 500 else "server_error"
+
+
+def from_answer_error(exc: AnswerError, rid: str, retry_after_s: int) -> OpenAIError:
+    """An answer-path failure: a request the system cannot answer is a 400 here (OpenAI
+    has no 422); an internal error says only where to look in the log."""
+    status = 400 if exc.status == 422 else exc.status
+    message = str(exc.detail)
+    if exc.status == 500 and exc.kind == "internal_error":
+        message = f"internal error; request id {rid}"
+    headers = {"Retry-After": str(retry_after_s)} if status == 503 else None
+    return OpenAIError(status, message, code=exc.kind, headers=headers)
+
+
+def invalid(exc: ValidationError, prefix: str = "") -> OpenAIError:
+    """A 400 naming the first offending field (OpenAI's `param`) and every problem."""
+    problems = []
+    for e in exc.errors():
+        field = ".".join(str(p) for p in (prefix, *e.get("loc", ())) if p != "")
+        problems.append(f"{field or 'body'}: {e.get('msg', '')}")
+    first = exc.errors()[0] if exc.errors() else {}
+    param = ".".join(str(p) for p in (prefix, *first.get("loc", ())) if p != "") or None
+    return OpenAIError(400, "; ".join(problems), code="invalid_request", param=param)
+
+
+def conversation_question(messages: Sequence[ChatMessage]) -> str:
+    """The question the answer path gets: the last user message, after the earlier user and
+    assistant turns that fit (most recent first) within `MAX_QUESTION_CHARS`."""
+    last = max(i for i, m in enumerate(messages) if m.role == "user" and m.text.strip())
+    if any(m.role == "assistant" for m in messages[last + 1 :]):
+        raise OpenAIError(400, "the conversation must end with a user message", param="messages")
+    question = messages[last].text.strip()
+    if len(question) > MAX_QUESTION_CHARS:
+        raise OpenAIError(
+            400,
+            f"the last user message has {len(question)} characters; "
+            f"the limit is {MAX_QUESTION_CHARS}",
+            code="question_too_long",
+            param=f"messages.{last}.content",
+        )
+    turns = [
+        f"{_TURN[m.role]}: {' '.join(m.text.split())}"
+        for m in messages[:last]
+        if m.role in _TURN and m.text.strip()
+    ]
+    head, tail = "Conversation so far:\n", f"\nQuestion: {question}"
+    budget = MAX_QUESTION_CHARS - len(head) - len(tail)
+    kept: list[str] = []
+    for turn in reversed(turns):
+        if len(turn) + 1 > budget:
+            break
+        kept.insert(0, turn)
+        budget -= len(turn) + 1
+    return head + "\n".join(kept) + tail if kept else question
+
+
+def finish_reason(response: AnswerResponse) -> FinishReason:
+    """`length` when a budget ended the answer or it used every token it was allowed."""
+    cfg, segments = response.config, response.segments
+    if response.usage.stopped_by is not None:
+        return "length"
+    full = len(segments) == cfg.max_segments and segments[-1].n_tokens >= cfg.max_segment_tokens
+    return "length" if full else "stop"
+
+
+def usage_of(response: AnswerResponse) -> CompletionUsage:
+    u = response.usage
+    return CompletionUsage(
+        prompt_tokens=u.prefill_tokens,
+        completion_tokens=u.decode_tokens,
+        total_tokens=u.prefill_tokens + u.decode_tokens,
+    )
+
+
+class OpenAIStreamFormat:
+    """Chunks of a chat or text completion: one per segment as it is decoded (segments only
+    ever append: with beam > 1 they wait for the answer), the answer's closing chunk, an
+    optional usage chunk, then `[DONE]`."""
+
+    def __init__(
+        self,
+        kind: Literal["chat", "text"],
+        *,
+        completion_id: str,
+        created: int,
+        model: str,
+        hold: bool,
+        include_usage: bool,
+        retry_after_s: int,
+    ) -> None:
+        self._kind = kind
+        self._id, self._created, self._model = completion_id, created, model
+        self._hold = hold
+        self._include_usage = include_usage
+        self._retry_after_s = retry_after_s
+        self._sent = 0  # segments streamed
+        self._began = False
+
+    def _chunk(
+        self,
+        text: str | None,
+        *,
+        finish: FinishReason | None = None,
+        selfrag: StreamedSegment | AnswerResponse | None = None,
+        usage: CompletionUsage | None = None,
+        no_choice: bool = False,
+    ) -> bytes:
+        model: BaseModel
+        if self._kind == "chat":
+            delta = ChunkDelta(content=text)
+            if not self._began:
+                delta.role, self._began = "assistant", True
+            choices = [ChatChunkChoice(index=0, delta=delta, finish_reason=finish, selfrag=selfrag)]
+            model = ChatCompletionChunk(
+                id=self._id,
+                created=self._created,
+                model=self._model,
+                choices=[] if no_choice else choices,
+                usage=usage,
+            )
+        else:
+            choice = TextChoice(index=0, text=text or "", finish_reason=finish, selfrag=selfrag)
+            model = Completion(
+                id=self._id,
+                created=self._created,
+                model=self._model,
+                choices=[] if no_choice else [choice],
+                usage=usage,
+            )
+        return sse(None, model.model_dump(mode="json"))
+
+    def _text(self, text: str) -> str:
+        return text.lstrip() if self._sent == 0 else text
+
+    def segment(self, event: SegmentEvent) -> bytes:
+        # A replaced segment (index below what was sent) cannot be taken back: hold it.
+        if self._hold or event.index != self._sent:
+            return b""
+        chunk = self._chunk(
+            self._text(event.segment.text),
+            selfrag=StreamedSegment(index=event.index, segment=event.segment),
+        )
+        self._sent += 1
+        return chunk
+
+    def answer(self, response: AnswerResponse) -> bytes:
+        out = []
+        if response.abstained:
+            text = response.answer if self._sent == 0 else "\n\n" + response.answer
+            out.append(self._chunk(text))
+        else:
+            for i in range(self._sent, len(response.segments)):
+                segment = response.segments[i]
+                out.append(
+                    self._chunk(
+                        self._text(segment.text),
+                        selfrag=StreamedSegment(index=i, segment=segment),
+                    )
+                )
+                self._sent += 1
+        out.append(self._chunk(None, finish=finish_reason(response), selfrag=response))
+        if self._include_usage:
+            out.append(self._chunk(None, usage=usage_of(response), no_choice=True))
+        return b"".join(out)
+
+    def error(self, exc: AnswerError, rid: str) -> bytes:
+        failure = from_answer_error(exc, rid, self._retry_after_s)
+        return sse(None, failure.body.model_dump(mode="json"))
+
+    def end(self) -> bytes:
+        return DONE
+
+    def error_response(self, exc: AnswerError, rid: str) -> Response:
+        return from_answer_error(exc, rid, self._retry_after_s).response()
+
+
+Body = TypeVar("Body", bound=BaseModel)
+
+
+async def _parse(request: Request, model: type[Body]) -> Body:
+    raw = await request.body()
+    try:
+        data = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise OpenAIError(400, f"the body is not valid JSON: {exc}", code="invalid_json") from exc
+    if not isinstance(data, dict):
+        raise OpenAIError(400, "the body must be a JSON object", code="invalid_request")
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise invalid(exc) from exc
+
+
+def _answer_request(
+    question: str, body: ChatCompletionRequest | CompletionRequest
+) -> AnswerRequest:
+    try:
+        return AnswerRequest(question=question, config=body.selfrag, max_tokens=body.token_cap)
+    except ValidationError as exc:
+        raise invalid(exc, "prompt" if isinstance(body, CompletionRequest) else "messages") from exc
+
+
+def add_openai_routes(
+    app: FastAPI,
+    service: AnswerService,
+    metrics: Metrics,
+    *,
+    model_name: str,
+    authed: Sequence[Any],
+    log_answer: AnswerLog,
+    keepalive_s: float,
+    retry_after_s: int,
+) -> None:
+    """Register the OpenAI-compatible routes on `app` (behind `authed`)."""
+    created = int(time.time())
+    card = ModelCard(id=model_name, created=created)
+
+    @app.exception_handler(OpenAIError)
+    async def openai_error(_: Request, exc: OpenAIError) -> JSONResponse:
+        return exc.response()
+
+    def check_model(name: str) -> None:
+        if name != model_name:
+            raise OpenAIError(
+                404,
+                f"the model {name!r} does not exist; this server serves {model_name!r}",
+                code="model_not_found",
+                param="model",
+            )
+
+    async def answer_one(request: Request, body: AnswerRequest) -> AnswerResponse:
+        started, rid = time.perf_counter(), request_id(request)
+        try:
+            result = await service.answer(body)
+        except AnswerError as exc:
+            log_answer(body.question, exc.status, started, rid)
+            raise from_answer_error(exc, rid, retry_after_s) from exc
+        log_answer(body.question, 200, started, rid)
+        return result.response
+
+    def stream(
+        request: Request,
+        body: AnswerRequest,
+        kind: Literal["chat", "text"],
+        options: ChatCompletionRequest | CompletionRequest,
+        completion_id: str,
+    ) -> Any:
+        try:
+            beam = service.config(body).beam
+        except AnswerError as exc:
+            raise from_answer_error(exc, request_id(request), retry_after_s) from exc
+        fmt = OpenAIStreamFormat(
+            kind,
+            completion_id=completion_id,
+            created=int(time.time()),
+            model=model_name,
+            hold=beam > 1,
+            include_usage=bool(options.stream_options and options.stream_options.include_usage),
+            retry_after_s=retry_after_s,
+        )
+        return AnswerStream(
+            service,
+            body,
+            request,
+            fmt,
+            log_answer=log_answer,
+            metrics=metrics,
+            keepalive_s=keepalive_s,
+        ).respond()
+
+    @app.get("/v1/models", dependencies=authed, response_model=ModelList)
+    async def list_models() -> ModelList:
+        """The one model this server serves (`serve.model_name`)."""
+        return ModelList(data=[card])
+
+    @app.get("/v1/models/{model}", dependencies=authed, response_model=ModelCard)
+    async def get_model(model: str) -> ModelCard:
+        check_model(model)
+        return card
+
+    @app.post(
+        "/v1/chat/completions",
+        dependencies=authed,
+        response_model=ChatCompletion,
+        responses={200: {"content": {"text/event-stream": {}}}},
+        openapi_extra={
+            "requestBody": {
+                "content": {
+                    "application/json": {"schema": ChatCompletionRequest.model_json_schema()}
+                },
+                "required": True,
+            }
+        },
+    )
+    async def chat_completions(request: Request) -> Response:
+        """OpenAI chat completions: the last user message is the question."""
+        body = await _parse(request, ChatCompletionRequest)
+        check_model(body.model)
+        answer_request = _answer_request(conversation_question(body.messages), body)
+        completion_id = f"chatcmpl-{request_id(request)}"
+        if body.stream:
+            return await stream(request, answer_request, "chat", body, completion_id)
+        response = await answer_one(request, answer_request)
+        completion = ChatCompletion(
+            id=completion_id,
+            created=int(time.time()),
+            model=model_name,
+            choices=[
+                ChatChoice(
+                    index=0,
+                    message=AssistantMessage(content=response.answer),
+                    finish_reason=finish_reason(response),
+                    selfrag=response,
+                )
+            ],
+            usage=usage_of(response),
+        )
+        return JSONResponse(completion.model_dump(mode="json"))
+
+    @app.post(
+        "/v1/completions",
+        dependencies=authed,
+        response_model=Completion,
+        responses={200: {"content": {"text/event-stream": {}}}},
+        openapi_extra={
+            "requestBody": {
+                "content": {"application/json": {"schema": CompletionRequest.model_json_schema()}},
+                "required": True,
+            }
+        },
+    )
+    async def completions(request: Request) -> Response:
+        """OpenAI (legacy) completions: each prompt is a question, answered concurrently."""
+        body = await _parse(request, CompletionRequest)
+        check_model(body.model)
+        requests = [_answer_request(p, body) for p in body.prompts]
+        completion_id = f"cmpl-{request_id(request)}"
+        if body.stream:
+            if len(requests) > 1:
+                raise OpenAIError(
+                    400, "stream needs a single prompt", code="invalid_request", param="prompt"
+                )
+            return await stream(request, requests[0], "text", body, completion_id)
+        try:
+            async with asyncio.TaskGroup() as group:  # one failure cancels the other prompts
+                tasks = [group.create_task(answer_one(request, r)) for r in requests]
+        except* OpenAIError as failures:
+            raise failures.exceptions[0] from None
+        responses = [t.result() for t in tasks]
+        total = CompletionUsage(prompt_tokens=0, completion_tokens=0, total_tokens=0)
+        for r in responses:
+            u = usage_of(r)
+            total.prompt_tokens += u.prompt_tokens
+            total.completion_tokens += u.completion_tokens
+            total.total_tokens += u.total_tokens
+        completion = Completion(
+            id=completion_id,
+            created=int(time.time()),
+            model=model_name,
+            choices=[
+                TextChoice(index=i, text=r.answer, finish_reason=finish_reason(r), selfrag=r)
+                for i, r in enumerate(responses)
+            ],
+            usage=total,
+        )
+        return JSONResponse(completion.model_dump(mode="json"))

@@ -1,0 +1,233 @@
+"""The Python API: `from selfrag import SelfRAG`.
+
+    with SelfRAG.open(home="~/rag") as rag:
+        rag.index("corpus.jsonl")
+        r = rag.answer("Who founded Normandy?", mode="always", top_k=3)
+        print(r.answer, [s.citation for s in r.segments])
+
+Everything runs in this process on the answer path the CLI, HTTP and batch jobs share (the
+configured defaults, the query cache, the deadline); `selfrag serve` is the way to share one
+model between processes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+import weakref
+from collections.abc import AsyncIterator, Callable, Iterator
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+from selfrag.jobs.indexing import IndexReport, index_corpus
+from selfrag.pipeline.decoder import StepListener
+from selfrag.pipeline.ranking import Hypothesis
+from selfrag.runtime.answering import Answer
+from selfrag.runtime.system import SelfRAGSystem
+from selfrag.schemas.answer import AnswerRequest, AnswerResponse
+from selfrag.schemas.errors import Cancelled
+from selfrag.schemas.events import SegmentEvent
+from selfrag.schemas.settings import Settings
+
+_END = object()
+
+
+class SelfRAG:
+    """Self-RAG in this process: index documents, answer questions with citations and
+    per-segment scores, stream the segments as they are decoded. Thread-safe; close it (or use
+    it as a context manager) to free the model."""
+
+    # How long `close` waits for abandoned streams to reach their next step.
+    CLOSE_WAIT_S = 60.0
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.system = SelfRAGSystem(settings)
+        self._runs: weakref.WeakSet[_Run] = weakref.WeakSet()
+
+    @classmethod
+    def open(
+        cls,
+        home: str | Path | None = None,
+        *,
+        config: str | Path | None = None,
+        **settings: Any,
+    ) -> SelfRAG:
+        """Open a home (default: `SELFRAG_HOME`, else the user data folder). Settings come as
+        for the CLI: `config` (a TOML file), the environment, then `settings` (sections as
+        dicts, e.g. `model={"n_threads": 1}`); bad ones raise `SettingsError`."""
+        from selfrag.infra.settings import load_settings
+
+        overrides = dict(settings)
+        if home is not None:
+            overrides["home"] = str(Path(home).expanduser())
+        path = Path(config).expanduser() if config is not None else None
+        return cls(load_settings(config_path=path, overrides=overrides))
+
+    # --- the index -------------------------------------------------------------------------------
+
+    def index(self, *paths: str | Path, progress: bool = False) -> list[IndexReport]:
+        """Index JSONL, SQuAD JSON or folders of .txt/.md into this home; one report per path
+        (its bad records are in `errors`, the rest is indexed). A missing path raises
+        FileNotFoundError before anything is written."""
+        for path in paths:
+            if not Path(path).exists():
+                raise FileNotFoundError(f"no such file or folder: {path}")
+        r = self.settings.retrieval
+        return [
+            index_corpus(
+                path,
+                self.system.store,
+                progress=progress,
+                passage_words=r.passage_words,
+                overlap=r.passage_overlap_words,
+                max_document_bytes=r.max_document_bytes,
+            )
+            for path in paths
+        ]
+
+    def count(self) -> int:
+        """Passages in the index."""
+        return self.system.store.count()
+
+    # --- answers ---------------------------------------------------------------------------------
+
+    def answer(
+        self, question: str, *, max_tokens: int | None = None, **dials: Any
+    ) -> AnswerResponse:
+        """Answer `question`; `dials` override any `DecodingConfig` field for this answer (bad
+        ones raise pydantic's ValidationError naming the field). Failures raise the kinds of
+        `selfrag.schemas.errors` (e.g. `DeadlineExceeded` past `timeout_s`)."""
+        return self._answer(self._request(question, max_tokens, dials)).response
+
+    async def aanswer(
+        self, question: str, *, max_tokens: int | None = None, **dials: Any
+    ) -> AnswerResponse:
+        """`answer` without blocking the event loop."""
+        request = self._request(question, max_tokens, dials)
+        return (await asyncio.to_thread(self._answer, request)).response
+
+    def stream(
+        self, question: str, *, max_tokens: int | None = None, **dials: Any
+    ) -> SegmentStream:
+        """Iterate the leading hypothesis's segments as they are decoded (`SegmentEvent`:
+        index i replaces any segment with index ≥ i seen before, since the beam's leader can
+        change); the full answer is `.response` once the iteration ends. Leaving the loop
+        early stops the decode at its next step."""
+        return SegmentStream(self, self._request(question, max_tokens, dials))
+
+    def astream(
+        self, question: str, *, max_tokens: int | None = None, **dials: Any
+    ) -> SegmentStream:
+        """`stream` for asyncio: `async for event in rag.astream(q)`, then `.response`."""
+        return SegmentStream(self, self._request(question, max_tokens, dials))
+
+    def _request(
+        self, question: str, max_tokens: int | None, dials: dict[str, Any]
+    ) -> AnswerRequest:
+        return AnswerRequest.model_validate(
+            {"question": question, "config": dials, "max_tokens": max_tokens}
+        )
+
+    def _answer(self, request: AnswerRequest, on_step: StepListener | None = None) -> Answer:
+        system = self.system
+        config = system.answer_path.config(request)
+        return system.answer_config(request.question, config, on_step)
+
+    # --- lifetime --------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Stop the streams still decoding, then free the model, the store and the caches."""
+        runs = list(self._runs)
+        for run in runs:
+            run.stop()
+        for run in runs:
+            run.join(self.CLOSE_WAIT_S)
+        self.system.close()
+
+    def __enter__(self) -> SelfRAG:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+
+class _Run:
+    """One streamed answer decoding in a thread of its own; `emit` gets each segment event,
+    then the response (or the exception), then `_END`."""
+
+    def __init__(self, rag: SelfRAG, request: AnswerRequest, emit: Callable[[Any], None]) -> None:
+        self._emit = emit
+        self._stopped = threading.Event()
+        self._sent: list[Any] = []
+        self._thread = threading.Thread(
+            target=self._work, args=(rag, request), name="selfrag-stream", daemon=True
+        )
+        self._thread.start()
+        rag._runs.add(self)
+
+    def _on_step(self, h: Hypothesis) -> None:
+        if self._stopped.is_set():
+            raise Cancelled("the stream was closed")  # ends the decode at this step
+        segments = list(h.segments)
+        start = 0
+        while start < min(len(self._sent), len(segments)) and self._sent[start] == segments[start]:
+            start += 1
+        for i in range(start, len(segments)):
+            self._emit(SegmentEvent(index=i, segment=segments[i], hypothesis_score=h.score))
+        self._sent[:] = segments
+
+    def _work(self, rag: SelfRAG, request: AnswerRequest) -> None:
+        try:
+            self._emit(rag._answer(request, self._on_step).response)
+        except BaseException as exc:  # handed to the reader, which raises it
+            self._emit(exc)
+        finally:
+            self._emit(_END)
+
+    def stop(self) -> None:
+        self._stopped.set()
+
+    def join(self, timeout_s: float) -> None:
+        self._thread.join(timeout_s)
+
+
+class SegmentStream:
+    """The segment events of one answer as they are decoded; `response` once it is done."""
+
+    def __init__(self, rag: SelfRAG, request: AnswerRequest) -> None:
+        self.response: AnswerResponse | None = None
+        self._items: queue.Queue[Any] = queue.Queue()
+        self._run = _Run(rag, request, self._items.put)
+
+    def _event(self, item: Any) -> SegmentEvent | None:
+        """A segment event to hand out; None for the response, which is kept."""
+        if isinstance(item, BaseException):
+            raise item
+        if isinstance(item, AnswerResponse):
+            self.response = item
+            return None
+        return item  # type: ignore[no-any-return]
+
+    def __iter__(self) -> Iterator[SegmentEvent]:
+        try:
+            while (item := self._items.get()) is not _END:
+                if (event := self._event(item)) is not None:
+                    yield event
+        finally:
+            self._run.stop()
+
+    async def __aiter__(self) -> AsyncIterator[SegmentEvent]:
+        try:
+            while (item := await asyncio.to_thread(self._items.get)) is not _END:
+                if (event := self._event(item)) is not None:
+                    yield event
+        finally:
+            self._run.stop()

@@ -1,0 +1,309 @@
+"""The OpenAI-compatible API's types: `/v1/models`, `/v1/chat/completions`, `/v1/completions`.
+
+Requests accept the standard fields that mean something for Self-RAG decoding, and the dials
+in a `selfrag` extension object (a `DecodingOverrides`; the `openai` client sends it with
+`extra_body={"selfrag": {...}}`). A standard field selfrag cannot honour is refused, never
+ignored. Every choice carries the full `AnswerResponse` (citations and per-segment scores)
+in its `selfrag` field.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from selfrag.schemas.answer import AnswerResponse, SegmentOut
+from selfrag.schemas.decoding import DecodingOverrides
+
+MAX_MESSAGES = 64
+MAX_PROMPTS = 8
+"""Prompts one `/v1/completions` request may hold; they are answered concurrently."""
+
+
+class TextPart(BaseModel):
+    """A text part of a message's content (images and audio are refused)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = Field(None, max_length=64)
+
+    @property
+    def text(self) -> str:
+        """The content as one string (text parts joined)."""
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    include_usage: bool = False
+
+
+def _refuse(value: Any, allowed: tuple[Any, ...], why: str) -> Any:
+    if value not in allowed:
+        raise ValueError(why)
+    return value
+
+
+class _CompletionFields(BaseModel):
+    """What both completion endpoints accept."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str = Field(min_length=1, max_length=256)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    max_tokens: int | None = Field(
+        None, ge=4, description="Caps the answer's tokens: segments × tokens per segment."
+    )
+    temperature: float | None = Field(
+        None, description="selfrag decodes greedily: only 0 (or leaving it out) is accepted."
+    )
+    top_p: float | None = Field(None, description="Only 1 (or leaving it out) is accepted.")
+    n: int | None = Field(None, description="One choice per prompt: only 1 is accepted.")
+    stop: str | list[str] | None = Field(None, description="Not supported: segments end the text.")
+    presence_penalty: float | None = Field(None, description="Only 0 is accepted.")
+    frequency_penalty: float | None = Field(None, description="Only 0 is accepted.")
+    seed: int | None = Field(None, description="Accepted: greedy decoding is deterministic.")
+    user: str | None = Field(None, max_length=256, description="Accepted and not used.")
+    selfrag: DecodingOverrides = Field(
+        default_factory=DecodingOverrides, description="Self-RAG dials for this request."
+    )
+
+    @field_validator("temperature")
+    @classmethod
+    def _greedy(cls, v: float | None) -> float | None:
+        return _refuse(v, (None, 0), "selfrag decodes greedily; temperature must be 0 or omitted")
+
+    @field_validator("top_p")
+    @classmethod
+    def _top_p(cls, v: float | None) -> float | None:
+        return _refuse(v, (None, 1), "selfrag decodes greedily; top_p must be 1 or omitted")
+
+    @field_validator("n")
+    @classmethod
+    def _one_choice(cls, v: int | None) -> int | None:
+        return _refuse(v, (None, 1), "n must be 1: selfrag returns its best answer")
+
+    @field_validator("stop")
+    @classmethod
+    def _no_stop(cls, v: str | list[str] | None) -> str | list[str] | None:
+        return _refuse(v or None, (None,), "stop sequences are not supported")
+
+    @field_validator("presence_penalty", "frequency_penalty")
+    @classmethod
+    def _no_penalty(cls, v: float | None) -> float | None:
+        return _refuse(v, (None, 0), "penalties are not supported; use 0 or omit it")
+
+
+class ChatCompletionRequest(_CompletionFields):
+    """`POST /v1/chat/completions`. The question is the last user message; the turns before
+    it become the question's context (see `actors/openai_api.py`)."""
+
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
+    max_completion_tokens: int | None = Field(None, ge=4, description="Same as max_tokens.")
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+    response_format: dict[str, Any] | None = None
+
+    @field_validator("logprobs")
+    @classmethod
+    def _no_logprobs(cls, v: bool | None) -> bool | None:
+        return _refuse(v, (None, False), "logprobs are not returned; see choices[].selfrag")
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _no_top_logprobs(cls, v: int | None) -> int | None:
+        return _refuse(v, (None, 0), "logprobs are not returned; see choices[].selfrag")
+
+    @field_validator("tools")
+    @classmethod
+    def _no_tools(cls, v: list[Any] | None) -> list[Any] | None:
+        return _refuse(v or None, (None,), "tools are not supported")
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _no_tool_choice(cls, v: Any) -> Any:
+        return _refuse(v, (None, "none"), "tools are not supported")
+
+    @field_validator("response_format")
+    @classmethod
+    def _text_only(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        if v is not None and v.get("type") != "text":
+            raise ValueError("only response_format {'type': 'text'} is supported")
+        return v
+
+    @field_validator("messages")
+    @classmethod
+    def _has_user_message(cls, v: list[ChatMessage]) -> list[ChatMessage]:
+        if not any(m.role == "user" and m.text.strip() for m in v):
+            raise ValueError("messages must contain a user message with text")
+        return v
+
+    @property
+    def token_cap(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+
+class CompletionRequest(_CompletionFields):
+    """`POST /v1/completions`: each prompt is a question."""
+
+    prompt: str | Annotated[list[str], Field(min_length=1, max_length=MAX_PROMPTS)]
+    echo: bool | None = None
+    logprobs: int | None = None
+    suffix: str | None = None
+    best_of: int | None = None
+
+    @field_validator("echo")
+    @classmethod
+    def _no_echo(cls, v: bool | None) -> bool | None:
+        return _refuse(v, (None, False), "echo is not supported")
+
+    @field_validator("logprobs")
+    @classmethod
+    def _no_logprobs(cls, v: int | None) -> int | None:
+        return _refuse(v, (None, 0), "logprobs are not returned; see choices[].selfrag")
+
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, v: str | None) -> str | None:
+        return _refuse(v or None, (None,), "suffix is not supported")
+
+    @field_validator("best_of")
+    @classmethod
+    def _no_best_of(cls, v: int | None) -> int | None:
+        return _refuse(v, (None, 1), "best_of must be 1")
+
+    @property
+    def prompts(self) -> list[str]:
+        return [self.prompt] if isinstance(self.prompt, str) else list(self.prompt)
+
+    @property
+    def token_cap(self) -> int | None:
+        return self.max_tokens
+
+
+FinishReason = Literal["stop", "length"]
+
+
+class CompletionUsage(BaseModel):
+    """Tokens the engine computed for the answer: every branch's prompt and draft, so the
+    cost of Self-RAG's branching shows (`selfrag.usage` breaks it down)."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    finish_reason: FinishReason
+    logprobs: None = None
+    selfrag: AnswerResponse = Field(description="The answer with citations and scores.")
+
+
+class ChatCompletion(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: CompletionUsage
+
+
+class ChunkDelta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class StreamedSegment(BaseModel):
+    """The segment a chunk's text belongs to, with its citation and scores."""
+
+    index: int
+    segment: SegmentOut
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: ChunkDelta
+    finish_reason: FinishReason | None = None
+    logprobs: None = None
+    selfrag: StreamedSegment | AnswerResponse | None = Field(
+        None, description="The segment streamed in this chunk; the last chunk: the answer."
+    )
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: CompletionUsage | None = None
+
+
+class TextChoice(BaseModel):
+    index: int
+    text: str
+    finish_reason: FinishReason | None
+    logprobs: None = None
+    selfrag: StreamedSegment | AnswerResponse | None = None
+
+
+class Completion(BaseModel):
+    """A `/v1/completions` response, and (with one choice) each of its streamed chunks."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[TextChoice]
+    usage: CompletionUsage | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "selfrag"
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class OpenAIErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class OpenAIErrorBody(BaseModel):
+    """OpenAI's error envelope."""
+
+    error: OpenAIErrorDetail
