@@ -1,0 +1,1 @@
+"""Framework adapters: LangChain (`selfrag[langchain]`) and LlamaIndex (`selfrag[llamaindex]`)."""

@@ -1,0 +1,190 @@
+"""LangChain adapters (`pip install 'selfrag[langchain]'`): a retriever and a runnable over
+`selfrag.SelfRAG`.
+
+    from selfrag import SelfRAG
+    from selfrag.integrations.langchain import SelfRAGRetriever, SelfRAGRunnable
+
+    rag = SelfRAG.open(home="~/rag")
+    docs = SelfRAGRetriever(answerer=rag, dials={"top_k": 3}).invoke("Who founded Normandy?")
+    out = SelfRAGRunnable(rag, top_k=3).invoke("Who founded Normandy?")
+    out["answer"], out["documents"], out["response"]
+
+Both answer the question (the answer path decides what to retrieve and cites it); the
+retriever returns only the passages, the runnable the answer too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+from pydantic import Field
+
+from selfrag.integrations.sources import Answerer, StreamingAnswerer, sources
+from selfrag.schemas.answer import AnswerResponse
+
+try:
+    from langchain_core.callbacks import (
+        AsyncCallbackManagerForRetrieverRun,
+        CallbackManagerForRetrieverRun,
+    )
+    from langchain_core.documents import Document
+    from langchain_core.retrievers import BaseRetriever
+    from langchain_core.runnables import Runnable, RunnableConfig
+    from langchain_core.runnables.utils import AddableDict
+except ImportError as exc:  # the extra is not installed
+    raise ImportError(
+        "selfrag.integrations.langchain needs langchain-core: pip install 'selfrag[langchain]'"
+    ) from exc
+
+__all__ = ["SelfRAGRetriever", "SelfRAGRunnable", "to_documents", "to_output"]
+
+RunnableInput = str | dict[str, Any]
+
+
+def to_documents(response: AnswerResponse) -> list[Document]:
+    """The answer's passages as Documents, cited ones first (in the order the answer cites
+    them), then the rest by retrieval score. `page_content` is the passage text; `metadata`:
+    `id`, `title`, `score` (retrieval score), `cited`, `segments` (indices of the segments
+    citing it), `s_rel`, `s_sup`, `s_use`, `is_sup` (of the best citing segment, by ranking
+    score; None when uncited) and `answer` (the answer's text)."""
+    docs = []
+    for src in sources(response):
+        p, seg = src.passage, src.segment
+        metadata = {
+            "id": p.id,
+            "title": p.title,
+            "score": p.score,
+            "cited": src.cited,
+            "segments": list(src.segments),
+            "s_rel": seg.s_rel if seg else None,
+            "s_sup": seg.s_sup if seg else None,
+            "s_use": seg.s_use if seg else None,
+            "is_sup": seg.is_sup if seg else None,
+            "answer": response.answer,
+        }
+        docs.append(Document(id=p.id, page_content=p.text, metadata=metadata))
+    return docs
+
+
+def to_output(response: AnswerResponse) -> dict[str, Any]:
+    """`SelfRAGRunnable`'s output: `answer` (text), `documents` (`to_documents`), `response`
+    (the full `AnswerResponse`: segments, scores, usage)."""
+    return {"answer": response.answer, "documents": to_documents(response), "response": response}
+
+
+class SelfRAGRetriever(BaseRetriever):
+    """Answers the query and returns the answer's passages (`to_documents`), cited first.
+    `dials` go to every answer (e.g. `{"top_k": 3, "mode": "always"}`)."""
+
+    answerer: Answerer
+    dials: dict[str, Any] = Field(default_factory=dict)
+
+    def _get_relevant_documents(
+        self, query: str, *, run_manager: CallbackManagerForRetrieverRun
+    ) -> list[Document]:
+        return to_documents(self.answerer.answer(query, **self.dials))
+
+    async def _aget_relevant_documents(
+        self, query: str, *, run_manager: AsyncCallbackManagerForRetrieverRun
+    ) -> list[Document]:
+        return to_documents(await self.answerer.aanswer(query, **self.dials))
+
+
+class SelfRAGRunnable(Runnable[RunnableInput, dict[str, Any]]):
+    """A question in, `{"answer", "documents", "response"}` out (`to_output`); composes with
+    `|` like any Runnable. The input is the question, or a dict with `question` (or `input`,
+    as in LangChain's retrieval chains) and optionally `dials` overriding the runnable's for
+    that call; other keys are ignored.
+
+    `invoke`/`batch` call `answer` (batch in threads), `ainvoke`/`abatch` call `aanswer`.
+    `stream`/`astream` yield `{"events": [SegmentEvent]}` per decoded segment (index i
+    replaces any segment ≥ i seen before), then one chunk with the output; the chunks add up
+    (`AddableDict`) to the output plus `events`. An answerer without `stream` yields the output
+    as one chunk."""
+
+    def __init__(self, answerer: Answerer, **dials: Any) -> None:
+        self.answerer = answerer
+        self.dials = dials
+
+    def _question(self, input: RunnableInput) -> tuple[str, dict[str, Any]]:
+        if isinstance(input, str):
+            return input, dict(self.dials)
+        if isinstance(input, dict):
+            question = input.get("question", input.get("input"))
+            if isinstance(question, str):
+                return question, {**self.dials, **input.get("dials", {})}
+        raise TypeError(
+            f"{type(self).__name__} takes a question: a str, or a dict with a 'question' "
+            f"(or 'input') str; got {type(input).__name__}"
+        )
+
+    def _invoke(self, input: RunnableInput) -> dict[str, Any]:
+        question, dials = self._question(input)
+        return to_output(self.answerer.answer(question, **dials))
+
+    async def _ainvoke(self, input: RunnableInput) -> dict[str, Any]:
+        question, dials = self._question(input)
+        return to_output(await self.answerer.aanswer(question, **dials))
+
+    def invoke(
+        self, input: RunnableInput, config: RunnableConfig | None = None, **kwargs: Any
+    ) -> dict[str, Any]:
+        return self._call_with_config(self._invoke, input, config)
+
+    async def ainvoke(
+        self, input: RunnableInput, config: RunnableConfig | None = None, **kwargs: Any
+    ) -> dict[str, Any]:
+        return await self._acall_with_config(self._ainvoke, input, config)
+
+    def _stream(self, inputs: Iterator[RunnableInput]) -> Iterator[dict[str, Any]]:
+        for input in inputs:
+            question, dials = self._question(input)
+            if not isinstance(self.answerer, StreamingAnswerer):
+                yield AddableDict(to_output(self.answerer.answer(question, **dials)))
+                continue
+            events = self.answerer.stream(question, **dials)
+            segments = iter(events)
+            try:
+                for event in segments:
+                    yield AddableDict(events=[event])
+            finally:  # leaving early stops the decode (SelfRAG.stream) at its next step
+                if hasattr(segments, "close"):
+                    segments.close()
+            assert events.response is not None  # set once the iteration ends
+            yield AddableDict(to_output(events.response))
+
+    async def _astream(self, inputs: AsyncIterator[RunnableInput]) -> AsyncIterator[dict[str, Any]]:
+        async for input in inputs:
+            question, dials = self._question(input)
+            if not isinstance(self.answerer, StreamingAnswerer):
+                yield AddableDict(to_output(await self.answerer.aanswer(question, **dials)))
+                continue
+            events = self.answerer.astream(question, **dials)
+            segments = aiter(events)
+            try:
+                async for event in segments:
+                    yield AddableDict(events=[event])
+            finally:  # an async generator is not closed when dropped: close it now
+                if hasattr(segments, "aclose"):
+                    await segments.aclose()
+            assert events.response is not None  # set once the iteration ends
+            yield AddableDict(to_output(events.response))
+
+    def stream(
+        self, input: RunnableInput, config: RunnableConfig | None = None, **kwargs: Any
+    ) -> Iterator[dict[str, Any]]:
+        yield from self._transform_stream_with_config(iter([input]), self._stream, config)
+
+    async def astream(
+        self, input: RunnableInput, config: RunnableConfig | None = None, **kwargs: Any
+    ) -> AsyncIterator[dict[str, Any]]:
+        async def one() -> AsyncIterator[RunnableInput]:
+            yield input
+
+        chunks = self._atransform_stream_with_config(one(), self._astream, config)
+        try:
+            async for chunk in chunks:
+                yield chunk
+        finally:  # closes `_astream`, so leaving early stops the decode
+            await chunks.aclose()
