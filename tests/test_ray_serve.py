@@ -186,6 +186,55 @@ def test_the_playground_answers_in_a_browser(api: httpx.Client, tmp_path: Path):
     assert shot.read_bytes().startswith(b"\x89PNG")
 
 
+def test_openai_clients_get_answers_with_citations(api: httpx.Client):
+    """The official `openai` client and LangChain's `ChatOpenAI` against the real app."""
+    import openai
+    from langchain_openai import ChatOpenAI
+
+    base = str(api.base_url).rstrip("/") + "/v1"
+    client = openai.OpenAI(base_url=base, api_key="unused", max_retries=0, timeout=180)
+    assert [m.id for m in client.models.list()] == ["selfrag"]
+    messages = [
+        {"role": "user", "content": "Tell me about Normandy."},
+        {"role": "assistant", "content": "It is a region of France."},
+        {"role": "user", "content": "Who was the Norse leader who founded it?"},
+    ]
+    r = client.chat.completions.create(
+        model="selfrag", messages=messages, max_tokens=16, extra_body={"selfrag": SMALL}
+    )
+    extension = r.choices[0].model_extra["selfrag"]
+    assert r.choices[0].message.content == extension["answer"]
+    assert extension["question"].endswith("Question: Who was the Norse leader who founded it?")
+    assert extension["config"]["top_k"] == 2 and extension["usage"]["retrievals"] == 1
+    assert r.usage.prompt_tokens == extension["usage"]["prefill_tokens"] > 0
+    chunks = list(
+        client.chat.completions.create(
+            model="selfrag",
+            messages=[{"role": "user", "content": "Where is Normandy?"}],
+            stream=True,
+            extra_body={"selfrag": SMALL},
+        )
+    )
+    closing = next(c for c in chunks if c.choices and c.choices[0].finish_reason)
+    answer = closing.choices[0].model_extra["selfrag"]
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert streamed == answer["answer"]
+    if not answer["abstained"]:
+        segment = next(
+            c.choices[0].model_extra["selfrag"] for c in chunks if c.choices[0].delta.content
+        )
+        assert segment["segment"] == answer["segments"][0]
+    llm = ChatOpenAI(
+        model="selfrag",
+        base_url=base,
+        api_key="unused",
+        max_retries=0,
+        timeout=180,
+        extra_body={"selfrag": SMALL},
+    )
+    assert llm.invoke("Where is Normandy?").content == answer["answer"]  # a query-cache hit
+
+
 def test_repeated_query_is_a_cache_hit_and_redis_down_still_answers(
     api: httpx.Client, redis_for_app: RedisProcess | None
 ):
