@@ -1,11 +1,13 @@
-"""Load `Settings`: defaults, then a TOML file, then `SELFRAG_*` environment variables.
+"""Load `Settings` with pydantic-settings: defaults, then a TOML file, then `SELFRAG_*`
+environment variables, then the caller's overrides (init arguments).
 
 Environment names: `SELFRAG_HOME`, `SELFRAG_REDIS_URL`, and `SELFRAG_<SECTION>__<FIELD>` for
 nested fields, e.g. `SELFRAG_MODEL__PATH`, `SELFRAG_DECODING__TOP_K`,
 `SELFRAG_RETRIEVAL__QDRANT_URL`. A value is read as the type of the field it names: text stays
 text (a numeric API key or path is not a number), numbers and booleans are converted by the
-field's validation, lists, mappings and whole sections are JSON; an empty value of an optional
-field means unset. A name whose first part is not a setting (e.g. the service-link variables
+field's validation, a whole section is JSON (`SELFRAG_CALIBRATION__SUPPORT='{"a": 2.0}'`; a
+variable naming one of its fields wins over the JSON); an empty value is ignored, as if the
+variable were not set. A name whose first part is not a setting (e.g. the service-link variables
 Kubernetes injects, `SELFRAG_SERVE_SVC_PORT`) is ignored and logged once; a name inside a known
 section that matches no field (`SELFRAG_MODEL__PATHH`) is an error.
 """
@@ -20,24 +22,34 @@ import os
 import sys
 import threading
 import tomllib
-import types
-import typing
 from collections.abc import Mapping, Sequence
+from contextvars import ContextVar
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
+import pydantic_settings
 from pydantic import BaseModel, SecretStr, ValidationError
+from pydantic_settings import (
+    BaseSettings,
+    EnvSettingsSource,
+    InitSettingsSource,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    TomlConfigSettingsSource,
+)
 
 from selfrag.schemas.settings import Settings
 
 log = logging.getLogger("selfrag.settings")
 
 ENV_PREFIX = "SELFRAG_"
+ENV_NESTED_DELIMITER = "__"
 CONFIG_ENV = "SELFRAG_CONFIG"
 # Read by the HTTP ingress itself and kept out of `Settings`, so `selfrag config` and the
 # deployment arguments never carry the keys.
 API_KEYS_ENV = "SELFRAG_API_KEYS"
 _NOT_SETTINGS = frozenset({CONFIG_ENV, API_KEYS_ENV})
+CALIBRATION_FILE = "calibration.toml"
 
 
 class SettingsError(ValueError):
@@ -50,99 +62,107 @@ def default_home() -> Path:
     return Path(base) / "selfrag"
 
 
-def _merge(base: dict[str, Any], extra: Mapping[str, Any]) -> dict[str, Any]:
-    out = dict(base)
-    for key, value in extra.items():
-        if isinstance(value, Mapping) and isinstance(out.get(key), Mapping):
-            out[key] = _merge(dict(out[key]), value)
-        else:
-            out[key] = value
-    return out
+# `settings_customise_sources` is a classmethod that sees nothing of the call: each
+# `load_settings` hands it that call's sources below the init arguments, highest first (a
+# context variable, so threads and tasks loading at once each see their own).
+_SOURCES: ContextVar[tuple[PydanticBaseSettingsSource, ...]] = ContextVar("selfrag_settings")
 
 
-def _section_model(annotation: Any) -> type[BaseModel] | None:
-    """The settings section (a model) a field holds, if it holds one."""
-    return (
-        annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else None
+class _SettingsLoader(BaseSettings, Settings):
+    """`Settings` as pydantic-settings builds it; `load_settings` returns a plain `Settings`
+    (schemas stay free of the loader, and a constructed `Settings` never reads the
+    environment)."""
+
+    model_config: ClassVar[SettingsConfigDict] = SettingsConfigDict(
+        extra="forbid",
+        env_prefix=ENV_PREFIX,
+        env_nested_delimiter=ENV_NESTED_DELIMITER,
+        env_ignore_empty=True,
+        # Field names in TOML and overrides match exactly; environment names are matched
+        # case-insensitively after the prefix by `_Environment`.
+        case_sensitive=True,
     )
 
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        return (init_settings, *_SOURCES.get())
 
-def _resolve_env_name(name: str) -> tuple[tuple[str, ...], Any] | None:
-    """The field path and annotation `name` addresses by walking `Settings`' fields; None when
-    its first part is no setting. Raises `SettingsError` for a path that enters a known
-    section and then names no field of it."""
-    parts = name[len(ENV_PREFIX) :].lower().split("__")
+
+class _BadEnvironmentValue(ValueError):
+    """A JSON value that does not parse, named by its variable."""
+
+
+class _Environment(EnvSettingsSource):
+    """pydantic-settings' environment source over the mapping `load_settings` is given (not
+    necessarily `os.environ`), limited to `SELFRAG_*` names (the prefix matched
+    case-sensitively, the rest not, as before), with a bad JSON value reported by its
+    variable's name."""
+
+    def __init__(self, environ: Mapping[str, str]):
+        self._given = {n: v for n, v in environ.items() if n.startswith(ENV_PREFIX)}
+        super().__init__(_SettingsLoader, case_sensitive=False)
+
+    def _load_env_vars(self) -> Mapping[str, str | None]:
+        # The hook pydantic-settings' DotEnvSettingsSource overrides to read a .env file; names
+        # lower-cased (case_sensitive=False) and empty values dropped (env_ignore_empty) as there.
+        return {
+            n.lower(): v for n, v in self._given.items() if not (self.env_ignore_empty and v == "")
+        }
+
+    def decode_complex_value(self, field_name: str, field: Any, value: Any) -> Any:
+        try:
+            return super().decode_complex_value(field_name, field, value)
+        except json.JSONDecodeError as exc:
+            # pydantic-settings passes the field's name, not the variable's: find the latter.
+            key = field_name.lower()
+            named = [n for n, v in sorted(self._given.items()) if v == value]
+            name = next((n for n in named if n.lower().endswith(key)), field_name)
+            raise _BadEnvironmentValue(f"{name}: expected a JSON value: {exc.msg}") from exc
+
+
+def _setting_path(name: str) -> tuple[str, ...] | None:
+    """The field path the variable `name` addresses; None when its first part is no setting.
+    pydantic-settings skips such names silently; selfrag reports them (`_report_ignored`) and
+    refuses a name that enters a known section and then misses (pydantic-settings would drop
+    `SELFRAG_HOME__X` without a word, and say only "extra inputs" for `SELFRAG_MODEL__PATHH`)."""
+    parts = tuple(name[len(ENV_PREFIX) :].lower().split(ENV_NESTED_DELIMITER))
     model: type[BaseModel] | None = Settings
-    path: list[str] = []
-    annotation: Any = None
-    for part in parts:
+    for depth, part in enumerate(parts):
         if model is None:
-            raise SettingsError(f"{name}: {'.'.join(path)} is a value, not a section")
+            raise SettingsError(f"{name}: {'.'.join(parts[:depth])} is a value, not a section")
         field = model.model_fields.get(part)
         if field is None:
-            if not path:
+            if depth == 0:
                 return None
             known = list(model.model_fields)
             close = difflib.get_close_matches(part, known, n=1)
             hint = f"; did you mean {close[0]}?" if close else f"; known: {', '.join(known)}"
-            raise SettingsError(f"{name}: unknown setting {'.'.join([*path, part])}{hint}")
-        path.append(part)
-        annotation = field.annotation
-        model = _section_model(annotation)
-    return tuple(path), annotation
+            raise SettingsError(f"{name}: unknown setting {'.'.join(parts[: depth + 1])}{hint}")
+        kind = field.annotation
+        model = kind if isinstance(kind, type) and issubclass(kind, BaseModel) else None
+    return parts
 
 
-_JSON_ORIGINS = (list, tuple, set, frozenset, dict)
-
-
-def _env_value(name: str, raw: str, annotation: Any) -> Any:
-    """`raw` as the field's type wants it: JSON for containers and sections, else the text
-    itself, which the field's validation converts (`"5"` -> 5 for an int, `"true"` -> True
-    for a bool) or keeps (`"12345"` stays text for a str or a secret)."""
-    members: tuple[Any, ...] = (annotation,)
-    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
-        members = typing.get_args(annotation)
-    kinds = [m for m in members if m is not type(None)]
-    if len(kinds) < len(members) and not raw.strip():
-        return None  # an empty optional value means unset
-    if len(kinds) == 1:
-        kind = kinds[0]
-        section = _section_model(kind) is not None
-        if section or (typing.get_origin(kind) or kind) in _JSON_ORIGINS:
-            try:
-                value = json.loads(raw)
-            except json.JSONDecodeError as exc:
-                raise SettingsError(f"{name}: expected a JSON value: {exc.msg}") from exc
-            if section and not isinstance(value, dict):
-                raise SettingsError(f"{name}: a section is a JSON object")
-            return value
-    return raw
-
-
-class _EnvSettings(typing.NamedTuple):
-    values: dict[str, Any]
-    sources: dict[tuple[str, ...], str]  # field path -> the variable that set it
-    ignored: list[str]
-
-
-def _from_env(environ: Mapping[str, str]) -> _EnvSettings:
-    values: dict[str, Any] = {}
+def _environment_names(environ: Mapping[str, str]) -> tuple[dict[tuple[str, ...], str], list[str]]:
+    """(field path -> the variable that sets it, the `SELFRAG_*` variables that are no setting)."""
     sources: dict[tuple[str, ...], str] = {}
     ignored: list[str] = []
-    for name, raw in sorted(environ.items()):
+    for name in sorted(environ):
         if not name.startswith(ENV_PREFIX) or name in _NOT_SETTINGS:
             continue
-        resolved = _resolve_env_name(name)
-        if resolved is None:
+        path = _setting_path(name)
+        if path is None:
             ignored.append(name)
-            continue
-        path, annotation = resolved
-        node = values
-        for part in path[:-1]:
-            node = node.setdefault(part, {})
-        node[path[-1]] = _env_value(name, raw, annotation)
-        sources[path] = name
-    return _EnvSettings(values, sources, ignored)
+        else:
+            sources[path] = name
+    return sources, ignored
 
 
 _reported_lock = threading.Lock()
@@ -174,6 +194,14 @@ def config_file(environ: Mapping[str, str], explicit: Path | None, home: Path) -
     return candidate if candidate.exists() else None
 
 
+def _toml(path: Path | None, what: str) -> TomlConfigSettingsSource:
+    """pydantic-settings' source for the TOML file at `path` (none: an empty source)."""
+    try:
+        return TomlConfigSettingsSource(_SettingsLoader, toml_file=path)
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise SettingsError(f"{what} {path} is not valid TOML: {exc}") from exc
+
+
 def load_settings(
     config_path: Path | None = None,
     environ: Mapping[str, str] | None = None,
@@ -181,47 +209,45 @@ def load_settings(
 ) -> Settings:
     """Build the effective settings; raises `SettingsError` naming the bad file or field."""
     env = os.environ if environ is None else environ
-    from_env = _from_env(env)
-    _report_ignored(from_env.ignored)
-    env_values = from_env.values
-    home = Path(env_values.get("home") or default_home()).expanduser()
+    env_sources, ignored = _environment_names(env)
+    _report_ignored(ignored)
+    overrides = dict(overrides or {})
+    # Init arguments starting with "_" are BaseSettings' own options (`_env_file`,
+    # `_cli_parse_args`, ...), never settings.
+    if private := [k for k in overrides if k.startswith("_")]:
+        raise SettingsError(f"invalid settings: unknown setting {', '.join(private)}")
+    home_variable = env_sources.get(("home",))
+    home = Path((home_variable and env[home_variable]) or default_home()).expanduser()
     path = config_file(env, config_path, home)
-    file_values: dict[str, Any] = {}
-    if path is not None:
-        try:
-            file_values = tomllib.loads(path.read_text(encoding="utf-8"))
-        except FileNotFoundError as exc:
-            raise SettingsError(f"config file not found: {path}") from exc
-        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
-            raise SettingsError(f"config file {path} is not valid TOML: {exc}") from exc
-    # The calibration belongs to the data folder actually used, which an override may name.
-    data_home = Path((overrides or {}).get("home") or home).expanduser()
-    merged = _merge({"home": str(home)}, _calibration_values(data_home))
-    merged = _merge(merged, file_values)
-    merged = _merge(merged, env_values)
-    merged = _merge(merged, overrides or {})
+    if path is not None and not path.expanduser().is_file():
+        raise SettingsError(f"config file not found: {path}")
+    # HOME/calibration.toml (written by `selfrag calibrate`) is the `calibration` section of the
+    # data folder actually used, which an override may name; it ranks below the config file so
+    # an explicit setting there still wins.
+    data_home = Path(overrides.get("home") or home).expanduser()
+    calibration = _toml(data_home / CALIBRATION_FILE, "calibration file").toml_data
+    calibration = {"calibration": calibration} if calibration else {}
+    token = _SOURCES.set(
+        (
+            _Environment(env),
+            _toml(path, "config file"),
+            InitSettingsSource(_SettingsLoader, calibration),
+            InitSettingsSource(_SettingsLoader, {"home": str(default_home())}),
+        )
+    )
     try:
-        settings = Settings.model_validate(merged)
+        loaded = _SettingsLoader(**overrides)
     except ValidationError as exc:
         source = f" (from {path} and SELFRAG_* variables)" if path else ""
-        detail = describe_validation_error(exc, from_env.sources)
+        detail = describe_validation_error(exc, env_sources)
         raise SettingsError(f"invalid settings{source}: {detail}") from exc
+    except pydantic_settings.SettingsError as exc:
+        cause = exc.__cause__
+        raise SettingsError(str(cause if isinstance(cause, _BadEnvironmentValue) else exc)) from exc
+    finally:
+        _SOURCES.reset(token)
+    settings = Settings.model_validate(dict(loaded))
     return settings.model_copy(update={"home": settings.home.expanduser()})
-
-
-CALIBRATION_FILE = "calibration.toml"
-
-
-def _calibration_values(home: Path) -> dict[str, Any]:
-    """`HOME/calibration.toml` (written by `selfrag calibrate`) as the `calibration` section;
-    it ranks below the config file so an explicit setting there still wins."""
-    path = home / CALIBRATION_FILE
-    if not path.exists():
-        return {}
-    try:
-        return {"calibration": tomllib.loads(path.read_text(encoding="utf-8"))}
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
-        raise SettingsError(f"calibration file {path} is not valid TOML: {exc}") from exc
 
 
 def describe_validation_error(

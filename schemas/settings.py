@@ -235,7 +235,9 @@ class CacheSettings(BaseModel):
 
 
 class Settings(BaseModel):
-    """Everything a deployment configures. Defaults < TOML file < SELFRAG_* environment."""
+    """Everything a deployment configures: `infra.settings.load_settings` fills it (with
+    pydantic-settings) from defaults < HOME/calibration.toml < a TOML file < SELFRAG_*
+    environment < overrides. A plain model: constructing one reads no environment."""
 
     model_config = ConfigDict(extra="forbid")
 

@@ -8,7 +8,7 @@ import pytest
 from selfrag.actors.http import parse_api_keys
 from selfrag.cli import main
 from selfrag.infra.settings import SettingsError, load_settings
-from selfrag.schemas.settings import mask_url
+from selfrag.schemas.settings import Settings, mask_url
 
 
 def test_defaults_then_file_then_environment(tmp_path: Path):
@@ -56,6 +56,53 @@ def test_broken_toml_names_the_file(tmp_path: Path):
 def test_missing_config_file(tmp_path: Path):
     with pytest.raises(SettingsError, match="not found"):
         load_settings(config_path=tmp_path / "nope.toml", environ={"SELFRAG_HOME": str(tmp_path)})
+
+
+def test_overrides_beat_the_environment_and_merge_into_sections(tmp_path: Path):
+    config = tmp_path / "c.toml"
+    config.write_text("[model]\nn_ctx = 1024\nn_batch = 128\n")
+    env = {"SELFRAG_HOME": str(tmp_path), "SELFRAG_MODEL__N_THREADS": "2"}
+    s = load_settings(config_path=config, environ=env, overrides={"model": {"n_batch": 64}})
+    assert (s.model.n_ctx, s.model.n_threads, s.model.n_batch) == (1024, 2, 64)
+    s = load_settings(environ=env, overrides={"model": {"n_threads": 7}})
+    assert s.model.n_threads == 7
+
+
+def test_config_file_lookup_order(tmp_path: Path):
+    home, named, flag = tmp_path / "home", tmp_path / "named.toml", tmp_path / "flag.toml"
+    home.mkdir()
+    (home / "config.toml").write_text("[decoding]\nbeam = 2\n")
+    named.write_text("[decoding]\nbeam = 3\n")
+    flag.write_text("[decoding]\nbeam = 4\n")
+    env = {"SELFRAG_HOME": str(home)}
+    assert load_settings(environ=env).decoding.beam == 2
+    env["SELFRAG_CONFIG"] = str(named)
+    assert load_settings(environ=env).decoding.beam == 3
+    assert load_settings(config_path=flag, environ=env).decoding.beam == 4
+
+
+def test_a_typo_in_the_config_file_names_the_field(tmp_path: Path):
+    config = tmp_path / "c.toml"
+    config.write_text('[model]\npathh = "/models/x.gguf"\n')
+    with pytest.raises(SettingsError, match=r"c\.toml.*model\.pathh: Extra inputs"):
+        load_settings(config_path=config, environ={"SELFRAG_HOME": str(tmp_path)})
+
+
+def test_the_result_is_a_plain_settings_that_reads_no_environment(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    monkeypatch.setenv("SELFRAG_DECODING__TOP_K", "9")
+    assert type(load_settings(environ={"SELFRAG_HOME": str(tmp_path)})) is Settings
+    assert Settings(home=tmp_path).decoding.top_k == 3  # constructing one reads nothing
+
+
+def test_overrides_cannot_reach_the_loaders_own_options(tmp_path: Path):
+    """Init arguments starting with "_" configure pydantic-settings (`_env_file`,
+    `_cli_parse_args`): as overrides (`serve run selfrag.ray_app:app_builder _env_file=x`) they
+    are refused like any unknown setting."""
+    env = {"SELFRAG_HOME": str(tmp_path)}
+    with pytest.raises(SettingsError, match="unknown setting _cli_parse_args"):
+        load_settings(environ=env, overrides={"_cli_parse_args": True})
 
 
 # --- environment names and values -----------------------------------------------------------
@@ -140,8 +187,45 @@ def test_a_bad_environment_value_names_its_variable(tmp_path: Path):
     with pytest.raises(SettingsError, match="SELFRAG_CALIBRATION__SUPPORT: expected a JSON"):
         load_settings(environ=env)
     env = {"SELFRAG_HOME": str(tmp_path), "SELFRAG_MODEL": "5", "SELFRAG_MODEL__N_CTX": "4096"}
-    with pytest.raises(SettingsError, match="SELFRAG_MODEL: a section is a JSON object"):
+    # A section is a JSON object.
+    with pytest.raises(SettingsError, match=r"model \(SELFRAG_MODEL\): .*valid dictionary"):
         load_settings(environ=env)
+
+
+def test_a_field_variable_beats_its_section_as_json(tmp_path: Path):
+    env = {
+        "SELFRAG_HOME": str(tmp_path),
+        "SELFRAG_MODEL": '{"n_ctx": 4096, "n_threads": 3}',
+        "SELFRAG_MODEL__N_CTX": "2048",
+    }
+    s = load_settings(environ=env)
+    assert (s.model.n_ctx, s.model.n_threads) == (2048, 3)
+
+
+def test_an_empty_variable_is_as_if_it_were_not_set(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    config = tmp_path / "c.toml"
+    config.write_text('redis_url = "redis://file:6379/0"\n[model]\nvllm_url = "http://file"\n')
+    env = {
+        "SELFRAG_HOME": str(tmp_path),
+        "SELFRAG_REDIS_URL": "",
+        "SELFRAG_MODEL__VLLM_URL": "",
+        "SELFRAG_DECODING__TOP_K": "",
+    }
+    s = load_settings(config_path=config, environ=env)
+    assert s.redis_url is not None and "file" in s.redis_url.get_secret_value()
+    assert s.model.vllm_url == "http://file"  # the file's value stands
+    assert s.decoding.top_k == 3  # the default, not an error
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "xdg"))
+    assert load_settings(environ={"SELFRAG_HOME": ""}).home == tmp_path / "xdg" / "selfrag"
+
+
+def test_names_after_the_prefix_are_case_insensitive_the_prefix_is_not(tmp_path: Path):
+    env = {"SELFRAG_HOME": str(tmp_path), "SELFRAG_Model__N_Threads": "5"}
+    assert load_settings(environ=env).model.n_threads == 5
+    env = {"SELFRAG_HOME": str(tmp_path), "selfrag_model__n_threads": "5"}
+    assert load_settings(environ=env).model.n_threads == 0
 
 
 def test_numeric_api_keys_stay_text():
