@@ -203,6 +203,16 @@ class ServeSettings(BaseModel):
         description="Log each question's text at INFO; off by default so user text stays out of "
         "logs (the access line then shows its length and a short hash).",
     )
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"] = Field(
+        "INFO",
+        description="Level of Ray Serve's logs and of selfrag's own in every replica (Serve's "
+        "LoggingConfig.log_level).",
+    )
+    log_encoding: Literal["TEXT", "JSON"] = Field(
+        "TEXT",
+        description="Format of the Serve replica log files, selfrag's records included: TEXT, "
+        "or JSON (one object per line, with the request id) for a log pipeline.",
+    )
 
 
 class CacheSettings(BaseModel):
