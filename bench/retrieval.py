@@ -1,12 +1,20 @@
-"""Retrieval benchmark: index the sample corpus, then ask the SQuAD "Normans" questions.
+"""Retrieval benchmark: search quality on the sample corpus, and the embedded store's engine
+(Qdrant Edge) against qdrant-client's local mode, side by side in one run.
 
-Indexes `squad_v2_small.json` (87 paragraphs) plus `wiki_sample_1000.jsonl` (1,000 distractor
-passages) into a temporary embedded store and reports, over the answerable Normans questions,
-how often a passage of the gold paragraph comes first (hit@1) or within the top 5 (hit@5),
-for dense and for hybrid (dense + BM25, RRF) search. The Computational_complexity_theory
-questions are the held-out test split and are never read here.
+1. Quality: indexes `squad_v2_small.json` (87 paragraphs) plus `wiki_sample_1000.jsonl` (1,000
+   distractor passages) into a temporary embedded store and reports, over the answerable
+   Normans questions, how often a passage of the gold paragraph comes first (hit@1) or within
+   the top 5 (hit@5), for dense and for hybrid (dense + BM25, RRF) search, with the indexing
+   time and query latency through `QdrantStore` (embedding included). The
+   Computational_complexity_theory questions are the held-out test split and are never read.
+2. The store alone, with random unit vectors of the embedder's width (no embedding): for each
+   size (the corpus's, and `--points`), the time to write every point and the p50/p95 latency
+   of a top-5 dense query, for Qdrant Edge (HNSW, what selfrag uses) and qdrant-client's
+   local mode (what it used before: every point in Python, scanned per query).
 
-    .venv/bin/python -m bench.retrieval [--data ../shared/data] [--threads 1]   (from the repo root)
+Last line: name=value.
+
+    .venv/bin/python -m bench.retrieval [--data ../shared/data] [--threads 1] [--points 100000]
 """
 
 from __future__ import annotations
@@ -15,7 +23,11 @@ import argparse
 import json
 import tempfile
 import time
+import uuid
+from collections.abc import Callable
 from pathlib import Path
+
+import numpy as np
 
 from selfrag.infra.embedder import SentenceEmbedder
 from selfrag.infra.qdrant_store import QdrantStore
@@ -24,6 +36,8 @@ from selfrag.schemas.settings import RetrievalSettings
 
 TUNING_ARTICLE = "Normans"
 TOP_K = 5
+QUERIES = 200  # per store and size in part 2
+WRITE_BATCH = 256
 
 
 def normans_questions(squad_path: Path) -> list[tuple[str, str]]:
@@ -40,16 +54,104 @@ def normans_questions(squad_path: Path) -> list[tuple[str, str]]:
     return questions
 
 
-def evaluate(store: QdrantStore, questions: list[tuple[str, str]]) -> tuple[float, float, float]:
-    """(hit@1, hit@5, ms per query), by document: any window of the gold paragraph counts."""
+def evaluate(
+    store: QdrantStore, questions: list[tuple[str, str]]
+) -> tuple[float, float, float, float]:
+    """(hit@1, hit@5, p50 ms, p95 ms), by document: any window of the gold paragraph counts."""
     hit1 = hit5 = 0
-    started = time.perf_counter()
+    ms = []
     for question, gold in questions:
-        docs = [p.metadata.get("doc_id", p.id) for p in store.search(question, TOP_K)]
+        started = time.perf_counter()
+        found = store.search(question, TOP_K)
+        ms.append((time.perf_counter() - started) * 1000)
+        docs = [p.metadata.get("doc_id", p.id) for p in found]
         hit1 += bool(docs) and docs[0] == gold
         hit5 += gold in docs
-    ms = (time.perf_counter() - started) * 1000 / len(questions)
-    return hit1 / len(questions), hit5 / len(questions), ms
+    n = len(questions)
+    return hit1 / n, hit5 / n, _pct(ms, 50), _pct(ms, 95)
+
+
+def _pct(values: list[float], q: int) -> float:
+    return float(np.percentile(values, q)) if values else float("nan")
+
+
+def _unit(rng: np.random.Generator, n: int, dim: int) -> np.ndarray:
+    v = rng.standard_normal((n, dim)).astype(np.float32)
+    return v / np.linalg.norm(v, axis=1, keepdims=True)
+
+
+def edge_store(folder: Path, vectors: np.ndarray) -> tuple[float, Callable[[list[float]], None]]:
+    """Write `vectors` into a Qdrant Edge shard; (seconds, query function)."""
+    import qdrant_edge as edge
+
+    config = edge.EdgeConfig(
+        vectors={
+            "dense": edge.EdgeVectorParams(size=vectors.shape[1], distance=edge.Distance.Cosine)
+        }
+    )
+    shard = edge.EdgeShard.create(str(folder), config)
+    started = time.perf_counter()
+    for start in range(0, len(vectors), WRITE_BATCH):
+        points = [
+            edge.Point(id=str(uuid.uuid4()), vector={"dense": v.tolist()}, payload={"i": start + i})
+            for i, v in enumerate(vectors[start : start + WRITE_BATCH])
+        ]
+        shard.update(edge.UpdateOperation.upsert_points(points))
+    shard.optimize()  # the HNSW index, as QdrantStore builds it after indexing
+    shard.flush()
+    seconds = time.perf_counter() - started
+
+    def query(v: list[float]) -> None:
+        shard.query(
+            edge.QueryRequest(
+                limit=TOP_K, query=edge.Query.Nearest(v, using="dense"), with_payload=True
+            )
+        )
+
+    return seconds, query
+
+
+def local_store(folder: Path, vectors: np.ndarray) -> tuple[float, Callable[[list[float]], None]]:
+    """Write `vectors` into qdrant-client's local mode; (seconds, query function)."""
+    from qdrant_client import QdrantClient, models
+
+    client = QdrantClient(path=str(folder))
+    client.create_collection(
+        "bench",
+        vectors_config={
+            "dense": models.VectorParams(size=vectors.shape[1], distance=models.Distance.COSINE)
+        },
+    )
+    started = time.perf_counter()
+    for start in range(0, len(vectors), WRITE_BATCH):
+        points = [
+            models.PointStruct(id=str(uuid.uuid4()), vector={"dense": v.tolist()}, payload={"i": i})
+            for i, v in enumerate(vectors[start : start + WRITE_BATCH])
+        ]
+        client.upsert("bench", points=points, wait=True)
+    seconds = time.perf_counter() - started
+
+    def query(v: list[float]) -> None:
+        client.query_points("bench", query=v, using="dense", limit=TOP_K, with_payload=True)
+
+    return seconds, query
+
+
+def store_alone(size: int, dim: int, rng: np.random.Generator) -> dict[str, tuple[float, ...]]:
+    """{engine: (write s, p50 ms, p95 ms)} for `size` random points."""
+    vectors = _unit(rng, size, dim)
+    queries = _unit(rng, QUERIES, dim)
+    out = {}
+    for name, build in (("edge", edge_store), ("local", local_store)):
+        with tempfile.TemporaryDirectory() as folder:
+            seconds, query = build(Path(folder), vectors)
+            ms = []
+            for q in queries:
+                started = time.perf_counter()
+                query(q.tolist())
+                ms.append((time.perf_counter() - started) * 1000)
+            out[name] = (seconds, _pct(ms, 50), _pct(ms, 95))
+    return out
 
 
 def main() -> None:
@@ -57,6 +159,7 @@ def main() -> None:
     default_data = Path(__file__).resolve().parents[2] / "shared" / "data"
     parser.add_argument("--data", type=Path, default=default_data)
     parser.add_argument("--threads", type=int, default=1, help="torch threads for embedding")
+    parser.add_argument("--points", type=int, default=100_000, help="the large store size")
     args = parser.parse_args()
     squad = args.data / "squad_v2_small.json"
     wiki = args.data / "wiki_sample_1000.jsonl"
@@ -87,15 +190,38 @@ def main() -> None:
         f"({passages / index_s:.1f} passages/s, {args.threads} torch thread(s))"
     )
     print(f"questions: {len(questions)} answerable '{TUNING_ARTICLE}' questions\n")
-    print(f"{'search':<8} {'hit@1':>7} {'hit@5':>7} {'ms/query':>9}")
-    for name, (h1, h5, ms) in (("dense", dense), ("hybrid", hybrid)):
-        print(f"{name:<8} {h1:>7.3f} {h5:>7.3f} {ms:>9.1f}")
-    print(
-        f"index_s={index_s:.1f} documents={documents} passages={passages} "
-        f"questions={len(questions)} hit1={dense[0]:.3f} hit5={dense[1]:.3f} "
-        f"hybrid_hit1={hybrid[0]:.3f} hybrid_hit5={hybrid[1]:.3f} "
-        f"dense_ms={dense[2]:.1f} hybrid_ms={hybrid[2]:.1f}"
-    )
+    print(f"{'search':<8} {'hit@1':>7} {'hit@5':>7} {'p50 ms':>7} {'p95 ms':>7}")
+    for name, (h1, h5, p50, p95) in (("dense", dense), ("hybrid", hybrid)):
+        print(f"{name:<8} {h1:>7.3f} {h5:>7.3f} {p50:>7.1f} {p95:>7.1f}")
+
+    rng = np.random.default_rng(0)
+    sizes = sorted({passages, args.points})
+    alone = {size: store_alone(size, embedder.dim, rng) for size in sizes}
+    print(f"\nstore alone ({embedder.dim}-d random vectors, top-{TOP_K}, {QUERIES} queries)")
+    print(f"{'points':>8} {'engine':<6} {'write s':>8} {'p50 ms':>7} {'p95 ms':>7}")
+    for size, engines in alone.items():
+        for name, (seconds, p50, p95) in engines.items():
+            print(f"{size:>8} {name:<6} {seconds:>8.1f} {p50:>7.2f} {p95:>7.2f}")
+
+    figures = {
+        "index_s": f"{index_s:.1f}",
+        "passages": str(passages),
+        "questions": str(len(questions)),
+        "hit1": f"{dense[0]:.3f}",
+        "hit5": f"{dense[1]:.3f}",
+        "hybrid_hit1": f"{hybrid[0]:.3f}",
+        "hybrid_hit5": f"{hybrid[1]:.3f}",
+        "dense_p50_ms": f"{dense[2]:.1f}",
+        "hybrid_p50_ms": f"{hybrid[2]:.1f}",
+    }
+    for size, engines in alone.items():
+        for name, (seconds, p50, p95) in engines.items():
+            figures[f"{name}_{size}_write_s"] = f"{seconds:.1f}"
+            figures[f"{name}_{size}_p50_ms"] = f"{p50:.2f}"
+            figures[f"{name}_{size}_p95_ms"] = f"{p95:.2f}"
+        edge_p50, local_p50 = engines["edge"][1], engines["local"][1]
+        figures[f"local_over_edge_p50_{size}"] = f"{local_p50 / edge_p50:.1f}"
+    print(" ".join(f"{k}={v}" for k, v in figures.items()))
 
 
 if __name__ == "__main__":

@@ -1,53 +1,68 @@
-"""Passage store and retriever on Qdrant: embedded on disk by default, or a Qdrant server.
+"""Passage store and retriever on Qdrant: Qdrant Edge in this process by default, or a Qdrant
+server (`retrieval.qdrant_url`) through qdrant-client. One class, `QdrantStore`, over the two
+engines, so both write and score alike.
 
-Collection layout (one collection, `RetrievalSettings.collection`):
+Layout (one collection, `RetrievalSettings.collection`):
 - named dense vector `dense` (cosine, the embedder's width) and named sparse vector `sparse`
-  (BM25 term weights from `infra.sparse`, IDF applied by Qdrant). Both are always written, so
+  (Qdrant's BM25, `infra.sparse`, IDF applied by the engine). Both are always written, so
   `hybrid` can be switched on later without re-indexing.
 - point id = uuid5 of the passage id, so re-indexing the same passage overwrites it.
-- payload `{passage_id, title, text, doc_id}`.
-- collection metadata `{index_version, embedding_model, sparse_scheme}`. Collection metadata
-  lives with the collection both in embedded mode and on a server (Qdrant >= 1.16), so every
-  process sharing the index sees the same `index_version`.
+- payload `{passage_id, title, text, doc_id}`, with a keyword index on `doc_id`.
+- the index's facts `{format, index_version, embedding_model, sparse_scheme, dense_size}`: on a
+  server in the collection's metadata (every process sharing it sees the same version); on the
+  embedded store in `index.json` beside the shard, replaced atomically.
 
-Embedded mode locks its folder: only one `QdrantStore` (one client) per path per process, and
-no other process either. Call `close()` (or use the store as a context manager) before
-opening the same folder again. Use a Qdrant server for several processes.
+The embedded store (`home/edge/<collection>/`) belongs to one process: Qdrant Edge locks its
+write-ahead log, so a second open, here or in another process, is refused (StoreError). Use a
+Qdrant server for several processes. An embedded index of the earlier format (qdrant-client's
+local mode in `home/qdrant/`) is migrated on first open: dense vectors and payloads are copied,
+the BM25 vectors recomputed; nothing is embedded again.
 """
 
 from __future__ import annotations
 
+import json
+import logging
+import os
+import tempfile
 import threading
+import time
 import uuid
 from collections.abc import Iterator, Sequence
-from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
-from qdrant_client import QdrantClient, models
+import qdrant_edge as edge
 
 from selfrag.infra import sparse
 from selfrag.infra.lifecycle import Closeable
 from selfrag.pipeline.protocols import Passage
 from selfrag.schemas.settings import RetrievalSettings
 
+log = logging.getLogger("selfrag.store")
+
 DENSE = "dense"
 SPARSE = "sparse"
+INDEX_FORMAT = 2
+"""1: qdrant-client local mode with selfrag's own BM25; 2: Qdrant Edge with Qdrant's BM25."""
+FACTS_FILE = "index.json"
 # Fixed namespace: the same passage id maps to the same point id on every machine.
 _POINT_NAMESPACE = uuid.UUID("6f1c3a52-2d4e-5b8a-9c0e-51f0a7b3d9e4")
 # Each branch of a hybrid query fetches this many times `k` before fusion, so a passage ranked
 # a little lower by one method can still be lifted by the other.
 _HYBRID_PREFETCH_FACTOR = 4
 _HYBRID_PREFETCH_MIN = 20
+_RRF_K = 60  # Qdrant's default RRF constant
 _NO_VERSION = "empty"
-# Embedded folders this process has open (resolved paths), to refuse a second client early.
+# Embedded folders this process has open (resolved paths), to refuse a second store early.
 _OPEN_FOLDERS: set[str] = set()
 _OPEN_FOLDERS_LOCK = threading.Lock()
 
 
 class Embedder(Protocol):
-    """What the store needs from an embedder (`infra.embedder.SentenceEmbedder` fits)."""
+    """What the store needs from an embedding model."""
 
     @property
     def dim(self) -> int: ...
@@ -59,86 +74,108 @@ class Embedder(Protocol):
 
 
 class StoreError(RuntimeError):
-    """The store cannot be opened or does not match the embedder."""
+    """The store cannot be opened or used."""
 
 
 class StoreUnavailable(StoreError):
-    """The Qdrant server does not answer (down, unreachable): may work on a later try."""
+    """The Qdrant server does not answer (it may come back)."""
 
 
 class StoreMisconfigured(StoreError):
-    """The index cannot serve this configuration (built by another embedder, with vectors of
-    another size, or not built at all): no retry helps until someone re-indexes or fixes the
-    settings."""
+    """The index cannot serve with these settings: someone has to act (re-index, configure)."""
 
 
 class IndexMissing(StoreMisconfigured):
-    """The collection does not exist: nothing was indexed yet (or into another collection)."""
+    """No index was built with these settings."""
 
 
 def point_id(passage_id: str) -> str:
-    """The stable Qdrant point id of a passage."""
+    """The Qdrant point id of a passage: a stable UUID derived from its id."""
     return str(uuid.uuid5(_POINT_NAMESPACE, passage_id))
+
+
+@dataclass(frozen=True)
+class PointData:
+    """One passage as written: its point id, both vectors and its payload."""
+
+    id: str
+    dense: list[float]
+    sparse: sparse.SparseVec
+    payload: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Search:
+    """One query: its dense vector and, for hybrid search, its BM25 terms."""
+
+    dense: list[float]
+    terms: sparse.SparseVec | None
+    limit: int
+
+
+class Engine(Protocol):
+    """What `QdrantStore` needs of a Qdrant engine (Edge in-process, or a server)."""
+
+    kind: str
+    where: str
+
+    def exists(self) -> bool: ...
+
+    def facts(self) -> dict[str, Any]: ...
+
+    def create(self, dim: int, facts: dict[str, Any]) -> None: ...
+
+    def update_facts(self, changes: dict[str, Any]) -> None: ...
+
+    def upsert(self, points: Sequence[PointData]) -> None: ...
+
+    def delete_stale(self, doc_ids: Sequence[str], keep: Sequence[str]) -> None: ...
+
+    def finish_writes(self) -> None: ...
+
+    def count(self) -> int: ...
+
+    def search(self, searches: Sequence[Search]) -> list[list[tuple[dict[str, Any], float]]]: ...
+
+    def scroll(self, limit: int, offset: Any) -> tuple[list[dict[str, Any]], Any]: ...
+
+    def ping(self) -> None: ...
+
+    def close(self) -> None: ...
 
 
 class QdrantStore(Closeable):
     """A `Retriever` over one Qdrant collection, plus the writes indexing needs."""
 
-    def __init__(
-        self,
-        client: QdrantClient,
-        settings: RetrievalSettings,
-        embedder: Embedder,
-        *,
-        local: bool,
-        folder: Path | None = None,
-    ) -> None:
-        self._client = client
+    def __init__(self, engine: Engine, settings: RetrievalSettings, embedder: Embedder) -> None:
+        self._engine = engine
         self._settings = settings
         self._embedder = embedder
         self._collection = settings.collection
-        self._local = local
-        # Embedded Qdrant is plain Python state without locking of its own: serialise every
-        # call. A server client is thread-safe, so it gets no lock.
-        self._lock: AbstractContextManager[Any] = threading.RLock() if local else nullcontext()
+        # Both engines are thread-safe, but a check-then-create must not interleave.
+        self._lock = threading.RLock()
         self._exists = False
         self._closed = False
-        self._folder = folder
 
     @classmethod
     def open(cls, settings: RetrievalSettings, home: Path, embedder: Embedder) -> QdrantStore:
-        """Connect to `settings.qdrant_url`, or open (creating) the embedded store `home/qdrant`.
+        """Connect to `settings.qdrant_url`, or open the embedded store in `home/edge`.
 
         The collection itself is created on the first `upsert` (`require_index` says whether
-        there is one to search). Raises StoreError when the embedded folder is already open (in
-        this or another process), StoreMisconfigured when an existing collection was built by a
-        different embedding model or holds vectors of another size than the embedder's, and
-        StoreUnavailable when the server does not answer.
+        there is one to search). Raises StoreError when the embedded store is already open (in
+        this or another process), StoreMisconfigured when an existing index was built by a
+        different embedding model, BM25 scheme or format, or holds vectors of another size
+        than the embedder's, and StoreUnavailable when the server does not answer.
         """
+        engine: Engine
         if settings.qdrant_url:
-            key = settings.qdrant_api_key.get_secret_value() if settings.qdrant_api_key else None
-            client = QdrantClient(url=settings.qdrant_url, api_key=key)
-            store = cls(client, settings, embedder, local=False)
+            engine = ServerEngine(settings)
         else:
-            folder = (Path(home) / "qdrant").resolve()
-            folder.mkdir(parents=True, exist_ok=True)
-            # Checked here first: qdrant-client's own lock check (which also covers other
-            # processes) leaks the lock file's handle when it refuses.
-            with _OPEN_FOLDERS_LOCK:
-                if str(folder) in _OPEN_FOLDERS:
-                    raise StoreError(_already_open(folder))
-                try:
-                    # Our own lock serialises calls, so the SQLite same-thread check can go.
-                    client = QdrantClient(path=str(folder), force_disable_check_same_thread=True)
-                except RuntimeError as error:
-                    if "already accessed" not in str(error):
-                        raise
-                    raise StoreError(_already_open(folder)) from error
-                _OPEN_FOLDERS.add(str(folder))
-            store = cls(client, settings, embedder, local=True, folder=folder)
+            engine = EdgeEngine.open(Path(home), settings.collection, embedder)
+        store = cls(engine, settings, embedder)
         try:
             with store._lock:
-                store._collection_exists()  # checks an existing collection against the embedder
+                store._collection_exists()  # checks an existing index against the embedder
         except StoreError:
             store.close()
             raise
@@ -150,7 +187,12 @@ class QdrantStore(Closeable):
     @property
     def where(self) -> str:
         """The server URL or the embedded folder, for messages."""
-        return self._settings.qdrant_url or str(self._folder)
+        return self._engine.where
+
+    @property
+    def kind(self) -> str:
+        """`embedded` (Qdrant Edge in this process) or `server`."""
+        return self._engine.kind
 
     def require_index(self) -> None:
         """Raise IndexMissing unless the collection exists (searching then finds nothing)."""
@@ -175,22 +217,18 @@ class QdrantStore(Closeable):
         return self._settings.hybrid
 
     def close(self) -> None:
-        """Release the client (and the embedded folder's lock); safe to call twice."""
+        """Release the engine (and the embedded store's lock); safe to call twice."""
         with self._lock:
             if not self._closed:
                 self._closed = True
-                self._client.close()
-                if self._folder is not None:
-                    with _OPEN_FOLDERS_LOCK:
-                        _OPEN_FOLDERS.discard(str(self._folder))
+                self._engine.close()
 
     def ready(self) -> bool:
         """True when the store answers a request."""
         if self._closed:
             return False
         try:
-            with self._lock:
-                self._client.get_collections()
+            self._engine.ping()
         except Exception:
             return False
         return True
@@ -200,7 +238,7 @@ class QdrantStore(Closeable):
         with self._lock:
             if not self._collection_exists():
                 return 0
-            return self._client.count(self._collection, exact=True).count
+        return self._engine.count()
 
     def index_version(self) -> str:
         """An opaque value that changes whenever indexing changes the collection's content.
@@ -211,15 +249,14 @@ class QdrantStore(Closeable):
         with self._lock:
             if not self._collection_exists():
                 return _NO_VERSION
-            metadata = self._client.get_collection(self._collection).config.metadata or {}
-        return str(metadata.get("index_version", _NO_VERSION))
+            return str(self._engine.facts().get("index_version", _NO_VERSION))
 
     def bump_index_version(self) -> str:
         """Record that the content changed; returns the new version."""
         version = uuid.uuid4().hex
         with self._lock:
             self._ensure_collection()
-            self._client.update_collection(self._collection, metadata={"index_version": version})
+            self._engine.update_facts({"index_version": version})
         return version
 
     def upsert(
@@ -249,18 +286,18 @@ class QdrantStore(Closeable):
             # Text only: prefixing the title measured no better on the Normans questions (the
             # Wikipedia passages already open with their title; SQuAD paragraphs share theirs).
             vectors = self._embedder.embed([p.text for p in batch])
-            points = [_point(p, vector) for p, vector in zip(batch, vectors, strict=True)]
+            points = [point_data(p, v.tolist()) for p, v in zip(batch, vectors, strict=True)]
             with self._lock:
-                self._client.upsert(self._collection, points=points, wait=True)
+                self._engine.upsert(points)
                 if replace_documents:
-                    self._delete_stale(batch, [str(point.id) for point in points])
+                    doc_ids = sorted({doc_id(p) for p in batch})
+                    self._engine.delete_stale(doc_ids, [p.id for p in points])
             written += len(points)
+        with self._lock:
+            self._engine.finish_writes()
         if bump_version:
             self.bump_index_version()
         return written
-
-    def search_many(self, queries: Sequence[str], k: int) -> list[list[Passage]]:
-        return [self.search(q, k) for q in queries]
 
     def search(self, query: str, k: int) -> list[Passage]:
         """The `k` best passages for `query`, best first; [] when nothing is indexed.
@@ -268,34 +305,28 @@ class QdrantStore(Closeable):
         Dense cosine search, or with `settings.hybrid` dense and BM25 results fused by RRF.
         `Passage.score` is Qdrant's score (cosine similarity, or the RRF score when hybrid).
         """
+        return self.search_many([query], k)[0]
+
+    def search_many(self, queries: Sequence[str], k: int) -> list[list[Passage]]:
+        """`search` for each query, embedded together and sent as one batch."""
         if k < 1:
             raise ValueError(f"k must be >= 1, got {k}")
+        if not queries:
+            return []
         with self._lock:
             if not self._collection_exists():
-                return []
-        dense = self._embedder.embed([query])[0].tolist()
-        terms = sparse.query_vector(query) if self._settings.hybrid else None
-        if terms:
-            depth = max(k * _HYBRID_PREFETCH_FACTOR, _HYBRID_PREFETCH_MIN)
-            request: dict[str, Any] = {
-                "prefetch": [
-                    models.Prefetch(query=dense, using=DENSE, limit=depth),
-                    models.Prefetch(
-                        query=models.SparseVector(indices=terms.indices, values=terms.values),
-                        using=SPARSE,
-                        limit=depth,
-                    ),
-                ],
-                "query": models.FusionQuery(fusion=models.Fusion.RRF),
-            }
-        else:
-            # Not hybrid, or a query of stop words only: the sparse branch would find nothing.
-            request = {"query": dense, "using": DENSE}
-        with self._lock:
-            response = self._client.query_points(
-                self._collection, limit=k, with_payload=True, with_vectors=False, **request
+                return [[] for _ in queries]
+        dense = self._embedder.embed(list(queries))
+        searches = [
+            Search(
+                vector.tolist(),
+                sparse.query_vector(q) if self._settings.hybrid else None,
+                k,
             )
-        return [_passage(point) for point in response.points]
+            for q, vector in zip(queries, dense, strict=True)
+        ]
+        results = self._engine.search(searches)
+        return [[_passage(payload, score) for payload, score in hits] for hits in results]
 
     def passages(self, batch: int = 256) -> Iterator[Passage]:
         """Every indexed passage, in the collection's point order (for `selfrag train`)."""
@@ -304,16 +335,9 @@ class QdrantStore(Closeable):
                 return
         offset: Any = None
         while True:
-            with self._lock:
-                points, offset = self._client.scroll(
-                    self._collection,
-                    limit=batch,
-                    offset=offset,
-                    with_payload=True,
-                    with_vectors=False,
-                )
-            for point in points:
-                yield _passage(point)
+            payloads, offset = self._engine.scroll(batch, offset)
+            for payload in payloads:
+                yield _passage(payload, 0.0)
             if offset is None:
                 break
 
@@ -325,140 +349,457 @@ class QdrantStore(Closeable):
         match, which is not cached: the check runs again on the next call)."""
         # Cache a positive answer: collections are not dropped under a running store, and
         # asking a server on every search would cost a round trip.
-        if not self._exists and self._client.collection_exists(self._collection):
-            self._check_compatible()
+        if not self._exists and self._engine.exists():
+            check_facts(self._engine.facts(), self._collection, self._embedder)
             self._exists = True
         return self._exists
-
-    def _check_compatible(self) -> None:
-        """Refuse a collection built by another embedding model or sparse scheme, or with
-        dense vectors of another size than the embedder's; the caller holds the lock."""
-        config = self._client.get_collection(self._collection).config
-        name = self._collection
-        metadata = config.metadata or {}
-        built_with = metadata.get("embedding_model")
-        if built_with is not None and built_with != self._embedder.model_id:
-            raise StoreMisconfigured(
-                f"collection {name!r} was indexed with {built_with}, but the "
-                f"embedder is {self._embedder.model_id}: re-index into another collection"
-            )
-        scheme = metadata.get("sparse_scheme")
-        if scheme is not None and scheme != sparse.SCHEME:
-            raise StoreMisconfigured(
-                f"collection {name!r} holds sparse vectors of scheme {scheme}, "
-                f"this code writes {sparse.SCHEME}: re-index into another collection"
-            )
-        vectors = config.params.vectors
-        dense = vectors.get(DENSE) if isinstance(vectors, dict) else None
-        if dense is None:
-            raise StoreMisconfigured(
-                f"collection {name!r} has no {DENSE!r} vector: it was not built by "
-                "`selfrag index`; re-index into another collection"
-            )
-        if dense.size != self._embedder.dim:
-            raise StoreMisconfigured(
-                f"collection {name!r} holds vectors of size {dense.size}, but the embedder "
-                f"{self._embedder.model_id} gives {self._embedder.dim}: re-index with this "
-                "embedder (into another collection), or configure the one it was built with"
-            )
 
     def _ensure_collection(self) -> None:
         """Create the collection with both vectors; the caller holds the lock."""
         if self._collection_exists():
             return
-        try:
-            self._client.create_collection(
-                self._collection,
-                vectors_config={
-                    DENSE: models.VectorParams(
-                        size=self._embedder.dim, distance=models.Distance.COSINE
-                    )
-                },
-                sparse_vectors_config={
-                    SPARSE: models.SparseVectorParams(modifier=models.Modifier.IDF)
-                },
-                metadata={
-                    "index_version": _NO_VERSION,
-                    "embedding_model": self._embedder.model_id,
-                    "sparse_scheme": sparse.SCHEME,
-                },
-            )
-        except Exception:
-            # Another process may have created it in the meantime (then it must match too);
-            # anything else re-raises.
-            if not self._client.collection_exists(self._collection):
-                raise
-            self._check_compatible()
-        if not self._local:
-            # Servers need a payload index for the doc_id filter of `replace_documents`;
-            # the embedded store scans and would only warn.
-            self._client.create_payload_index(
-                self._collection, "doc_id", field_schema=models.PayloadSchemaType.KEYWORD
-            )
+        self._engine.create(self._embedder.dim, new_facts(self._embedder))
         self._exists = True
 
-    def _delete_stale(self, batch: Sequence[Passage], keep: list[str]) -> None:
-        doc_ids = sorted({_doc_id(p) for p in batch})
-        self._client.delete(
-            self._collection,
-            points_selector=models.FilterSelector(
-                filter=models.Filter(
-                    must=[models.FieldCondition(key="doc_id", match=models.MatchAny(any=doc_ids))],
-                    must_not=[models.HasIdCondition(has_id=keep)],
-                )
-            ),
-            wait=True,
+
+def new_facts(embedder: Embedder) -> dict[str, Any]:
+    """The facts of an index this code writes, before its first content."""
+    return {
+        "format": INDEX_FORMAT,
+        "index_version": _NO_VERSION,
+        "embedding_model": embedder.model_id,
+        "sparse_scheme": sparse.SCHEME,
+        "dense_size": embedder.dim,
+    }
+
+
+def check_facts(facts: dict[str, Any], name: str, embedder: Embedder) -> None:
+    """Refuse an index built by another embedding model, BM25 scheme or format, or with
+    dense vectors of another size than the embedder's."""
+    built_with = facts.get("embedding_model")
+    if built_with is not None and built_with != embedder.model_id:
+        raise StoreMisconfigured(
+            f"collection {name!r} was indexed with {built_with}, but the "
+            f"embedder is {embedder.model_id}: re-index into another collection"
+        )
+    scheme = facts.get("sparse_scheme")
+    if scheme is not None and scheme != sparse.SCHEME:
+        raise StoreMisconfigured(
+            f"collection {name!r} holds sparse vectors of scheme {scheme!r}, this code writes "
+            f"{sparse.SCHEME!r}: re-index (`selfrag index` into another collection or a fresh "
+            "SELFRAG_HOME)"
+        )
+    size = facts.get("dense_size")
+    if size is None:
+        raise StoreMisconfigured(
+            f"collection {name!r} has no {DENSE!r} vector: it was not built by "
+            "`selfrag index`; re-index into another collection"
+        )
+    if size != embedder.dim:
+        raise StoreMisconfigured(
+            f"collection {name!r} holds vectors of size {size}, but the embedder "
+            f"{embedder.model_id} gives {embedder.dim}: re-index with this "
+            "embedder (into another collection), or configure the one it was built with"
         )
 
 
-def _already_open(folder: Path) -> str:
-    return (
-        f"the embedded Qdrant store {folder} is already open (one client per folder and "
-        "process): close() the other store first, or use a Qdrant server"
-    )
-
-
-def _doc_id(passage: Passage) -> str:
+def doc_id(passage: Passage) -> str:
     return passage.metadata.get("doc_id", passage.id)
+
+
+def point_data(passage: Passage, dense: list[float]) -> PointData:
+    return PointData(
+        id=point_id(passage.id),
+        dense=dense,
+        sparse=sparse.document_vector(passage.text),
+        payload={
+            "passage_id": passage.id,
+            "title": passage.title,
+            "text": passage.text,
+            "doc_id": doc_id(passage),
+        },
+    )
 
 
 def _document_batches(passages: Sequence[Passage], size: int) -> Iterator[list[Passage]]:
     batch: list[Passage] = []
     for i, passage in enumerate(passages):
         batch.append(passage)
-        next_doc = _doc_id(passages[i + 1]) if i + 1 < len(passages) else None
+        next_doc = doc_id(passages[i + 1]) if i + 1 < len(passages) else None
         # Cut only between documents, once the batch is full.
-        if len(batch) >= size and next_doc != _doc_id(passage):
+        if len(batch) >= size and next_doc != doc_id(passage):
             yield batch
             batch = []
     if batch:
         yield batch
 
 
-def _point(passage: Passage, vector: np.ndarray) -> models.PointStruct:
-    terms = sparse.document_vector(passage.text)
-    return models.PointStruct(
-        id=point_id(passage.id),
-        vector={
-            DENSE: vector.tolist(),
-            SPARSE: models.SparseVector(indices=terms.indices, values=terms.values),
-        },
-        payload={
-            "passage_id": passage.id,
-            "title": passage.title,
-            "text": passage.text,
-            "doc_id": _doc_id(passage),
-        },
-    )
-
-
-def _passage(point: models.ScoredPoint | models.Record) -> Passage:
-    payload = point.payload or {}
-    doc_id = str(payload.get("doc_id", ""))
+def _passage(payload: dict[str, Any], score: float) -> Passage:
+    doc = str(payload.get("doc_id", ""))
     return Passage(
-        id=str(payload.get("passage_id", point.id)),
+        id=str(payload.get("passage_id", "")),
         text=str(payload.get("text", "")),
         title=payload.get("title"),
-        score=float(getattr(point, "score", 0.0) or 0.0),
-        metadata={"doc_id": doc_id} if doc_id else {},
+        score=float(score or 0.0),
+        metadata={"doc_id": doc} if doc else {},
     )
+
+
+def _depth(k: int) -> int:
+    return max(k * _HYBRID_PREFETCH_FACTOR, _HYBRID_PREFETCH_MIN)
+
+
+# --- Qdrant Edge, in this process --------------------------------------------------------------
+
+
+class EdgeEngine:
+    """One Qdrant Edge shard in `home/edge/<collection>/shard`, facts in `index.json` beside it."""
+
+    kind = "embedded"
+
+    def __init__(self, folder: Path, shard: edge.EdgeShard | None) -> None:
+        self.folder = folder
+        self.where = str(folder)
+        self._shard = shard
+        self._closed = False
+
+    @classmethod
+    def open(cls, home: Path, collection: str, embedder: Embedder) -> EdgeEngine:
+        folder = (home / "edge" / collection).resolve()
+        with _OPEN_FOLDERS_LOCK:
+            if str(folder) in _OPEN_FOLDERS:
+                raise StoreError(_already_open(folder))
+            _OPEN_FOLDERS.add(str(folder))
+        try:
+            engine = cls(folder, cls._load(folder))
+            old = home / "qdrant"
+            if engine._shard is None and (old / "collection" / collection).is_dir():
+                migrate_local_store(old, collection, engine, embedder)
+        except BaseException:
+            with _OPEN_FOLDERS_LOCK:
+                _OPEN_FOLDERS.discard(str(folder))
+            raise
+        return engine
+
+    @staticmethod
+    def _load(folder: Path) -> edge.EdgeShard | None:
+        shard_dir = folder / "shard"
+        if not (folder / FACTS_FILE).is_file() or not shard_dir.is_dir():
+            return None
+        try:
+            return edge.EdgeShard.load(str(shard_dir))
+        except Exception as error:
+            if "WouldBlock" in str(error) or "lock" in str(error).lower():
+                raise StoreError(_already_open(folder)) from error
+            raise StoreError(f"the embedded store {folder} cannot be opened: {error}") from error
+
+    def _require(self) -> edge.EdgeShard:
+        if self._shard is None:
+            raise StoreError(f"no index in {self.folder}")
+        return self._shard
+
+    def exists(self) -> bool:
+        return self._shard is not None
+
+    def facts(self) -> dict[str, Any]:
+        try:
+            data = json.loads((self.folder / FACTS_FILE).read_text(encoding="utf-8"))
+        except (OSError, ValueError) as error:
+            raise StoreMisconfigured(
+                f"{self.folder / FACTS_FILE} is unreadable ({error}): re-index into a fresh "
+                "SELFRAG_HOME"
+            ) from error
+        if not isinstance(data, dict):
+            raise StoreMisconfigured(f"{self.folder / FACTS_FILE} is not an index description")
+        return data
+
+    def _write_facts(self, facts: dict[str, Any]) -> None:
+        # Atomic: a reader sees the old file or the new one, never a half-written one.
+        fd, tmp = tempfile.mkstemp(dir=self.folder, prefix=".index.", suffix=".json")
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                json.dump(facts, f, indent=2, sort_keys=True)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self.folder / FACTS_FILE)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+
+    def create(self, dim: int, facts: dict[str, Any]) -> None:
+        self.folder.mkdir(parents=True, exist_ok=True)
+        config = edge.EdgeConfig(
+            vectors={DENSE: edge.EdgeVectorParams(size=dim, distance=edge.Distance.Cosine)},
+            sparse_vectors={SPARSE: edge.EdgeSparseVectorParams(modifier=edge.Modifier.Idf)},
+        )
+        shard = edge.EdgeShard.create(str(self.folder / "shard"), config)
+        shard.update(
+            edge.UpdateOperation.create_field_index("doc_id", edge.PayloadSchemaType.Keyword)
+        )
+        self._shard = shard
+        # Written last: a folder without it is not an index (a crash mid-create is redone).
+        self._write_facts(facts)
+
+    def update_facts(self, changes: dict[str, Any]) -> None:
+        self._write_facts({**self.facts(), **changes})
+
+    def upsert(self, points: Sequence[PointData]) -> None:
+        self._require().update(
+            edge.UpdateOperation.upsert_points(
+                [
+                    edge.Point(
+                        id=p.id,
+                        vector={
+                            DENSE: p.dense,
+                            SPARSE: edge.SparseVector(p.sparse.indices, p.sparse.values),
+                        },
+                        payload=p.payload,
+                    )
+                    for p in points
+                ]
+            )
+        )
+
+    def delete_stale(self, doc_ids: Sequence[str], keep: Sequence[str]) -> None:
+        stale = edge.Filter(
+            must=[edge.FieldCondition(key="doc_id", match=edge.MatchAny(list(doc_ids)))],
+            must_not=[edge.HasIdCondition(set(keep))],
+        )
+        self._require().update(edge.UpdateOperation.delete_points_by_filter(stale))
+
+    def finish_writes(self) -> None:
+        shard = self._require()
+        shard.optimize()  # builds the HNSW index once a segment is large enough
+        shard.flush()
+
+    def count(self) -> int:
+        return int(self._require().count(edge.CountRequest(exact=True)))
+
+    def search(self, searches: Sequence[Search]) -> list[list[tuple[dict[str, Any], float]]]:
+        requests = [self._request(s) for s in searches]
+        results = self._require().query_batch(edge.QueryBatchRequest(requests))
+        return [[(dict(p.payload or {}), float(p.score)) for p in hits] for hits in results]
+
+    @staticmethod
+    def _request(s: Search) -> edge.QueryRequest:
+        dense = edge.Query.Nearest(s.dense, using=DENSE)
+        if s.terms is None or not s.terms.indices:
+            # Not hybrid, or a query of stop words only: the sparse branch would find nothing.
+            return edge.QueryRequest(limit=s.limit, query=dense, with_payload=True)
+        terms = edge.SparseVector(s.terms.indices, s.terms.values)
+        depth = _depth(s.limit)
+        return edge.QueryRequest(
+            limit=s.limit,
+            prefetches=[
+                edge.Prefetch(limit=depth, query=dense),
+                edge.Prefetch(limit=depth, query=edge.Query.Nearest(terms, using=SPARSE)),
+            ],
+            query=edge.Fusion.Rrf(k=_RRF_K),
+            with_payload=True,
+        )
+
+    def scroll(self, limit: int, offset: Any) -> tuple[list[dict[str, Any]], Any]:
+        points, next_offset = self._require().scroll(
+            edge.ScrollRequest(offset=offset, limit=limit, with_payload=True, with_vector=False)
+        )
+        return [dict(p.payload or {}) for p in points], next_offset
+
+    def ping(self) -> None:
+        if self._closed:
+            raise StoreError("the store is closed")
+        if self._shard is not None:
+            self._shard.info()
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._shard is not None:
+            self._shard.close()
+            self._shard = None
+        with _OPEN_FOLDERS_LOCK:
+            _OPEN_FOLDERS.discard(str(self.folder))
+
+
+def migrate_local_store(old: Path, collection: str, target: EdgeEngine, embedder: Embedder) -> int:
+    """Copy an index of the earlier format (qdrant-client local mode) into `target`: dense
+    vectors and payloads as they are, BM25 vectors recomputed. Returns the passages copied; an
+    index of another embedder is left alone (the open then finds no index)."""
+    from qdrant_client import QdrantClient
+
+    started = time.perf_counter()
+    client = QdrantClient(path=str(old))
+    try:
+        info = client.get_collection(collection)
+        built_with = (info.config.metadata or {}).get("embedding_model")
+        if built_with is not None and built_with != embedder.model_id:
+            log.warning(
+                "the index in %s was built with %s, not %s: not migrated; re-index",
+                old,
+                built_with,
+                embedder.model_id,
+            )
+            return 0
+        target.create(embedder.dim, new_facts(embedder))
+        copied, offset = 0, None
+        while True:
+            records, offset = client.scroll(
+                collection, limit=256, offset=offset, with_payload=True, with_vectors=[DENSE]
+            )
+            points = []
+            for r in records:
+                vector = r.vector[DENSE] if isinstance(r.vector, dict) else r.vector
+                payload = dict(r.payload or {})
+                text = str(payload.get("text", ""))
+                points.append(
+                    PointData(str(r.id), list(vector), sparse.document_vector(text), payload)
+                )
+            if points:
+                target.upsert(points)
+                copied += len(points)
+            if offset is None:
+                break
+        target.finish_writes()
+        target.update_facts({"index_version": uuid.uuid4().hex})
+    finally:
+        client.close()
+    log.warning(
+        "migrated %d passages from the old embedded store %s to Qdrant Edge in %.1f s; "
+        "the old folder is no longer read and can be deleted",
+        copied,
+        old,
+        time.perf_counter() - started,
+    )
+    return copied
+
+
+def _already_open(folder: Path) -> str:
+    return (
+        f"the embedded Qdrant store {folder} is already open (one process and one store per "
+        "folder): close() the other store first, or use a Qdrant server"
+    )
+
+
+# --- a Qdrant server, through qdrant-client ---------------------------------------------------
+
+
+class ServerEngine:
+    """A collection on a Qdrant server; its facts are the collection's metadata."""
+
+    kind = "server"
+
+    def __init__(self, settings: RetrievalSettings) -> None:
+        from qdrant_client import QdrantClient, models
+
+        self._models = models
+        key = settings.qdrant_api_key.get_secret_value() if settings.qdrant_api_key else None
+        self._client = QdrantClient(url=settings.qdrant_url, api_key=key)
+        self._collection = settings.collection
+        self.where = str(settings.qdrant_url)
+
+    def exists(self) -> bool:
+        return bool(self._client.collection_exists(self._collection))
+
+    def facts(self) -> dict[str, Any]:
+        config = self._client.get_collection(self._collection).config
+        facts = dict(config.metadata or {})
+        vectors = config.params.vectors
+        dense = vectors.get(DENSE) if isinstance(vectors, dict) else None
+        facts["dense_size"] = dense.size if dense is not None else None
+        return facts
+
+    def create(self, dim: int, facts: dict[str, Any]) -> None:
+        m = self._models
+        metadata = {k: v for k, v in facts.items() if k != "dense_size"}
+        try:
+            self._client.create_collection(
+                self._collection,
+                vectors_config={DENSE: m.VectorParams(size=dim, distance=m.Distance.COSINE)},
+                sparse_vectors_config={SPARSE: m.SparseVectorParams(modifier=m.Modifier.IDF)},
+                metadata=metadata,
+            )
+        except Exception:
+            # Another process may have created it in the meantime (then it must match too);
+            # anything else re-raises.
+            if not self._client.collection_exists(self._collection):
+                raise
+        self._client.create_payload_index(
+            self._collection, "doc_id", field_schema=m.PayloadSchemaType.KEYWORD
+        )
+
+    def update_facts(self, changes: dict[str, Any]) -> None:
+        self._client.update_collection(self._collection, metadata=changes)
+
+    def upsert(self, points: Sequence[PointData]) -> None:
+        m = self._models
+        self._client.upsert(
+            self._collection,
+            points=[
+                m.PointStruct(
+                    id=p.id,
+                    vector={
+                        DENSE: p.dense,
+                        SPARSE: m.SparseVector(indices=p.sparse.indices, values=p.sparse.values),
+                    },
+                    payload=p.payload,
+                )
+                for p in points
+            ],
+            wait=True,
+        )
+
+    def delete_stale(self, doc_ids: Sequence[str], keep: Sequence[str]) -> None:
+        m = self._models
+        self._client.delete(
+            self._collection,
+            points_selector=m.FilterSelector(
+                filter=m.Filter(
+                    must=[m.FieldCondition(key="doc_id", match=m.MatchAny(any=list(doc_ids)))],
+                    must_not=[m.HasIdCondition(has_id=list(keep))],
+                )
+            ),
+            wait=True,
+        )
+
+    def finish_writes(self) -> None:
+        """A server optimises in the background."""
+
+    def count(self) -> int:
+        return int(self._client.count(self._collection, exact=True).count)
+
+    def search(self, searches: Sequence[Search]) -> list[list[tuple[dict[str, Any], float]]]:
+        m = self._models
+        requests = []
+        for s in searches:
+            if s.terms is None or not s.terms.indices:
+                requests.append(
+                    m.QueryRequest(query=s.dense, using=DENSE, limit=s.limit, with_payload=True)
+                )
+                continue
+            depth = _depth(s.limit)
+            terms = m.SparseVector(indices=s.terms.indices, values=s.terms.values)
+            requests.append(
+                m.QueryRequest(
+                    prefetch=[
+                        m.Prefetch(query=s.dense, using=DENSE, limit=depth),
+                        m.Prefetch(query=terms, using=SPARSE, limit=depth),
+                    ],
+                    query=m.RrfQuery(rrf=m.Rrf(k=_RRF_K)),
+                    limit=s.limit,
+                    with_payload=True,
+                )
+            )
+        responses = self._client.query_batch_points(self._collection, requests=requests)
+        return [[(dict(p.payload or {}), float(p.score)) for p in r.points] for r in responses]
+
+    def scroll(self, limit: int, offset: Any) -> tuple[list[dict[str, Any]], Any]:
+        points, next_offset = self._client.scroll(
+            self._collection, limit=limit, offset=offset, with_payload=True, with_vectors=False
+        )
+        return [dict(p.payload or {}) for p in points], next_offset
+
+    def ping(self) -> None:
+        self._client.get_collections()
+
+    def close(self) -> None:
+        self._client.close()

@@ -1,84 +1,61 @@
-"""BM25-style sparse vectors for hybrid search.
+"""BM25 sparse vectors for hybrid search: Qdrant's own BM25 (`qdrant_edge.Bm25`, the model the
+Qdrant server's BM25 inference runs), for the embedded and the server store alike.
 
-Documents carry the BM25 term-frequency part, queries carry 1.0 per distinct term, and Qdrant
-multiplies in the IDF (`Modifier.IDF` on the sparse vector), so the dot product is a BM25 score.
-Everything here is deterministic across processes and machines: changing the tokenizer, the
-hash or the parameters changes stored vectors, so bump `SCHEME` whenever any of them changes.
+Documents carry BM25's term-frequency part, queries 1.0 per distinct term, and Qdrant applies
+the IDF (`Modifier.IDF` on the sparse vector), so the dot product is a BM25 score. Changing the
+configuration changes the stored vectors: `SCHEME` names it, and an index written under another
+scheme is refused (re-index).
 """
 
 from __future__ import annotations
 
-import re
-from collections import Counter
+import threading
 from dataclasses import dataclass
-from hashlib import blake2b
 
-SCHEME = "bm25-blake2b31-v1"
+import qdrant_edge
+
 K1 = 1.2
 B = 0.75
-# Qdrant computes IDF but not the corpus average length, so length normalisation uses a fixed
-# value: passages of 100-150 words average about 64 tokens once stop words are dropped
-# (measured on the SQuAD + Wikipedia sample corpus).
+# BM25 needs the corpus's average document length; Qdrant takes it as configuration. Passages
+# of 100-150 words average about 64 tokens once stop words are dropped (measured on the SQuAD
+# + Wikipedia sample corpus); Qdrant's default of 256 would under-weight term frequency.
 AVERAGE_LENGTH = 64.0
-
-_WORD = re.compile(r"[^\W_]+(?:['’][^\W_]+)*")
-STOP_WORDS = frozenset(
-    """
-    a an and are as at be been being but by can could did do does for from had has have he her
-    hers him his how i if in into is it its itself me my of on or our ours she should so than
-    that the their theirs them then there these they this those to too was we were what when
-    where which who whom why will with would you your yours s t
-    """.split()
-)
+LANGUAGE = "english"  # English stop words and Snowball stemming
+SCHEME = f"qdrant-bm25 {LANGUAGE} k={K1} b={B} avg_len={AVERAGE_LENGTH:g}"
 
 
 @dataclass(frozen=True)
 class SparseVec:
-    """Sorted unique `indices` and their `values`, as `qdrant_client.models.SparseVector` takes."""
+    """Sorted unique `indices` and their `values`."""
 
     indices: list[int]
     values: list[float]
 
-    def __len__(self) -> int:
-        return len(self.indices)
+
+_model: qdrant_edge.Bm25 | None = None
+_model_lock = threading.Lock()
 
 
-def tokenize(text: str) -> list[str]:
-    """Lowercased word tokens (letters and digits, inner apostrophes kept) minus stop words."""
-    tokens = []
-    for match in _WORD.finditer(text.lower()):
-        # "Normandy's" and "Normandy’s" should both match "normandy".
-        token = match.group().replace("’", "'")
-        if token.endswith("'s"):
-            token = token[:-2]
-        if token and token not in STOP_WORDS:
-            tokens.append(token)
-    return tokens
+def _bm25() -> qdrant_edge.Bm25:
+    global _model
+    with _model_lock:
+        if _model is None:
+            _model = qdrant_edge.Bm25(
+                qdrant_edge.Bm25Config(k=K1, b=B, avg_len=AVERAGE_LENGTH, language=LANGUAGE)
+            )
+        return _model
 
 
-def token_index(token: str) -> int:
-    """A stable index in [0, 2^31) for `token` (Python's hash() is salted per process)."""
-    digest = blake2b(token.encode("utf-8"), digest_size=4).digest()
-    return int.from_bytes(digest, "big") & 0x7FFFFFFF
+def _vec(v: qdrant_edge.SparseVector) -> SparseVec:
+    pairs = sorted(zip(v.indices, v.values, strict=True))
+    return SparseVec([i for i, _ in pairs], [float(x) for _, x in pairs])
 
 
-def document_vector(
-    text: str, *, k1: float = K1, b: float = B, average_length: float = AVERAGE_LENGTH
-) -> SparseVec:
-    """BM25 term-frequency weights `tf*(k1+1) / (tf + k1*(1-b+b*len/avg))` of `text`."""
-    tokens = tokenize(text)
-    counts = _index_counts(tokens)
-    norm = k1 * (1.0 - b + b * len(tokens) / average_length)
-    indices = sorted(counts)
-    return SparseVec(indices, [counts[i] * (k1 + 1.0) / (counts[i] + norm) for i in indices])
+def document_vector(text: str) -> SparseVec:
+    """The BM25 term weights of a passage (empty for text of stop words only)."""
+    return _vec(_bm25().embed_document(text))
 
 
 def query_vector(text: str) -> SparseVec:
-    """1.0 for every distinct query term; empty when the query has only stop words."""
-    indices = sorted(_index_counts(tokenize(text)))
-    return SparseVec(indices, [1.0] * len(indices))
-
-
-def _index_counts(tokens: list[str]) -> Counter[int]:
-    # Counting by index merges hash collisions, which Qdrant requires (unique indices).
-    return Counter(token_index(token) for token in tokens)
+    """1.0 per distinct query term; empty when the query has only stop words."""
+    return _vec(_bm25().embed_query(text))

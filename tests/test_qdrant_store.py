@@ -303,3 +303,122 @@ def test_an_embedded_store_that_cannot_open_stops_the_replica(
     with QdrantStore.open(settings.retrieval, home, embedder):
         with pytest.raises(StoreError, match="already"):
             Retriever.func_or_class(settings)
+
+
+def _old_local_index(home: Path, embedder: SentenceEmbedder, docs: list[dict]) -> None:
+    """An index as selfrag wrote it before Qdrant Edge: qdrant-client's local mode in
+    `home/qdrant`, named dense and sparse vectors, facts in the collection's metadata."""
+    from qdrant_client import QdrantClient, models
+
+    client = QdrantClient(path=str(home / "qdrant"))
+    client.create_collection(
+        "passages",
+        vectors_config={
+            "dense": models.VectorParams(size=embedder.dim, distance=models.Distance.COSINE)
+        },
+        sparse_vectors_config={"sparse": models.SparseVectorParams(modifier=models.Modifier.IDF)},
+        metadata={
+            "index_version": "v-old",
+            "embedding_model": embedder.model_id,
+            "sparse_scheme": "bm25-blake2b31-v1",
+        },
+    )
+    vectors = embedder.embed([d["text"] for d in docs])
+    client.upsert(
+        "passages",
+        points=[
+            models.PointStruct(
+                id=point_id(d["id"]),
+                vector={
+                    "dense": v.tolist(),
+                    "sparse": models.SparseVector(indices=[1], values=[1.0]),
+                },
+                payload={
+                    "passage_id": d["id"],
+                    "title": d["title"],
+                    "text": d["text"],
+                    "doc_id": d["id"],
+                },
+            )
+            for d, v in zip(docs, vectors, strict=True)
+        ],
+    )
+    client.close()
+
+
+def test_an_index_of_the_old_format_is_migrated_without_embedding_again(
+    home: Path, embedder: SentenceEmbedder, caplog: pytest.LogCaptureFixture
+) -> None:
+    _old_local_index(home, embedder, DOCUMENTS)
+
+    class NoEmbedding(RenamedEmbedder):
+        """Refuses to embed passages: a migration copies their vectors."""
+
+        def __init__(self, inner: SentenceEmbedder) -> None:
+            super().__init__(inner)
+            self.model_id = inner.model_id
+            self.calls: list[int] = []
+
+        def embed(self, texts: Sequence[str]) -> np.ndarray:
+            self.calls.append(len(texts))
+            return super().embed(texts)
+
+    counting = NoEmbedding(embedder)
+    with caplog.at_level("WARNING", logger="selfrag.store"):
+        store = QdrantStore.open(RetrievalSettings(hybrid=True), home, counting)
+    with store:
+        assert "migrated 5 passages" in caplog.text
+        assert counting.calls == []  # nothing was embedded to migrate
+        assert store.count() == 5
+        assert store.index_version() not in ("empty", "v-old")
+        assert store.search("Where does lava come from?", 1)[0].id == "volcano"
+        assert store.search("zymurgy", 1)[0].id == "zymurgy"  # BM25 recomputed
+    facts = json.loads((home / "edge" / "passages" / "index.json").read_text())
+    assert facts["format"] == 2 and facts["sparse_scheme"].startswith("qdrant-bm25")
+
+
+def test_another_process_cannot_open_the_embedded_store(
+    home: Path, embedder: SentenceEmbedder, corpus: Path
+) -> None:
+    import subprocess
+    import sys
+    import textwrap
+
+    with QdrantStore.open(RetrievalSettings(), home, embedder) as store:
+        index_corpus(corpus, store, progress=False)
+        code = textwrap.dedent(
+            f"""
+            import sys
+            from pathlib import Path
+            from selfrag.infra.qdrant_store import QdrantStore, StoreError
+            from selfrag.schemas.settings import RetrievalSettings
+            class E:
+                dim = {embedder.dim}
+                model_id = {embedder.model_id!r}
+            try:
+                QdrantStore.open(RetrievalSettings(), Path(sys.argv[1]), E())
+            except StoreError as e:
+                print(e)
+                sys.exit(3)
+            """
+        )
+        proc = subprocess.run(
+            [sys.executable, "-c", code, str(home)], capture_output=True, text=True, timeout=120
+        )
+    assert proc.returncode == 3, proc.stderr
+    assert "already open" in proc.stdout
+
+
+def test_index_facts_are_one_json_file_replaced_whole(
+    store: QdrantStore, corpus: Path, home: Path
+) -> None:
+    index_corpus(corpus, store, progress=False)
+    folder = home / "edge" / "passages"
+    facts = json.loads((folder / "index.json").read_text())
+    assert facts["index_version"] == store.index_version()
+    assert facts["embedding_model"] == store.embedder.model_id
+    assert facts["dense_size"] == store.embedder.dim
+    version = store.bump_index_version()
+    assert json.loads((folder / "index.json").read_text())["index_version"] == version
+    assert not [p for p in folder.iterdir() if p.name.startswith(".index.")]  # no leftovers
+    assert store.kind == "embedded"
