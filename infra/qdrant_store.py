@@ -31,7 +31,7 @@ import uuid
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import qdrant_edge as edge
@@ -40,6 +40,9 @@ from selfrag.infra import sparse
 from selfrag.infra.lifecycle import Closeable
 from selfrag.pipeline.protocols import Passage
 from selfrag.schemas.settings import RetrievalSettings
+
+if TYPE_CHECKING:
+    from qdrant_client import QdrantClient
 
 log = logging.getLogger("selfrag.store")
 
@@ -688,12 +691,16 @@ class ServerEngine:
 
     kind = "server"
 
-    def __init__(self, settings: RetrievalSettings) -> None:
+    def __init__(self, settings: RetrievalSettings, client: QdrantClient | None = None) -> None:
+        """`client`: one already made (tests pass qdrant-client's in-memory mode, which speaks
+        the server's API); by default one for `settings.qdrant_url`."""
         from qdrant_client import QdrantClient, models
 
         self._models = models
-        key = settings.qdrant_api_key.get_secret_value() if settings.qdrant_api_key else None
-        self._client = QdrantClient(url=settings.qdrant_url, api_key=key)
+        if client is None:
+            key = settings.qdrant_api_key.get_secret_value() if settings.qdrant_api_key else None
+            client = QdrantClient(url=settings.qdrant_url, api_key=key)
+        self._client = client
         self._collection = settings.collection
         self.where = str(settings.qdrant_url)
 

@@ -422,3 +422,27 @@ def test_index_facts_are_one_json_file_replaced_whole(
     assert json.loads((folder / "index.json").read_text())["index_version"] == version
     assert not [p for p in folder.iterdir() if p.name.startswith(".index.")]  # no leftovers
     assert store.kind == "embedded"
+
+
+def test_the_server_engine_indexes_and_searches_alike(
+    embedder: SentenceEmbedder, corpus: Path
+) -> None:
+    """The server path through qdrant-client's in-memory mode (it speaks the server's API; no
+    Qdrant server binary can be had here): same layout, facts in the collection metadata."""
+    from qdrant_client import QdrantClient
+
+    from selfrag.infra.qdrant_store import ServerEngine
+
+    settings = RetrievalSettings(hybrid=True)
+    engine = ServerEngine(settings, client=QdrantClient(":memory:"))
+    with QdrantStore(engine, settings, embedder) as store:
+        assert store.kind == "server" and store.index_version() == "empty"
+        index_corpus(corpus, store, progress=False)
+        assert store.count() == 5
+        facts = engine.facts()
+        assert facts["format"] == 2 and facts["dense_size"] == embedder.dim
+        assert facts["index_version"] == store.index_version() != "empty"
+        assert store.search("zymurgy", 1)[0].id == "zymurgy"
+        [lava, stop_words] = store.search_many(["Where does lava come from?", "what is the"], 3)
+        assert lava[0].id == "volcano" and len(stop_words) == 3
+        assert len(list(store.passages(batch=2))) == 5
