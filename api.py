@@ -25,7 +25,7 @@ from selfrag.jobs.indexing import IndexReport, index_corpus
 from selfrag.pipeline.decoder import StepListener
 from selfrag.pipeline.ranking import Hypothesis
 from selfrag.runtime.answering import Answer
-from selfrag.runtime.system import SelfRAGSystem
+from selfrag.runtime.system import KVPrecompute, SelfRAGSystem
 from selfrag.schemas.answer import AnswerRequest, AnswerResponse
 from selfrag.schemas.errors import Cancelled
 from selfrag.schemas.events import SegmentEvent
@@ -91,6 +91,12 @@ class SelfRAG:
     def count(self) -> int:
         """Passages in the index."""
         return self.system.store.count()
+
+    def precompute_kv(self, progress: bool = False) -> KVPrecompute:
+        """Save every indexed passage's KV state to the disk tier (`HOME/kv`), so answers
+        start warm, in every process of the node and after a restart. ValueError when the
+        configuration has no disk tier."""
+        return self.system.precompute_kv(progress=progress)
 
     # --- answers ---------------------------------------------------------------------------------
 

@@ -12,11 +12,13 @@ this llama.cpp build, and the prefix's token ids (which cover the template versi
 passage content). A passage's KV computed behind a different prefix is never shifted into place:
 that is only approximate.
 
-States read from Redis are checked before the engine sees them (`infra.cache.RedisTier`): the
-exact prefix token ids are stored with each state and must equal the ones asked for, a SHA-256
-covers the state, and a value over the tier's cap is not read. A refused state counts in
-`counters()` (`redis_rejected_*`) and reads as a miss, so the engine recomputes it. The memory
-tier holds only states this process computed or already checked.
+Tiers, nearest first: an in-process LRU, the node's disk (`infra.kv_disk.DiskTier`, shared by
+every engine process on the node, kept across restarts; `selfrag index --precompute-kv` fills
+it), then Redis across nodes. States read from disk or Redis are checked before the engine
+sees them: the exact prefix token ids are stored with each state and must equal the ones asked
+for, a SHA-256 covers the state, and a value over the tier's cap is not read. A refused state
+counts in `counters()` (`disk_rejected`, `redis_rejected_*`) and reads as a miss, so the engine
+recomputes it. The memory tier holds only states this process computed or already checked.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from typing import Protocol
 import numpy as np
 
 from selfrag.infra.cache import MB, MemoryLRU, RedisTier, open_redis_tier
+from selfrag.infra.kv_disk import DiskTier
 from selfrag.schemas.settings import Settings
 
 log = logging.getLogger("selfrag.kv_cache")
@@ -64,10 +67,14 @@ class PrefixKey:
     tokens: bytes
 
 
+State = bytes | memoryview
+"""A saved sequence state: bytes, or a writable view of a mapped file (restored uncopied)."""
+
+
 class PrefixStateStore(Protocol):
     """Saved sequence states by key. Implementations never raise from get/put."""
 
-    def get(self, key: PrefixKey) -> bytes | None: ...
+    def get(self, key: PrefixKey) -> State | None: ...
 
     def put(self, key: PrefixKey, state: bytes) -> None: ...
 
@@ -82,40 +89,58 @@ def prefix_state_key(model_sha256: str, layout: ContextLayout, tokens: Sequence[
 
 
 class TieredStateStore:
-    """`PrefixStateStore` over an in-process LRU and, when configured, Redis.
+    """`PrefixStateStore` over an in-process LRU, the node's disk and Redis (each optional).
 
-    Redis writes happen behind, on one background thread, so saving a state costs the engine
-    only the copy into memory; when writes pile up (Redis slow), new ones are dropped.
+    Disk and Redis writes happen behind, on one background thread, so saving a state costs the
+    engine only the copy into memory; when writes pile up (a slow disk or Redis), new ones are
+    dropped.
     """
 
     NAMESPACE = "selfrag:kv"
     MAX_PENDING_WRITES = 8
 
-    def __init__(self, memory: MemoryLRU | None, redis_tier: RedisTier | None = None) -> None:
+    def __init__(
+        self,
+        memory: MemoryLRU | None,
+        redis_tier: RedisTier | None = None,
+        disk: DiskTier | None = None,
+    ) -> None:
         self.memory = memory
         self.redis = redis_tier
+        self.disk = disk
         self._lock = threading.Lock()
         self._pending = 0
         self._writer = (
-            ThreadPoolExecutor(1, thread_name_prefix="selfrag-kv-redis") if redis_tier else None
+            ThreadPoolExecutor(1, thread_name_prefix="selfrag-kv-write")
+            if redis_tier is not None or disk is not None
+            else None
         )
         self.memory_hits = 0
+        self.disk_hits = 0
         self.redis_hits = 0
         self.misses = 0
         self.puts = 0
         self.writes_dropped = 0
 
-    def get(self, key: PrefixKey) -> bytes | None:
-        state = self.memory.get(key.digest) if self.memory is not None else None
+    def get(self, key: PrefixKey) -> State | None:
+        state: State | None = self.memory.get(key.digest) if self.memory is not None else None
         if state is not None:
             self._count("memory_hits")
             return state
+        if self.disk is not None:
+            state = self.disk.get(key.digest, bind=key.tokens)
+            if state is not None:
+                if self.memory is not None:
+                    self.memory.put(key.digest, state)  # a checked view of the page cache
+                self._count("disk_hits")
+                return state
         if self.redis is not None:
             state = self.redis.get(key.digest, bind=key.tokens)
             if state is not None:
                 if self.memory is not None:
                     self.memory.put(key.digest, state)
                 self._count("redis_hits")
+                self._write_behind(key, state, redis=False)  # now on this node's disk too
                 return state
         self._count("misses")
         return None
@@ -124,25 +149,31 @@ class TieredStateStore:
         self._count("puts")
         if self.memory is not None:
             self.memory.put(key.digest, state)
-        if self.redis is None or self._writer is None:
+        self._write_behind(key, state, redis=True)
+
+    def _write_behind(self, key: PrefixKey, state: bytes, *, redis: bool) -> None:
+        to_redis = redis and self.redis is not None
+        if self._writer is None or not (to_redis or self.disk is not None):
             return
         with self._lock:
             if self._pending >= self.MAX_PENDING_WRITES:
                 self.writes_dropped += 1
                 return
             self._pending += 1
-        self._writer.submit(self._write, key, state)
+        self._writer.submit(self._write, key, state, to_redis)
 
-    def _write(self, key: PrefixKey, state: bytes) -> None:
-        assert self.redis is not None
+    def _write(self, key: PrefixKey, state: bytes, to_redis: bool) -> None:
         try:
-            self.redis.put(key.digest, state, bind=key.tokens)
+            if self.disk is not None:
+                self.disk.put(key.digest, state, bind=key.tokens)
+            if to_redis and self.redis is not None:
+                self.redis.put(key.digest, state, bind=key.tokens)
         finally:
             with self._lock:
                 self._pending -= 1
 
     def flush(self) -> None:
-        """Wait for the Redis writes queued so far (tests, shutdown)."""
+        """Wait for the disk and Redis writes queued so far (tests, shutdown)."""
         if self._writer is not None:
             self._writer.submit(lambda: None).result()
 
@@ -150,11 +181,14 @@ class TieredStateStore:
         with self._lock:
             out = {
                 "memory_hit": self.memory_hits,
+                "disk_hit": self.disk_hits,
                 "redis_hit": self.redis_hits,
                 "miss": self.misses,
                 "put": self.puts,
-                "redis_write_dropped": self.writes_dropped,
+                "write_dropped": self.writes_dropped,
             }
+        if self.disk is not None:
+            out |= self.disk.counters()
         if self.redis is not None:
             c = self.redis.counters
             out |= {"redis_error": c.errors, "redis_bypassed": c.bypassed}
@@ -182,6 +216,7 @@ def open_prefix_store(settings: Settings) -> TieredStateStore | None:
     tier = open_redis_tier(
         settings, TieredStateStore.NAMESPACE, ttl_s=c.kv_ttl_s, max_bytes=c.kv_redis_mb * MB
     )
-    if memory is None and tier is None:
+    disk = DiskTier(settings.home / "kv", c.kv_disk_mb * MB) if c.kv_disk_mb > 0 else None
+    if memory is None and tier is None and disk is None:
         return None
-    return TieredStateStore(memory, tier)
+    return TieredStateStore(memory, tier, disk)

@@ -707,7 +707,10 @@ class LlamaEngine(Closeable):
     def _restore(self, dest: Slot, prefix: list[int], state: bytes) -> bool:
         """Load `state` into the empty slot `dest`; False (slot left empty) if llama.cpp refuses
         it or it does not hold exactly positions 0..len(prefix)-1."""
-        buf = (ctypes.c_uint8 * len(state)).from_buffer_copy(state)
+        # A disk state is a private writable mapping: restore from it in place, uncopied.
+        kind = ctypes.c_uint8 * len(state)
+        writable = isinstance(state, memoryview) and not state.readonly
+        buf = kind.from_buffer(state) if writable else kind.from_buffer_copy(state)
         read = llama_cpp.llama_state_seq_set_data(self._ctx, buf, len(state), dest.seq_id)
         lo = llama_cpp.llama_memory_seq_pos_min(self._mem, dest.seq_id)
         hi = llama_cpp.llama_memory_seq_pos_max(self._mem, dest.seq_id)

@@ -231,6 +231,12 @@ class CacheSettings(BaseModel):
         "of recomputing it (llama.cpp backend).",
     )
     kv_memory_mb: int = Field(512, ge=0, description="In-process LRU of KV states; 0: none.")
+    kv_disk_mb: int = Field(
+        4096,
+        ge=0,
+        description="Node-local disk tier of KV states under HOME/kv (shared by the node's "
+        "engine processes, kept across restarts); least recently used go past the cap; 0: none.",
+    )
     kv_ttl_s: int = Field(86400, ge=1, description="Redis TTL of a KV state.")
     kv_redis_mb: int = Field(2048, ge=1, description="Redis size cap of KV states.")
     kv_min_tokens: int = Field(
