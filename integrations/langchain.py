@@ -50,17 +50,12 @@ def to_documents(response: AnswerResponse) -> list[Document]:
     score; None when uncited) and `answer` (the answer's text)."""
     docs = []
     for src in sources(response):
-        p, seg = src.passage, src.segment
+        p = src.passage
         metadata = {
             "id": p.id,
             "title": p.title,
             "score": p.score,
-            "cited": src.cited,
-            "segments": list(src.segments),
-            "s_rel": seg.s_rel if seg else None,
-            "s_sup": seg.s_sup if seg else None,
-            "s_use": seg.s_use if seg else None,
-            "is_sup": seg.is_sup if seg else None,
+            **src.critique(),
             "answer": response.answer,
         }
         docs.append(Document(id=p.id, page_content=p.text, metadata=metadata))

@@ -46,16 +46,7 @@ def to_nodes(response: AnswerResponse) -> list[NodeWithScore]:
     nodes = []
     for src in sources(response):
         p, seg = src.passage, src.segment
-        metadata = {
-            "title": p.title,
-            "retrieval_score": p.score,
-            "cited": src.cited,
-            "segments": list(src.segments),
-            "s_rel": seg.s_rel if seg else None,
-            "s_sup": seg.s_sup if seg else None,
-            "s_use": seg.s_use if seg else None,
-            "is_sup": seg.is_sup if seg else None,
-        }
+        metadata = {"title": p.title, "retrieval_score": p.score, **src.critique()}
         node = TextNode(
             id_=p.id,
             text=p.text,

@@ -44,6 +44,19 @@ class Source:
     def cited(self) -> bool:
         return self.segment is not None
 
+    def critique(self) -> dict[str, Any]:
+        """`cited`, `segments` and the citing segment's `s_rel`, `s_sup`, `s_use`, `is_sup`
+        (None when uncited): the metadata every adapter attaches."""
+        seg = self.segment
+        return {
+            "cited": self.cited,
+            "segments": list(self.segments),
+            "s_rel": seg.s_rel if seg else None,
+            "s_sup": seg.s_sup if seg else None,
+            "s_use": seg.s_use if seg else None,
+            "is_sup": seg.is_sup if seg else None,
+        }
+
 
 def sources(response: AnswerResponse) -> list[Source]:
     """The answer's passages, each once: the cited ones in the order the answer first cites
