@@ -24,7 +24,7 @@ from typing import Any
 from selfrag.jobs.indexing import IndexReport, index_corpus
 from selfrag.pipeline.decoder import StepListener
 from selfrag.pipeline.ranking import Hypothesis
-from selfrag.runtime.answering import Answer
+from selfrag.runtime.answering import Answer, LeaderSegments
 from selfrag.runtime.system import KVPrecompute, SelfRAGSystem
 from selfrag.schemas.answer import AnswerRequest, AnswerResponse
 from selfrag.schemas.errors import Cancelled
@@ -172,7 +172,7 @@ class _Run:
     def __init__(self, rag: SelfRAG, request: AnswerRequest, emit: Callable[[Any], None]) -> None:
         self._emit = emit
         self._stopped = threading.Event()
-        self._sent: list[Any] = []
+        self._leader = LeaderSegments()
         self._thread = threading.Thread(
             target=self._work, args=(rag, request), name="selfrag-stream", daemon=True
         )
@@ -182,13 +182,8 @@ class _Run:
     def _on_step(self, h: Hypothesis) -> None:
         if self._stopped.is_set():
             raise Cancelled("the stream was closed")  # ends the decode at this step
-        segments = list(h.segments)
-        start = 0
-        while start < min(len(self._sent), len(segments)) and self._sent[start] == segments[start]:
-            start += 1
-        for i in range(start, len(segments)):
-            self._emit(SegmentEvent(index=i, segment=segments[i], hypothesis_score=h.score))
-        self._sent[:] = segments
+        for event in self._leader.events(h):
+            self._emit(event)
 
     def _work(self, rag: SelfRAG, request: AnswerRequest) -> None:
         try:

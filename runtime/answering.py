@@ -24,9 +24,10 @@ from typing import Any, Literal, Protocol
 
 from selfrag.pipeline.decoder import StepListener
 from selfrag.pipeline.ranking import Hypothesis
-from selfrag.schemas.answer import AnswerRequest, AnswerResponse
+from selfrag.schemas.answer import AnswerRequest, AnswerResponse, SegmentOut
 from selfrag.schemas.decoding import DecodingConfig
 from selfrag.schemas.errors import AnswerError, Cancelled, DeadlineExceeded, Unprocessable
+from selfrag.schemas.events import SegmentEvent
 from selfrag.schemas.settings import Settings
 
 log = logging.getLogger("selfrag.answering")
@@ -143,6 +144,26 @@ class Deadline:
 
 
 Decode = Callable[[str, DecodingConfig, Deadline, StepListener | None], AnswerResponse]
+
+
+class LeaderSegments:
+    """Turns the leading hypothesis of each step into the segment events a stream sends:
+    from the first segment that changed since the last step (index i replaces any segment with
+    index ≥ i sent before, since the beam's leader can change)."""
+
+    def __init__(self) -> None:
+        self._sent: list[SegmentOut] = []
+
+    def events(self, h: Hypothesis) -> list[SegmentEvent]:
+        segments = list(h.segments)
+        start = 0
+        while start < min(len(self._sent), len(segments)) and self._sent[start] == segments[start]:
+            start += 1
+        self._sent[:] = segments
+        return [
+            SegmentEvent(index=i, segment=segments[i], hypothesis_score=h.score)
+            for i in range(start, len(segments))
+        ]
 
 
 @dataclass(frozen=True)
