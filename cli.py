@@ -106,7 +106,16 @@ def _batch_parser(sub: Any) -> None:
         help="Also answer again the ids whose last record is an error (the new record replaces "
         "it; the last record of an id counts).",
     )
-    p.add_argument("--actors", type=int, help="Engine actors (default: one per available CPU).")
+    p.add_argument(
+        "--actors",
+        type=int,
+        help="Engine actors (default: one per free CPU of each node; they must fit the nodes).",
+    )
+    p.add_argument(
+        "--actor-cpus",
+        type=float,
+        help="CPUs each engine actor reserves (default: the largest share that fits the nodes).",
+    )
     p.add_argument(
         "--per-actor",
         type=int,
@@ -517,6 +526,8 @@ def cmd_batch(args: argparse.Namespace) -> int:
         raise CLIError("--actors must be at least 1")
     if args.per_actor < 1:
         raise CLIError("--per-actor must be at least 1")
+    if args.actor_cpus is not None and args.actor_cpus <= 0:
+        raise CLIError("--actor-cpus must be above 0")
     summary = run_batch(
         _settings(args),
         args.questions,
@@ -528,6 +539,7 @@ def cmd_batch(args: argparse.Namespace) -> int:
         address=args.address,
         progress=not args.no_progress,
         retry_failed=args.retry_failed,
+        actor_cpus=args.actor_cpus,
     )
     print(summary.line())
     return EXIT_PARTIAL if summary.failed or summary.malformed else 0

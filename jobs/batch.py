@@ -69,6 +69,8 @@ from selfrag.schemas.settings import Settings
 # while a merged engine call takes seconds, so waiting for stragglers pays.
 MERGE_WAIT_S = 0.3
 RETRIEVER_CPUS = 0.1
+# Seconds a pool that fits the cluster waits for CPUs still held by actors going away.
+RESOURCE_WAIT_S = 10.0
 # A question is at most 2000 characters and its config a few fields: a JSONL line past this is
 # not a request, and is skipped without being read whole.
 MAX_LINE_BYTES = 1 << 20
@@ -656,16 +658,120 @@ class Resources:
     per_actor: int
 
 
+class ClusterTooSmall(ValueError):
+    """The engine actors asked for do not fit the nodes of the cluster: Ray would queue them,
+    and the job would wait for resources that never come."""
+
+
+@dataclass(frozen=True)
+class NodeCPUs:
+    """One alive node's free CPUs, as the planner sees them."""
+
+    node_id: str
+    cpus: float
+    driver: bool = False
+
+
+def _fits(nodes: Sequence[NodeCPUs], cpus: float, reserve: float) -> int:
+    """How many actors of `cpus` each the nodes hold, `reserve` kept on the driver's node."""
+    eps = 1e-9
+    return sum(int((n.cpus - (reserve if n.driver else 0.0) + eps) // cpus) for n in nodes)
+
+
+def _describe(nodes: Sequence[NodeCPUs]) -> str:
+    mark = " (the driver's)"
+    each = ", ".join(f"{n.node_id[:8]}{mark if n.driver else ''} {n.cpus:g}" for n in nodes)
+    plural = "s" if len(nodes) != 1 else ""
+    return f"the cluster has {len(nodes)} node{plural} with CPUs free: {each}"
+
+
 def plan_resources(
-    total_cpus: float, actors: int | None, per_actor: int, n_threads: int
+    total_cpus: float | Sequence[NodeCPUs],
+    actors: int | None,
+    per_actor: int,
+    n_threads: int,
+    actor_cpus: float | None = None,
+    reserve: float = RETRIEVER_CPUS,
 ) -> Resources:
-    """Default: one actor per available CPU, each with one llama.cpp thread, leaving a share
-    for the retriever; `actors` overrides the count, and the CPUs are split between them."""
-    usable = max(total_cpus - RETRIEVER_CPUS, 0.1)
-    count = actors if actors is not None else max(1, int(usable))
-    cpus = max(0.05, math.floor(usable / count * 20) / 20)
+    """Size the engine actor pool to the nodes: an actor runs on one node, so its CPUs must
+    fit one node's free CPUs, not the cluster's sum. `total_cpus` is the free CPUs of each
+    alive node (a number: one node, the driver's). `reserve`: the retriever's share, kept on
+    the driver's node (0 with a Qdrant server).
+
+    Default: one actor per free CPU of each node (at least one per node with a share to
+    give), all of the size that fits the smallest of those shares; `actors` fixes the count
+    and the size is the largest that fits them all; `actor_cpus` fixes the size. Raises
+    ClusterTooSmall, naming what was asked for and what the nodes have, when they do not fit.
+    """
+    nodes = (
+        [NodeCPUs("local", float(total_cpus), True)]
+        if isinstance(total_cpus, int | float)
+        else list(total_cpus)
+    )
+    usable = [n.cpus - (reserve if n.driver else 0.0) for n in nodes]
+    if actor_cpus is None:
+        if actors is None:
+            shares = [u / max(1, int(u)) for u in usable if u >= 0.1]
+            cpus = math.floor(min(shares, default=0.0) * 20) / 20
+        else:
+            # The largest size of 0.05 steps at which `actors` fit: one of u / m per node.
+            sizes = sorted(
+                {math.floor(u / m * 20) / 20 for u in usable for m in range(1, actors + 1)},
+                reverse=True,
+            )
+            cpus = next((c for c in sizes if c >= 0.05 and _fits(nodes, c, reserve) >= actors), 0.0)
+    else:
+        cpus = actor_cpus
+    count = actors if actors is not None else (_fits(nodes, cpus, reserve) if cpus > 0 else 0)
+    if cpus <= 0 or count < 1 or _fits(nodes, cpus, reserve) < count:
+        asked = f"{actors} engine actors" if actors is not None else "engine actors"
+        size = f" of {cpus:g} CPU each" if cpus > 0 else ""
+        extra = f", and {reserve:g} CPU for the retriever on the driver's node" if reserve else ""
+        raise ClusterTooSmall(
+            f"asked for {asked}{size}{extra}; {_describe(nodes)}. An actor runs on one node. "
+            "Ask for fewer actors (--actors) or smaller ones (--actor-cpus), or add nodes"
+        )
     threads = n_threads or max(1, round(cpus))
     return Resources(count, cpus, threads, per_actor)
+
+
+def cluster_cpus(total: bool = False) -> list[NodeCPUs]:
+    """The free CPUs (`total`: all CPUs) of each alive node of the Ray this process is
+    connected to, the driver's node marked."""
+    import ray
+    from ray._private import state  # Ray is pinned: the per-node view its autoscaler uses
+
+    here = ray.get_runtime_context().get_node_id()
+    per_node = state.total_resources_per_node() if total else state.available_resources_per_node()
+    alive = [n["NodeID"] for n in ray.nodes() if n.get("Alive")]
+    return [NodeCPUs(i, float(per_node.get(i, {}).get("CPU", 0.0)), i == here) for i in alive]
+
+
+def plan_on_cluster(
+    actors: int | None,
+    per_actor: int,
+    n_threads: int,
+    actor_cpus: float | None,
+    reserve: float,
+    wait_s: float = RESOURCE_WAIT_S,
+) -> Resources:
+    """`plan_resources` on the connected cluster's free CPUs. When the pool fits the nodes'
+    CPUs but not what is free now (a previous job's actors are still going away), it tries
+    again for up to `wait_s`; a pool that fits no node of the cluster fails at once."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            return plan_resources(cluster_cpus(), actors, per_actor, n_threads, actor_cpus, reserve)
+        except ClusterTooSmall as exc:
+            try:
+                plan_resources(
+                    cluster_cpus(True), actors, per_actor, n_threads, actor_cpus, reserve
+                )
+            except ClusterTooSmall:
+                raise exc from None  # too small even when idle: waiting cannot help
+            if time.monotonic() >= deadline:
+                raise
+            time.sleep(0.5)
 
 
 def ensure_ray(address: str | None) -> bool:
@@ -689,18 +795,30 @@ def stream_answers(
 
     if not jobs:
         return
-    plan = plan_resources(
-        ray.available_resources().get("CPU", 1.0), actors, per_actor, settings.model.n_threads
+    embedded = not settings.retrieval.qdrant_url
+    # Checked before anything starts: actors that fit no node would wait silently for ever.
+    plan = plan_on_cluster(
+        actors,
+        per_actor,
+        settings.model.n_threads,
+        actor_cpus,
+        reserve=RETRIEVER_CPUS if embedded else 0.0,
     )
-    if actor_cpus is not None:
-        plan = Resources(plan.actors, actor_cpus, plan.n_threads, per_actor)
     # Settings travel pickled: their secrets (qdrant_api_key, redis_url) stay secret types,
     # masked in any repr or log; a JSON dump would replace them by the mask for good.
     retriever = None
-    if not settings.retrieval.qdrant_url:
+    if embedded:
+        # The embedded store is a folder on the driver's machine, owned by one process: on a
+        # cluster the retriever must run on the driver's node, never elsewhere.
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        here = ray.get_runtime_context().get_node_id()
         retriever = (
             ray.remote(RetrieverActor)
-            .options(num_cpus=min(RETRIEVER_CPUS, plan.actor_cpus))
+            .options(
+                num_cpus=RETRIEVER_CPUS,
+                scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=False),
+            )
             .remote(settings)
         )
     by_key = {j.key: j for j in jobs}

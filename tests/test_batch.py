@@ -19,6 +19,8 @@ import pytest
 import selfrag.jobs.batch as batch_module
 from selfrag.jobs.batch import (
     BatchQuestion,
+    ClusterTooSmall,
+    NodeCPUs,
     OutputLockedError,
     compact_records,
     done_ids,
@@ -285,6 +287,25 @@ def test_resources_split_the_cpus():
     two = plan_resources(2.0, 2, 8, 0)
     assert (two.actors, two.actor_cpus, two.n_threads) == (2, 0.95, 1)
     assert plan_resources(16.0, None, 8, 0).actors == 15
+
+
+def test_resources_fit_each_node_not_the_clusters_sum():
+    """Two nodes of one CPU: the sum (2) would make one actor of 1.9 CPUs, which no node can
+    hold, and Ray would queue it for ever. The driver's node keeps the retriever's share."""
+    nodes = [NodeCPUs("head", 1.0, driver=True), NodeCPUs("worker", 1.0)]
+    plan = plan_resources(nodes, None, 8, 0)
+    assert (plan.actors, plan.actor_cpus, plan.n_threads) == (2, 0.9, 1)
+    assert plan_resources(nodes, 3, 8, 0).actor_cpus == 0.5  # 0.9 → 1, 1.0 → 2
+    assert plan_resources(nodes, None, 8, 0, actor_cpus=0.3).actors == 6
+    with pytest.raises(ClusterTooSmall, match="asked for 3 engine actors of 1 CPU each") as e:
+        plan_resources(nodes, 3, 8, 0, actor_cpus=1.0)
+    assert "the cluster has 2 nodes with CPUs free: head (the driver's) 1, worker 1" in str(e.value)
+    with pytest.raises(ClusterTooSmall, match=r"engine actors of 1\.5 CPU each"):
+        plan_resources(nodes, None, 8, 0, actor_cpus=1.5)
+    with pytest.raises(ClusterTooSmall, match="the cluster has 1 node with CPUs free"):
+        plan_resources([NodeCPUs("busy", 0.0, driver=True)], None, 8, 0)
+    # With a Qdrant server there is no retriever to keep room for.
+    assert plan_resources(nodes, None, 8, 0, reserve=0.0).actor_cpus == 1.0
 
 
 def test_merger_runs_the_calls_of_concurrent_decoders_as_one_engine_call():
