@@ -9,18 +9,21 @@
 
 CPU requests are fractional so the whole application fits on a 2-core machine: Serve never
 schedules a replica asking for more CPUs than the cluster has, and `serve.run` would wait.
+
+Every replica records its metrics through `ray.serve.metrics` (`actors.metrics.RaySink`), which
+Ray's metrics agent exports per node, tagged with the replica; the ingress also keeps them in a
+registry of its own for `GET /metrics`. Each replica's selfrag log records go where Serve's own
+go (`adopt_serve_logging`), at `serve.log_level` and in `serve.log_encoding`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import copy
 import logging
 import os
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeVar
 
 from fastapi import FastAPI
@@ -29,7 +32,7 @@ from ray.serve.config import RequestRouterConfig
 from ray.serve.handle import DeploymentHandle
 
 from selfrag.actors.http import build_http_app, parse_api_keys
-from selfrag.actors.metrics import BatchStats, Metrics, family
+from selfrag.actors.metrics import EngineMetrics, Metrics, PrometheusSink, RaySink
 from selfrag.actors.service import ServeAnswerService
 from selfrag.infra.cache import open_query_cache
 from selfrag.infra.settings import API_KEYS_ENV
@@ -50,43 +53,44 @@ log = logging.getLogger("selfrag.actors")
 _T = TypeVar("_T")
 
 
-@dataclass(frozen=True)
-class PoolStats:
-    """What the branch pool adds to `/metrics`: its batch sizes and the tier counters of its
-    passage KV-state store (hits, misses, Redis errors, states refused by reason)."""
-
-    batches: BatchStats
-    kv_store: dict[str, int]
-
-    def render(self) -> list[str]:
-        lines = self.batches.render()
-        if self.kv_store:
-            lines += family(
-                "selfrag_kv_cache_tier_total",
-                "counter",
-                "Passage KV-state store by tier: memory/redis hits, misses, puts, Redis errors "
-                "and bypassed calls, and states read from Redis but refused (redis_rejected_*).",
-                [({"event": k}, v) for k, v in sorted(self.kv_store.items())],
-            )
-        return lines
+def adopt_serve_logging(
+    level: str, *, serve_logger: str = "ray.serve", ours: str = "selfrag"
+) -> bool:
+    """In a replica, send selfrag's log records where Serve's own go (its replica log file,
+    TEXT or JSON as `serve.log_encoding` says, and stderr) at `level` (`serve.log_level`):
+    Serve applies its `LoggingConfig` to its `ray.serve` logger only. False, changing nothing,
+    where that logger has no handlers (not in a replica)."""
+    source = logging.getLogger(serve_logger)
+    if not source.handlers:
+        return False
+    target = logging.getLogger(ours)
+    target.setLevel(level)
+    for handler in source.handlers:
+        if handler not in target.handlers:
+            target.addHandler(handler)
+    target.propagate = False  # the worker's root handler would print each record a second time
+    return True
 
 
 class _EngineWorker:
     """One engine in this replica, and the merger (`runtime.merging.CallMerger`) that turns
     the critique calls of its concurrent requests into multi-sequence engine calls. Each
-    request runs in a thread of its own; its calls stop at the request's deadline."""
+    request runs in a thread of its own; its calls stop at the request's deadline. Every
+    engine call's batch size goes to Ray's metrics export, and so do the passage KV-state
+    store's tier counters after each request."""
 
     def __init__(self, settings: Settings, max_threads: int) -> None:
         from selfrag.runtime.system import SelfRAGSystem
 
+        adopt_serve_logging(settings.serve.log_level)
         self.rag = SelfRAGSystem(settings)
         self.engine = self.rag.engine  # load now, in this process; never fork after this
-        self.batches = BatchStats()
+        self.metrics = EngineMetrics([RaySink()])
         self._merger = CallMerger(
             self.rag.critic,
             settings.serve.batch_wait_ms / 1000,
             max_calls=settings.serve.max_batch_size,
-            on_batch=self.batches.record,
+            on_batch=self.metrics.record_batch,
         )
         # A thread per ongoing request: the default executor has only cpu+4 threads.
         self._executor = ThreadPoolExecutor(max_threads, thread_name_prefix="selfrag-engine")
@@ -102,6 +106,7 @@ class _EngineWorker:
                 return work(MergedCritic(self._merger, source, name, deadline))
             finally:
                 self._merger.leave()
+                self.metrics.sync_kv_store(self.rag.kv_store_counters())
 
         return await asyncio.get_running_loop().run_in_executor(self._executor, call)
 
@@ -154,9 +159,6 @@ class BranchPool:
     def ready(self) -> bool:
         return bool(self._worker.engine.tokenize("ready"))
 
-    def stats(self) -> PoolStats:
-        return PoolStats(copy.deepcopy(self._worker.batches), dict(self._rag.kv_store_counters()))
-
 
 @serve.deployment(
     ray_actor_options={"num_cpus": 0.5},
@@ -179,9 +181,6 @@ class RetrievalDecider:
     def ready(self) -> bool:
         return bool(self._worker.engine.tokenize("ready"))
 
-    def stats(self) -> BatchStats:
-        return copy.deepcopy(self._worker.batches)
-
 
 @serve.deployment(ray_actor_options={"num_cpus": 0.25}, max_ongoing_requests=32)
 class Retriever:
@@ -202,6 +201,7 @@ class Retriever:
     def __init__(self, settings: Settings) -> None:
         from selfrag.runtime.system import SelfRAGSystem
 
+        adopt_serve_logging(settings.serve.log_level)
         self._rag = SelfRAGSystem(settings)
         self._refused: tuple[float, str] | None = None  # (until when, the 500's detail)
         self._down = False
@@ -317,7 +317,9 @@ class SelfRAGIngress:
         ranker: DeploymentHandle,
         settings: Settings,
     ) -> None:
-        self._metrics = Metrics()
+        adopt_serve_logging(settings.serve.log_level)
+        # Its own registry for GET /metrics, and Ray's export with every other replica's.
+        self._metrics = Metrics(PrometheusSink("ingress"), RaySink())
         self._service = ServeAnswerService(
             pool=pool,
             decider=decider,

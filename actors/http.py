@@ -344,13 +344,14 @@ def build_http_app(
 
     @app.get("/metrics", dependencies=authed, response_class=PlainTextResponse)
     async def prometheus() -> Response:
-        """Prometheus text exposition."""
+        """Prometheus text exposition of this process: its request, answer and cache series,
+        and its process metrics. Every replica's series, the engine replicas' batch sizes
+        among them, are in Ray's metrics export."""
         try:
-            extra = await service.metrics_text()
+            await service.collect_metrics()
         except Exception as exc:
             log.warning("service metrics unavailable: %s", exc)
-            extra = []
-        return Response(metrics.render(extra), media_type=PROMETHEUS_CONTENT_TYPE)
+        return Response(metrics.render(), media_type=PROMETHEUS_CONTENT_TYPE)
 
     add_openai_routes(
         app,

@@ -1,305 +1,410 @@
-"""Prometheus text-format metrics of the HTTP endpoint and the branch pool.
+"""What the Serve application counts, each event recorded once into every backend that exports it.
 
-Kept dependency-free and picklable: the branch pool records its batch sizes in `BatchStats`,
-hands a snapshot to the ingress through a deployment handle, and the ingress renders it
-next to its own request counters.
+`METRICS` defines every series: counters (`_total`) and histograms, and one gauge that is a
+level (answers in flight); ratios (hit rates, retrieval rate) are left to PromQL. A `Recorder`
+hands each event to its sinks (`MetricsSink`):
+
+* `PrometheusSink`: prometheus_client in a registry of its own, with the process, platform
+  and GC collectors. The ingress renders it at `GET /metrics`: one process, for a
+  single-machine scrape.
+* `RaySink`: `ray.serve.metrics`. Every replica exports its series through Ray's metrics
+  agent on its node, tagged with `deployment`, `replica` and `application`; there the names
+  carry Ray's `ray_` prefix (`ray_selfrag_batch_requests_bucket`).
+
+`Metrics` is what the ingress records (requests, answers, the query cache, calls to the other
+deployments); `EngineMetrics` what an engine replica records (its batch sizes and passage
+KV-state store). Neither needs Ray: the HTTP layer's tests use a `PrometheusSink` alone.
 """
 
 from __future__ import annotations
 
-import math
+import logging
 import threading
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol
 
 from selfrag.schemas.answer import AnswerResponse
+
+log = logging.getLogger("selfrag.metrics")
 
 LATENCY_BUCKETS = (0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 BATCH_BUCKETS = (1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0)
 
-Labels = Mapping[str, str]
+Kind = Literal["counter", "histogram", "gauge"]
+Source = Literal["ingress", "engine"]
+
+# Ray Serve adds these tags to every series a replica exports; a label may not reuse them.
+RAY_SERVE_TAGS = frozenset({"deployment", "replica", "application", "route"})
 
 
-def _escape(value: str) -> str:
-    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+@dataclass(frozen=True)
+class MetricSpec:
+    """One series family. `preset`: label values shown (at 0) before their first event, so a
+    rate over them exists from the start. `source`: the deployments that record it, the
+    ingress or the engine replicas (`BranchPool`, `RetrievalDecider`)."""
 
-
-def _labels(labels: Labels) -> str:
-    if not labels:
-        return ""
-    return "{" + ",".join(f'{k}="{_escape(v)}"' for k, v in sorted(labels.items())) + "}"
-
-
-def _number(value: float) -> str:
-    if math.isinf(value):
-        return "+Inf" if value > 0 else "-Inf"
-    return repr(float(value)) if not float(value).is_integer() else str(int(value))
-
-
-@dataclass
-class Histogram:
-    """Cumulative-bucket histogram, as Prometheus defines it."""
-
-    buckets: tuple[float, ...]
-    counts: list[int] = field(default_factory=list)
-    total: int = 0
-    sum: float = 0.0
+    name: str
+    kind: Kind
+    help: str
+    labels: tuple[str, ...] = ()
+    buckets: tuple[float, ...] = ()
+    preset: tuple[tuple[str, ...], ...] = ()
+    source: Source = "ingress"
 
     def __post_init__(self) -> None:
-        if not self.counts:
-            self.counts = [0] * len(self.buckets)
-
-    def observe(self, value: float) -> None:
-        self.total += 1
-        self.sum += value
-        for i, bound in enumerate(self.buckets):
-            if value <= bound:
-                self.counts[i] += 1
-
-    def samples(self, name: str, labels: Labels) -> list[str]:
-        out = [
-            f"{name}_bucket{_labels({**labels, 'le': _number(b)})} {c}"
-            for b, c in zip(self.buckets, self.counts, strict=True)
-        ]
-        out.append(f"{name}_bucket{_labels({**labels, 'le': '+Inf'})} {self.total}")
-        out.append(f"{name}_sum{_labels(labels)} {_number(self.sum)}")
-        out.append(f"{name}_count{_labels(labels)} {self.total}")
-        return out
+        if not self.name.startswith("selfrag_"):
+            raise ValueError(f"{self.name}: selfrag's metrics are named selfrag_*")
+        if (self.kind == "counter") != self.name.endswith("_total"):
+            raise ValueError(f"{self.name}: counters, and only counters, end in _total")
+        if (self.kind == "histogram") != bool(self.buckets):
+            raise ValueError(f"{self.name}: histograms, and only histograms, have buckets")
+        if reserved := RAY_SERVE_TAGS.intersection(self.labels):
+            raise ValueError(f"{self.name}: label(s) {sorted(reserved)} are Ray Serve's tags")
+        if any(len(values) != len(self.labels) for values in self.preset):
+            raise ValueError(f"{self.name}: a preset needs one value per label")
 
 
-def family(
-    name: str, kind: str, help_text: str, samples: Iterable[tuple[Labels, float]]
-) -> list[str]:
-    """A counter or gauge family: HELP, TYPE and one line per labelled sample."""
-    lines = [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}"]
-    lines += [f"{name}{_labels(labels)} {_number(value)}" for labels, value in samples]
-    return lines
+METRICS: dict[str, MetricSpec] = {
+    spec.name: spec
+    for spec in (
+        # --- the ingress ---------------------------------------------------------------------
+        MetricSpec(
+            "selfrag_http_requests_total",
+            "counter",
+            "HTTP requests by method, route and status code.",
+            ("method", "path", "status"),
+        ),
+        MetricSpec(
+            "selfrag_http_request_duration_seconds",
+            "histogram",
+            "Time to the response start, by route.",
+            ("path",),
+            LATENCY_BUCKETS,
+        ),
+        MetricSpec(
+            "selfrag_rejected_total",
+            "counter",
+            "Requests refused: overloaded (503) or past their deadline (504).",
+            ("reason",),
+            preset=(("overloaded",), ("deadline",)),
+        ),
+        MetricSpec(
+            "selfrag_inflight_answers",
+            "gauge",
+            "Admitted answers whose decoder still runs (a slot of serve.max_inflight).",
+        ),
+        MetricSpec(
+            "selfrag_streams_abandoned_total",
+            "counter",
+            "Streams whose client disconnected before the answer; the decode was cancelled.",
+        ),
+        MetricSpec(
+            "selfrag_query_cache_total",
+            "counter",
+            "Query cache lookups: hit, miss, or error (cache bypassed).",
+            ("outcome",),
+            preset=(("hit",), ("miss",), ("error",)),
+        ),
+        MetricSpec(
+            "selfrag_query_cache_tier_total",
+            "counter",
+            "Query cache by tier: memory/redis hits, misses, Redis errors and calls bypassed "
+            "while Redis is down, and answers read from Redis but refused (redis_rejected_*).",
+            ("event",),
+        ),
+        MetricSpec("selfrag_answers_total", "counter", "Answers decoded (not from cache)."),
+        MetricSpec("selfrag_decoding_steps_total", "counter", "Segment steps decoded."),
+        MetricSpec("selfrag_retrievals_total", "counter", "Steps that retrieved passages."),
+        MetricSpec(
+            "selfrag_branches_total",
+            "counter",
+            "Branches opened, pruned by min_relevance, and removed by hard filters.",
+            ("outcome",),
+            preset=(("opened",), ("pruned",), ("filtered",)),
+        ),
+        MetricSpec("selfrag_abstained_total", "counter", "Answers that abstained."),
+        MetricSpec(
+            "selfrag_remote_calls_total",
+            "counter",
+            "Calls from the decoder to other deployments, by the deployment called (target) "
+            "and method.",
+            ("target", "method"),
+        ),
+        MetricSpec(
+            "selfrag_remote_bytes_total",
+            "counter",
+            "Pickled bytes of those calls' arguments (sent) and results (received).",
+            ("target", "method", "direction"),
+        ),
+        # --- the engine replicas (BranchPool, RetrievalDecider) -------------------------------
+        MetricSpec(
+            "selfrag_batch_requests",
+            "histogram",
+            "Concurrent requests merged into one engine call, per critique method.",
+            ("method",),
+            BATCH_BUCKETS,
+            source="engine",
+        ),
+        MetricSpec(
+            "selfrag_batch_branches",
+            "histogram",
+            "Branches (sequences) in one engine call, per critique method.",
+            ("method",),
+            BATCH_BUCKETS,
+            source="engine",
+        ),
+        MetricSpec(
+            "selfrag_kv_cache_tier_total",
+            "counter",
+            "Passage KV-state store by tier: memory/redis hits, misses, puts, Redis errors and "
+            "bypassed calls, and states read from Redis but refused (redis_rejected_*).",
+            ("event",),
+            source="engine",
+        ),
+    )
+}
 
 
-def histogram_family(
-    name: str, help_text: str, histograms: Iterable[tuple[Labels, Histogram]]
-) -> list[str]:
-    lines = [f"# HELP {name} {help_text}", f"# TYPE {name} histogram"]
-    for labels, h in histograms:
-        lines += h.samples(name, labels)
-    return lines
+class MetricsSink(Protocol):
+    """A metrics backend: receives every event a `Recorder` records, with its labels."""
+
+    def inc(self, spec: MetricSpec, labels: Mapping[str, str], value: float) -> None:
+        """Add `value` (>= 0) to a counter; 0 makes a new series show, where it can."""
+        ...
+
+    def observe(self, spec: MetricSpec, labels: Mapping[str, str], value: float) -> None:
+        """One observation of a histogram."""
+        ...
+
+    def set(self, spec: MetricSpec, labels: Mapping[str, str], value: float) -> None:
+        """The current value of a gauge."""
+        ...
 
 
-@dataclass
-class BatchStats:
-    """Sizes of the engine calls the branch pool formed, per critique method."""
-
-    requests: dict[str, Histogram] = field(default_factory=dict)
-    branches: dict[str, Histogram] = field(default_factory=dict)
-
-    def record(self, method: str, n_requests: int, n_branches: int) -> None:
-        self.requests.setdefault(method, Histogram(BATCH_BUCKETS)).observe(n_requests)
-        self.branches.setdefault(method, Histogram(BATCH_BUCKETS)).observe(n_branches)
-
-    def render(self) -> list[str]:
-        return [
-            *histogram_family(
-                "selfrag_batch_requests",
-                "Concurrent requests merged into one engine call, per critique method.",
-                [({"method": m}, h) for m, h in sorted(self.requests.items())],
-            ),
-            *histogram_family(
-                "selfrag_batch_branches",
-                "Branches (sequences) in one engine call, per critique method.",
-                [({"method": m}, h) for m, h in sorted(self.branches.items())],
-            ),
-        ]
+def specs_of(source: Source) -> list[MetricSpec]:
+    """The series that `source` records."""
+    return [spec for spec in METRICS.values() if spec.source == source]
 
 
-@dataclass
-class CacheCounters:
-    hits: int = 0
-    misses: int = 0
-    errors: int = 0
+class PrometheusSink:
+    """prometheus_client metrics in a registry of this sink's own (several may live in one
+    process, as in tests): the series of `source` (default: all), and the process collectors
+    (CPU, memory, file descriptors, GC) unless `process` is False."""
+
+    def __init__(self, source: Source | None = None, *, process: bool = True) -> None:
+        import prometheus_client as prom
+
+        self.registry = prom.CollectorRegistry()
+        if process:
+            prom.ProcessCollector(registry=self.registry)
+            prom.PlatformCollector(registry=self.registry)
+            prom.GCCollector(registry=self.registry)
+        self._metrics: dict[str, Any] = {}
+        for spec in METRICS.values() if source is None else specs_of(source):
+            labels = list(spec.labels)
+            if spec.kind == "counter":
+                metric: Any = prom.Counter(spec.name, spec.help, labels, registry=self.registry)
+            elif spec.kind == "histogram":
+                metric = prom.Histogram(
+                    spec.name, spec.help, labels, buckets=spec.buckets, registry=self.registry
+                )
+            else:
+                metric = prom.Gauge(spec.name, spec.help, labels, registry=self.registry)
+            for values in spec.preset:
+                metric.labels(*values)
+            self._metrics[spec.name] = metric
+
+    def _child(self, spec: MetricSpec, labels: Mapping[str, str]) -> Any:
+        metric = self._metrics[spec.name]
+        return metric.labels(**labels) if spec.labels else metric
+
+    def inc(self, spec: MetricSpec, labels: Mapping[str, str], value: float) -> None:
+        child = self._child(spec, labels)  # a new series shows at 0 from now on
+        if value:
+            child.inc(value)
+
+    def observe(self, spec: MetricSpec, labels: Mapping[str, str], value: float) -> None:
+        self._child(spec, labels).observe(value)
+
+    def set(self, spec: MetricSpec, labels: Mapping[str, str], value: float) -> None:
+        self._child(spec, labels).set(value)
+
+    def render(self) -> str:
+        """The text exposition (format 0.0.4) of everything in the registry."""
+        from prometheus_client import generate_latest
+
+        return generate_latest(self.registry).decode()
 
 
-class Metrics:
-    """Request, latency, answer and cache counters of one ingress replica. Thread-safe."""
+class RaySink:
+    """`ray.serve.metrics` objects, one per `METRICS` entry, made here: build it in a replica,
+    whose context tags every series (`deployment`, `replica`, `application`). Ray's metrics
+    agent exports them on the node (`ray.nodes()[i]["MetricsExportPort"]`)."""
 
     def __init__(self) -> None:
+        from ray.serve import metrics as serve_metrics
+
+        self._metrics: dict[str, Any] = {}
+        for spec in METRICS.values():
+            if spec.kind == "counter":
+                metric: Any = serve_metrics.Counter(spec.name, spec.help, spec.labels)
+            elif spec.kind == "histogram":
+                metric = serve_metrics.Histogram(
+                    spec.name, spec.help, list(spec.buckets), spec.labels
+                )
+            else:
+                metric = serve_metrics.Gauge(spec.name, spec.help, spec.labels)
+            self._metrics[spec.name] = metric
+
+    def inc(self, spec: MetricSpec, labels: Mapping[str, str], value: float) -> None:
+        if value > 0:  # Ray's counters take positive increments only
+            self._metrics[spec.name].inc(value, dict(labels))
+
+    def observe(self, spec: MetricSpec, labels: Mapping[str, str], value: float) -> None:
+        self._metrics[spec.name].observe(value, dict(labels))
+
+    def set(self, spec: MetricSpec, labels: Mapping[str, str], value: float) -> None:
+        self._metrics[spec.name].set(value, dict(labels))
+
+
+class Recorder:
+    """Records each event once into all its sinks. Thread-safe. A sink that fails is logged
+    (once per metric) and never fails the caller; a wrong name or label set raises (a bug)."""
+
+    def __init__(self, sinks: Sequence[MetricsSink]) -> None:
+        self.sinks = tuple(sinks)
         self._lock = threading.Lock()
-        self._requests: dict[tuple[str, str, int], int] = {}
-        self._latency: dict[str, Histogram] = {}
-        self.cache = CacheCounters()
-        self._answers = 0
-        self._usage: dict[str, int] = {
-            "steps": 0,
-            "retrievals": 0,
-            "branches_opened": 0,
-            "branches_pruned": 0,
-            "branches_filtered": 0,
-            "abstained": 0,
-        }
-        self._deadline_exceeded = 0
-        self._rejected_overload = 0
-        self._inflight = 0
-        self._streams_abandoned = 0
-        # (deployment, method) -> [calls, bytes sent, bytes received]
-        self._remote: dict[tuple[str, str], list[int]] = {}
+        self._totals: dict[tuple[str, str, str], float] = {}
+        self._failed: set[str] = set()
+
+    def _spec(self, name: str, kind: Kind, labels: Mapping[str, str]) -> MetricSpec:
+        spec = METRICS[name]
+        if spec.kind != kind:
+            raise TypeError(f"{name} is a {spec.kind}, not a {kind}")
+        if set(labels) != set(spec.labels):
+            raise ValueError(f"{name} takes labels {spec.labels}, got {tuple(labels)}")
+        return spec
+
+    def _each(self, method: str, spec: MetricSpec, labels: Mapping[str, str], value: float) -> None:
+        for sink in self.sinks:
+            try:
+                getattr(sink, method)(spec, labels, value)
+            except Exception as exc:
+                with self._lock:
+                    first = spec.name not in self._failed
+                    self._failed.add(spec.name)
+                (log.warning if first else log.debug)(
+                    "%s: %s failed to record: %s", spec.name, type(sink).__name__, exc
+                )
+
+    def inc(self, name: str, value: float = 1.0, **labels: str) -> None:
+        spec = self._spec(name, "counter", labels)
+        if value < 0:
+            raise ValueError(f"{name}: a counter cannot go down ({value})")
+        self._each("inc", spec, labels, value)
+
+    def observe(self, name: str, value: float, **labels: str) -> None:
+        self._each("observe", self._spec(name, "histogram", labels), labels, value)
+
+    def set(self, name: str, value: float, **labels: str) -> None:
+        self._each("set", self._spec(name, "gauge", labels), labels, value)
+
+    def sync_totals(self, name: str, label: str, totals: Mapping[str, float]) -> None:
+        """Bring cumulative counts kept elsewhere (a cache's tier counters) into counter
+        `name`, labelled `label`: each key's increase since the last sync. A count lower than
+        last time started again from zero (its owner was reopened). A key seen for the first
+        time shows, at 0 if it is 0, where the sink can show it."""
+        deltas: list[tuple[str, float]] = []
+        with self._lock:
+            for key, total in totals.items():
+                last = self._totals.get((name, label, key))
+                self._totals[(name, label, key)] = total
+                delta = total if last is None or total < last else total - last
+                if delta > 0 or last is None:
+                    deltas.append((key, delta))
+        for key, delta in sorted(deltas):
+            self.inc(name, delta, **{label: key})
+
+    def render(self) -> str:
+        """The text exposition of this recorder's `PrometheusSink` ("" without one)."""
+        for sink in self.sinks:
+            if isinstance(sink, PrometheusSink):
+                return sink.render()
+        return ""
+
+
+_CACHE_OUTCOMES = {"hits": "hit", "misses": "miss", "errors": "error"}
+
+
+class Metrics(Recorder):
+    """What the HTTP ingress records. With no sinks given, a `PrometheusSink` of the ingress's
+    series alone (the HTTP layer without Ray); the deployment gives it a `RaySink` as well."""
+
+    def __init__(self, *sinks: MetricsSink) -> None:
+        super().__init__(sinks or (PrometheusSink("ingress"),))
 
     def observe_request(self, method: str, path: str, status: int, seconds: float) -> None:
-        with self._lock:
-            key = (method, path, status)
-            self._requests[key] = self._requests.get(key, 0) + 1
-            self._latency.setdefault(path, Histogram(LATENCY_BUCKETS)).observe(seconds)
+        self.inc("selfrag_http_requests_total", method=method, path=path, status=str(status))
+        self.observe("selfrag_http_request_duration_seconds", seconds, path=path)
 
     def observe_answer(self, r: AnswerResponse) -> None:
         """Count the work of a freshly decoded answer (cache hits did none)."""
-        with self._lock:
-            self._answers += 1
-            u = r.usage
-            self._usage["steps"] += u.steps
-            self._usage["retrievals"] += u.retrievals
-            self._usage["branches_opened"] += u.branches_opened
-            self._usage["branches_pruned"] += u.branches_pruned
-            self._usage["branches_filtered"] += u.branches_filtered
-            self._usage["abstained"] += int(r.abstained)
+        u = r.usage
+        self.inc("selfrag_answers_total")
+        self.inc("selfrag_decoding_steps_total", u.steps)
+        self.inc("selfrag_retrievals_total", u.retrievals)
+        self.inc("selfrag_branches_total", u.branches_opened, outcome="opened")
+        self.inc("selfrag_branches_total", u.branches_pruned, outcome="pruned")
+        self.inc("selfrag_branches_total", u.branches_filtered, outcome="filtered")
+        if r.abstained:
+            self.inc("selfrag_abstained_total")
 
-    def count_cache(self, outcome: str) -> None:
-        with self._lock:
-            setattr(self.cache, outcome, getattr(self.cache, outcome) + 1)
+    def count_cache(self, event: str) -> None:
+        """A query-cache lookup (`runtime.answering.AnswerEvents`): `hits`, `misses` or
+        `errors` (the cache was bypassed)."""
+        self.inc("selfrag_query_cache_total", outcome=_CACHE_OUTCOMES.get(event, event))
 
     def count_overload(self) -> None:
-        with self._lock:
-            self._rejected_overload += 1
+        self.inc("selfrag_rejected_total", reason="overloaded")
 
     def count_deadline(self) -> None:
-        with self._lock:
-            self._deadline_exceeded += 1
+        self.inc("selfrag_rejected_total", reason="deadline")
 
     def set_inflight(self, n: int) -> None:
         """Admitted answers whose decoder still runs (a 504'd one counts until it ends)."""
-        with self._lock:
-            self._inflight = n
+        self.set("selfrag_inflight_answers", n)
 
-    def count_remote(self, deployment: str, method: str, sent: int, received: int) -> None:
-        """One call from the decoder to another deployment, and its pickled payload sizes."""
-        with self._lock:
-            row = self._remote.setdefault((deployment, method), [0, 0, 0])
-            row[0] += 1
-            row[1] += sent
-            row[2] += received
+    def count_remote(self, target: str, method: str, sent: int, received: int) -> None:
+        """One call from the decoder to deployment `target`, and its pickled payload sizes."""
+        self.inc("selfrag_remote_calls_total", target=target, method=method)
+        self.inc("selfrag_remote_bytes_total", sent, target=target, method=method, direction="sent")
+        self.inc(
+            "selfrag_remote_bytes_total",
+            received,
+            target=target,
+            method=method,
+            direction="received",
+        )
 
     def count_stream_abandoned(self) -> None:
         """A stream whose client went away before its answer; its decode was cancelled."""
-        with self._lock:
-            self._streams_abandoned += 1
+        self.inc("selfrag_streams_abandoned_total")
 
-    def render(self, extra: Sequence[str] = ()) -> str:
-        """The Prometheus text exposition (format 0.0.4) of everything counted here."""
-        with self._lock:
-            u = dict(self._usage)
-            steps = u["steps"]
-            lines = [
-                *family(
-                    "selfrag_http_requests_total",
-                    "counter",
-                    "HTTP requests by method, route and status code.",
-                    [
-                        ({"method": m, "path": p, "status": str(s)}, n)
-                        for (m, p, s), n in sorted(self._requests.items())
-                    ],
-                ),
-                *histogram_family(
-                    "selfrag_http_request_duration_seconds",
-                    "Time to the response start, by route.",
-                    [({"path": p}, h) for p, h in sorted(self._latency.items())],
-                ),
-                *family(
-                    "selfrag_rejected_total",
-                    "counter",
-                    "Requests refused: overloaded (503) or past their deadline (504).",
-                    [
-                        ({"reason": "overloaded"}, self._rejected_overload),
-                        ({"reason": "deadline"}, self._deadline_exceeded),
-                    ],
-                ),
-                *family(
-                    "selfrag_inflight_answers",
-                    "gauge",
-                    "Admitted answers whose decoder still runs (a slot of serve.max_inflight).",
-                    [({}, self._inflight)],
-                ),
-                *family(
-                    "selfrag_streams_abandoned_total",
-                    "counter",
-                    "Streams whose client disconnected before the answer; the decode was "
-                    "cancelled.",
-                    [({}, self._streams_abandoned)],
-                ),
-                *family(
-                    "selfrag_query_cache_total",
-                    "counter",
-                    "Query cache lookups: hit, miss, or error (cache bypassed).",
-                    [
-                        ({"outcome": "hit"}, self.cache.hits),
-                        ({"outcome": "miss"}, self.cache.misses),
-                        ({"outcome": "error"}, self.cache.errors),
-                    ],
-                ),
-                *family(
-                    "selfrag_answers_total",
-                    "counter",
-                    "Answers decoded (not from cache).",
-                    [({}, self._answers)],
-                ),
-                *family(
-                    "selfrag_decoding_steps_total",
-                    "counter",
-                    "Segment steps decoded.",
-                    [({}, steps)],
-                ),
-                *family(
-                    "selfrag_retrievals_total",
-                    "counter",
-                    "Steps that retrieved passages.",
-                    [({}, u["retrievals"])],
-                ),
-                *family(
-                    "selfrag_retrieval_rate",
-                    "gauge",
-                    "Retrieving steps / all steps since start.",
-                    [({}, u["retrievals"] / steps if steps else 0.0)],
-                ),
-                *family(
-                    "selfrag_branches_total",
-                    "counter",
-                    "Branches opened, pruned by min_relevance, and removed by hard filters.",
-                    [
-                        ({"outcome": "opened"}, u["branches_opened"]),
-                        ({"outcome": "pruned"}, u["branches_pruned"]),
-                        ({"outcome": "filtered"}, u["branches_filtered"]),
-                    ],
-                ),
-                *family(
-                    "selfrag_remote_calls_total",
-                    "counter",
-                    "Calls from the decoder to other deployments, by deployment and method.",
-                    [
-                        ({"deployment": d, "method": m}, row[0])
-                        for (d, m), row in sorted(self._remote.items())
-                    ],
-                ),
-                *family(
-                    "selfrag_remote_bytes_total",
-                    "counter",
-                    "Pickled bytes of those calls' arguments (sent) and results (received).",
-                    [
-                        ({"deployment": d, "method": m, "direction": direction}, row[i])
-                        for (d, m), row in sorted(self._remote.items())
-                        for i, direction in ((1, "sent"), (2, "received"))
-                    ],
-                ),
-                *family(
-                    "selfrag_abstained_total",
-                    "counter",
-                    "Answers that abstained.",
-                    [({}, u["abstained"])],
-                ),
-            ]
-        return "\n".join([*lines, *extra]) + "\n"
+    def sync_query_cache(self, counters: Mapping[str, int]) -> None:
+        """The query cache's tier counters (`infra.cache` `counters()`), as they are now."""
+        self.sync_totals("selfrag_query_cache_tier_total", "event", counters)
+
+
+class EngineMetrics(Recorder):
+    """What an engine replica (`BranchPool`, `RetrievalDecider`) records."""
+
+    def record_batch(self, method: str, n_requests: int, n_branches: int) -> None:
+        """One engine call: how many requests' calls it merged, and their branches (the
+        `runtime.merging.CallMerger`'s `on_batch`)."""
+        self.observe("selfrag_batch_requests", n_requests, method=method)
+        self.observe("selfrag_batch_branches", n_branches, method=method)
+
+    def sync_kv_store(self, counters: Mapping[str, int]) -> None:
+        """The passage KV-state store's tier counters, as they are now."""
+        self.sync_totals("selfrag_kv_cache_tier_total", "event", counters)

@@ -25,7 +25,7 @@ from ray.exceptions import RayActorError, RayTaskError
 from ray.serve.exceptions import BackPressureError, RayServeException
 from ray.serve.handle import DeploymentHandle, DeploymentResponse
 
-from selfrag.actors.metrics import Metrics, family
+from selfrag.actors.metrics import Metrics
 from selfrag.pipeline.branching import StepWork
 from selfrag.pipeline.critics import Branch, LabelProbs
 from selfrag.pipeline.decoder import SelfRAGDecoder, StepListener
@@ -303,6 +303,7 @@ class ServeAnswerService:
         finally:
             if not slot.deferred:
                 slot.release()
+            self.collect_metrics_now()  # so Ray's export has the cache tiers without a scrape
 
     async def _answer(
         self, request: AnswerRequest, on_step: StepListener | None, slot: _Admission
@@ -424,27 +425,17 @@ class ServeAnswerService:
                 cache = False
         return {"model": model, "store": store, "cache": cache}
 
-    async def metrics_text(self) -> list[str]:
-        stats, decisions = await asyncio.wait_for(
-            asyncio.gather(
-                _awaited(self._pool.stats.remote()), _awaited(self._decider.stats.remote())
-            ),
-            5.0,
-        )
-        # The decider's engine calls are the `retrieval` series of the same histograms.
-        stats.batches.requests.update(decisions.requests)
-        stats.batches.branches.update(decisions.branches)
-        lines: list[str] = stats.render()
+    async def collect_metrics(self) -> None:
+        """Before a scrape: the query cache's tier counters, as they are now. (The engine
+        replicas' batch sizes reach Prometheus through Ray's metrics export, from every
+        replica; this process does not ask them.)"""
+        self.collect_metrics_now()
+
+    def collect_metrics_now(self) -> None:
+        """`collect_metrics` from synchronous code."""
         counters = getattr(self._cache, "counters", None)
         if callable(counters):
-            lines += family(
-                "selfrag_query_cache_tier_total",
-                "counter",
-                "Query cache by tier: memory/redis hits, misses, Redis errors and calls bypassed "
-                "while Redis is down.",
-                [({"event": k}, v) for k, v in counters().items()],
-            )
-        return lines
+            self._metrics.sync_query_cache(counters())
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)

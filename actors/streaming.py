@@ -51,8 +51,9 @@ class AnswerService(Protocol):
         """Each dependency (model, store, cache) and whether it answers now."""
         ...
 
-    async def metrics_text(self) -> list[str]:
-        """Prometheus lines the service adds to `/metrics` (e.g. batch sizes)."""
+    async def collect_metrics(self) -> None:
+        """Bring what the service counts outside the metrics (e.g. the query cache's tier
+        counters) into them, before `/metrics` renders them."""
         ...
 
 

@@ -1,5 +1,6 @@
-"""A scripted answer service for the HTTP layer's tests, and `live_server` (an app under a
-real uvicorn socket); shared by tests/test_http_api.py and tests/test_playground.py."""
+"""A scripted answer service for the HTTP layer's tests, `live_server` (an app under a real
+uvicorn socket) and `metric_value` (one sample of a `/metrics` text); shared by
+tests/test_http_api.py, tests/test_playground.py and tests/test_serve_metrics.py."""
 
 from __future__ import annotations
 
@@ -12,8 +13,9 @@ from dataclasses import dataclass, field
 
 import uvicorn
 from fastapi import FastAPI
+from prometheus_client.parser import text_string_to_metric_families
 
-from selfrag.actors.metrics import BatchStats, Metrics
+from selfrag.actors.metrics import Metrics
 from selfrag.pipeline.decoder import StepListener
 from selfrag.pipeline.ranking import Hypothesis
 from selfrag.runtime.answering import Answer
@@ -77,6 +79,7 @@ class FakeService:
     ready_error: Exception | None = None
     seen: list[AnswerRequest] = field(default_factory=list)
     metrics: Metrics | None = None
+    scrapes: int = 0
 
     def config(self, request: AnswerRequest) -> DecodingConfig:
         config = request.config.apply_to(DecodingConfig())
@@ -104,10 +107,19 @@ class FakeService:
             raise self.ready_error
         return dict(self.ready)
 
-    async def metrics_text(self) -> list[str]:
-        stats = BatchStats()
-        stats.record("draft", 3, 7)
-        return stats.render()
+    async def collect_metrics(self) -> None:
+        """Counts the scrapes: `/metrics` asks first."""
+        self.scrapes += 1
+
+
+def metric_value(text: str, name: str, **labels: str) -> float:
+    """The value of the sample `name{labels}` in a Prometheus exposition (KeyError if none)."""
+    want = frozenset(labels.items())
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == name and frozenset(s.labels.items()) == want:
+                return s.value
+    raise KeyError(f"no sample {name}{dict(labels)}")
 
 
 @contextmanager

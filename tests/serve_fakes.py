@@ -17,8 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from selfrag.actors.deployments import PoolStats
-from selfrag.actors.metrics import BatchStats, Metrics
+from selfrag.actors.metrics import Metrics
 from selfrag.actors.service import ServeAnswerService
 from selfrag.pipeline.branching import expand
 from selfrag.pipeline.protocols import Passage
@@ -103,9 +102,6 @@ class Pool:
     def ready(self) -> bool:
         return True
 
-    def stats(self) -> PoolStats:
-        return PoolStats(BatchStats(), {})
-
     def expand(self, source, candidates, cfg, timeout_s):  # type: ignore[no-untyped-def]
         """The pool's one call per step: the branch work over this pool's methods."""
         return expand(_PoolMethods(self, source), candidates, cfg)
@@ -157,9 +153,6 @@ class Decider:
 
     def decide(self, source, branches, timeout_s):  # type: ignore[no-untyped-def]
         return self.critic.retrieval(branches)
-
-    def stats(self) -> BatchStats:
-        return BatchStats()
 
 
 class Store(ListRetriever):

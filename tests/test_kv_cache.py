@@ -157,8 +157,7 @@ def test_a_poisoned_state_in_redis_is_refused_counted_and_replaced(
 
 @pytest.mark.real
 def test_refused_states_are_counted_in_the_pool_metrics(redis_url: str, tmp_path: Path):
-    from selfrag.actors.deployments import PoolStats
-    from selfrag.actors.metrics import BatchStats
+    from selfrag.actors.metrics import EngineMetrics, PrometheusSink
     from selfrag.runtime.system import SelfRAGSystem
 
     env = {"SELFRAG_HOME": str(tmp_path), "SELFRAG_REDIS_URL": redis_url}
@@ -168,10 +167,13 @@ def test_refused_states_are_counted_in_the_pool_metrics(redis_url: str, tmp_path
         assert store is not None and store.redis is not None
         redis.Redis.from_url(redis_url).set(store.redis.key(KEY.digest), b"not a state")
         assert store.get(KEY) is None
-        text = "\n".join(PoolStats(BatchStats(), dict(rag.kv_store_counters())).render())
+        # What a BranchPool replica records after each request (deployments._EngineWorker).
+        metrics = EngineMetrics([PrometheusSink("engine", process=False)])
+        metrics.sync_kv_store(rag.kv_store_counters())
+        text = metrics.render()
     assert "# TYPE selfrag_kv_cache_tier_total counter" in text
-    assert 'selfrag_kv_cache_tier_total{event="redis_rejected_malformed"} 1' in text
-    assert 'selfrag_kv_cache_tier_total{event="miss"} 1' in text
+    assert 'selfrag_kv_cache_tier_total{event="redis_rejected_malformed"} 1.0' in text
+    assert 'selfrag_kv_cache_tier_total{event="miss"} 1.0' in text
 
 
 # --- the engine with a prefix-state store (real SmolLM2) ------------------------------------

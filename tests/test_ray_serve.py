@@ -7,12 +7,13 @@ on two cores.
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import shutil
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -88,6 +89,65 @@ def _metric(text: str, name: str) -> dict[str, float]:
     return out
 
 
+def _exported(text: str, name: str, **labels: str) -> dict[tuple[str, str], float]:
+    """The samples `name` of Ray's metrics export whose labels include `labels`, keyed by
+    (replica, method)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == name and labels.items() <= s.labels.items():
+                out[(s.labels.get("replica", ""), s.labels.get("method", ""))] = s.value
+    return out
+
+
+def _exported_labels(text: str, deployment: str) -> list[dict[str, str]]:
+    """The label sets of every selfrag series `deployment`'s replicas export."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return [
+        s.labels
+        for family in text_string_to_metric_families(text)
+        if family.name.startswith("ray_selfrag_")
+        for s in family.samples
+        if s.labels.get("deployment") == deployment
+    ]
+
+
+def _ray_metrics(until: Callable[[str], bool], limit_s: float = 90.0) -> str:
+    """This node's metrics as Ray's metrics agent exports them to Prometheus (the port Ray
+    chose, `MetricsExportPort`), polled until `until` holds: replicas report every few
+    seconds."""
+    import ray
+
+    node = next(n for n in ray.nodes() if n["Alive"])
+    url = f"http://{node['NodeManagerAddress']}:{node['MetricsExportPort']}/metrics"
+    deadline = time.monotonic() + limit_s
+    while True:
+        text = httpx.get(url, timeout=10).text
+        if until(text):
+            return text
+        assert time.monotonic() < deadline, f"not in Ray's export within {limit_s:.0f} s: {url}"
+        time.sleep(1.0)
+
+
+def _replica_log_has(deployment: str, needle: str, limit_s: float = 10.0) -> bool:
+    """Whether a Serve replica log file of `deployment` holds `needle` (polled briefly)."""
+    import ray
+
+    logs = ray._private.worker._global_node.get_logs_dir_path()  # no public accessor
+    pattern = os.path.join(logs, "serve", f"replica_*{deployment}*.log")
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        for path in glob.glob(pattern):
+            with open(path, errors="replace") as f:
+                if needle in f.read():
+                    return True
+        time.sleep(0.5)
+    return False
+
+
 def test_readiness_and_health(api: httpx.Client):
     assert api.get("/healthz").json() == {"status": "ok"}
     r = api.get("/readyz")
@@ -141,13 +201,34 @@ def test_concurrent_requests_share_engine_batches(api: httpx.Client):
     with ThreadPoolExecutor(len(questions)) as pool:
         assert list(pool.map(ask, questions)) == [200] * 4
     text = api.get("/metrics").text
-    sums = _metric(text, "selfrag_batch_requests_sum")
-    counts = _metric(text, "selfrag_batch_requests_count")
-    # Some engine call carried more than one request's branches.
-    assert any(sums[k] > counts[k] for k in counts), text
     ok = _metric(text, "selfrag_http_requests_total")
-    assert ok['{method="POST",path="/v1/answer",status="200"}'] >= 5
-    assert _metric(text, "selfrag_retrieval_rate")[""] == 1.0
+    assert ok['{method="POST",path="/v1/answer",status="200"}'] >= len(questions)
+    # mode "always": every step retrieved (the ratio is PromQL's, from these two counters).
+    steps = _metric(text, "selfrag_decoding_steps_total")[""]
+    assert steps >= len(questions) and _metric(text, "selfrag_retrievals_total")[""] == steps
+    assert _metric(text, "process_resident_memory_bytes")[""] > 0  # the ingress process's own
+    # The pool's batch sizes are not the ingress's: the pool replica exports them itself.
+    assert "selfrag_batch_requests" not in text
+
+    branch_pool = {"deployment": "BranchPool", "application": "selfrag"}
+
+    def merged(exported: str) -> bool:
+        """Some engine call of a pool replica carried more than one request's calls (Ray
+        estimates a histogram's _sum from its buckets: compare the buckets)."""
+        single = _exported(exported, "ray_selfrag_batch_requests_bucket", **branch_pool, le="1.0")
+        counts = _exported(exported, "ray_selfrag_batch_requests_count", **branch_pool)
+        return any(counts[k] > n for k, n in single.items() if k in counts)
+
+    def served(exported: str) -> float:
+        ok = {"deployment": "SelfRAGIngress", "path": "/v1/answer", "status": "200"}
+        return sum(_exported(exported, "ray_selfrag_http_requests_total", **ok).values())
+
+    # Replicas report every few seconds: wait for both the pool's and the ingress's series.
+    exported = _ray_metrics(lambda t: merged(t) and served(t) >= len(questions))
+    replicas = {labels["replica"] for labels in _exported_labels(exported, "BranchPool")}
+    assert replicas and all(replicas), exported  # tagged with the replica that recorded them
+    # The ingress's selfrag log records are in its Serve replica log (serve.log_level INFO).
+    assert _replica_log_has("SelfRAGIngress", "answer 200"), "no answer line in the replica log"
 
 
 def test_stream_sends_segments_then_the_answer(api: httpx.Client):
