@@ -87,5 +87,14 @@ def warn_if_open(host: str) -> str | None:
 
 
 def serve_logging(settings: Settings) -> dict[str, Any]:
-    """Ray Serve's `logging_config` for the proxy and the deployments."""
-    return {"enable_access_log": settings.serve.ray_access_log}
+    """Ray Serve's `logging_config` (`ray.serve.schema.LoggingConfig`) for the proxy, the
+    controller and the deployments: its level (`serve.log_level`), the encoding of the replica
+    log files (`serve.log_encoding`: TEXT or JSON, one object per line) and Ray's own access
+    log (`serve.ray_access_log`). The replicas log selfrag's records the same way
+    (`actors.deployments.adopt_serve_logging`)."""
+    s = settings.serve
+    return {
+        "enable_access_log": s.ray_access_log,
+        "encoding": s.log_encoding,
+        "log_level": s.log_level,
+    }

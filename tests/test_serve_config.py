@@ -17,9 +17,10 @@ import yaml
 from pydantic import SecretStr
 from ray.serve.schema import ServeDeploySchema
 
+from selfrag.actors.app import serve_logging
 from selfrag.cli import main
 from selfrag.infra.settings import API_KEYS_ENV, exposure_warning, is_loopback
-from selfrag.schemas.settings import ServeSettings, Settings
+from selfrag.schemas.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOYMENTS = {"SelfRAGIngress", "RetrievalDecider", "BranchPool", "Retriever", "Ranker"}
@@ -49,8 +50,8 @@ def test_serve_yaml_is_a_valid_serve_config():
         sum(d["ray_actor_options"]["num_cpus"] for d in config["applications"][0]["deployments"])
         <= 2
     )
-    # The same default as `selfrag serve` (serve.ray_access_log).
-    assert config["logging_config"]["enable_access_log"] is ServeSettings().ray_access_log
+    # The same defaults as `selfrag serve` (serve.ray_access_log, log_encoding, log_level).
+    assert config["logging_config"] == serve_logging(Settings(home=Path("/nonexistent")))
 
 
 def test_rayservice_manifest_embeds_a_valid_serve_config():
@@ -58,7 +59,53 @@ def test_rayservice_manifest_embeds_a_valid_serve_config():
     assert manifest["kind"] == "RayService"
     config = yaml.safe_load(manifest["spec"]["serveConfigV2"])
     _check(config)
-    assert config["logging_config"]["enable_access_log"] is ServeSettings().ray_access_log
+    assert config["logging_config"] == serve_logging(Settings(home=Path("/nonexistent")))
+
+
+def test_serve_logging_settings_reach_rays_logging_config():
+    from ray.serve.schema import EncodingType, LoggingConfig
+
+    settings = Settings(
+        home=Path("/nonexistent"),
+        serve={"log_encoding": "JSON", "log_level": "DEBUG", "ray_access_log": True},
+    )
+    config = LoggingConfig(**serve_logging(settings))
+    assert config.encoding == EncodingType.JSON and config.log_level == "DEBUG"
+    assert config.enable_access_log is True
+    with pytest.raises(ValueError, match="log_encoding"):
+        Settings(home=Path("/nonexistent"), serve={"log_encoding": "XML"})
+
+
+def test_a_replica_logs_selfrags_records_where_serve_logs_its_own():
+    """`adopt_serve_logging`: selfrag's loggers use Serve's handlers (its replica log file, in
+    the configured encoding) at serve.log_level; outside a replica nothing changes."""
+    from selfrag.actors.deployments import adopt_serve_logging
+
+    serve_logger = logging.getLogger("test.adopt.serve")
+    ours = logging.getLogger("test.adopt.selfrag")
+    assert adopt_serve_logging("DEBUG", serve_logger=serve_logger.name, ours=ours.name) is False
+    assert ours.handlers == [] and ours.propagate
+
+    records: list[logging.LogRecord] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record)
+
+    handler = Keep()
+    serve_logger.addHandler(handler)
+    try:
+        assert adopt_serve_logging("WARNING", serve_logger=serve_logger.name, ours=ours.name)
+        adopt_serve_logging("WARNING", serve_logger=serve_logger.name, ours=ours.name)
+        logging.getLogger("test.adopt.selfrag.http").info("not at WARNING")
+        logging.getLogger("test.adopt.selfrag.http").warning("kept once")
+        assert [r.getMessage() for r in records] == ["kept once"]
+        assert ours.handlers == [handler] and not ours.propagate
+    finally:
+        serve_logger.removeHandler(handler)
+        ours.handlers.clear()
+        ours.propagate = True
+        ours.setLevel(logging.NOTSET)
 
 
 def _manifest() -> tuple[dict[str, Any], str]:
