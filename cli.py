@@ -1,13 +1,21 @@
-"""The `selfrag` command line: index, ask, config."""
+"""The `selfrag` command line: index, ask, serve, status, config, eval, calibrate, batch, train.
+
+One logging setup for every command (`cli_logging`): selfrag's records go to stderr at INFO,
+DEBUG with `-v`, WARNING with `-q`; each skipped input record is logged once, by the job that
+skipped it, and never printed again here.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
 import typing
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +64,17 @@ def _field_docs() -> dict[str, str]:
 _DESCRIPTIONS = _field_docs()
 
 
+class _Version(argparse.Action):
+    """`--version`: `version_text()` as it is, two lines (argparse's own action rewraps it)."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str, **kwargs: Any) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
+
+    def __call__(self, parser: argparse.ArgumentParser, *args: Any, **kwargs: Any) -> None:
+        print(version_text())
+        parser.exit()
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="selfrag",
@@ -64,6 +83,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--config", type=Path, help="TOML settings file.")
     parser.add_argument("--home", type=Path, help="Data folder (default: $SELFRAG_HOME).")
+    parser.add_argument(
+        "--version",
+        action=_Version,
+        help="Print the versions of selfrag, llama-cpp-python and Ray, and exit.",
+    )
+    loudness = parser.add_mutually_exclusive_group()
+    loudness.add_argument(
+        "-v", "--verbose", action="store_true", help="Log selfrag's DEBUG records too."
+    )
+    loudness.add_argument(
+        "-q", "--quiet", action="store_true", help="Log only warnings and errors (no INFO)."
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     p_index = sub.add_parser("index", help="Index JSONL, SQuAD JSON, or a folder of .txt/.md.")
@@ -84,6 +115,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     p_config = sub.add_parser("config", help="Print the effective settings.")
     p_config.add_argument("--json", action="store_true")
+
+    p_status = sub.add_parser(
+        "status",
+        help="Show the index (passages, embedder, store, version), the model and reflection "
+        "heads in use and the critique `auto` resolves to, without loading the model.",
+    )
+    p_status.add_argument("--json", action="store_true")
 
     _eval_parsers(sub)
     _batch_parser(sub)
@@ -267,10 +305,8 @@ def cmd_index(args: argparse.Namespace) -> int:
     failed = 0
     with SelfRAG(settings) as rag:
         for path in args.paths:
+            # Each skipped record is logged (WARNING) once by the indexing job itself.
             [report] = rag.index(path, progress=not args.no_progress)
-            for error in report.errors:
-                where = f"{error.path}:{error.line}" if error.line else str(error.path)
-                print(f"error: {where}: {error.reason}", file=sys.stderr)
             failed += len(report.errors)
             print(
                 f"{path}: {report.documents} documents, {report.passages} passages indexed"
@@ -430,7 +466,123 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"index": cmd_index, "ask": cmd_ask, "serve": cmd_serve, "config": cmd_config}
+def cmd_status(args: argparse.Namespace) -> int:
+    status = collect_status(_settings(args))
+    print(json.dumps(status, indent=2) if args.json else render_status(status))
+    return 0
+
+
+def collect_status(settings: Settings) -> dict[str, Any]:
+    """What `selfrag status` shows: the home, the index, the model and heads in use and the
+    critique the configured one resolves to. Opens the store, resolves (and, the first time,
+    derives) the model file; never loads the language model."""
+    from selfrag.api import SelfRAG
+    from selfrag.infra.qdrant_store import StoreError, StoreMisconfigured, StoreUnavailable
+
+    r = settings.retrieval
+    with SelfRAG(settings) as rag:
+        system = rag.system
+        try:
+            store = system.store
+            index = {
+                "passages": store.count(),
+                "version": store.index_version(),
+                "store": "embedded" if r.qdrant_url is None else "server",
+                "where": store.where,
+                "collection": r.collection,
+                "hybrid": r.hybrid,
+                "embedder": system.embedder.model_id,
+                "embedding_model": r.embedding_model,
+            }
+        except (StoreMisconfigured, StoreUnavailable):
+            raise  # their messages say what is wrong and what to do
+        except StoreError as exc:
+            if r.qdrant_url is not None:
+                raise
+            raise CLIError(
+                f"the index in {settings.home} is in use by another process (embedded Qdrant "
+                "allows one client per folder): stop the `selfrag serve` or other command "
+                "using it, or use a Qdrant server (retrieval.qdrant_url)"
+            ) from exc
+        model, heads, critique = _model_status(settings, system)
+    return {
+        "selfrag": _selfrag_version(),
+        "home": str(settings.home),
+        "index": index,
+        "model": model,
+        "heads": heads,
+        "critique": critique,
+    }
+
+
+def _model_status(
+    settings: Settings, system: Any
+) -> tuple[dict[str, Any], str | None, dict[str, Any]]:
+    """(the model, its heads file, the critique configured and what it resolves to)."""
+    from selfrag.pipeline.critics.factory import auto_source
+
+    m = settings.model
+    configured = settings.decoding.critique
+    if m.backend == "vllm":
+        model = {"backend": "vllm", "url": m.vllm_url, "id": m.vllm_model, "path": None}
+        resolved = configured if configured != "auto" else None  # the served model decides
+        return model, None, {"configured": configured, "resolved": resolved, "usable": True}
+    from selfrag.infra.model_files import gguf_special_tokens
+    from selfrag.pipeline.critics.base import RESERVED_PIECES
+    from selfrag.runtime.system import model_id_for
+
+    path = system.model_path
+    heads = system.heads_file
+    native = set(RESERVED_PIECES) <= gguf_special_tokens(path)
+    usable = {"native": native, "learned": heads is not None}.get(configured, True)
+    resolved = auto_source(native=native, learned=heads is not None)
+    model = {
+        "backend": m.backend,
+        "path": str(path),
+        "id": model_id_for(m.path, path),
+        "weights": m.weights,
+    }
+    critique = {
+        "configured": configured,
+        "resolved": resolved if configured == "auto" else configured,
+        "usable": usable,
+    }
+    return model, str(heads) if heads is not None else None, critique
+
+
+def render_status(s: dict[str, Any]) -> str:
+    """`selfrag status` as text, one aligned line per fact."""
+    index, model, critique = s["index"], s["model"], s["critique"]
+    resolved = critique["resolved"] or "decided by the model the vLLM server runs"
+    if critique["configured"] != "auto":
+        shown = critique["configured"] + ("" if critique["usable"] else " (not usable here)")
+    else:
+        shown = f"auto -> {resolved}"
+    rows = [
+        ("selfrag", s["selfrag"]),
+        ("home", s["home"]),
+        ("passages", str(index["passages"])),
+        ("index version", index["version"]),
+        ("store", f"{index['store']} {index['where']}"),
+        ("collection", index["collection"]),
+        ("embedder", index["embedder"] + ("" if index["embedding_model"] else " (default)")),
+        ("hybrid", "on" if index["hybrid"] else "off"),
+        ("model", model["id"] or "?"),
+        ("model file", model["path"] or f"vLLM server {model['url']}"),
+        ("heads", s["heads"] or "none"),
+        ("critique", shown),
+    ]
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+
+COMMANDS = {
+    "index": cmd_index,
+    "ask": cmd_ask,
+    "serve": cmd_serve,
+    "config": cmd_config,
+    "status": cmd_status,
+}
 
 
 def _limit(args: argparse.Namespace) -> int | None:
@@ -614,9 +766,75 @@ COMMANDS.update(
 )
 
 
+def version_text() -> str:
+    """`selfrag --version`: this package's version, then llama-cpp-python's and Ray's."""
+
+    def of(dist: str) -> str:
+        try:
+            return version(dist)
+        except PackageNotFoundError:
+            return "not installed"
+
+    engines = f"llama-cpp-python {of('llama-cpp-python')}, ray {of('ray')}"
+    return f"selfrag {_selfrag_version()}\n{engines}"
+
+
+def _selfrag_version() -> str:
+    """selfrag's installed version, as `selfrag.__version__` reads it."""
+    try:
+        return version("selfrag")
+    except PackageNotFoundError:  # a source tree that was never installed
+        return "0+unknown"
+
+
+class _Stderr(logging.StreamHandler):  # type: ignore[type-arg]
+    """Writes each record to `sys.stderr` as it is at that moment (tests replace it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+
+    @property  # type: ignore[override]
+    def stream(self) -> Any:
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _: Any) -> None:
+        pass
+
+
+@contextmanager
+def cli_logging(verbose: bool = False, quiet: bool = False) -> Iterator[None]:
+    """selfrag's log records on stderr for one command: INFO and above, DEBUG and above when
+    `verbose`, WARNING and above when `quiet`. Other libraries' loggers keep their own levels
+    (their warnings still show). Undone when the command ends."""
+    level = logging.DEBUG if verbose else logging.WARNING if quiet else logging.INFO
+    logger = logging.getLogger("selfrag")
+    handler = _Stderr()
+    handler.setFormatter(
+        logging.Formatter(
+            "%(asctime)s selfrag: %(levelname)s %(name)s: %(message)s"
+            if verbose
+            else "selfrag: %(levelname)s: %(message)s"
+        )
+    )
+    before = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(level)
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(before)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    with cli_logging(args.verbose, args.quiet):
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
     try:
         return COMMANDS[args.command](args)
     except ValidationError as exc:

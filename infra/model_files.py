@@ -248,6 +248,33 @@ def read_gguf_metadata(path: Path, key: str) -> object | None:
     return None
 
 
+# llama.cpp's token types (`llama_token_type`) that make a piece one special token.
+_TOKEN_CONTROL = 3
+_TOKEN_USER_DEFINED = 4
+
+
+def gguf_special_tokens(path: Path) -> frozenset[str]:
+    """The control and user-defined pieces of a GGUF file's vocabulary, read from its header
+    without loading the model (the tokens llama.cpp treats as one special token each)."""
+    import gguf
+
+    check_gguf(path)
+    try:
+        reader = gguf.GGUFReader(str(path))
+        tokens = reader.fields.get("tokenizer.ggml.tokens")
+        types = reader.fields.get("tokenizer.ggml.token_type")
+        if tokens is None or types is None:
+            return frozenset()
+        special = (_TOKEN_CONTROL, _TOKEN_USER_DEFINED)
+        return frozenset(
+            str(piece)
+            for piece, kind in zip(tokens.contents(), types.contents(), strict=True)
+            if int(kind) in special
+        )
+    except (ValueError, OSError, IndexError) as exc:
+        raise ModelFileError(f"unreadable GGUF vocabulary in {path}: {exc}") from exc
+
+
 def _unpack(fh: BinaryIO, fmt: str) -> tuple:
     size = struct.calcsize(fmt)
     data = fh.read(size)

@@ -30,6 +30,7 @@ import codecs
 import csv
 import fcntl
 import json
+import logging
 import math
 import os
 import re
@@ -63,6 +64,8 @@ from selfrag.schemas.decoding import DecodingConfig
 from selfrag.schemas.errors import AnswerError
 from selfrag.schemas.records import BatchRecord, RecordError, RecordErrorType
 from selfrag.schemas.settings import Settings
+
+log = logging.getLogger(__name__)
 
 # Seconds a critique call waits for the other decoder threads of its actor before it runs
 # alone. The threads' searches queue at one retriever (~0.1 s each on a loaded 2-core box),
@@ -904,8 +907,8 @@ def run_batch(
         summary = BatchSummary(malformed=len(reported), problems=reported)
         summary.skipped = len(chosen) - len(todo)
         summary.retried = sum(1 for r in todo if r.id in statuses)
-        for p in reported:
-            print(f"selfrag batch: {source}:{p.line}: {p.reason}", file=sys.stderr)
+        for p in reported:  # each once: the summary only counts them
+            log.warning("skipped %s:%d: %s", source, p.line, p.reason)
         jobs, invalid = plan_jobs(
             [r for r in todo if isinstance(r, BatchQuestion)], settings.decoding
         )

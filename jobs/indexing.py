@@ -58,8 +58,9 @@ def index_corpus(
 ) -> IndexReport:
     """Index every readable document of `path` into `store` and report what happened.
 
-    Bad records (unreadable, not UTF-8, over `max_document_bytes`) are logged, collected
-    in the report and skipped; the rest is indexed.
+    Bad records (unreadable, not UTF-8, over `max_document_bytes`) are logged (one WARNING
+    each, the only report of them besides the report's `errors`) and skipped; the rest is
+    indexed.
     Passages go to the store in groups of about `embedder_batch`, each group holding whole
     documents, so an interrupted run never leaves a document half-written. Re-indexing the
     same corpus overwrites its passages (stable ids) and drops passages a document no longer

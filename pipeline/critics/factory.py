@@ -16,6 +16,14 @@ from selfrag.pipeline.protocols import LanguageModel
 from selfrag.schemas.calibration import CalibrationSettings
 
 
+def auto_source(*, native: bool, learned: bool) -> str:
+    """The source `auto` stands for on a model: native when its vocabulary has the reflection
+    tokens, else learned when it has reflection heads (`learned`), else likelihood."""
+    if native:
+        return "native"
+    return "learned" if learned else "likelihood"
+
+
 def make_critic(
     model: LanguageModel,
     source: str,
@@ -54,6 +62,8 @@ def make_critic(
             "critique 'native' needs a Self-RAG checkpoint; this model's vocabulary has no "
             "reflection tokens (use 'learned', 'likelihood' or 'prompted')"
         )
-    if heads is not None and model.hidden_size is not None:
+    learned = heads is not None and model.hidden_size is not None
+    if auto_source(native=False, learned=learned) == "learned":
+        assert heads is not None
         return LearnedCritic(model, heads)
     return LikelihoodCritic(model, calibration)
