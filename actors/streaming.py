@@ -20,8 +20,8 @@ from starlette.types import Receive
 from selfrag.actors.metrics import Metrics
 from selfrag.pipeline.decoder import StepListener
 from selfrag.pipeline.ranking import Hypothesis
-from selfrag.runtime.answering import Answer
-from selfrag.schemas.answer import AnswerRequest, AnswerResponse, SegmentOut
+from selfrag.runtime.answering import Answer, LeaderSegments
+from selfrag.schemas.answer import AnswerRequest, AnswerResponse
 from selfrag.schemas.decoding import DecodingConfig
 from selfrag.schemas.errors import AnswerError
 from selfrag.schemas.events import ErrorEvent, SegmentEvent
@@ -178,19 +178,13 @@ class AnswerStream:
         self._rid = request_id(request)
         self._loop = asyncio.get_running_loop()
         self._queue: asyncio.Queue[tuple[str, Any] | None] = asyncio.Queue()
-        self._sent: list[SegmentOut] = []
+        self._leader = LeaderSegments()
         self._idle, self._disconnected = object(), object()
 
     def _on_step(self, h: Hypothesis) -> None:
         """From the decoder thread: the leader's segments that changed since the last step."""
-        segments = list(h.segments)
-        start = 0
-        while start < min(len(self._sent), len(segments)) and self._sent[start] == segments[start]:
-            start += 1
-        for i in range(start, len(segments)):
-            event = SegmentEvent(index=i, segment=segments[i], hypothesis_score=h.score)
+        for event in self._leader.events(h):
             self._loop.call_soon_threadsafe(self._queue.put_nowait, ("segment", event))
-        self._sent[:] = segments
 
     async def _run(self) -> None:
         body, rid = self._body, self._rid
