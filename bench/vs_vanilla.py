@@ -1,0 +1,317 @@
+"""Self-RAG at the price of vanilla RAG? Four systems side by side in one run, each behind an
+HTTP endpoint, on the same questions, model, index and K = 3, at 1 and 4 concurrent clients:
+
+(a) vanilla RAG: the top 3 passages in one prompt, one generation (`pipeline.baselines`);
+(b) Self-RAG as the LlamaIndex pack runs it: one `create_completion` per branch, each with
+    `logprobs` on a `Llama(logits_all=True)`, the question first and the passage after it, plus
+    the retrieval-decision call; the branch with the best mean token log-probability wins;
+(c) selfrag (`selfrag serve`, `mode always`) with an empty passage KV store: its disk tier is
+    emptied and the server restarted before each level;
+(d) selfrag with the disk tier warm (filled by (c)), after a restart.
+
+(a) and (b) run in a child process serving both over HTTP (`--serve-baselines`); (c) and (d) are
+`selfrag serve`. Only one holds the embedded index at a time. The query cache is off, so every
+answer is computed. Reported per system and level: p50/p95 latency, answers/s, prefill and
+decode tokens per answer and accuracy (the answer contains a gold answer, held-out questions),
+and as the physical reference the engine's prefill tokens/s and decode ms/token on this CPU.
+Last line: name=value.
+
+    .venv/bin/python -m bench.vs_vanilla --home ~/.local/share/selfrag --questions 40
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from bench.serve_load import served
+from selfrag.pipeline.metrics import contains_answer
+
+K = 3
+MAX_TOKENS = 48
+SELFRAG_CONFIG = {"mode": "always", "top_k": K, "max_segments": 1, "max_segment_tokens": MAX_TOKENS}
+HELD_OUT = "Computational_complexity_theory"
+LEVELS = (1, 4)
+
+
+@dataclass
+class Result:
+    seconds: float
+    correct: bool
+    prefill: int
+    decode: int
+
+
+def held_out_questions(data: Path, n: int) -> list[tuple[str, tuple[str, ...]]]:
+    """The first `n` answerable held-out questions with their gold answers."""
+    from selfrag.jobs.evaluation import load_questions
+
+    qs = load_questions(data / "squad_v2_small.json", article=HELD_OUT)
+    return [(q.question, q.golds) for q in qs if q.answerable][:n]
+
+
+# --- the baselines' server (a child process) ---------------------------------------------------
+
+
+def serve_baselines(home: str, port: int) -> None:
+    """(a) and (b) over HTTP: POST /vanilla, /pack {"question"}; GET /reference, /ready."""
+    import llama_cpp
+    import uvicorn
+    from fastapi import FastAPI
+
+    from selfrag.infra.settings import load_settings
+    from selfrag.pipeline.baselines import BaselineAnswerer
+    from selfrag.runtime.system import SelfRAGSystem
+    from selfrag.schemas.decoding import DecodingConfig
+
+    settings = load_settings(environ={**os.environ, "SELFRAG_HOME": home})
+    rag = SelfRAGSystem(settings)
+    vanilla = BaselineAnswerer(rag.engine, rag.store)
+    config = DecodingConfig(top_k=K, max_segments=1, max_segment_tokens=MAX_TOKENS)
+    # The pack's engine: llama-cpp-python's high-level Llama with every logit kept.
+    llm = llama_cpp.Llama(
+        model_path=str(rag.model_path),
+        n_ctx=settings.model.n_ctx,
+        n_threads=settings.model.n_threads or os.cpu_count() or 1,
+        logits_all=True,
+        verbose=False,
+    )
+    engine_lock = threading.Lock()  # one engine call at a time, as each engine serialises
+    app = FastAPI()
+
+    def pack(question: str) -> dict[str, Any]:
+        prefill = decode = 0
+
+        def complete(prompt: str, max_tokens: int) -> tuple[str, float]:
+            nonlocal prefill, decode
+            out: Any = llm.create_completion(
+                prompt, max_tokens=max_tokens, temperature=0.0, logprobs=1
+            )
+            prefill += out["usage"]["prompt_tokens"]
+            decode += out["usage"]["completion_tokens"]
+            lps = [lp for lp in out["choices"][0]["logprobs"]["token_logprobs"] if lp is not None]
+            return out["choices"][0]["text"], (sum(lps) / len(lps) if lps else -99.0)
+
+        head = f"### Instruction:\n{question}\n\n### Response:\n"
+        with engine_lock:
+            complete(head, 1)  # the retrieval decision: the first token's probabilities
+            passages = rag.store.search(question, K)
+            best = ("", -1e9)
+            for p in passages:
+                text, score = complete(
+                    f"{head}[Retrieval]<paragraph>{p.text}</paragraph>", MAX_TOKENS
+                )
+                if score > best[1]:
+                    best = (text, score)
+        return {"answer": best[0].strip(), "prefill_tokens": prefill, "decode_tokens": decode}
+
+    @app.post("/vanilla")
+    def vanilla_answer(body: dict[str, str]) -> dict[str, Any]:
+        with engine_lock:
+            r = vanilla.answer(body["question"], config, retrieve=True)
+        return {
+            "answer": r.answer,
+            "prefill_tokens": r.usage.prefill_tokens,
+            "decode_tokens": r.usage.decode_tokens,
+        }
+
+    @app.post("/pack")
+    def pack_answer(body: dict[str, str]) -> dict[str, Any]:
+        return pack(body["question"])
+
+    @app.get("/reference")
+    def reference() -> dict[str, float]:
+        """Prefill tokens/s on a 512-token prompt, decode ms/token over 64 tokens (the engine)."""
+        from selfrag.pipeline.protocols import GenerationRequest
+
+        with engine_lock:
+            prompt = rag.engine.tokenize("The history of Normandy. " * 100)[:512]
+            rag.engine.clear_cache()
+            started = time.perf_counter()
+            rag.engine.generate([GenerationRequest(prompt, 1, stop_at_sentence_end=False)])
+            prefill_s = time.perf_counter() - started
+            rag.engine.clear_cache()
+            started = time.perf_counter()
+            (gen,) = rag.engine.generate(
+                [GenerationRequest(prompt[:16], 64, stop_at_sentence_end=False)]
+            )
+            decode_s = time.perf_counter() - started
+        return {
+            "prefill_tok_s": len(prompt) / prefill_s,
+            "decode_ms_per_token": 1000 * decode_s / max(1, len(gen.tokens)),
+        }
+
+    @app.get("/ready")
+    def ready() -> dict[str, bool]:
+        return {"ready": True}
+
+    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning")
+
+
+@contextmanager
+def baselines(home: str, port: int) -> Iterator[str]:
+    cmd = [sys.executable, "-m", "bench.vs_vanilla", "--serve-baselines", "--home", home]
+    proc = subprocess.Popen(
+        [*cmd, "--port", str(port)], stdout=subprocess.DEVNULL, start_new_session=True
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 300
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"the baselines' server exited with {proc.returncode}")
+            try:
+                if httpx.get(url + "/ready", timeout=5).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.time() > deadline:
+                raise RuntimeError("the baselines' server was not ready within 300 s")
+            time.sleep(1)
+        yield url
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(60)
+
+
+# --- the client side ---------------------------------------------------------------------------
+
+
+def ask_baseline(url: str, route: str, question: str, golds: Sequence[str]) -> Result:
+    started = time.perf_counter()
+    r = httpx.post(f"{url}/{route}", json={"question": question}, timeout=600)
+    r.raise_for_status()
+    body = r.json()
+    return Result(
+        time.perf_counter() - started,
+        contains_answer(body["answer"], golds),
+        body["prefill_tokens"],
+        body["decode_tokens"],
+    )
+
+
+def ask_selfrag(url: str, question: str, golds: Sequence[str]) -> Result:
+    started = time.perf_counter()
+    r = httpx.post(
+        url + "/v1/answer", json={"question": question, "config": SELFRAG_CONFIG}, timeout=600
+    )
+    r.raise_for_status()
+    body = r.json()
+    correct = not body["abstained"] and contains_answer(body["answer"], golds)
+    u = body["usage"]
+    return Result(time.perf_counter() - started, correct, u["prefill_tokens"], u["decode_tokens"])
+
+
+def level(ask: Any, qs: Sequence[tuple[str, tuple[str, ...]]], clients: int) -> dict[str, float]:
+    """Every question once, `clients` at a time."""
+    started = time.perf_counter()
+    with ThreadPoolExecutor(clients) as pool:
+        results = list(pool.map(lambda q: ask(q[0], q[1]), qs))
+    wall = time.perf_counter() - started
+    secs = sorted(r.seconds for r in results)
+    n = len(results)
+    return {
+        "p50_s": statistics.median(secs),
+        "p95_s": secs[min(n - 1, int(0.95 * n))],
+        "answers_per_s": n / wall,
+        "prefill": statistics.mean(r.prefill for r in results),
+        "decode": statistics.mean(r.decode for r in results),
+        "accuracy": sum(r.correct for r in results) / n,
+        "first_s": results[0].seconds,
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--home", required=True, help="An indexed SELFRAG_HOME (SQuAD + wiki).")
+    p.add_argument(
+        "--data", type=Path, default=Path(__file__).resolve().parents[2] / "shared" / "data"
+    )
+    p.add_argument("--questions", type=int, default=40)
+    p.add_argument("--port", type=int, default=8771)
+    p.add_argument("--serve-baselines", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    home = str(Path(args.home).expanduser())
+    if args.serve_baselines:
+        serve_baselines(home, args.port)
+        return 0
+    qs = held_out_questions(args.data, args.questions)
+    if len(qs) < args.questions:
+        p.error(f"only {len(qs)} answerable held-out questions")
+    os.environ["SELFRAG_CACHE__QUERY"] = "false"  # every answer computed
+    out: dict[str, dict[int, dict[str, float]]] = {}
+    warm_q = ("What is the capital of France?", ())
+
+    print(f"{len(qs)} held-out questions, K={K}, {MAX_TOKENS} answer tokens", flush=True)
+    with baselines(home, args.port) as url:
+        reference = httpx.get(url + "/reference", timeout=600).json()
+        for system, route in (("vanilla", "vanilla"), ("pack", "pack")):
+            ask_baseline(url, route, *warm_q)
+            out[system] = {
+                c: level(lambda q, g, r=route: ask_baseline(url, r, q, g), qs, c) for c in LEVELS
+            }
+            print(f"  {system}: done", flush=True)
+    kv = Path(home) / "kv"
+    out["cold"] = {}
+    for c in LEVELS:
+        shutil.rmtree(kv, ignore_errors=True)  # an empty disk tier, and a fresh process
+        with served(home, args.port, None) as (url, _):
+            out["cold"][c] = level(lambda q, g: ask_selfrag(url, q, g), qs, c)
+        print(f"  selfrag cold, {c} client(s): done", flush=True)
+    with served(home, args.port, None) as (url, _):  # restarted: only the disk tier is warm
+        out["warm"] = {c: level(lambda q, g: ask_selfrag(url, q, g), qs, c) for c in LEVELS}
+    print("  selfrag warm: done\n", flush=True)
+
+    print(
+        f"engine: prefill {reference['prefill_tok_s']:.0f} tokens/s, "
+        f"decode {reference['decode_ms_per_token']:.1f} ms/token"
+    )
+    head = f"{'system':<8} {'clients':>7} {'p50 s':>7} {'p95 s':>7} {'ans/s':>7} {'prefill':>8}"
+    print(head + f" {'decode':>7} {'acc':>6} {'first s':>8}")
+    for system, levels in out.items():
+        for c, r in levels.items():
+            print(
+                f"{system:<8} {c:>7} {r['p50_s']:>7.2f} {r['p95_s']:>7.2f} "
+                f"{r['answers_per_s']:>7.3f} {r['prefill']:>8.0f} {r['decode']:>7.0f} "
+                f"{r['accuracy']:>6.3f} {r['first_s']:>8.2f}"
+            )
+    figures = {
+        "questions": str(len(qs)),
+        "prefill_tok_s": f"{reference['prefill_tok_s']:.0f}",
+        "decode_ms_per_token": f"{reference['decode_ms_per_token']:.2f}",
+    }
+    for system, levels in out.items():
+        for c, r in levels.items():
+            figures[f"{system}_p50_s_c{c}"] = f"{r['p50_s']:.2f}"
+            figures[f"{system}_acc_c{c}"] = f"{r['accuracy']:.3f}"
+    one = {s: out[s][1]["p50_s"] for s in out}
+    figures |= {
+        "vanilla_p50_s": f"{one['vanilla']:.2f}",
+        "pack_p50_s": f"{one['pack']:.2f}",
+        "cold_p50_s": f"{one['cold']:.2f}",
+        "warm_p50_s": f"{one['warm']:.2f}",
+        "warm_over_vanilla": f"{one['warm'] / one['vanilla']:.2f}",
+        "pack_over_warm": f"{one['pack'] / one['warm']:.2f}",
+        "warm_first_over_p50": f"{out['warm'][1]['first_s'] / one['warm']:.2f}",
+    }
+    print(" ".join(f"{k}={v}" for k, v in figures.items()))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
