@@ -181,13 +181,16 @@ def passage_kv(url: str, pairs: Sequence[tuple[str, str]], config: dict) -> list
     return out
 
 
-def _wait_ready(url: str, proc: subprocess.Popen[bytes] | None, limit_s: float) -> None:
+def wait_ready(
+    url: str, proc: subprocess.Popen[bytes] | None, limit_s: float, path: str = "/readyz"
+) -> None:
+    """Until `url + path` answers 200; raises if `proc` exits first or `limit_s` passes."""
     deadline = time.time() + limit_s
     while time.time() < deadline:
         if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"selfrag serve exited with {proc.returncode}")
+            raise RuntimeError(f"the server exited with {proc.returncode}")
         try:
-            if httpx.get(url + "/readyz", timeout=5).status_code == 200:
+            if httpx.get(url + path, timeout=5).status_code == 200:
                 return
         except httpx.HTTPError:
             pass
@@ -250,7 +253,7 @@ def served(home: str | None, port: int, batch_size: int | None) -> Iterator[tupl
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     try:
-        _wait_ready(url, proc, 300)
+        wait_ready(url, proc, 300)
         yield url, proc.pid
     finally:
         proc.send_signal(signal.SIGTERM)

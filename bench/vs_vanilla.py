@@ -39,7 +39,7 @@ from typing import Any
 
 import httpx
 
-from bench.serve_load import served
+from bench.serve_load import served, wait_ready
 from selfrag.pipeline.metrics import contains_answer
 
 K = 3
@@ -171,18 +171,7 @@ def baselines(home: str, port: int) -> Iterator[str]:
     )
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.time() + 300
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"the baselines' server exited with {proc.returncode}")
-            try:
-                if httpx.get(url + "/ready", timeout=5).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.time() > deadline:
-                raise RuntimeError("the baselines' server was not ready within 300 s")
-            time.sleep(1)
+        wait_ready(url, proc, 300, "/ready")
         yield url
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
