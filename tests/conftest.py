@@ -32,6 +32,20 @@ def normans_squad(shared_data: Path, tmp_path_factory: pytest.TempPathFactory) -
 
 
 @pytest.fixture(scope="session")
+def normans_api_home(tmp_path_factory: pytest.TempPathFactory, normans_squad: Path) -> Path:
+    """A home holding only the Normans paragraphs, indexed once per session through the
+    Python API (`SelfRAG.index`); modules open it one at a time (the store is one process's)."""
+    from selfrag import SelfRAG
+
+    home = tmp_path_factory.mktemp("api-home")
+    with SelfRAG.open(home=home, model={"n_threads": 1}) as rag:
+        [report] = rag.index(normans_squad)
+        assert report.passages > 0 and not report.errors
+        assert rag.count() == report.passages
+    return home
+
+
+@pytest.fixture(scope="session")
 def indexed_corpus(normans_squad: Path, shared_data: Path) -> list[str]:
     """The files `indexed_home` holds: as a command's `--corpus`, nothing new to index."""
     return [str(normans_squad), str(shared_data / "wiki_sample_1000.jsonl")]

@@ -431,13 +431,10 @@ DIALS = {
 
 
 @pytest.fixture(scope="module")
-def rag(tmp_path_factory: pytest.TempPathFactory, normans_squad: Path) -> Iterator[Any]:
+def rag(normans_api_home: Path) -> Iterator[Any]:
     from selfrag import SelfRAG
 
-    home = tmp_path_factory.mktemp("integrations-home")
-    with SelfRAG.open(home=home, model={"n_threads": 1}) as rag:
-        [report] = rag.index(normans_squad)
-        assert report.passages > 0 and not report.errors
+    with SelfRAG.open(home=normans_api_home, model={"n_threads": 1}) as rag:
         yield rag
 
 
