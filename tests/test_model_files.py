@@ -1,0 +1,74 @@
+"""Derived weights on a node where several processes start at once: one converts, the others
+wait for its lock and load its file (`infra.model_files.derivation_lock`)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from selfrag.infra.model_files import (
+    FTYPE_MOSTLY_F16,
+    default_model_path,
+    derived_path,
+    gguf_file_type,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.real
+
+# A child: wait for the common start time, then derive the F16 copy, logging each conversion.
+RACER = """
+import json, sys, time
+from pathlib import Path
+from selfrag.infra import model_files
+
+home, log, start = Path(sys.argv[1]), Path(sys.argv[2]), float(sys.argv[3])
+convert = model_files._quantize
+
+def logged(src, target, ftype):
+    with log.open("a") as f:
+        f.write(json.dumps({"event": "convert", "t": time.time()}) + "\\n")
+    convert(src, target, ftype)
+    with log.open("a") as f:
+        f.write(json.dumps({"event": "converted", "t": time.time()}) + "\\n")
+
+model_files._quantize = logged
+time.sleep(max(0.0, start - time.time()))
+path = model_files.derive_weights(model_files.default_model_path(), "f16", home)
+with log.open("a") as f:
+    f.write(json.dumps({"event": "returned", "t": time.time(), "path": str(path)}) + "\\n")
+"""
+
+
+def test_two_processes_deriving_the_same_weights_convert_once(tmp_path: Path) -> None:
+    home, log = tmp_path / "home", tmp_path / "events.jsonl"
+    # Both children import selfrag first (a second or two), then start together.
+    start = time.time() + 8
+    racers = [
+        subprocess.Popen(
+            [sys.executable, "-c", RACER, str(home), str(log), str(start)],
+            cwd=ROOT,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(2)
+    ]
+    for proc in racers:
+        _, err = proc.communicate(timeout=180)
+        assert proc.returncode == 0, err[-3000:]
+    events = [json.loads(line) for line in log.read_text().splitlines()]
+    kinds = [e["event"] for e in events]
+    assert kinds.count("convert") == 1, events  # without the lock, both convert
+    assert kinds.count("returned") == 2, events
+    target = derived_path(default_model_path(), "f16", home)
+    assert {e["path"] for e in events if e["event"] == "returned"} == {str(target)}
+    # The waiter returned only once the copy was complete, and it is a whole F16 file.
+    done = next(e["t"] for e in events if e["event"] == "converted")
+    assert all(e["t"] >= done for e in events if e["event"] == "returned"), events
+    assert gguf_file_type(target) == FTYPE_MOSTLY_F16
+    assert sorted(p.name for p in target.parent.iterdir() if p.name.endswith(".tmp")) == []
