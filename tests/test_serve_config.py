@@ -55,7 +55,7 @@ def test_serve_yaml_is_a_valid_serve_config():
 
 
 def test_rayservice_manifest_embeds_a_valid_serve_config():
-    manifest = yaml.safe_load((ROOT / "infra" / "k8s" / "rayservice.yaml").read_text())
+    manifest = _manifest()[0]
     assert manifest["kind"] == "RayService"
     config = yaml.safe_load(manifest["spec"]["serveConfigV2"])
     _check(config)
@@ -109,8 +109,9 @@ def test_a_replica_logs_selfrags_records_where_serve_logs_its_own():
 
 
 def _manifest() -> tuple[dict[str, Any], str]:
-    path = ROOT / "infra" / "k8s" / "rayservice.yaml"
-    return yaml.safe_load(path.read_text()), path.read_text()
+    """The RayService of infra/k8s/rayservice.yaml, and the file's text."""
+    text = (ROOT / "infra" / "k8s" / "rayservice.yaml").read_text()
+    return next(d for d in yaml.safe_load_all(text) if d["kind"] == "RayService"), text
 
 
 def _pod_specs(manifest: dict[str, Any]) -> list[dict[str, Any]]:
@@ -125,6 +126,34 @@ def test_rayservice_pods_get_no_service_link_variables():
     specs = _pod_specs(_manifest()[0])
     assert len(specs) >= 2
     assert all(spec.get("enableServiceLinks") is False for spec in specs)
+
+
+def test_rayservice_keeps_selfrag_home_on_a_claim_every_worker_mounts():
+    """Derived weights under SELFRAG_HOME survive a pod: a volume claim, never an emptyDir,
+    and one that all worker pods can mount at once."""
+    manifest, text = _manifest()
+    home = next(
+        v["value"]
+        for v in manifest["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["spec"][
+            "containers"
+        ][0]["env"]
+        if v["name"] == "SELFRAG_HOME"
+    )
+    claims = {
+        d["metadata"]["name"]: d
+        for d in yaml.safe_load_all(text)
+        if d["kind"] == "PersistentVolumeClaim"
+    }
+    for group in manifest["spec"]["rayClusterConfig"]["workerGroupSpecs"]:
+        spec = group["template"]["spec"]
+        volumes = {v["name"]: v for v in spec["volumes"]}
+        mounts = spec["containers"][0]["volumeMounts"]
+        under = [m for m in mounts if home.startswith(m["mountPath"].rstrip("/") + "/")]
+        assert len(under) == 1 and not under[0].get("readOnly"), mounts
+        volume = volumes[under[0]["name"]]
+        assert "emptyDir" not in volume, volume
+        claim = claims[volume["persistentVolumeClaim"]["claimName"]]
+        assert claim["spec"]["accessModes"] == ["ReadWriteMany"]
 
 
 def test_rayservice_api_key_secret_is_required():
