@@ -1,9 +1,10 @@
 """One decoding step's branch work: relevance, pruning, drafting and critique of every branch.
 
 This is what the branch-generation pool does for a step, in one call: every evidence branch is
-read for relevance and pruned under `min_relevance` before it drafts; the rest draft a segment
-(a no-retrieval branch reuses the closed-book draft its retrieval decision was read from, when
-there is one); drafts are critiqued for support (evidence branches) and utility. What comes
+read for relevance and pruned under `min_relevance` (or `relevance_margin` below the best
+passage of its hypothesis) before it drafts; a branch the hard filters would reject whatever it
+drafts is skipped; the rest draft a segment (a no-retrieval branch reuses the closed-book draft
+its retrieval decision was read from, when there is one); drafts are critiqued for support (evidence branches) and utility. What comes
 back is small: `Drafted` scores for the ranker, and the step's token counts.
 """
 
@@ -16,7 +17,7 @@ from typing import Protocol, runtime_checkable
 
 from selfrag.pipeline.critics import Branch, Critic, LabelProbs
 from selfrag.pipeline.protocols import Generation
-from selfrag.pipeline.ranking import Candidate, Drafted
+from selfrag.pipeline.ranking import Candidate, Drafted, certainly_filtered
 from selfrag.pipeline.scoring import relevance_score
 from selfrag.schemas.decoding import DecodingConfig
 
@@ -29,6 +30,8 @@ class StepWork:
     prefill_tokens: int = 0
     decode_tokens: int = 0
     pruned: int = 0
+    filtered: int = 0
+    """Branches the hard filters would reject whatever they draft: skipped before drafting."""
     timings_ms: dict[str, float] = field(default_factory=dict)
 
 
@@ -55,6 +58,20 @@ def reusable_draft(g: Generation | None, max_tokens: int) -> Generation | None:
     return g
 
 
+def pruned_by_relevance(c: Candidate, evidence: Sequence[Candidate], cfg: DecodingConfig) -> bool:
+    """Whether `c` is pruned before drafting: s_rel under `min_relevance`, or more than
+    `relevance_margin` below the best evidence branch of its hypothesis in `evidence`."""
+    if c.rel is None:
+        return False
+    s_rel = relevance_score(c.rel.probs)
+    if s_rel < (cfg.min_relevance or 0.0):
+        return True
+    if cfg.relevance_margin is None:
+        return False
+    best = max(relevance_score(e.rel.probs) for e in evidence if e.parent == c.parent and e.rel)
+    return s_rel < best - cfg.relevance_margin
+
+
 def expand(
     critic: Critic,
     candidates: Sequence[Candidate],
@@ -76,8 +93,10 @@ def expand(
     timed("relevance", t)
     kept: list[Candidate] = []
     for c in candidates:
-        if c.rel is not None and relevance_score(c.rel.probs) < (cfg.min_relevance or 0.0):
+        if pruned_by_relevance(c, evidence, cfg):
             work.pruned += 1
+        elif certainly_filtered(c, cfg):
+            work.filtered += 1
         else:
             kept.append(c)
 

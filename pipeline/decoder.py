@@ -108,6 +108,7 @@ class SelfRAGDecoder:
         run.usage.prefill_tokens += work.prefill_tokens
         run.usage.decode_tokens += work.decode_tokens
         run.usage.branches_pruned += work.pruned
+        run.usage.branches_filtered += work.filtered
         for stage, ms in work.timings_ms.items():
             run.timings[stage] = run.timings.get(stage, 0.0) + ms
 

@@ -116,6 +116,30 @@ def passes_filters(c: Drafted, cfg: DecodingConfig) -> bool:
     return True
 
 
+def needs_evidence(cfg: DecodingConfig) -> bool:
+    """Whether a hard filter asks for relevance or support, which a branch without a passage
+    cannot show."""
+    return (
+        cfg.require_relevant or bool(cfg.min_support_score) or cfg.min_support not in (None, "none")
+    )
+
+
+def certainly_filtered(c: Candidate, cfg: DecodingConfig) -> bool:
+    """Whether the hard filters reject `c` whatever it would draft, so it need not draft: the
+    no-evidence branch of a retrieval step under an evidence requirement (unless
+    `on_unsupported` keeps it as the fallback), or a passage judged irrelevant under
+    `require_relevant`."""
+    if not c.retrieved:
+        return False
+    if c.branch.passage is None:
+        return needs_evidence(cfg) and cfg.on_unsupported == "abstain"
+    return (
+        cfg.require_relevant
+        and c.rel is not None
+        and most_likely(c.rel.probs, RELEVANCE_LABELS) != "relevant"
+    )
+
+
 def score_candidate(c: Drafted, cfg: DecodingConfig) -> tuple[float, SegmentOut, bool]:
     """S for a drafted branch, the segment it would add, and whether it ends the answer."""
     s_rel = relevance_score(c.rel) if c.rel is not None else None

@@ -48,6 +48,14 @@ class DecodingConfig(BaseModel):
         description="Branches with s_rel below this are pruned before drafting. None: the "
         "critique source's default (pipeline.critique.CRITIQUE_FILTERS; 0 when it has none).",
     )
+    relevance_margin: float | None = Field(
+        None,
+        ge=0.0,
+        le=1.0,
+        description="Evidence branches whose s_rel is more than this below the best of their "
+        "hypothesis are pruned before drafting (0: only the best drafts). None: the critique "
+        "source's default (pipeline.critique.CRITIQUE_FILTERS; off when it has none).",
+    )
     min_support: SupportLevel | None = Field(
         None,
         description="Hard filter: the most likely IsSup label must reach this level. None: the "
@@ -108,6 +116,7 @@ class DecodingOverrides(BaseModel):
     w_use: float | None = Field(None, ge=0.0, le=100.0)
     length_normalize: bool | None = None
     min_relevance: float | None = Field(None, ge=0.0, le=1.0)
+    relevance_margin: float | None = Field(None, ge=0.0, le=1.0)
     min_support: SupportLevel | None = None
     min_support_score: float | None = Field(None, ge=0.0, le=1.0)
     require_relevant: bool | None = None

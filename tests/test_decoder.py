@@ -71,6 +71,39 @@ def test_low_relevance_branches_are_pruned_before_drafting():
     assert "draft:2" in critic.calls  # p1 and the no-retrieval branch only
 
 
+def test_relevance_margin_drafts_only_passages_near_the_best():
+    critic = ScriptedCritic(relevance_of={"p1": 0.9, "p2": 0.8, "p3": 0.3})
+    decoder, _ = make(critic)
+    out = decoder.answer("q", cfg(relevance_margin=0.15))
+    assert out.usage.branches_pruned == 1  # p3: 0.6 below the best
+    assert "draft:3" in critic.calls
+    critic.calls.clear()
+    out = decoder.answer("q", cfg(relevance_margin=0.0))
+    assert out.usage.branches_pruned == 2
+    assert "draft:2" in critic.calls  # p1 and the no-retrieval branch
+    assert out.segments[0].citation.passage_id == "p1"
+
+
+def test_margin_is_measured_within_each_hypothesis():
+    # Two hypotheses after step 1 (beam 2); each keeps its own best passage at step 2.
+    critic = ScriptedCritic(relevance_of={"p1": 0.9, "p2": 0.2})
+    decoder, _ = make(critic, PASSAGES[:2])
+    out = decoder.answer("q", cfg(max_segments=2, beam=2, relevance_margin=0.0))
+    assert out.usage.branches_pruned == out.usage.retrievals  # one p2 per retrieval step
+    assert out.usage.evidence_branches == 2 * out.usage.retrievals
+
+
+def test_branches_the_filters_reject_are_not_drafted():
+    critic = ScriptedCritic(relevance_of={"p1": 0.9, "p2": 0.8, "p3": 0.7})
+    decoder, _ = make(critic)
+    out = decoder.answer("q", cfg(min_support_score=0.1))
+    assert "draft:3" in critic.calls  # no draft for the no-retrieval branch: it cannot win
+    assert out.usage.branches_filtered >= 1
+    critic.calls.clear()
+    decoder.answer("q", cfg(min_support_score=0.1, on_unsupported="no_retrieval"))
+    assert "draft:4" in critic.calls  # now it is the fallback
+
+
 def test_never_mode_does_not_retrieve_or_ask():
     critic = ScriptedCritic()
     decoder, retriever = make(critic)
@@ -140,6 +173,8 @@ def test_require_relevant_filter():
     decoder, _ = make(critic, PASSAGES[:2])
     out = decoder.answer("q", cfg(require_relevant=True))
     assert out.segments[0].citation.passage_id == "p2"
+    assert "draft:1" in critic.calls  # p1 and the no-retrieval branch could not pass
+    assert out.usage.branches_filtered == 2
 
 
 def test_multiple_segments_and_retrieval_query_uses_answer_so_far():

@@ -7,6 +7,7 @@ from selfrag.schemas.decoding import DecodingConfig
 # The filters a request may leave unset (None), with the value they take without a default.
 FILTERS_OFF: dict[str, object] = {
     "min_relevance": 0.0,
+    "relevance_margin": 1.0,
     "min_support": "none",
     "min_support_score": 0.0,
 }
