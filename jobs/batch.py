@@ -22,6 +22,11 @@
   killed run loses at most the batches in flight, and the same command resumes it. The last
   record of an id is the one that counts; a run that finishes rewrites the file (atomically)
   without the records a later record of the same id replaced, leaving one record per id.
+* On a cluster the driver watches the nodes while the Dataset runs: when a node goes (its
+  raylet killed, its machine gone), Ray Data restarts that node's engine actors elsewhere if
+  the pool still fits the nodes left, and the run finishes there; if it does not fit, the run
+  stops within seconds of Ray declaring the node dead (`NodeLost`) instead of waiting for ever
+  for actors that cannot start, and the same command answers the rest.
 """
 
 from __future__ import annotations
@@ -33,8 +38,10 @@ import json
 import logging
 import math
 import os
+import queue
 import re
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -74,6 +81,9 @@ MERGE_WAIT_S = 0.3
 RETRIEVER_CPUS = 0.1
 # Seconds a pool that fits the cluster waits for CPUs still held by actors going away.
 RESOURCE_WAIT_S = 10.0
+# How often the driver asks the cluster which nodes are alive while a batch runs (one small
+# GCS call); Ray itself takes ~15 s (5 missed health checks, 3 s apart) to declare a node dead.
+NODE_CHECK_S = 2.0
 # A question is at most 2000 characters and its config a few fields: a JSONL line past this is
 # not a request, and is skipped without being read whole.
 MAX_LINE_BYTES = 1 << 20
@@ -661,6 +671,11 @@ class Resources:
     per_actor: int
 
 
+class NodeLost(ConnectionError):
+    """A node left the cluster mid-run and the engine pool no longer fits the nodes left: Ray
+    Data would wait for ever for the actors it restarts."""
+
+
 class ClusterTooSmall(ValueError):
     """The engine actors asked for do not fit the nodes of the cluster: Ray would queue them,
     and the job would wait for resources that never come."""
@@ -849,14 +864,16 @@ def stream_answers(
         batch_format="numpy",
         max_concurrency=1,
     )
-    iterator = ds.iter_rows()
+    watch = NodeWatch(plan, RETRIEVER_CPUS if embedded else 0.0)
     try:
-        for row in iterator:
+        for row in _rows_watched(ds, watch):
             yield by_key[str(row["key"])], json.loads(str(row["result"]))
+    except NodeLost:
+        # The abandoned Dataset's executor thread logs tracebacks of its own as the driver
+        # disconnects; NodeLost's message says what happened, once.
+        logging.getLogger("ray.data").setLevel(logging.CRITICAL)
+        raise
     finally:
-        close = getattr(iterator, "close", None)
-        if callable(close):
-            close()
         if retriever is not None:
             # Release the folder lock before returning: ray.kill alone is asynchronous, and the
             # next user of the embedded store (a rerun, eval's baselines) would find it locked.
@@ -864,6 +881,96 @@ def stream_answers(
                 ray.get(retriever.close.remote(), timeout=30)
             finally:
                 ray.kill(retriever)
+
+
+class NodeWatch:
+    """The nodes alive when the pool started; `check` raises NodeLost once one of them is gone
+    and the pool (`plan`, `reserve` CPUs on the driver's node) no longer fits the nodes left.
+    A pool that still fits is left to Ray Data, which restarts the lost actors there.
+    `nodes`: the alive nodes with their total CPUs (default: the connected cluster's)."""
+
+    def __init__(
+        self,
+        plan: Resources,
+        reserve: float,
+        nodes: Callable[[], list[NodeCPUs]] | None = None,
+    ) -> None:
+        self._plan = plan
+        self._reserve = reserve
+        self._nodes = nodes or (lambda: cluster_cpus(total=True))
+        self._start = {n.node_id for n in self._nodes()}
+        self._told: set[str] = set()
+
+    def check(self) -> None:
+        left = self._nodes()
+        lost = sorted(self._start - {n.node_id for n in left})
+        if not lost:
+            return
+        names = ", ".join(n[:8] for n in lost)
+        plan = self._plan
+        if _fits(left, plan.actor_cpus, self._reserve) >= plan.actors:
+            if set(lost) - self._told:
+                log.warning(
+                    "node %s left the cluster; its engine actors restart on the others", names
+                )
+                self._told |= set(lost)
+            return
+        plural = "s" if len(lost) > 1 else ""
+        each = ", ".join(f"{n.node_id[:8]} {n.cpus:g} CPU" for n in left) or "none"
+        raise NodeLost(
+            f"node{plural} {names} left the cluster mid-run, and the {plan.actors} engine "
+            f"actors of {plan.actor_cpus:g} CPU each no longer fit the nodes left ({each})"
+        )
+
+
+_END = object()
+
+
+def _rows_watched(ds: Any, watch: NodeWatch, every_s: float = NODE_CHECK_S) -> Iterator[Any]:
+    """`ds.iter_rows()`, read in a thread of its own so that `watch.check` runs every `every_s`
+    even while no row comes (Ray Data blocks until one does). An error of the iteration is
+    raised here; leaving early (NodeLost, or the caller stopping) stops the reader at its next
+    row and closes Ray Data's iterator there."""
+    rows: queue.Queue[Any] = queue.Queue()
+    stop = threading.Event()
+
+    def read() -> None:
+        iterator = ds.iter_rows()
+        try:
+            for row in iterator:
+                rows.put(row)
+                if stop.is_set():
+                    break
+            rows.put(_END)
+        except BaseException as exc:  # handed to the consumer, which raises it
+            rows.put(exc)
+        finally:
+            close = getattr(iterator, "close", None)
+            if callable(close):
+                close()
+
+    reader = threading.Thread(target=read, name="selfrag-batch-rows", daemon=True)
+    reader.start()
+    checked = time.monotonic()
+    try:
+        while True:
+            try:
+                item = rows.get(timeout=every_s)
+            except queue.Empty:
+                item = None
+            if time.monotonic() - checked >= every_s:
+                watch.check()
+                checked = time.monotonic()
+            if item is None:
+                continue
+            if item is _END:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+    finally:
+        # A reader blocked in Ray Data stays blocked (a daemon thread: the process may exit).
+        stop.set()
 
 
 def run_batch(
@@ -982,9 +1089,10 @@ def _answer_into(
         pending = [job for job in jobs if job.key not in earlier]
         if pending:
             started_ray = ensure_ray(address)
-            for job, outcome in stream_answers(
+            answers = stream_answers(
                 settings, pending, actors=actors, per_actor=per_actor, actor_cpus=actor_cpus
-            ):
+            )
+            for job, outcome in _node_lost_said(answers, summary, out):
                 summary.duplicates += len(job.ids) - 1
                 for n, ident in enumerate(job.ids):
                     if outcome["status"] == "ok":
@@ -1005,6 +1113,17 @@ def _answer_into(
             import ray
 
             ray.shutdown()
+
+
+def _node_lost_said(answers: Iterator[_T], summary: BatchSummary, out: Path) -> Iterator[_T]:
+    """`answers`; a NodeLost says what this run wrote and how to finish."""
+    try:
+        yield from answers
+    except NodeLost as exc:
+        raise NodeLost(
+            f"{exc}. Stopped: {summary.answered} answered and {summary.failed} failed are in "
+            f"{out}; run the same command again to answer the rest on the nodes left"
+        ) from None
 
 
 def run_eval_systems(

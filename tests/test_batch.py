@@ -21,7 +21,10 @@ from selfrag.jobs.batch import (
     BatchQuestion,
     ClusterTooSmall,
     NodeCPUs,
+    NodeLost,
+    NodeWatch,
     OutputLockedError,
+    Resources,
     compact_records,
     done_ids,
     earlier_answers,
@@ -306,6 +309,77 @@ def test_resources_fit_each_node_not_the_clusters_sum():
         plan_resources([NodeCPUs("busy", 0.0, driver=True)], None, 8, 0)
     # With a Qdrant server there is no retriever to keep room for.
     assert plan_resources(nodes, None, 8, 0, reserve=0.0).actor_cpus == 1.0
+
+
+def test_a_lost_node_stops_the_run_only_when_the_pool_no_longer_fits():
+    """Two actors of 0.9 CPU on two 1-CPU nodes: losing the worker leaves no room for its
+    actor (the head holds one and the retriever); with a third node it restarts there."""
+    plan = Resources(actors=2, actor_cpus=0.9, n_threads=1, per_actor=8)
+    head, worker, spare = (
+        NodeCPUs("head0000aa", 1.0, driver=True),
+        NodeCPUs("work0000bb", 1.0),
+        NodeCPUs("spare000cc", 1.0),
+    )
+    nodes = [head, worker, spare]
+    watch = NodeWatch(plan, 0.1, lambda: nodes)
+    watch.check()  # all there
+    nodes = [head, spare]
+    watch.check()  # the worker's actor fits the spare node: Ray Data restarts it there
+    nodes = [head]
+    with pytest.raises(NodeLost) as e:
+        watch.check()
+    assert str(e.value) == (
+        "nodes spare000, work0000 left the cluster mid-run, and the 2 engine actors of "
+        "0.9 CPU each no longer fit the nodes left (head0000 1 CPU)"
+    )
+
+
+class _BlockingRows:
+    """A Dataset whose rows come only when released, as Ray Data's do while a node is lost."""
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+        self.closed = threading.Event()
+
+    def iter_rows(self) -> Iterator[dict[str, Any]]:
+        try:
+            yield {"n": 0}
+            self.release.wait(30)
+            yield {"n": 1}
+        finally:
+            self.closed.set()
+
+
+class _Watch:
+    def __init__(self, fail_after: int) -> None:
+        self.calls, self.fail_after = 0, fail_after
+
+    def check(self) -> None:
+        self.calls += 1
+        if self.calls >= self.fail_after:
+            raise NodeLost("gone")
+
+
+def test_rows_are_watched_while_none_come_and_a_lost_node_ends_the_wait():
+    ds = _BlockingRows()
+    rows = batch_module._rows_watched(ds, _Watch(fail_after=2), every_s=0.05)
+    assert next(rows) == {"n": 0}
+    with pytest.raises(NodeLost):
+        next(rows)  # the second row never comes; the watch raises instead of waiting 30 s
+    ds.release.set()
+    assert ds.closed.wait(5)  # the reader stops at its next row and closes the iterator
+
+
+def test_watched_rows_pass_through_and_raise_the_iterations_error():
+    class Failing:
+        def iter_rows(self) -> Iterator[dict[str, Any]]:
+            yield {"n": 0}
+            raise RuntimeError("block failed")
+
+    rows = batch_module._rows_watched(Failing(), _Watch(fail_after=10**9), every_s=0.05)
+    assert next(rows) == {"n": 0}
+    with pytest.raises(RuntimeError, match="block failed"):
+        next(rows)
 
 
 def test_merger_runs_the_calls_of_concurrent_decoders_as_one_engine_call():
