@@ -53,10 +53,40 @@ def build_app(settings: Settings | None = None) -> Application:
     decider = RetrievalDecider.options(**queued).bind(settings)
     # Embedded Qdrant allows one client per folder; with a server URL the config may scale it.
     embedded = settings.retrieval.qdrant_url is None
-    single = {"num_replicas": 1} if embedded else {}
+    single: dict[str, Any] = {"num_replicas": 1} if embedded else {}
+    node = driver_node() if embedded else None
+    if node is not None:
+        # The folder is on the machine that builds the app (`selfrag serve`, `serve run
+        # module:app`): its one replica runs on that node, wherever Serve puts the others.
+        single["ray_actor_options"] = {**Retriever.ray_actor_options, **pinned_to(node)}
     retriever = Retriever.options(**queued, **single).bind(settings)
     ranker = Ranker.options(**queued).bind()
     return SelfRAGIngress.options(**queued).bind(pool, decider, retriever, ranker, settings)
+
+
+# The label every Ray node carries with its own node id (ray.util.placement_group's
+# NODE_ID_LABEL_KEY); a replica that selects it runs on that node only.
+NODE_ID_LABEL = "ray.io/node-id"
+
+
+def driver_node() -> str | None:
+    """The node id of this process when it is a Ray driver (`selfrag serve`, `serve run
+    module:app`); None when Ray is not running here or this is a worker, as when Serve's
+    controller builds the app of a config file (infra/serve.yaml pins it there itself)."""
+    import ray
+
+    if not ray.is_initialized():
+        return None
+    context = ray.get_runtime_context()
+    if context.worker.mode != ray.SCRIPT_MODE:
+        return None
+    return str(context.get_node_id())
+
+
+def pinned_to(node_id: str) -> dict[str, Any]:
+    """Replica options that schedule it on `node_id` only (a hard constraint: Serve reports
+    the replica pending rather than start it on another node)."""
+    return {"label_selector": {NODE_ID_LABEL: node_id}}
 
 
 def serve_http_host() -> str | None:
