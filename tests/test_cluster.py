@@ -1,8 +1,10 @@
 """A real two-node Ray cluster on this machine: `ray start --head` and a second `ray start
 --address=…` (a second raylet is a second node), each its own process group, stopped by its
 own pid (never `ray stop`, which stops every Ray on the machine), on loopback, with their own
-temp folder and ports. `selfrag batch --address` runs on it in child processes (the driver is
-not this test process, as a user's is not)."""
+temp folder and ports. `selfrag batch --address`, `selfrag serve --address` and `serve run
+infra/serve.yaml` run on it in child processes (the driver is not this test process, as a
+user's is not). The worker carries the `selfrag-index` label infra/serve.yaml pins the
+Retriever to. The last test kills the worker's raylet and starts a new worker."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -20,11 +23,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from tests.redis_proc import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 RAY = Path(sys.executable).with_name("ray")
+SERVE = Path(sys.executable).with_name("serve")
 pytestmark = pytest.mark.real
 
 # Tiny dials: one segment of 8 tokens, so 12 questions take seconds.
@@ -36,6 +41,10 @@ class Cluster:
     address: str
     temp_dir: Path
     env: dict[str, str]
+    # Every node's `ray start --block` (its process group), the head first; the fixture stops
+    # them all. `worker` is the live worker's.
+    procs: list[subprocess.Popen[bytes]]
+    worker: subprocess.Popen[bytes] | None = None
 
 
 def _ray_env() -> dict[str, str]:
@@ -95,6 +104,29 @@ def _alive_nodes(address: str, env: dict[str, str]) -> int:
         return 0
 
 
+def _start_worker(cluster: Cluster, nodes: int, timeout_s: float = 90) -> None:
+    """Start a worker node (its own process group, labelled `selfrag-index=true`) and wait
+    until the cluster has `nodes` alive nodes."""
+    n = len(cluster.procs)
+    worker = [
+        str(RAY), "start", f"--address={cluster.address}", "--block", "--num-cpus=1",
+        "--node-ip-address=127.0.0.1", "--disable-usage-stats", "--labels=selfrag-index=true",
+        *_node_ports(),
+    ]  # fmt: skip
+    with (cluster.temp_dir / f"worker{n}.log").open("wb") as log:
+        proc = subprocess.Popen(
+            worker, env=cluster.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+    cluster.procs.append(proc)
+    cluster.worker = proc
+    deadline = time.monotonic() + timeout_s
+    while _alive_nodes(cluster.address, cluster.env) != nodes:
+        if proc.poll() is not None or time.monotonic() > deadline:
+            tail = (cluster.temp_dir / f"worker{n}.log").read_text(errors="replace")[-2000:]
+            pytest.fail(f"the worker node did not join in {timeout_s:.0f} s:\n{tail}")
+        time.sleep(1)
+
+
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[Cluster]:
     """A head (1 CPU) and one worker node (1 CPU) on 127.0.0.1."""
@@ -103,8 +135,7 @@ def cluster() -> Iterator[Cluster]:
     env = _ray_env()
     port = free_port()
     address = f"127.0.0.1:{port}"
-    procs: list[subprocess.Popen[bytes]] = []
-    logs = [(temp_dir / "head.log").open("wb"), (temp_dir / "worker.log").open("wb")]
+    c = Cluster(address, temp_dir, env, [])
     try:
         head = [
             str(RAY), "start", "--head", "--block", "--num-cpus=1",
@@ -112,50 +143,23 @@ def cluster() -> Iterator[Cluster]:
             f"--ray-client-server-port={free_port()}", f"--temp-dir={temp_dir}",
             "--disable-usage-stats", *_node_ports(),
         ]  # fmt: skip
-        procs.append(
-            subprocess.Popen(
-                head, env=env, stdout=logs[0], stderr=subprocess.STDOUT, start_new_session=True
-            )
-        )
-        worker = [
-            str(RAY), "start", f"--address={address}", "--block", "--num-cpus=1",
-            "--node-ip-address=127.0.0.1", "--disable-usage-stats", *_node_ports(),
-        ]  # fmt: skip
-        deadline = time.monotonic() + 90
-        joined = False
-        while time.monotonic() < deadline:
-            if procs[0].poll() is not None:
-                break
-            if not joined and _alive_nodes(address, env) >= 1:
-                procs.append(
-                    subprocess.Popen(
-                        worker,
-                        env=env,
-                        stdout=logs[1],
-                        stderr=subprocess.STDOUT,
-                        start_new_session=True,
-                    )
+        with (temp_dir / "head.log").open("wb") as log:
+            c.procs.append(
+                subprocess.Popen(
+                    head, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
                 )
-                joined = True
-            if joined and _alive_nodes(address, env) == 2:
-                break
-            time.sleep(1)
-        else:
-            pass
-        if _alive_nodes(address, env) != 2:
-            for f in logs:
-                f.flush()
-            tail = "".join(
-                (temp_dir / n).read_text(errors="replace")[-2000:]
-                for n in ("head.log", "worker.log")
             )
-            pytest.fail(f"the two-node cluster did not come up in 90 s:\n{tail}")
-        yield Cluster(address, temp_dir, env)
+        deadline = time.monotonic() + 90
+        while _alive_nodes(address, env) < 1:
+            if c.procs[0].poll() is not None or time.monotonic() > deadline:
+                tail = (temp_dir / "head.log").read_text(errors="replace")[-2000:]
+                pytest.fail(f"the head node did not come up in 90 s:\n{tail}")
+            time.sleep(1)
+        _start_worker(c, nodes=2)
+        yield c
     finally:
-        for proc in reversed(procs):
+        for proc in reversed(c.procs):
             _stop(proc)
-        for f in logs:
-            f.close()
         shutil.rmtree(temp_dir, ignore_errors=True)
 
 
@@ -210,15 +214,17 @@ import json, ray
 from ray._private import state
 ray.init(address={address!r}, log_to_driver=False)
 head = [n["NodeID"] for n in ray.nodes() if "node:__internal_head__" in n["Resources"]]
-actors = [(i, a["ActorClassName"], a["Address"]["NodeID"]) for i, a in state.actors().items()]
+every = state.actors()
+actors = [(i, a["ActorClassName"], a["Address"]["NodeID"]) for i, a in every.items()]
 print(json.dumps({{"head": head[0], "nodes": [n["NodeID"] for n in ray.nodes() if n["Alive"]],
-                   "actors": actors}}))
+                   "actors": actors, "alive": [i for i, a in every.items()
+                                               if a["State"] == "ALIVE"]}}))
 """
 
 
 def _actors(cluster: Cluster) -> dict[str, Any]:
-    """The cluster's nodes, its head, and every actor it ran (GCS keeps the dead ones): id,
-    class, node."""
+    """The cluster's nodes, its head, every actor it ran (GCS keeps the dead ones): id, class,
+    node, and the ids of those alive."""
     done = subprocess.run(
         [sys.executable, "-c", ACTORS.format(address=cluster.address)],
         env=cluster.env,
@@ -313,9 +319,12 @@ def test_serve_joins_the_cluster_spreads_replicas_over_both_nodes_and_answers(
     """`selfrag serve --address` deploys onto the running cluster (no private Ray): the app's
     deployments (1.6 CPUs in all) do not fit the head's one CPU, so replicas land on both
     nodes, and an answer comes back through the head's HTTP proxy. The worker's proxy cannot
-    bind the same port on this one machine (on a real cluster each node has its own)."""
+    bind the same port on this one machine (on a real cluster each node has its own). The
+    embedded store's Retriever runs on the command's own node, the head's here (the driver
+    joins through the head's raylet), whatever the worker's label says."""
     import httpx
 
+    before = {a[0] for a in _actors(cluster)["actors"]}
     port = free_port()
     log = (tmp_path / "serve.log").open("wb")
     env = cluster.env | {"SELFRAG_HOME": str(indexed_home)}
@@ -347,10 +356,11 @@ def test_serve_joins_the_cluster_spreads_replicas_over_both_nodes_and_answers(
             assert r.status_code == 200, r.text
             assert r.json()["answer"] and r.json()["passages"]
         seen = _actors(cluster)
-        replicas = {
-            node for _, cls, node in seen["actors"] if cls.startswith("ServeReplica:selfrag:")
-        }
-        assert replicas == set(seen["nodes"]), seen["actors"]
+        new = [a for a in seen["actors"] if a[0] not in before]
+        replicas = {node for _, cls, node in new if cls.startswith("ServeReplica:selfrag:")}
+        assert replicas == set(seen["nodes"]), new
+        retrievers = [node for _, cls, node in new if cls == "ServeReplica:selfrag:Retriever"]
+        assert retrievers == [seen["head"]], new
     finally:
         # SIGTERM: the command deletes its app (this cluster's Serve stays) and exits.
         proc.send_signal(signal.SIGTERM)
@@ -378,3 +388,244 @@ def _actors_alive(cluster: Cluster) -> list[str]:
     )
     assert done.returncode == 0, done.stderr[-3000:]
     return done.stdout.splitlines()
+
+
+WATCH = """
+import json, time, ray
+from ray import serve
+from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
+ray.init(address={address!r}, log_to_driver=False)
+controller = ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)
+print(json.dumps({{"port": ray.get(controller.get_http_config.remote(), timeout=30).port}}),
+      flush=True)
+end = time.monotonic() + {seconds}
+while time.monotonic() < end:
+    app = serve.status().applications.get("selfrag")
+    if app is not None:
+        running = {{name: sum(n for s, n in d.replica_states.items() if str(getattr(s, "value", s))
+                             == "RUNNING") for name, d in app.deployments.items()}}
+        print(json.dumps({{"t": time.monotonic(), "status": str(getattr(app.status, "value",
+                          app.status)), "running": running}}), flush=True)
+    time.sleep(0.5)
+"""
+
+DELETE = """
+import ray
+from ray import serve
+ray.init(address={address!r}, log_to_driver=False)
+serve.delete("selfrag")
+"""
+
+
+class _Watcher:
+    """A child driver that prints the selfrag app's RUNNING replicas per deployment twice a
+    second (one connection for the whole test, not one per look)."""
+
+    def __init__(self, cluster: Cluster, out: Path, seconds: float) -> None:
+        self.out = out
+        code = WATCH.format(address=cluster.address, seconds=seconds)
+        with out.open("wb") as f:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-c", code],
+                env=cluster.env,
+                stdout=f,
+                stderr=subprocess.DEVNULL,
+                start_new_session=True,
+            )
+
+    def lines(self) -> list[dict[str, Any]]:
+        return [json.loads(x) for x in self.out.read_text().splitlines() if x.startswith("{")]
+
+    def wait_for(self, what: str, test: Any, timeout_s: float) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, f"the watcher stopped: {self.lines()[-3:]}"
+            seen = [x for x in self.lines() if "running" in x and test(x)]
+            if seen:
+                return seen[0]
+            time.sleep(0.5)
+        pytest.fail(f"not seen in {timeout_s:.0f} s: {what}; last: {self.lines()[-3:]}")
+
+    def stop(self) -> None:
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait()
+
+
+def test_the_branch_pool_autoscales_to_two_replicas_under_load_and_back_to_one(
+    cluster: Cluster, indexed_home: Path, tmp_path: Path
+):
+    """infra/serve.yaml, deployed with `serve run … --non-blocking` (no dashboard), with the
+    BranchPool's autoscaling shortened for a test: target 1 ongoing call, at most 2 replicas,
+    2 s to scale up, 10 s to scale down, 5 s of look-back, metrics every second (production:
+    target 24, max 8, 30 s and 300 s; serve.yaml says why). Four clients asking distinct
+    questions keep ~4 calls at the pool: it goes to 2 replicas, and back to 1 once they stop.
+    The Retriever lands on the node labelled `selfrag-index=true` (the worker), as the file
+    pins it."""
+    import httpx
+
+    config = yaml.safe_load((ROOT / "infra" / "serve.yaml").read_text())
+    config["http_options"] = {"host": "127.0.0.1", "port": free_port()}
+    app = config["applications"][0]
+    app["runtime_env"] = {
+        "env_vars": {"SELFRAG_HOME": str(indexed_home), "SELFRAG_MODEL__N_THREADS": "1"}
+    }
+    pool = next(d for d in app["deployments"] if d["name"] == "BranchPool")
+    pool["autoscaling_config"] |= {
+        "max_replicas": 2,
+        "target_ongoing_requests": 1,
+        "upscale_delay_s": 2,
+        "downscale_delay_s": 10,
+        "look_back_period_s": 5,
+        "metrics_interval_s": 1,
+    }
+    path = tmp_path / "serve.yaml"
+    path.write_text(yaml.safe_dump(config))
+    before = {a[0] for a in _actors(cluster)["actors"]}
+    deployed = subprocess.run(
+        [str(SERVE), "run", str(path), "--address", cluster.address, "--non-blocking"],
+        cwd=ROOT,
+        env=cluster.env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert deployed.returncode == 0, deployed.stdout[-2000:] + deployed.stderr[-2000:]
+    watcher = _Watcher(cluster, tmp_path / "replicas.jsonl", seconds=400)
+    stop = threading.Event()
+    statuses: list[int] = []
+    try:
+        watcher.wait_for("the app RUNNING", lambda x: x["status"] == "RUNNING", 150)
+        # Serve's proxies keep the port of the first app on this cluster (an earlier test's).
+        port = watcher.lines()[0]["port"]
+        counter = iter(range(10**6))
+        config_tiny = {**TINY, "mode": "always", "top_k": 2}
+
+        def client() -> None:
+            with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=120) as http:
+                while not stop.is_set():
+                    # Distinct questions: a repeat would be a query-cache hit, no pool call.
+                    q = f"Who were the Normans? ({next(counter)})"
+                    r = http.post("/v1/answer", json={"question": q, "config": config_tiny})
+                    statuses.append(r.status_code)
+
+        threads = [threading.Thread(target=client, daemon=True) for _ in range(4)]
+        started = time.monotonic()
+        for t in threads:
+            t.start()
+        up = watcher.wait_for(
+            "BranchPool at 2 replicas", lambda x: x["running"].get("BranchPool", 0) >= 2, 90
+        )
+        stop.set()
+        for t in threads:
+            t.join(timeout=120)
+        stopped = time.monotonic()
+        down = watcher.wait_for(
+            "BranchPool back at 1 replica",
+            lambda x: x["t"] > stopped and x["running"].get("BranchPool", 0) == 1,
+            90,
+        )
+        seen = _actors(cluster)
+    finally:
+        stop.set()
+        watcher.stop()
+        subprocess.run(
+            [sys.executable, "-c", DELETE.format(address=cluster.address)],
+            env=cluster.env,
+            capture_output=True,
+            timeout=120,
+        )
+    assert statuses and set(statuses) == {200}, statuses
+    counts = [x["running"].get("BranchPool", 0) for x in watcher.lines() if "running" in x]
+    assert max(counts) == 2 and counts[-1] == 1, counts  # never past max_replicas
+    print(
+        f"pool 1 -> 2 replicas {up['t'] - started:.1f} s after the load started, 2 -> 1 "
+        f"{down['t'] - stopped:.1f} s after it stopped ({len(statuses)} answers)"
+    )
+    assert down["t"] - started < 120
+    new = [a for a in seen["actors"] if a[0] not in before]
+    retrievers = [node for _, cls, node in new if cls == "ServeReplica:selfrag:Retriever"]
+    worker = next(n for n in seen["nodes"] if n != seen["head"])
+    assert retrievers == [worker], new
+
+
+def _raylet_of(proc: subprocess.Popen[bytes]) -> int:
+    """The pid of the raylet in `proc`'s process group (a node's `ray start --block`)."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)
+            comm = fields[0].split("(", 1)[1]
+            pgid = int(fields[1].split()[2])
+        except (OSError, IndexError, ValueError):
+            continue
+        if pgid == proc.pid and comm == "raylet":
+            return int(stat.parent.name)
+    raise AssertionError(f"no raylet in process group {proc.pid}")
+
+
+def test_a_worker_raylet_killed_mid_batch_stops_the_run_cleanly_and_the_rerun_completes(
+    cluster: Cluster, indexed_home: Path, normans_squad: Path, tmp_path: Path
+):
+    """SIGKILL the worker node's raylet while `selfrag batch --address` runs one engine actor
+    on each node: Ray declares the node dead after its missed health checks (~15 s), and the
+    lost actor cannot restart (the head's one CPU holds the other actor and the retriever), so
+    the run stops with exit status 2 and a message naming the node, instead of waiting for
+    ever; the records it wrote stay. The same command, on the head alone, answers the rest:
+    one record per id. A new worker joins afterwards (the cluster has two nodes again)."""
+    data = json.loads(normans_squad.read_text())
+    qs = list(
+        dict.fromkeys(qa["question"] for p in data["data"][0]["paragraphs"] for qa in p["qas"])
+    )[:16]
+    src = tmp_path / "questions.jsonl"
+    config = {**TINY, "max_segment_tokens": 16}
+    src.write_text(
+        "".join(
+            json.dumps({"id": f"k{i}", "question": q, "config": config}) + "\n"
+            for i, q in enumerate(qs)
+        )
+    )
+    ids = sorted(f"k{i}" for i in range(len(qs)))
+    out = tmp_path / "a.jsonl"
+    env = cluster.env | {"SELFRAG_HOME": str(indexed_home)}
+    command = [
+        sys.executable, "-m", "selfrag", "batch", str(src), "--out", str(out),
+        "--address", cluster.address, "--no-progress", "--per-actor", "2",
+    ]  # fmt: skip
+    assert cluster.worker is not None
+    dead = cluster.worker
+    with (tmp_path / "run.out").open("wb") as so, (tmp_path / "run.err").open("wb") as se:
+        run = subprocess.Popen(command, cwd=ROOT, env=env, stdout=so, stderr=se)
+    try:
+        deadline = time.monotonic() + 180
+        while not (out.exists() and len(_records_skipping_torn(out)) >= 2):
+            assert run.poll() is None, (tmp_path / "run.err").read_text()[-3000:]
+            assert time.monotonic() < deadline, "no records after 180 s"
+            time.sleep(0.5)
+        os.kill(_raylet_of(dead), signal.SIGKILL)
+        killed = time.monotonic()
+        rc = run.wait(timeout=120)
+        took = time.monotonic() - killed
+    finally:
+        if run.poll() is None:
+            run.kill()
+            run.wait()
+        os.killpg(dead.pid, signal.SIGKILL)  # the rest of the dead node's processes
+    err = (tmp_path / "run.err").read_text()
+    written = _records_skipping_torn(out)
+    print(f"run stopped {took:.1f} s after the kill, exit {rc}, {len(written)} of 16 records")
+    assert rc == 2, err[-3000:]
+    assert "left the cluster mid-run" in err and "run the same command again" in err, err[-3000:]
+    assert "Traceback" not in err, err[-3000:]  # the message, not the abandoned Dataset's noise
+    assert 2 <= len(written) < len(qs)
+    assert all(r["status"] == "ok" for r in written), written
+
+    done, _ = _selfrag(cluster, indexed_home, *command[3:], timeout_s=240)
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    assert f"skipped={len(written)}" in done.stdout, done.stdout
+    records = _records(out)  # no torn line: the stopped run wrote whole lines only
+    assert sorted(r["id"] for r in records) == ids  # exactly one record per id
+    assert all(r["status"] == "ok" for r in records)
+
+    _start_worker(cluster, nodes=2)
