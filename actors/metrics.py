@@ -119,7 +119,8 @@ METRICS: dict[str, MetricSpec] = {
         MetricSpec(
             "selfrag_branches_total",
             "counter",
-            "Branches opened, pruned by min_relevance, and removed by hard filters.",
+            "Branches opened, pruned before drafting (min_relevance, relevance_margin), and "
+            "removed by hard filters (before or after drafting).",
             ("outcome",),
             preset=(("opened",), ("pruned",), ("filtered",)),
         ),

@@ -27,9 +27,12 @@ from selfrag.pipeline import branching
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "squad_v2_small.json"
 
-# name -> (decoding overrides, whether certainly-filtered branches are skipped before drafting)
+# name -> (decoding overrides, whether certainly-filtered branches are skipped before drafting).
+# "before": the learned defaults before relevance_margin and the skip; "default": the defaults.
 POLICIES: dict[str, tuple[dict[str, Any], bool]] = {
     "none": ({"min_relevance": 0.0}, False),
+    "before": ({"min_relevance": 0.5, "relevance_margin": 1.0}, False),
+    "default": ({}, True),
     "skip": ({"min_relevance": 0.0}, True),
     "rel0.3": ({"min_relevance": 0.3}, True),
     "rel0.5": ({"min_relevance": 0.5}, True),
@@ -61,7 +64,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--data", type=Path, default=DATA)
     parser.add_argument("--article", default="Normans")
     parser.add_argument("--questions", type=int, default=30)
-    parser.add_argument("--policies", default=",".join(POLICIES))
+    parser.add_argument(
+        "--policies", default="none,skip,rel0.3,rel0.5,rel0.7,rel0.5+m0.2,rel0.5+m0.05"
+    )
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--records", type=Path, help="Also write the per-answer records here.")
     args = parser.parse_args(argv)
@@ -77,9 +82,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     questions = load_questions(args.data, article=args.article)[: args.questions]
     records: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
     drafted: dict[str, list[int]] = {n: [] for n in names}
-    with SelfRAG.open(
-        args.home, cache={"query": False}, model={"n_threads": args.threads}
-    ) as rag:
+    sink = args.records.open("w") if args.records else None
+    with SelfRAG.open(args.home, cache={"query": False}, model={"n_threads": args.threads}) as rag:
         rag.answer(questions[0].question)  # load the model and heads before timing
         for i, q in enumerate(questions):
             for name in names[i % len(names) :] + names[: i % len(names)]:
@@ -89,16 +93,17 @@ def main(argv: Sequence[str] | None = None) -> int:
                     r = rag.answer(q.question, **dials)
                     ms = (time.perf_counter() - t) * 1e3
                 p_ret = next((s.p_ret for s in r.segments if s.p_ret is not None), None)
-                records[name].append(make_record(f"selfrag-{name}", q, r, p_ret, 0, ms))
+                record = make_record(f"selfrag-{name}", q, r, p_ret, 0, ms)
+                records[name].append(record)
                 u = r.usage
                 drafted[name].append(u.branches_opened - u.branches_pruned - u.branches_filtered)
+                if sink is not None:
+                    sink.write(json.dumps(record) + "\n")
+                    sink.flush()
             print(f"{i + 1}/{len(questions)}", file=sys.stderr, flush=True)
+    if sink is not None:
+        sink.close()
 
-    if args.records:
-        with args.records.open("w") as f:
-            for rows in records.values():
-                for row in rows:
-                    f.write(json.dumps(row) + "\n")
     head = (
         "| policy | accuracy | abstain (unanswerable) | overall | pruned | drafted / answer "
         "| prefill / answer | decode / answer | p50 s | p95 s |"

@@ -4,8 +4,9 @@ This is what the branch-generation pool does for a step, in one call: every evid
 read for relevance and pruned under `min_relevance` (or `relevance_margin` below the best
 passage of its hypothesis) before it drafts; a branch the hard filters would reject whatever it
 drafts is skipped; the rest draft a segment (a no-retrieval branch reuses the closed-book draft
-its retrieval decision was read from, when there is one); drafts are critiqued for support (evidence branches) and utility. What comes
-back is small: `Drafted` scores for the ranker, and the step's token counts.
+its retrieval decision was read from, when there is one); drafts are critiqued for support
+(evidence branches) and utility. What comes back is small: `Drafted` scores for the ranker, and
+the step's token counts.
 """
 
 from __future__ import annotations

@@ -256,7 +256,8 @@ def test_min_relevance_prunes_the_passage_the_head_calls_irrelevant() -> None:
     assert out.usage.branches_opened == 3
     assert out.usage.branches_pruned == 1
     drafted = [model.detokenize(r.prompt) for r in model.generate_requests]
-    assert len(drafted) == 2
+    # Rollo's branch only: the no-evidence branch cannot pass the learned min_support_score.
+    assert len(drafted) == 1
     assert not any(PARIS.text in p for p in drafted)
     assert any(ROLLO.text in p for p in drafted)
     assert not out.abstained
@@ -265,15 +266,21 @@ def test_min_relevance_prunes_the_passage_the_head_calls_irrelevant() -> None:
     assert seg.s_rel == pytest.approx(softmax([3, 0])[0])
     assert seg.is_sup == "full"
 
-    # Without the threshold both passages are drafted.
-    unpruned, model = decode(make_heads(), min_relevance=0.0)
+    # Without the threshold and the margin both passages are drafted.
+    unpruned, model = decode(make_heads(), min_relevance=0.0, relevance_margin=1.0)
     assert unpruned.usage.branches_pruned == 0
-    assert len(model.generate_requests) == 3
+    assert len(model.generate_requests) == 2
+    # The learned margin alone prunes Paris too: it is far below Rollo.
+    margin, _ = decode(make_heads(), min_relevance=0.0)
+    assert margin.usage.branches_pruned == 1
 
 
 def test_min_support_abstains_when_the_support_head_says_none_for_every_branch() -> None:
     out, _ = decode(
-        make_heads(support=SUPPORT_ALWAYS_NONE), min_support="partial", min_relevance=0.0
+        make_heads(support=SUPPORT_ALWAYS_NONE),
+        min_support="partial",
+        min_relevance=0.0,
+        relevance_margin=1.0,
     )
     assert out.abstained
     assert out.answer == ABSTAIN_MESSAGE

@@ -12,9 +12,10 @@ FILTERS_OFF: dict[str, object] = {
     "min_support_score": 0.0,
 }
 # A critique source's own filter defaults, by name. Only the learned heads earn any: chosen on
-# the Normans questions (docs/evaluation.md).
+# the Normans questions (docs/evaluation.md). The margin is relative to the best passage, so it
+# holds where the head's scale shifts between articles, as its absolute scores do.
 CRITIQUE_FILTERS: dict[str, dict[str, object]] = {
-    "learned": {"min_relevance": 0.5, "min_support_score": 0.36},
+    "learned": {"min_relevance": 0.5, "relevance_margin": 0.2, "min_support_score": 0.36},
 }
 
 
