@@ -81,8 +81,8 @@ MERGE_WAIT_S = 0.3
 RETRIEVER_CPUS = 0.1
 # Seconds a pool that fits the cluster waits for CPUs still held by actors going away.
 RESOURCE_WAIT_S = 10.0
-# How often the driver asks the cluster which nodes are alive while a batch runs (one small
-# GCS call); Ray itself takes ~15 s (5 missed health checks, 3 s apart) to declare a node dead.
+# How often the driver asks the cluster which nodes are alive while a batch runs (two small
+# GCS calls); Ray itself takes ~15 s of missed health checks to declare a node dead.
 NODE_CHECK_S = 2.0
 # A question is at most 2000 characters and its config a few fields: a JSONL line past this is
 # not a request, and is skipped without being read whole.

@@ -409,6 +409,43 @@ while time.monotonic() < end:
     time.sleep(0.5)
 """
 
+EXPORTS = """
+import json, ray
+ray.init(address={address!r}, log_to_driver=False)
+print(json.dumps([[n["NodeID"], n["NodeManagerAddress"], n["MetricsExportPort"]]
+                  for n in ray.nodes() if n["Alive"]]))
+"""
+
+# One from the ingress replica, one from the engine replicas (README, "Metrics and logs").
+SCRAPED = ("ray_selfrag_http_requests_total", "ray_selfrag_batch_requests")
+
+
+def _scrape_every_node(cluster: Cluster, timeout_s: float) -> dict[str, str]:
+    """Each alive node's metrics export (`--metrics-export-port`), as Prometheus scrapes it,
+    once selfrag's series from both kinds of replica are in (Ray exports every few seconds)."""
+    import httpx
+
+    done = subprocess.run(
+        [sys.executable, "-c", EXPORTS.format(address=cluster.address)],
+        env=cluster.env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    targets = json.loads(done.stdout.splitlines()[-1])
+    deadline = time.monotonic() + timeout_s
+    while True:
+        texts = {
+            node: httpx.get(f"http://{host}:{port}/metrics", timeout=10).text
+            for node, host, port in targets
+        }
+        if all(any(name in t for t in texts.values()) for name in SCRAPED):
+            return texts
+        assert time.monotonic() < deadline, {n: len(t) for n, t in texts.items()}
+        time.sleep(2)
+
+
 DELETE = """
 import ray
 from ray import serve
@@ -463,7 +500,7 @@ def test_the_branch_pool_autoscales_to_two_replicas_under_load_and_back_to_one(
     target 24, max 8, 30 s and 300 s; serve.yaml says why). Four clients asking distinct
     questions keep ~4 calls at the pool: it goes to 2 replicas, and back to 1 once they stop.
     The Retriever lands on the node labelled `selfrag-index=true` (the worker), as the file
-    pins it."""
+    pins it. Both nodes' metrics exports answer a scrape, selfrag's series among them."""
     import httpx
 
     config = yaml.safe_load((ROOT / "infra" / "serve.yaml").read_text())
@@ -528,6 +565,8 @@ def test_the_branch_pool_autoscales_to_two_replicas_under_load_and_back_to_one(
             90,
         )
         seen = _actors(cluster)
+        # The scrape docs/cluster.md describes: every node's export, selfrag's series in them.
+        exports = _scrape_every_node(cluster, timeout_s=60)
     finally:
         stop.set()
         watcher.stop()
@@ -549,6 +588,8 @@ def test_the_branch_pool_autoscales_to_two_replicas_under_load_and_back_to_one(
     retrievers = [node for _, cls, node in new if cls == "ServeReplica:selfrag:Retriever"]
     worker = next(n for n in seen["nodes"] if n != seen["head"])
     assert retrievers == [worker], new
+    assert set(exports) == set(seen["nodes"])  # both nodes answer the scrape
+    assert all("\nray_" in text for text in exports.values())
 
 
 def _raylet_of(proc: subprocess.Popen[bytes]) -> int:
