@@ -56,8 +56,8 @@ def build_app(settings: Settings | None = None) -> Application:
     single: dict[str, Any] = {"num_replicas": 1} if embedded else {}
     node = driver_node() if embedded else None
     if node is not None:
-        # The folder is on the machine that builds the app (`selfrag serve`, `serve run
-        # module:app`): its one replica runs on that node, wherever Serve puts the others.
+        # The folder is on the machine whose driver builds the app (`selfrag serve`): its one
+        # replica runs on that node, wherever Serve puts the others.
         single["ray_actor_options"] = {**Retriever.ray_actor_options, **pinned_to(node)}
     retriever = Retriever.options(**queued, **single).bind(settings)
     ranker = Ranker.options(**queued).bind()
@@ -70,9 +70,10 @@ NODE_ID_LABEL = "ray.io/node-id"
 
 
 def driver_node() -> str | None:
-    """The node id of this process when it is a Ray driver (`selfrag serve`, `serve run
-    module:app`); None when Ray is not running here or this is a worker, as when Serve's
-    controller builds the app of a config file (infra/serve.yaml pins it there itself)."""
+    """The node id of this process when it is a Ray driver connected while it builds the app
+    (`selfrag serve`); None when Ray is not running here yet (`serve run module:app` builds
+    before it connects) or this is a worker, as when Serve's controller builds the app of a
+    config file (infra/serve.yaml pins the Retriever itself)."""
     import ray
 
     if not ray.is_initialized():

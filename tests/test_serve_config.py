@@ -44,8 +44,9 @@ def test_serve_yaml_is_a_valid_serve_config():
     retriever = next(
         d for d in config["applications"][0]["deployments"] if d["name"] == "Retriever"
     )
-    # Embedded Qdrant: one client per folder.
+    # Embedded Qdrant: one client per folder, on the node labelled as holding it.
     assert retriever["autoscaling_config"]["max_replicas"] == 1
+    assert retriever["ray_actor_options"]["label_selector"] == {"selfrag-index": "true"}
     assert (
         sum(d["ray_actor_options"]["num_cpus"] for d in config["applications"][0]["deployments"])
         <= 2
