@@ -293,8 +293,9 @@ _warned_hosts: set[str] = set()
 
 
 def warn_if_exposed(host: str, api_keys: Sequence[SecretStr]) -> str | None:
-    """Log the exposure warning (WARNING) and write it to stderr, once per process and host;
-    returns it (None when there is nothing to warn about)."""
+    """Log the exposure warning (WARNING), or write it to stderr where no handler would show
+    the record, once per process and host; returns it (None when there is nothing to warn
+    about)."""
     warning = exposure_warning(host, api_keys)
     if warning is None:
         return None
@@ -302,6 +303,8 @@ def warn_if_exposed(host: str, api_keys: Sequence[SecretStr]) -> str | None:
         if host in _warned_hosts:
             return warning
         _warned_hosts.add(host)
-    log.warning("%s", warning)
-    print(f"selfrag: WARNING: {warning}", file=sys.stderr, flush=True)
+    if log.hasHandlers():
+        log.warning("%s", warning)
+    else:  # a bare process (an app built by `serve run`): Python's last resort drops the prefix
+        print(f"selfrag: WARNING: {warning}", file=sys.stderr, flush=True)
     return warning

@@ -223,6 +223,7 @@ def test_selfrag_serve_on_a_public_address_without_keys_warns_at_start(
     err = capsys.readouterr().err
     assert rc != 0 and "missing.gguf" in err
     assert "WARNING" in err and "0.0.0.0" in err and API_KEYS_ENV in err
+    assert err.count("binds 0.0.0.0") == 1, err  # shown once, not logged and printed
     assert any(r.levelno == logging.WARNING and "0.0.0.0" in r.getMessage() for r in caplog.records)
 
 
