@@ -222,11 +222,11 @@ print(json.dumps({{"head": head[0], "nodes": [n["NodeID"] for n in ray.nodes() i
 """
 
 
-def _actors(cluster: Cluster) -> dict[str, Any]:
-    """The cluster's nodes, its head, every actor it ran (GCS keeps the dead ones): id, class,
-    node, and the ids of those alive."""
+def _driver_json(cluster: Cluster, script: str) -> Any:
+    """Run `script` (formatted with the cluster's address) as a driver of the cluster; the JSON
+    of its last output line."""
     done = subprocess.run(
-        [sys.executable, "-c", ACTORS.format(address=cluster.address)],
+        [sys.executable, "-c", script.format(address=cluster.address)],
         env=cluster.env,
         capture_output=True,
         text=True,
@@ -234,6 +234,12 @@ def _actors(cluster: Cluster) -> dict[str, Any]:
     )
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.splitlines()[-1])
+
+
+def _actors(cluster: Cluster) -> dict[str, Any]:
+    """The cluster's nodes, its head, every actor it ran (GCS keeps the dead ones): id, class,
+    node, and the ids of those alive."""
+    return _driver_json(cluster, ACTORS)
 
 
 def _batch(
@@ -376,18 +382,16 @@ def test_serve_joins_the_cluster_spreads_replicas_over_both_nodes_and_answers(
     assert alive == []  # the app is gone; the cluster (and its other jobs) stay
 
 
+ALIVE = """
+import json, ray
+from ray._private import state
+ray.init(address={address!r}, log_to_driver=False)
+print(json.dumps([a["ActorClassName"] for a in state.actors().values() if a["State"] == "ALIVE"]))
+"""
+
+
 def _actors_alive(cluster: Cluster) -> list[str]:
-    code = (
-        "import ray\nfrom ray._private import state\n"
-        f"ray.init(address={cluster.address!r}, log_to_driver=False)\n"
-        "print('\\n'.join(a['ActorClassName'] for a in state.actors().values()"
-        " if a['State'] == 'ALIVE'))\n"
-    )
-    done = subprocess.run(
-        [sys.executable, "-c", code], env=cluster.env, capture_output=True, text=True, timeout=60
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    return done.stdout.splitlines()
+    return _driver_json(cluster, ALIVE)
 
 
 WATCH = """
@@ -425,15 +429,7 @@ def _scrape_every_node(cluster: Cluster, timeout_s: float) -> dict[str, str]:
     once selfrag's series from both kinds of replica are in (Ray exports every few seconds)."""
     import httpx
 
-    done = subprocess.run(
-        [sys.executable, "-c", EXPORTS.format(address=cluster.address)],
-        env=cluster.env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert done.returncode == 0, done.stderr[-2000:]
-    targets = json.loads(done.stdout.splitlines()[-1])
+    targets = _driver_json(cluster, EXPORTS)
     deadline = time.monotonic() + timeout_s
     while True:
         texts = {
