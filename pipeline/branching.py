@@ -59,18 +59,15 @@ def reusable_draft(g: Generation | None, max_tokens: int) -> Generation | None:
     return g
 
 
-def pruned_by_relevance(c: Candidate, evidence: Sequence[Candidate], cfg: DecodingConfig) -> bool:
+def pruned_by_relevance(c: Candidate, best: dict[int, float], cfg: DecodingConfig) -> bool:
     """Whether `c` is pruned before drafting: s_rel under `min_relevance`, or more than
-    `relevance_margin` below the best evidence branch of its hypothesis in `evidence`."""
+    `relevance_margin` below `best[parent]`, the best s_rel of its hypothesis."""
     if c.rel is None:
         return False
     s_rel = relevance_score(c.rel.probs)
     if s_rel < (cfg.min_relevance or 0.0):
         return True
-    if cfg.relevance_margin is None:
-        return False
-    best = max(relevance_score(e.rel.probs) for e in evidence if e.parent == c.parent and e.rel)
-    return s_rel < best - cfg.relevance_margin
+    return cfg.relevance_margin is not None and s_rel < best[c.parent] - cfg.relevance_margin
 
 
 def expand(
@@ -92,9 +89,13 @@ def expand(
         c.rel = rel
         work.prefill_tokens += rel.prefill_tokens
     timed("relevance", t)
+    best: dict[int, float] = {}
+    for c in evidence:
+        if c.rel is not None:
+            best[c.parent] = max(best.get(c.parent, 0.0), relevance_score(c.rel.probs))
     kept: list[Candidate] = []
     for c in candidates:
-        if pruned_by_relevance(c, evidence, cfg):
+        if pruned_by_relevance(c, best, cfg):
             work.pruned += 1
         elif certainly_filtered(c, cfg):
             work.filtered += 1
