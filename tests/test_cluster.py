@@ -1,10 +1,15 @@
 """A real two-node Ray cluster on this machine: `ray start --head` and a second `ray start
 --address=…` (a second raylet is a second node), each its own process group, stopped by its
-own pid (never `ray stop`, which stops every Ray on the machine), on loopback, with their own
-temp folder and ports. `selfrag batch --address`, `selfrag serve --address` and `serve run
-infra/serve.yaml` run on it in child processes (the driver is not this test process, as a
-user's is not). The worker carries the `selfrag-index` label infra/serve.yaml pins the
-Retriever to. The last test kills the worker's raylet and starts a new worker."""
+own pid (never `ray stop`, which stops every Ray on the machine), with their own temp folder
+and ports. The module runs in a network namespace of its own that holds only loopback
+(tests/netns.py): Ray binds and reports the machine's address whatever --node-ip-address
+says, and there that address is 127.0.0.1, so nothing outside reaches the cluster or is
+reached by it. `selfrag batch --address`, `selfrag serve --address`, `serve deploy
+infra/serve.yaml` (through the head's dashboard) and `serve shutdown` run on it in child
+processes (the driver is not this test process, as a user's is not). The worker carries the
+`selfrag-index` label infra/serve.yaml pins the Retriever to. The last tests kill the worker's
+raylet mid-batch, once with a pool the head alone still holds and once with one it does not,
+and start a new worker after each."""
 
 from __future__ import annotations
 
@@ -25,6 +30,7 @@ from typing import Any
 import pytest
 import yaml
 
+from tests.netns import LoopbackNamespace, NamespaceUnavailable
 from tests.redis_proc import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -39,6 +45,7 @@ TINY = {"mode": "never", "max_segments": 1, "max_segment_tokens": 8, "critique":
 @dataclass
 class Cluster:
     address: str
+    dashboard: str  # the head's dashboard, for `serve deploy` / `serve shutdown`
     temp_dir: Path
     env: dict[str, str]
     # Every node's `ray start --block` (its process group), the head first; the fixture stops
@@ -128,18 +135,34 @@ def _start_worker(cluster: Cluster, nodes: int, timeout_s: float = 90) -> None:
 
 
 @pytest.fixture(scope="module")
-def cluster() -> Iterator[Cluster]:
-    """A head (1 CPU) and one worker node (1 CPU) on 127.0.0.1."""
+def loopback() -> Iterator[LoopbackNamespace]:
+    """The module's network namespace, holding only loopback: this thread (so every process
+    and thread the tests start, and every socket they open) is in it until the module ends."""
+    try:
+        ns = LoopbackNamespace()
+    except NamespaceUnavailable as exc:
+        pytest.skip(f"a cluster on loopback only needs a network namespace of its own: {exc}")
+    try:
+        with ns.entered():
+            yield ns
+    finally:
+        ns.close()
+
+
+@pytest.fixture(scope="module")
+def cluster(loopback: LoopbackNamespace) -> Iterator[Cluster]:
+    """A head (1 CPU, with the dashboard) and one worker node (1 CPU) on 127.0.0.1."""
     # Short: Ray's socket paths under it must fit the 107 bytes of a Unix socket name.
     temp_dir = Path(tempfile.mkdtemp(prefix="rc", dir="/tmp"))
     env = _ray_env()
-    port = free_port()
+    port, dashboard_port = free_port(), free_port()
     address = f"127.0.0.1:{port}"
-    c = Cluster(address, temp_dir, env, [])
+    c = Cluster(address, f"http://127.0.0.1:{dashboard_port}", temp_dir, env, [])
     try:
         head = [
             str(RAY), "start", "--head", "--block", "--num-cpus=1",
-            f"--port={port}", "--node-ip-address=127.0.0.1", "--include-dashboard=false",
+            f"--port={port}", "--node-ip-address=127.0.0.1", "--include-dashboard=true",
+            "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard_port}",
             f"--ray-client-server-port={free_port()}", f"--temp-dir={temp_dir}",
             "--disable-usage-stats", *_node_ports(),
         ]  # fmt: skip
@@ -205,8 +228,20 @@ def questions(normans_squad: Path, tmp_path_factory: pytest.TempPathFactory) -> 
     return path
 
 
-def test_the_cluster_has_two_nodes(cluster: Cluster):
-    assert _alive_nodes(cluster.address, cluster.env) == 2
+# Each alive node: id, address, metrics export port.
+EXPORTS = """
+import json, ray
+ray.init(address={address!r}, log_to_driver=False)
+print(json.dumps([[n["NodeID"], n["NodeManagerAddress"], n["MetricsExportPort"]]
+                  for n in ray.nodes() if n["Alive"]]))
+"""
+
+
+def test_the_cluster_has_two_nodes_on_loopback_only(cluster: Cluster, loopback: LoopbackNamespace):
+    assert loopback.interfaces() == ["lo"]  # no interface but loopback: nothing else to bind
+    nodes = _driver_json(cluster, EXPORTS)
+    assert len(nodes) == 2
+    assert {host for _, host, _ in nodes} == {"127.0.0.1"}  # not the machine's address
 
 
 ACTORS = """
@@ -218,7 +253,8 @@ every = state.actors()
 actors = [(i, a["ActorClassName"], a["Address"]["NodeID"]) for i, a in every.items()]
 print(json.dumps({{"head": head[0], "nodes": [n["NodeID"] for n in ray.nodes() if n["Alive"]],
                    "actors": actors, "alive": [i for i, a in every.items()
-                                               if a["State"] == "ALIVE"]}}))
+                                               if a["State"] == "ALIVE"],
+                   "restarted": [i for i, a in every.items() if a["NumRestarts"] > 0]}}))
 """
 
 
@@ -238,7 +274,7 @@ def _driver_json(cluster: Cluster, script: str) -> Any:
 
 def _actors(cluster: Cluster) -> dict[str, Any]:
     """The cluster's nodes, its head, every actor it ran (GCS keeps the dead ones): id, class,
-    node, and the ids of those alive."""
+    node (the last it ran on), and the ids of those alive and of those restarted."""
     return _driver_json(cluster, ACTORS)
 
 
@@ -413,13 +449,8 @@ while time.monotonic() < end:
     time.sleep(0.5)
 """
 
-EXPORTS = """
-import json, ray
-ray.init(address={address!r}, log_to_driver=False)
-print(json.dumps([[n["NodeID"], n["NodeManagerAddress"], n["MetricsExportPort"]]
-                  for n in ray.nodes() if n["Alive"]]))
-"""
-
+# Written by the head's dashboard into its temp folder (docs/cluster.md, "Scrape metrics").
+DISCOVERY = "prom_metrics_service_discovery.json"
 # One from the ingress replica, one from the engine replicas (README, "Metrics and logs").
 SCRAPED = ("ray_selfrag_http_requests_total", "ray_selfrag_batch_requests")
 
@@ -442,12 +473,27 @@ def _scrape_every_node(cluster: Cluster, timeout_s: float) -> dict[str, str]:
         time.sleep(2)
 
 
-DELETE = """
-import ray
-from ray import serve
-ray.init(address={address!r}, log_to_driver=False)
-serve.delete("selfrag")
-"""
+def _serve_cli(cluster: Cluster, *args: str) -> subprocess.CompletedProcess[str]:
+    """`serve ARGS --address DASHBOARD`: the Serve CLI's REST commands, through the head's
+    dashboard, as a user runs them."""
+    done = subprocess.run(
+        [str(SERVE), *args, "--address", cluster.dashboard],
+        cwd=ROOT,
+        env=cluster.env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    return done
+
+
+def _wait_until_no_replica_of_selfrag(cluster: Cluster, timeout_s: float) -> None:
+    """`serve shutdown` deletes the applications asynchronously: wait for their replicas."""
+    deadline = time.monotonic() + timeout_s
+    while alive := [a for a in _actors_alive(cluster) if a.startswith("ServeReplica:selfrag:")]:
+        assert time.monotonic() < deadline, alive
+        time.sleep(1)
 
 
 class _Watcher:
@@ -490,13 +536,14 @@ class _Watcher:
 def test_the_branch_pool_autoscales_to_two_replicas_under_load_and_back_to_one(
     cluster: Cluster, indexed_home: Path, tmp_path: Path
 ):
-    """infra/serve.yaml, deployed with `serve run … --non-blocking` (no dashboard), with the
+    """infra/serve.yaml, deployed with `serve deploy` through the head's dashboard, with the
     BranchPool's autoscaling shortened for a test: target 1 ongoing call, at most 2 replicas,
     2 s to scale up, 10 s to scale down, 5 s of look-back, metrics every second (production:
     target 24, max 8, 30 s and 300 s; serve.yaml says why). Four clients asking distinct
     questions keep ~4 calls at the pool: it goes to 2 replicas, and back to 1 once they stop.
     The Retriever lands on the node labelled `selfrag-index=true` (the worker), as the file
-    pins it. Both nodes' metrics exports answer a scrape, selfrag's series among them."""
+    pins it. Both nodes' metrics exports answer a scrape, selfrag's series among them, and
+    the head lists both in its Prometheus discovery file. `serve shutdown` removes the app."""
     import httpx
 
     config = yaml.safe_load((ROOT / "infra" / "serve.yaml").read_text())
@@ -517,15 +564,8 @@ def test_the_branch_pool_autoscales_to_two_replicas_under_load_and_back_to_one(
     path = tmp_path / "serve.yaml"
     path.write_text(yaml.safe_dump(config))
     before = {a[0] for a in _actors(cluster)["actors"]}
-    deployed = subprocess.run(
-        [str(SERVE), "run", str(path), "--address", cluster.address, "--non-blocking"],
-        cwd=ROOT,
-        env=cluster.env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert deployed.returncode == 0, deployed.stdout[-2000:] + deployed.stderr[-2000:]
+    deployed = _serve_cli(cluster, "deploy", str(path))
+    assert "Sent deploy request successfully" in deployed.stdout + deployed.stderr
     watcher = _Watcher(cluster, tmp_path / "replicas.jsonl", seconds=400)
     stop = threading.Event()
     statuses: list[int] = []
@@ -566,12 +606,8 @@ def test_the_branch_pool_autoscales_to_two_replicas_under_load_and_back_to_one(
     finally:
         stop.set()
         watcher.stop()
-        subprocess.run(
-            [sys.executable, "-c", DELETE.format(address=cluster.address)],
-            env=cluster.env,
-            capture_output=True,
-            timeout=120,
-        )
+        _serve_cli(cluster, "shutdown", "--yes")
+    _wait_until_no_replica_of_selfrag(cluster, timeout_s=90)
     assert statuses and set(statuses) == {200}, statuses
     counts = [x["running"].get("BranchPool", 0) for x in watcher.lines() if "running" in x]
     assert max(counts) == 2 and counts[-1] == 1, counts  # never past max_replicas
@@ -586,6 +622,12 @@ def test_the_branch_pool_autoscales_to_two_replicas_under_load_and_back_to_one(
     assert retrievers == [worker], new
     assert set(exports) == set(seen["nodes"])  # both nodes answer the scrape
     assert all("\nray_" in text for text in exports.values())
+    # The head's dashboard lists the alive nodes' exports for Prometheus's file discovery
+    # (beside its own and the autoscaler's metrics ports).
+    discovery = json.loads((cluster.temp_dir / DISCOVERY).read_text())
+    listed = {target for group in discovery for target in group["targets"]}
+    exported = {f"{host}:{port}" for _, host, port in _driver_json(cluster, EXPORTS)}
+    assert exported <= listed, (exported, listed)
 
 
 def _raylet_of(proc: subprocess.Popen[bytes]) -> int:
@@ -602,15 +644,8 @@ def _raylet_of(proc: subprocess.Popen[bytes]) -> int:
     raise AssertionError(f"no raylet in process group {proc.pid}")
 
 
-def test_a_worker_raylet_killed_mid_batch_stops_the_run_cleanly_and_the_rerun_completes(
-    cluster: Cluster, indexed_home: Path, normans_squad: Path, tmp_path: Path
-):
-    """SIGKILL the worker node's raylet while `selfrag batch --address` runs one engine actor
-    on each node: Ray declares the node dead after its missed health checks (~15 s), and the
-    lost actor cannot restart (the head's one CPU holds the other actor and the retriever), so
-    the run stops with exit status 2 and a message naming the node, instead of waiting for
-    ever; the records it wrote stay. The same command, on the head alone, answers the rest:
-    one record per id. A new worker joins afterwards (the cluster has two nodes again)."""
+def _questions_for_kill(normans_squad: Path, tmp_path: Path) -> tuple[Path, list[str]]:
+    """16 distinct Normans questions of one 16-token segment each, and their ids."""
     data = json.loads(normans_squad.read_text())
     qs = list(
         dict.fromkeys(qa["question"] for p in data["data"][0]["paragraphs"] for qa in p["qas"])
@@ -623,42 +658,112 @@ def test_a_worker_raylet_killed_mid_batch_stops_the_run_cleanly_and_the_rerun_co
             for i, q in enumerate(qs)
         )
     )
-    ids = sorted(f"k{i}" for i in range(len(qs)))
-    out = tmp_path / "a.jsonl"
-    env = cluster.env | {"SELFRAG_HOME": str(indexed_home)}
+    return src, sorted(f"k{i}" for i in range(len(qs)))
+
+
+@dataclass
+class _Killed:
+    """What a batch did when the worker's raylet was SIGKILLed under it."""
+
+    command: list[str]
+    rc: int
+    took_s: float  # from the kill to the command's exit
+    stderr: str
+    worker: str  # the killed node's id
+    restarted_engines: int  # this run's engine actors that Ray restarted after the kill
+
+
+def _kill_worker_mid_batch(
+    cluster: Cluster, home: Path, src: Path, out: Path, *flags: str
+) -> _Killed:
+    """Run `selfrag batch --address` on `src`, SIGKILL the worker node's raylet as soon as two
+    records are written, and wait for the command to end; the rest of the node's processes
+    go too, and the cluster is left with the head alone."""
+    env = cluster.env | {"SELFRAG_HOME": str(home)}
     command = [
         sys.executable, "-m", "selfrag", "batch", str(src), "--out", str(out),
-        "--address", cluster.address, "--no-progress", "--per-actor", "2",
+        "--address", cluster.address, "--no-progress", "--per-actor", "2", *flags,
     ]  # fmt: skip
     assert cluster.worker is not None
     dead = cluster.worker
-    with (tmp_path / "run.out").open("wb") as so, (tmp_path / "run.err").open("wb") as se:
+    seen = _actors(cluster)
+    before = {a[0] for a in seen["actors"]}
+    worker = next(n for n in seen["nodes"] if n != seen["head"])
+    err = out.with_suffix(".err")
+    with out.with_suffix(".out").open("wb") as so, err.open("wb") as se:
         run = subprocess.Popen(command, cwd=ROOT, env=env, stdout=so, stderr=se)
     try:
         deadline = time.monotonic() + 180
         while not (out.exists() and len(_records_skipping_torn(out)) >= 2):
-            assert run.poll() is None, (tmp_path / "run.err").read_text()[-3000:]
+            assert run.poll() is None, err.read_text()[-3000:]
             assert time.monotonic() < deadline, "no records after 180 s"
-            time.sleep(0.5)
+            time.sleep(0.2)
         os.kill(_raylet_of(dead), signal.SIGKILL)
         killed = time.monotonic()
-        rc = run.wait(timeout=120)
+        rc = run.wait(timeout=180)
         took = time.monotonic() - killed
     finally:
         if run.poll() is None:
             run.kill()
             run.wait()
         os.killpg(dead.pid, signal.SIGKILL)  # the rest of the dead node's processes
-    err = (tmp_path / "run.err").read_text()
+    after = _actors(cluster)
+    engines = {i for i, cls, _ in after["actors"] if "BatchAnswerer" in cls and i not in before}
+    restarted = len(engines & set(after["restarted"]))
+    return _Killed(command, rc, took, err.read_text(), worker, restarted)
+
+
+def test_a_worker_raylet_killed_mid_batch_whose_pool_fits_the_head_finishes_there(
+    cluster: Cluster, indexed_home: Path, normans_squad: Path, tmp_path: Path
+):
+    """Two engine actors of 0.4 CPU, one on each node (Ray Data spreads them). SIGKILL the
+    worker's raylet: once Ray declares the node dead (~15 s), the head's one CPU still holds
+    both actors and the retriever, so the driver leaves the lost actor to Ray Data, which
+    restarts it on the head and retries its batches; the run finishes there with exit 0 and
+    one record per id. A new worker joins afterwards."""
+    src, ids = _questions_for_kill(normans_squad, tmp_path)
+    out = tmp_path / "a.jsonl"
+    killed = _kill_worker_mid_batch(
+        cluster, indexed_home, src, out, "--actors", "2", "--actor-cpus", "0.4"
+    )
+    print(f"run finished {killed.took_s:.1f} s after the kill, exit {killed.rc}")
+    assert killed.restarted_engines == 1, killed  # the worker's engine actor, on the head
+    assert killed.rc == 0, killed.stderr[-3000:]
+    said = f"node {killed.worker[:8]} left the cluster; its engine actors restart on the others"
+    assert said in killed.stderr, killed.stderr[-3000:]
+    records = _records(out)
+    assert sorted(r["id"] for r in records) == ids  # one record per id, none lost
+    assert all(r["status"] == "ok" for r in records), records
+
+    _start_worker(cluster, nodes=2)
+
+
+def test_a_worker_raylet_killed_mid_batch_stops_the_run_cleanly_and_the_rerun_completes(
+    cluster: Cluster, indexed_home: Path, normans_squad: Path, tmp_path: Path
+):
+    """SIGKILL the worker node's raylet while `selfrag batch --address` runs one engine actor
+    of 0.9 CPU on each node (the default pool): Ray declares the node dead after its missed
+    health checks (~15 s), and the lost actor cannot restart (the head's one CPU holds the
+    other actor and the retriever), so the run stops with exit status 2 and a message naming
+    the node, instead of waiting for ever; the records it wrote stay. The same command, on the
+    head alone, answers the rest: one record per id. A new worker joins afterwards."""
+    src, ids = _questions_for_kill(normans_squad, tmp_path)
+    out = tmp_path / "a.jsonl"
+    killed = _kill_worker_mid_batch(cluster, indexed_home, src, out)
     written = _records_skipping_torn(out)
-    print(f"run stopped {took:.1f} s after the kill, exit {rc}, {len(written)} of 16 records")
-    assert rc == 2, err[-3000:]
-    assert "left the cluster mid-run" in err and "run the same command again" in err, err[-3000:]
+    print(
+        f"run stopped {killed.took_s:.1f} s after the kill, exit {killed.rc}, "
+        f"{len(written)} of {len(ids)} records"
+    )
+    err = killed.stderr
+    assert killed.rc == 2, err[-3000:]
+    assert f"node {killed.worker[:8]} left the cluster mid-run" in err, err[-3000:]
+    assert "run the same command again" in err, err[-3000:]
     assert "Traceback" not in err, err[-3000:]  # the message, not the abandoned Dataset's noise
-    assert 2 <= len(written) < len(qs)
+    assert 2 <= len(written) < len(ids)
     assert all(r["status"] == "ok" for r in written), written
 
-    done, _ = _selfrag(cluster, indexed_home, *command[3:], timeout_s=240)
+    done, _ = _selfrag(cluster, indexed_home, *killed.command[3:], timeout_s=240)
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
     assert f"skipped={len(written)}" in done.stdout, done.stdout
     records = _records(out)  # no torn line: the stopped run wrote whole lines only
