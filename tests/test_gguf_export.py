@@ -137,8 +137,12 @@ def test_native_scores_of_the_export_agree_with_learned(
         native_texts, got = step(native)
         # No reflection token interrupts the exported model's drafts.
         assert native_texts == texts
+        # The export stores the rows in the output matrix's F16, and llama.cpp's AVX-512
+        # backends compute that matmul less exactly than haswell's: the largest gap (s_use)
+        # measured 0.0009 on haswell, 0.0023 on skylakex, icelake and zen4 (an AMD EPYC).
+        # A misplaced or misscaled row is off by tenths.
         for name, values in want.items():
-            assert np.allclose(values, got[name], rtol=0.0, atol=1e-3), (name, values, got[name])
+            assert np.allclose(values, got[name], rtol=0.0, atol=5e-3), (name, values, got[name])
     finally:
         engine.close()
 
