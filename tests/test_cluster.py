@@ -213,19 +213,28 @@ def _records(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-@pytest.fixture(scope="module")
-def questions(normans_squad: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+def _question_file(
+    normans_squad: Path, path: Path, n: int, prefix: str, config: dict[str, Any]
+) -> list[str]:
+    """Write the first `n` distinct Normans questions to `path` as batch JSONL (ids
+    `{prefix}0`…, each with `config`); their ids, sorted."""
     data = json.loads(normans_squad.read_text())
     qs = list(
         dict.fromkeys(qa["question"] for p in data["data"][0]["paragraphs"] for qa in p["qas"])
-    )
-    path = tmp_path_factory.mktemp("cluster") / "questions.jsonl"
+    )[:n]
     path.write_text(
         "".join(
-            json.dumps({"id": f"q{i}", "question": q, "config": TINY}) + "\n"
-            for i, q in enumerate(qs[:12])
+            json.dumps({"id": f"{prefix}{i}", "question": q, "config": config}) + "\n"
+            for i, q in enumerate(qs)
         )
     )
+    return sorted(f"{prefix}{i}" for i in range(len(qs)))
+
+
+@pytest.fixture(scope="module")
+def questions(normans_squad: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("cluster") / "questions.jsonl"
+    _question_file(normans_squad, path, 12, "q", TINY)
     return path
 
 
@@ -676,19 +685,9 @@ def _raylet_of(proc: subprocess.Popen[bytes]) -> int:
 
 def _questions_for_kill(normans_squad: Path, tmp_path: Path) -> tuple[Path, list[str]]:
     """16 distinct Normans questions of one 16-token segment each, and their ids."""
-    data = json.loads(normans_squad.read_text())
-    qs = list(
-        dict.fromkeys(qa["question"] for p in data["data"][0]["paragraphs"] for qa in p["qas"])
-    )[:16]
     src = tmp_path / "questions.jsonl"
     config = {**TINY, "max_segment_tokens": 16}
-    src.write_text(
-        "".join(
-            json.dumps({"id": f"k{i}", "question": q, "config": config}) + "\n"
-            for i, q in enumerate(qs)
-        )
-    )
-    return src, sorted(f"k{i}" for i in range(len(qs)))
+    return src, _question_file(normans_squad, src, 16, "k", config)
 
 
 @dataclass
