@@ -4,10 +4,12 @@
 #
 # llama-cpp-python has no prebuilt wheel here, and pip's own build compiles ggml for the
 # instruction set of the building CPU and caches that wheel under the package's name, so a
-# wheel built on one machine was reused on another. This script builds it once per build configuration, portably:
-# every CPU backend variant (x64 … sapphirerapids) as its own library, one of which selfrag
-# chooses at run time (infra/llama_backend.py). About 25 minutes on 2 cores the first time,
-# then reused from ~/.cache/selfrag/wheels.
+# wheel built on one machine was reused on another. This script builds it once per build
+# configuration, portably: the CPU backend as one library per instruction-set level, of which
+# selfrag chooses one at run time (infra/llama_backend.py). On x86-64 the levels built are the
+# baseline, AVX2, AVX-512 (Skylake-X, Ice Lake, Zen 4), AMX, and this CPU's own best level
+# (scripts/llama_variants.py): about 10 minutes on 2 cores the first time, then reused from
+# ~/.cache/selfrag/wheels.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -17,9 +19,6 @@ PY=${PYTHON:-python3}
 LLAMA_CPP_VERSION=0.3.36
 LLAMA_CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_BACKEND_DL=ON -DGGML_CPU_ALL_VARIANTS=ON -DLLAVA_BUILD=OFF"
 PY_TAG=$(.venv/bin/python -c 'import sys; print(f"cp{sys.version_info[0]}{sys.version_info[1]}")')
-BUILD_ID=$(printf '%s\n' "$LLAMA_CPP_VERSION" "$LLAMA_CMAKE_ARGS" "$(uname -m)" "$PY_TAG" |
-    sha256sum | cut -c1-12)
-WHEEL_DIR=${XDG_CACHE_HOME:-$HOME/.cache}/selfrag/wheels/llama-cpp-python-$BUILD_ID
 
 portable_llama_installed() {
     .venv/bin/python - "$LLAMA_CPP_VERSION" <<'EOF'
@@ -34,14 +33,49 @@ sys.exit(0 if dist.version == sys.argv[1] and "libggml-cpu-x64.so" in names else
 EOF
 }
 
+# Prints a line per tenth of the build's compile steps (ninja's "[n/total]" lines) and keeps
+# the whole log in $1, whose end is shown if the build fails.
+build_progress() {
+    local log=$1 shown=0 start=$SECONDS line n total step
+    while IFS= read -r line; do
+        printf '%s\n' "$line" >>"$log"
+        if [[ $line =~ ^[[:space:]]*\[([0-9]+)/([0-9]+)\] ]]; then
+            n=${BASH_REMATCH[1]} total=${BASH_REMATCH[2]}
+            step=$((10 * n / total))
+            if ((step > shown)); then
+                shown=$step
+                echo "  llama-cpp-python build: $((10 * step))% ($n of $total steps," \
+                    "$((SECONDS - start)) s)" >&2
+            fi
+        fi
+    done
+}
+
 if ! portable_llama_installed; then
+    SRC_DIR=$(mktemp -d)
+    trap 'rm -rf "$SRC_DIR"' EXIT
+    .venv/bin/python -m pip download -q --no-deps --no-binary llama-cpp-python \
+        -d "$SRC_DIR" "llama-cpp-python==$LLAMA_CPP_VERSION"
+    tar -xzf "$SRC_DIR"/llama_cpp_python-*.tar.gz -C "$SRC_DIR"
+    LLAMA_SRC=$SRC_DIR/llama_cpp_python-$LLAMA_CPP_VERSION
+    VARIANTS=$(.venv/bin/python scripts/llama_variants.py patch \
+        "$LLAMA_SRC/vendor/llama.cpp/ggml/src/CMakeLists.txt")
+    BUILD_ID=$(printf '%s\n' "$LLAMA_CPP_VERSION" "$LLAMA_CMAKE_ARGS" "$(uname -m)" "$PY_TAG" \
+        "$VARIANTS" | sha256sum | cut -c1-12)
+    WHEEL_DIR=${XDG_CACHE_HOME:-$HOME/.cache}/selfrag/wheels/llama-cpp-python-$BUILD_ID
     if ! ls "$WHEEL_DIR"/llama_cpp_python-*.whl >/dev/null 2>&1; then
-        echo "Building llama-cpp-python $LLAMA_CPP_VERSION for every x86/ARM CPU level" \
-            "(once, ~25 minutes on 2 cores)" >&2
+        echo "Building llama-cpp-python $LLAMA_CPP_VERSION once, with the CPU backends" \
+            "$VARIANTS (about 10 minutes on 2 cores)" >&2
         rm -rf "$WHEEL_DIR.tmp"
-        CMAKE_ARGS="$LLAMA_CMAKE_ARGS" CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)} \
-            .venv/bin/python -m pip wheel -q --no-cache-dir --no-deps --no-binary llama-cpp-python \
-            -w "$WHEEL_DIR.tmp" "llama-cpp-python==$LLAMA_CPP_VERSION"
+        BUILD_LOG=$SRC_DIR/build.log
+        if ! CMAKE_ARGS="$LLAMA_CMAKE_ARGS" \
+            CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)} \
+            .venv/bin/python -m pip wheel -v --no-cache-dir --no-deps -w "$WHEEL_DIR.tmp" \
+            "$LLAMA_SRC" 2>&1 | build_progress "$BUILD_LOG"; then
+            tail -n 40 "$BUILD_LOG" >&2
+            echo "llama-cpp-python's build failed (the lines above end its log)" >&2
+            exit 1
+        fi
         mkdir -p "$(dirname "$WHEEL_DIR")"
         rm -rf "$WHEEL_DIR"
         mv "$WHEEL_DIR.tmp" "$WHEEL_DIR"
