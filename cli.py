@@ -864,6 +864,9 @@ def _run(args: argparse.Namespace) -> int:
         return EXIT_USAGE if exc.kind == "unprocessable" else EXIT_FAILED
     except (CLIError, ValueError, OSError) as exc:
         print(f"selfrag: {exc}", file=sys.stderr)
+    except RecursionError as exc:
+        # The readers refuse deep nesting themselves; this is the last line, never a traceback.
+        print(f"selfrag: input nested too deeply to process ({exc})", file=sys.stderr)
     except RuntimeError as exc:
         from selfrag.infra.llama_backend import BackendError
         from selfrag.infra.model_files import ModelFileError

@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -65,6 +66,49 @@ class CorpusError:
 
 class CorpusFormatError(ValueError):
     """The path exists but is not a corpus format this module reads."""
+
+
+class JSONInputError(ValueError):
+    """Text from outside that is not a JSON value a reader accepts; the message says why, and
+    `line` (1-based) where, for a syntax error."""
+
+    def __init__(self, reason: str, line: int | None = None) -> None:
+        super().__init__(reason)
+        self.line = line
+
+
+def load_json(text: str, max_depth: int | None = None) -> Any:
+    """`json.loads` for text from outside (corpora, batch rows, datasets): every way it fails
+    is a JSONInputError, never a RecursionError or the bare ValueError of an integer over
+    Python's digit limit (`sys.get_int_max_str_digits()`). With `max_depth`, arrays and
+    objects nested deeper than that are refused too, so that code walking the value
+    recursively later (validation, repr, json.dumps) cannot hit the recursion limit either."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        where = f"line {exc.lineno}, column {exc.colno}"
+        raise JSONInputError(f"{exc.msg} ({where})", exc.lineno) from None
+    except RecursionError:
+        raise JSONInputError("arrays or objects nested too deeply to parse") from None
+    except ValueError:  # json.loads raises it only for int() of too many digits
+        limit = sys.get_int_max_str_digits()
+        raise JSONInputError(f"an integer with more than {limit} digits") from None
+    if max_depth is not None and _nested_deeper(value, max_depth):
+        raise JSONInputError(f"arrays or objects nested deeper than {max_depth} levels")
+    return value
+
+
+def _nested_deeper(value: Any, limit: int) -> bool:
+    """Whether `value` has arrays/objects nested more than `limit` deep (iteratively: no
+    recursion on a value that may be as deep as the parser allowed)."""
+    todo: list[tuple[Any, int]] = [(value, 1)] if isinstance(value, dict | list) else []
+    while todo:
+        item, depth = todo.pop()
+        if depth > limit:
+            return True
+        children = item.values() if isinstance(item, dict) else item
+        todo.extend((child, depth + 1) for child in children if isinstance(child, dict | list))
+    return False
 
 
 @dataclass(frozen=True)
@@ -169,11 +213,9 @@ def _read_jsonl(path: Path, max_bytes: int) -> Iterator[Document | CorpusError]:
             if not line.strip():
                 continue
             try:
-                record = json.loads(line)
-            except json.JSONDecodeError as error:
-                yield CorpusError(
-                    str(path), number, f"invalid JSON: {error.msg} (column {error.colno})"
-                )
+                record = load_json(line)
+            except JSONInputError as error:
+                yield CorpusError(str(path), number, f"invalid JSON: {error}")
                 continue
             item = _jsonl_document(record, path, number, file_id)
             if isinstance(item, Document):
@@ -237,10 +279,10 @@ def _read_squad(
         yield CorpusError(str(path), raw[: error.start].count(b"\n") + 1, "not UTF-8")
         return
     try:
-        data = json.loads(content)
-    except json.JSONDecodeError as error:
+        data = load_json(content)
+    except JSONInputError as error:
         # One JSON value for the whole file: nothing past the error can be recovered.
-        yield CorpusError(str(path), error.lineno, f"invalid JSON: {error.msg}")
+        yield CorpusError(str(path), error.line, f"invalid JSON: {error}")
         return
     if not (isinstance(data, dict) and isinstance(data.get("data"), list)):
         raise CorpusFormatError(f"{path} is JSON but not SQuAD format (no 'data' list of articles)")

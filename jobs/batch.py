@@ -53,7 +53,7 @@ from typing import Any, TypeVar
 from pydantic import ValidationError
 from tqdm import tqdm
 
-from selfrag.infra.corpus import read_lines
+from selfrag.infra.corpus import JSONInputError, load_json, read_lines
 from selfrag.pipeline.critics import unresolved_filters
 from selfrag.pipeline.decoder import SelfRAGDecoder, StepListener
 from selfrag.pipeline.protocols import Passage
@@ -87,6 +87,11 @@ NODE_CHECK_S = 2.0
 # A question is at most 2000 characters and its config a few fields: a JSONL line past this is
 # not a request, and is skipped without being read whole.
 MAX_LINE_BYTES = 1 << 20
+# A row is `{id, question, config: {dial: value}}`: nesting past this is not a request, and is
+# refused before anything walks it recursively.
+MAX_ROW_DEPTH = 32
+# Parquet rows read at a time: memory follows this and MAX_LINE_BYTES, not the file.
+PARQUET_BATCH_ROWS = 256
 # What `surrogateescape` turns an undecodable byte into: such a CSV field was not UTF-8.
 _UNDECODABLE = re.compile("[\udc80-\udcff]")
 _T = TypeVar("_T")
@@ -181,9 +186,10 @@ def _question(line: int, row: dict[str, Any]) -> BatchQuestion:
         config = {}
     elif isinstance(config, str):
         try:
-            config = json.loads(config)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"'config' is not JSON: {exc.msg}") from None
+            config = load_json(config, MAX_ROW_DEPTH)
+        except JSONInputError as exc:
+            why = f"is not JSON: {exc}" if exc.line is not None else f"has {exc}"
+            raise ValueError(f"'config' {why}") from None
     if not isinstance(config, dict):
         raise ValueError("'config' must be an object")
     return BatchQuestion(ident, question, config, line)
@@ -208,9 +214,10 @@ def _jsonl_rows(path: Path) -> Iterator[tuple[int, dict[str, Any] | _Unreadable]
             if not text.strip():
                 continue
             try:
-                row = json.loads(text)
-            except json.JSONDecodeError as exc:
-                yield n, _Unreadable(f"not JSON: {exc.msg}")
+                row = load_json(text, MAX_ROW_DEPTH)
+            except JSONInputError as exc:
+                why = f"not JSON: {exc}" if exc.line is not None else f"the row has {exc}"
+                yield n, _Unreadable(why)
                 continue
             yield n, row if isinstance(row, dict) else _Unreadable("not a JSON object")
 
@@ -218,8 +225,8 @@ def _jsonl_rows(path: Path) -> Iterator[tuple[int, dict[str, Any] | _Unreadable]
 def _salvage_id(data: bytes) -> str | int | None:
     """The id of a JSON line that is not UTF-8, when the bad bytes are not in the id itself."""
     try:
-        row = json.loads(data.decode("utf-8", errors="replace"))
-    except json.JSONDecodeError:
+        row = load_json(data.decode("utf-8", errors="replace"), MAX_ROW_DEPTH)
+    except JSONInputError:
         return None
     raw_id = row.get("id") if isinstance(row, dict) else None
     if isinstance(raw_id, str) and "\ufffd" not in raw_id:
@@ -275,12 +282,38 @@ def _csv_reason(exc: csv.Error) -> str:
 
 
 def _parquet_rows(path: Path) -> Iterator[tuple[int, dict[str, Any] | _Unreadable]]:
+    # In batches of PARQUET_BATCH_ROWS, only the columns a row uses: memory follows the batch
+    # (and Parquet's own unit, the row group), never the file.
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
-    table = pq.read_table(path)
-    if "question" not in table.column_names:
+    try:
+        file = pq.ParquetFile(path)
+    except (pa.ArrowException, OSError) as exc:
+        raise BatchInputError(f"{path}: not a readable Parquet file: {exc}") from None
+    names = file.schema_arrow.names
+    if "question" not in names:
         raise BatchInputError(f"{path}: no 'question' column")
-    yield from enumerate(table.to_pylist(), 1)
+    columns = [name for name in ("id", "question", "config") if name in names]
+    n = 0
+    try:
+        for batch in file.iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=columns):
+            for i in range(batch.num_rows):
+                n += 1
+                row = batch.slice(i, 1)
+                size = row.nbytes  # the bytes this row references, nested values included
+                if size <= MAX_LINE_BYTES:
+                    yield n, row.to_pylist()[0]
+                    continue
+                raw_id = row.column("id")[0].as_py() if "id" in columns else None
+                if not isinstance(raw_id, int | str) or len(str(raw_id)) > 200:
+                    raw_id = None
+                reason = f"row too large ({size} bytes, limit {MAX_LINE_BYTES})"
+                yield n, _Unreadable(reason, raw_id)
+    except (pa.ArrowException, OSError) as exc:
+        raise BatchInputError(f"{path}: unreadable Parquet after row {n}: {exc}") from None
+    finally:
+        file.close()
 
 
 def parse_shard(spec: str | None) -> tuple[int, int] | None:
@@ -312,7 +345,7 @@ def select(rows: Sequence[_T], limit: int | None, shard: tuple[int, int] | None)
 def _record_id(line: bytes) -> str | None:
     """The id of one output line; None for a line torn by a killed run (or not a record)."""
     try:
-        return str(json.loads(line)["id"])
+        return str(load_json(line.decode("utf-8"))["id"])
     except (ValueError, KeyError, TypeError):  # ValueError: bad JSON or bad UTF-8
         return None
 
@@ -327,7 +360,7 @@ def last_statuses(path: Path) -> tuple[dict[str, str], int]:
     with path.open("rb") as f:
         for line in f:
             try:
-                record = json.loads(line)
+                record = load_json(line.decode("utf-8"))
                 statuses[str(record["id"])] = str(record.get("status"))
             except (ValueError, KeyError, TypeError, AttributeError):
                 continue  # a torn line, or not a record
@@ -344,7 +377,7 @@ def earlier_answers(path: Path, keys: set[str]) -> dict[str, tuple[str, dict[str
     with path.open("rb") as f:
         for line in f:
             try:
-                record = json.loads(line)
+                record = load_json(line.decode("utf-8"))
                 if record.get("status") != "ok":
                     continue
                 response = record["response"]

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from tqdm import tqdm
 
+from selfrag.infra.corpus import JSONInputError, load_json
 from selfrag.pipeline.critics import Branch, native_token_ids
 from selfrag.pipeline.metrics import Outcome, contains_answer, summarize
 from selfrag.pipeline.scoring import retrieval_probability
@@ -37,6 +38,9 @@ SYSTEMS = (
 )
 DEFAULT_SYSTEMS = ("closed-book", "vanilla-rag", "selfrag-likelihood", "selfrag-learned")
 RECORDS_FILE = "records.jsonl"
+# A SQuAD file nests 9 levels (data, article, paragraphs, qas, answers): far past this is not a
+# dataset, and is refused before anything walks it.
+MAX_DATASET_DEPTH = 64
 REPORT_COLUMNS = (
     "accuracy",
     "f1",
@@ -103,9 +107,9 @@ def load_questions(
 
 def _read_squad_questions(path: Path, article: str | None) -> Iterable[EvalQuestion]:
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise EvalError(f"{path} is not valid JSON: {exc}") from exc
+        data = load_json(path.read_text(encoding="utf-8"), MAX_DATASET_DEPTH)
+    except (JSONInputError, UnicodeDecodeError) as exc:
+        raise EvalError(f"{path} is not valid JSON: {exc}") from None
     if not isinstance(data, dict) or not isinstance(data.get("data"), list):
         raise EvalError(f"{path} is not SQuAD format (no 'data' list of articles)")
     wanted = article.replace(" ", "_") if article else None
@@ -134,10 +138,14 @@ def _read_jsonl_questions(path: Path) -> Iterable[EvalQuestion]:
         if not line.strip():
             continue
         try:
-            record = json.loads(line)
+            record = load_json(line, MAX_DATASET_DEPTH)
             golds = tuple(str(g) for g in record.get("golden_answers", []))
             question = str(record["question"]).strip()
-        except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as exc:
+        except JSONInputError as exc:
+            raise EvalError(
+                f"{path}:{n}: not a {{question, golden_answers}} record: {exc}"
+            ) from None
+        except (KeyError, TypeError, AttributeError) as exc:
             raise EvalError(f"{path}:{n}: not a {{question, golden_answers}} record") from exc
         yield EvalQuestion(
             id=str(record.get("id", n)), question=question, golds=golds, answerable=bool(golds)
@@ -300,8 +308,8 @@ def read_records(path: Path) -> list[dict[str, Any]]:
     records = []
     for line in path.read_text(encoding="utf-8").splitlines():
         try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
+            records.append(load_json(line))
+        except JSONInputError:
             continue
     return records
 

@@ -148,6 +148,80 @@ def test_csv_and_parquet_inputs(tmp_path: Path):
     assert problems == []
 
 
+DEEP = "[" * 100_000 + "]" * 100_000  # past the JSON parser's recursion limit
+HUGE_INT = "9" * 5000  # past Python's 4,300-digit int() limit
+
+
+def _nested(depth: int) -> str:
+    return '{"a": ' * depth + "1" + "}" * depth
+
+
+def test_hostile_jsonl_rows_are_problems_and_the_rest_is_read(tmp_path: Path):
+    path = tmp_path / "q.jsonl"
+    path.write_text(
+        '{"id": "a", "question": "Who?"}\n'
+        f'{{"id": "deep", "question": "Who?", "config": {DEEP}}}\n'
+        f'{{"id": "huge", "question": "Who?", "config": {{"top_k": {HUGE_INT}}}}}\n'
+        f'{{"id": "nested", "question": "Who?", "config": {_nested(40)}}}\n'
+        f'{{"id": {HUGE_INT}, "question": "Who?"}}\n'
+        '{"id": "b", "question": "Where?"}\n'
+    )
+    questions, problems = read_questions(path)
+    assert [q.id for q in questions] == ["a", "b"]
+    # The id cannot be read from a line that does not parse: its line number stands in.
+    assert [(p.line, p.id) for p in problems] == [(2, "2"), (3, "3"), (4, "4"), (5, "5")]
+    assert "nested too deeply" in problems[0].reason
+    assert "more than 4300 digits" in problems[1].reason
+    assert "nested deeper than 32 levels" in problems[2].reason
+    assert "more than 4300 digits" in problems[3].reason
+
+
+def test_hostile_csv_configs_are_problems_under_their_ids(tmp_path: Path):
+    path = tmp_path / "q.csv"
+    deep = "[" * 5000 + "]" * 5000  # within the csv module's field limit
+    rows = [("a", "{}"), ("deep", deep), ("huge", f'{{"top_k": {HUGE_INT}}}')]
+    rows += [("nested", _nested(40)), ("b", '{"top_k": 2}')]
+    with path.open("w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["id", "question", "config"])
+        writer.writerows([(i, "Who?", config) for i, config in rows])
+    questions, problems = read_questions(path)
+    assert [(q.id, q.config) for q in questions] == [("a", {}), ("b", {"top_k": 2})]
+    assert [(p.line, p.id) for p in problems] == [(3, "deep"), (4, "huge"), (5, "nested")]
+    assert "'config' has arrays or objects nested too deeply" in problems[0].reason
+    assert "'config' has an integer with more than 4300 digits" in problems[1].reason
+    assert "'config' has arrays or objects nested deeper than 32" in problems[2].reason
+
+
+def test_parquet_is_read_in_batches_and_an_oversized_row_is_a_problem(tmp_path: Path, monkeypatch):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    monkeypatch.setattr(batch_module, "MAX_LINE_BYTES", 100)
+    monkeypatch.setattr(batch_module, "PARQUET_BATCH_ROWS", 2)
+    path = tmp_path / "q.parquet"
+    ids = ["p1", "p2", "big", None, "p5"]
+    qs = ["Who?", "When?", "x" * 200, "Where?", "Why?"]
+    pq.write_table(pa.table({"id": ids, "question": qs}), path, row_group_size=3)
+    questions, problems = read_questions(path)
+    assert [(q.id, q.question, q.line) for q in questions] == [
+        ("p1", "Who?", 1),
+        ("p2", "When?", 2),
+        ("4", "Where?", 4),
+        ("p5", "Why?", 5),
+    ]
+    assert [(p.line, p.id) for p in problems] == [(3, "big")]
+    assert "row too large" in problems[0].reason and "limit 100" in problems[0].reason
+
+
+def test_a_hostile_output_line_is_skipped_like_a_torn_one(tmp_path: Path):
+    out = tmp_path / "out.jsonl"
+    out.write_text(f'{{"id": "a", "status": "ok"}}\n{DEEP}\n{{"id": {HUGE_INT}}}\n')
+    assert done_ids(out) == {"a"}
+    assert compact_records(out) == 0
+    assert earlier_answers(out, {"k"}) == {}
+
+
 def test_shard_limit_and_resume_bookkeeping(tmp_path: Path):
     qs = [BatchQuestion(str(i), f"q{i}", {}, i) for i in range(10)]
     assert [q.id for q in select(qs, None, parse_shard("1/3"))] == ["1", "4", "7"]

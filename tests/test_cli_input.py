@@ -167,6 +167,54 @@ def test_batch_reports_a_csv_field_over_the_limit_by_line(tmp_path, capsys):
     assert ids == ["2", "ok"]
 
 
+DEEP = "[" * 100_000 + "]" * 100_000  # past the JSON parser's recursion limit
+HUGE_INT = "9" * 5000  # past Python's 4,300-digit int() limit
+
+
+def test_batch_turns_hostile_rows_into_error_records_not_a_traceback(tmp_path, capsys):
+    src = tmp_path / "q.jsonl"
+    src.write_text(
+        f'{{"id": "deep", "question": "Who?", "config": {DEEP}}}\n'
+        f'{{"id": "huge", "question": "Who?", "config": {{"top_k": {HUGE_INT}}}}}\n'
+        '{"id": "bad", "question": "Who?", "config": {"top_k": 0}}\n'
+    )
+    out = tmp_path / "answers.jsonl"
+    assert main(["batch", str(src), "--out", str(out), "--no-progress"]) == 1
+    captured = capsys.readouterr()
+    assert "Traceback" not in captured.err
+    assert f"{src}:1: the row has arrays or objects nested too deeply" in captured.err
+    assert "failed=1 skipped=0 retried=0 malformed=2" in captured.out
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [(r["id"], r["error"]["type"]) for r in records] == [
+        ("1", "malformed"),
+        ("2", "malformed"),
+        ("bad", "invalid"),
+    ]
+
+
+@pytest.mark.parametrize("body", [DEEP, f'{{"question": "Who?", "n": {HUGE_INT}}}'])
+def test_eval_refuses_a_hostile_dataset_with_a_message(tmp_path, capsys, body):
+    data = tmp_path / "qa.jsonl"
+    data.write_text(body + "\n")
+    assert main(["eval", str(data), "--no-progress", "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert f"{data}:1: not a {{question, golden_answers}} record" in err
+    assert "Traceback" not in err
+
+
+def test_a_recursion_error_anywhere_is_a_message_not_a_traceback(monkeypatch, capsys):
+    import selfrag.cli as cli
+
+    def deep(_args):
+        raise RecursionError("maximum recursion depth exceeded")
+
+    monkeypatch.setitem(cli.COMMANDS, "config", deep)
+    assert main(["config"]) != 0
+    err = capsys.readouterr().err
+    assert "selfrag: input nested too deeply to process" in err
+    assert "Traceback" not in err
+
+
 @pytest.mark.real
 def test_eval_without_corpus_on_an_empty_index_says_what_to_do(tmp_path, capsys):
     data = tmp_path / "squad.json"

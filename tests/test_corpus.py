@@ -15,7 +15,9 @@ from selfrag.infra.corpus import (
     CorpusError,
     CorpusFormatError,
     Document,
+    JSONInputError,
     RawLine,
+    load_json,
     read_documents,
     read_lines,
     source_id,
@@ -120,6 +122,45 @@ def test_corrupt_squad_file_reports_the_line(tmp_path: Path) -> None:
     items = list(read_documents(path))
     assert len(items) == 1 and isinstance(items[0], CorpusError)
     assert items[0].line == 3
+
+
+DEEP = "[" * 100_000 + "]" * 100_000  # past the JSON parser's recursion limit
+HUGE_INT = "9" * 5000  # past Python's 4,300-digit int() limit
+
+
+def test_deeply_nested_or_huge_integer_lines_are_errors_by_line(tmp_path: Path) -> None:
+    path = tmp_path / "c.jsonl"
+    path.write_text(
+        '{"id": "a", "text": "First."}\n'
+        f'{{"id": "deep", "text": "x", "meta": {DEEP}}}\n'
+        f'{{"id": {HUGE_INT}, "text": "x"}}\n'
+        '{"id": "b", "text": "Last."}\n'
+    )
+    docs, errors = split(list(read_documents(path)))
+    assert [d.id for d in docs] == ["a", "b"]
+    assert [e.line for e in errors] == [2, 3]
+    assert "nested too deeply" in errors[0].reason
+    assert "more than 4300 digits" in errors[1].reason
+
+
+@pytest.mark.parametrize("body", [DEEP, f'{{"data": [], "n": {HUGE_INT}}}'])
+def test_a_hostile_squad_file_is_one_error(tmp_path: Path, body: str) -> None:
+    path = tmp_path / "bad.json"
+    path.write_text(body)
+    [item] = list(read_documents(path))
+    assert isinstance(item, CorpusError) and "invalid JSON" in item.reason
+
+
+def test_load_json_refuses_past_max_depth_without_recursing() -> None:
+    assert load_json('{"a": [1, {"b": 2}]}', max_depth=3) == {"a": [1, {"b": 2}]}
+    with pytest.raises(JSONInputError, match="nested deeper than 2 levels"):
+        load_json('{"a": [1, {"b": 2}]}', max_depth=2)
+    deep = "[" * 800 + "]" * 800  # parses, but deeper than any reader accepts
+    with pytest.raises(JSONInputError, match="nested deeper than 64"):
+        load_json(deep, max_depth=64)
+    with pytest.raises(JSONInputError, match="line 2, column 1") as info:
+        load_json('{"a":\n}')
+    assert info.value.line == 2
 
 
 def test_shared_squad_file_gives_87_documents() -> None:
