@@ -545,6 +545,7 @@ def _model_status(
         model = {"backend": "vllm", "url": m.vllm_url, "id": m.vllm_model, "path": None}
         resolved = configured if configured != "auto" else None  # the served model decides
         return model, None, {"configured": configured, "resolved": resolved, "usable": True}
+    from selfrag.infra.engine_threads import describe as describe_threads
     from selfrag.infra.model_files import gguf_special_tokens
     from selfrag.pipeline.critics.base import RESERVED_PIECES
     from selfrag.runtime.system import model_id_for
@@ -559,6 +560,8 @@ def _model_status(
         "path": str(path),
         "id": model_id_for(m.path, path),
         "weights": m.weights,
+        # What each engine process runs with (the Serve replicas and batch actors too).
+        "threads": describe_threads(m),
     }
     critique = {
         "configured": configured,
@@ -587,11 +590,24 @@ def render_status(s: dict[str, Any]) -> str:
         ("hybrid", "on" if index["hybrid"] else "off"),
         ("model", model["id"] or "?"),
         ("model file", model["path"] or f"vLLM server {model['url']}"),
+        *_thread_rows(model.get("threads")),
         ("heads", s["heads"] or "none"),
         ("critique", shown),
     ]
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+
+def _thread_rows(threads: dict[str, Any] | None) -> list[tuple[str, str]]:
+    """The engine's llama.cpp threads and OpenMP wait policy (none on the vLLM backend)."""
+    if threads is None:
+        return []
+    count = str(threads["threads"]) + (" (all cores)" if threads["n_threads"] == 0 else "")
+    env = threads["OMP_WAIT_POLICY"] or "unset"
+    return [
+        ("threads", count),
+        ("wait policy", f"{threads['omp_wait_policy']} (OMP_WAIT_POLICY={env})"),
+    ]
 
 
 COMMANDS = {

@@ -8,6 +8,7 @@ from typing import Any
 
 from ray.serve import Application
 
+from selfrag.infra.engine_threads import ray_runtime_env
 from selfrag.schemas.settings import Settings
 
 APP_NAME = "selfrag"
@@ -36,32 +37,41 @@ def build_app(settings: Settings | None = None) -> Application:
         "max_queued_requests": settings.serve.max_queued_requests,
         "logging_config": serve_logging(settings),
     }
+    model = settings.model
+
+    def actor(deployment: Any, **extra: Any) -> dict[str, Any]:
+        # Every replica starts with the engine's OpenMP environment (infra.engine_threads):
+        # the engines' llama.cpp threads and the embedder's torch threads share the cores.
+        # (infra/serve.yaml's ray_actor_options replace these; it sets the variable itself.)
+        return ray_runtime_env(model, {**deployment.ray_actor_options, **extra})
+
     # serve.yaml's autoscaling replaces a replica count, so only an explicit one is set. The
     # replicas share the pool's CPU reservation: the cores are used by their llama.cpp threads
     # (engine.n_threads each), and on a small machine a reservation per replica would leave
     # the extra ones unschedulable.
     replicas = settings.serve.pool_replicas
-    pools: dict[str, Any] = (
-        {
-            "num_replicas": replicas,
-            "ray_actor_options": {"num_cpus": POOL_CPUS / replicas},
-        }
-        if replicas > 1
-        else {}
+    pool_cpus = {"num_cpus": POOL_CPUS / replicas} if replicas > 1 else {}
+    pools: dict[str, Any] = {"num_replicas": replicas} if replicas > 1 else {}
+    pool = BranchPool.options(
+        **queued, **pools, ray_actor_options=actor(BranchPool, **pool_cpus)
+    ).bind(settings)
+    decider = RetrievalDecider.options(**queued, ray_actor_options=actor(RetrievalDecider)).bind(
+        settings
     )
-    pool = BranchPool.options(**queued, **pools).bind(settings)
-    decider = RetrievalDecider.options(**queued).bind(settings)
     # Embedded Qdrant allows one client per folder; with a server URL the config may scale it.
     embedded = settings.retrieval.qdrant_url is None
     single: dict[str, Any] = {"num_replicas": 1} if embedded else {}
     node = driver_node() if embedded else None
-    if node is not None:
-        # The folder is on the machine whose driver builds the app (`selfrag serve`): its one
-        # replica runs on that node, wherever Serve puts the others.
-        single["ray_actor_options"] = {**Retriever.ray_actor_options, **pinned_to(node)}
-    retriever = Retriever.options(**queued, **single).bind(settings)
-    ranker = Ranker.options(**queued).bind()
-    return SelfRAGIngress.options(**queued).bind(pool, decider, retriever, ranker, settings)
+    # The folder is on the machine whose driver builds the app (`selfrag serve`): its one
+    # replica runs on that node, wherever Serve puts the others.
+    pin = pinned_to(node) if node is not None else {}
+    retriever = Retriever.options(
+        **queued, **single, ray_actor_options=actor(Retriever, **pin)
+    ).bind(settings)
+    ranker = Ranker.options(**queued, ray_actor_options=actor(Ranker)).bind()
+    return SelfRAGIngress.options(**queued, ray_actor_options=actor(SelfRAGIngress)).bind(
+        pool, decider, retriever, ranker, settings
+    )
 
 
 # The label every Ray node carries with its own node id (ray.util.placement_group's

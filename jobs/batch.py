@@ -54,6 +54,7 @@ from pydantic import ValidationError
 from tqdm import tqdm
 
 from selfrag.infra.corpus import JSONInputError, load_json, read_lines
+from selfrag.infra.engine_threads import ray_runtime_env
 from selfrag.pipeline.critics import unresolved_filters
 from selfrag.pipeline.decoder import SelfRAGDecoder, StepListener
 from selfrag.pipeline.protocols import Passage
@@ -869,6 +870,7 @@ def stream_answers(
             .options(
                 num_cpus=RETRIEVER_CPUS,
                 scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=False),
+                **ray_runtime_env(settings.model),
             )
             .remote(settings)
         )
@@ -896,6 +898,8 @@ def stream_answers(
         num_cpus=plan.actor_cpus,
         batch_format="numpy",
         max_concurrency=1,
+        # OMP_WAIT_POLICY in each actor's process from its start (infra.engine_threads).
+        **ray_runtime_env(settings.model),
     )
     watch = NodeWatch(plan, RETRIEVER_CPUS if embedded else 0.0)
     try:

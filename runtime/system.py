@@ -13,6 +13,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from selfrag.infra.engine_threads import apply_wait_policy
 from selfrag.infra.lifecycle import Closeable
 from selfrag.pipeline.critics import Critic, make_critic
 from selfrag.pipeline.decoder import SelfRAGDecoder, StepListener
@@ -59,10 +60,16 @@ class SelfRAGSystem(Closeable):
 
         return QdrantStore.open(self.settings.retrieval, self.settings.home, self.embedder)
 
+    def _before_llama(self) -> None:
+        """Put OpenMP's wait policy (`model.omp_wait_policy`) into this process's environment:
+        the runtime reads it once, when llama.cpp's CPU backend loads it."""
+        apply_wait_policy(self.settings.model.omp_wait_policy)
+
     @cached_property
     def model_path(self) -> Path:
         from selfrag.infra.model_files import derive_weights, resolve_model
 
+        self._before_llama()  # deriving weights loads llama.cpp
         source = resolve_model(self.settings.model, self.settings.home)
         return derive_weights(source, self.settings.model.weights, self.settings.home)
 
@@ -90,6 +97,7 @@ class SelfRAGSystem(Closeable):
             if not m.vllm_url:
                 raise ValueError("model.backend = 'vllm' needs model.vllm_url")
             return VLLMEngine(m.vllm_url, model=m.vllm_model, timeout_s=m.vllm_timeout_s)
+        self._before_llama()
         from selfrag.infra.llama_engine import LlamaEngine
 
         path = self.model_path

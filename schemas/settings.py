@@ -20,6 +20,7 @@ from selfrag.schemas.decoding import DecodingConfig
 
 WeightFormat = Literal["auto", "original", "bf16", "f16", "q8_0", "q4_0"]
 Backend = Literal["llama_cpp", "vllm"]
+WaitPolicy = Literal["passive", "active", "inherit"]
 
 MASK = "**********"
 
@@ -83,7 +84,19 @@ class ModelSettings(BaseModel):
         8192, ge=512, le=131072, description="Total KV cells shared by all sequences."
     )
     n_seq_max: int = Field(16, ge=1, le=256, description="Sequences (branches) per context.")
-    n_threads: int = Field(0, ge=0, description="0: all available cores.")
+    n_threads: int = Field(
+        0,
+        ge=0,
+        description="llama.cpp threads per engine process; 0: all available cores (os.cpu_count).",
+    )
+    omp_wait_policy: WaitPolicy = Field(
+        "passive",
+        description="How llama.cpp's OpenMP threads wait (OMP_WAIT_POLICY, set in every engine "
+        "process before llama.cpp loads): passive sleeps at once, so a busy process on the same "
+        "cores costs the engine its share of them and no more (bench/contention.py); active "
+        "spins; inherit leaves OMP_WAIT_POLICY as the environment has it (unset: spin a while, "
+        "then sleep).",
+    )
     n_batch: int = Field(2048, ge=32)
     backend: Backend = Field(
         "llama_cpp",

@@ -120,11 +120,20 @@ def test_status_shows_index_model_heads_and_critique_without_loading_the_model(
     # The embedded default ships reflection heads, so `auto` resolves to the learned critique.
     assert status["heads"] is not None and Path(status["heads"]).is_file()
     assert status["critique"] == {"configured": "auto", "resolved": "learned", "usable": True}
+    # What every engine process runs with: the threads and OpenMP's wait policy (issue 29).
+    assert model["threads"] == {
+        "n_threads": 0,
+        "threads": os.cpu_count(),
+        "omp_wait_policy": "passive",
+        "OMP_WAIT_POLICY": "PASSIVE",
+    }
 
     assert main(["--home", str(indexed_home), "status"]) == 0
     text = capsys.readouterr().out
     assert f"passages       {index['passages']}" in text
     assert "critique       auto -> learned" in text
+    assert f"threads        {os.cpu_count()} (all cores)" in text
+    assert "wait policy    passive (OMP_WAIT_POLICY=PASSIVE)" in text
     assert f"store          embedded {index['where']}" in text
 
 
