@@ -759,6 +759,13 @@ def cmd_train(args: argparse.Namespace) -> int:
             retrieve_passages=max(n // 3, 12),
         )
     settings = _settings(args)
+    protected: list[Path] = []
+    if args.export_gguf is not None:
+        from selfrag.infra.gguf_export import check_export_target, engine_model_files
+
+        # Checked before training: a refusal after it would throw minutes of work away.
+        protected = engine_model_files(settings.model, settings.home)
+        check_export_target(args.export_gguf, protected)
     with SelfRAGSystem(settings) as rag:
         sha = file_sha256(rag.model_path)
         out = args.out or heads_path(settings.home, sha)
@@ -790,7 +797,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         if args.export_gguf is not None:
             from selfrag.infra.gguf_export import export_reflection_model
 
-            written = export_reflection_model(rag.model_path, heads, args.export_gguf)
+            written = export_reflection_model(rag.model_path, heads, args.export_gguf, protected)
             print(f"wrote {written} (critique 'native': reflection tokens with the learned rows)")
     return 0
 

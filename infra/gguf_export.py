@@ -18,15 +18,24 @@ from __future__ import annotations
 
 import os
 import tempfile
+from collections.abc import Iterable
 from pathlib import Path
+from typing import get_args
 
 import gguf
 import numpy as np
 
 from selfrag.infra.heads_store import heads_matrix
-from selfrag.infra.model_files import ModelFileError, file_sha256
+from selfrag.infra.model_files import (
+    DerivedFormat,
+    ModelFileError,
+    derived_path,
+    file_sha256,
+)
+from selfrag.infra.model_presets import resolve_model
 from selfrag.pipeline.critics import NATIVE_CHAT_LAYOUT, NATIVE_MARKUP, NATIVE_TOKENS
 from selfrag.pipeline.heads import ReflectionHeads
+from selfrag.schemas.settings import ModelSettings
 
 CONTROL = int(gguf.TokenType.CONTROL)
 _FLOAT_TYPES = {
@@ -47,8 +56,36 @@ def reflection_rows(heads: ReflectionHeads) -> list[tuple[str, np.ndarray | None
     return rows
 
 
-def export_reflection_model(source: Path, heads: ReflectionHeads, target: Path) -> Path:
-    """Write `target`: `source` with the reflection tokens and learned rows. Returns `target`."""
+def engine_model_files(settings: ModelSettings, home: Path) -> list[Path]:
+    """The model file `settings` names and every copy the engine derives from it (one per
+    weight format, whether made yet or not): files an export must never replace."""
+    source = resolve_model(settings, home)
+    return [source, *(derived_path(source, fmt, home) for fmt in get_args(DerivedFormat))]
+
+
+def check_export_target(target: Path, protected: Iterable[Path]) -> None:
+    """ModelFileError when `target` is one of the `protected` files: the same path once links
+    and `..` are resolved, or the same file under another name (a hard link, a bind mount)."""
+    resolved = target.resolve()
+    for path in protected:
+        same = resolved == path.resolve()
+        if not same and resolved.exists() and path.exists():
+            same = os.path.samefile(resolved, path)
+        if same:
+            raise ModelFileError(
+                f"refusing to export onto {target}: it is the model file {path} (or a copy "
+                "the engine derives from it), which the export reads; choose another path"
+            )
+
+
+def export_reflection_model(
+    source: Path, heads: ReflectionHeads, target: Path, protected: Iterable[Path] = ()
+) -> Path:
+    """Write `target`: `source` with the reflection tokens and learned rows. Returns `target`.
+    Refused before anything is written when `target` is `source` or one of `protected`
+    (`engine_model_files`). The file appears whole or not at all, durably (fsynced, then
+    renamed, then its folder fsynced), with the mode a new file gets under the umask."""
+    check_export_target(target, [source, *protected])
     sha = file_sha256(source)
     heads.check_model(sha, None)
     reader = gguf.GGUFReader(str(source))
@@ -84,7 +121,7 @@ def export_reflection_model(source: Path, heads: ReflectionHeads, target: Path) 
         return np.concatenate([base, extra])
 
     target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=target.name, suffix=".tmp")
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
     os.close(fd)
     try:
         writer = gguf.GGUFWriter(tmp, arch=arch)
@@ -115,8 +152,40 @@ def export_reflection_model(source: Path, heads: ReflectionHeads, target: Path) 
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file()
         writer.close()
-        os.replace(tmp, target)
+        publish(Path(tmp), target)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
     return target
+
+
+def publish(tmp: Path, target: Path) -> None:
+    """Rename the written file `tmp` onto `target` durably: its data synced first, the folder
+    after, so a crash leaves the old `target` or the whole new one. mkstemp made `tmp` 0600;
+    it gets the mode any new file gets under this process's umask (0644 under 022)."""
+    fd = os.open(tmp, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.chmod(tmp, 0o666 & ~current_umask())
+    os.replace(tmp, target)
+    folder = os.open(target.parent, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(folder)
+    finally:
+        os.close(folder)
+
+
+def current_umask() -> int:
+    """This process's umask, read without changing it where Linux shows it (/proc), since
+    os.umask can only read it by setting it, a race with other threads creating files."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask

@@ -192,3 +192,81 @@ def test_export_refuses_a_model_that_already_has_the_tokens(
 def _rows(heads):  # type: ignore[no-untyped-def]
     for group, head in heads.groups.items():
         yield group, np.asarray(head.rows)
+
+
+def test_the_export_has_the_umask_mode_and_leaves_no_temporary_file(exported: Path) -> None:
+    from selfrag.infra.gguf_export import current_umask
+
+    assert exported.stat().st_mode & 0o777 == 0o666 & ~current_umask()  # 0644 under 022
+    assert [p.name for p in exported.parent.iterdir()] == [exported.name]
+
+
+def test_publish_syncs_the_file_then_renames_then_syncs_the_folder(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import os
+    import stat
+
+    import selfrag.infra.gguf_export as export_module
+
+    tmp, target = tmp_path / ".out.gguf.x.tmp", tmp_path / "out.gguf"
+    tmp.write_bytes(b"GGUF new")
+    tmp.chmod(0o600)  # as mkstemp makes it
+    target.write_bytes(b"GGUF old")
+    synced: list[tuple[str, bool]] = []
+    real_fsync = os.fsync
+
+    def fsync(fd: int) -> None:
+        is_dir = stat.S_ISDIR(os.fstat(fd).st_mode)
+        synced.append(("dir" if is_dir else "file", target.read_bytes() == b"GGUF new"))
+        real_fsync(fd)
+
+    monkeypatch.setattr(export_module.os, "fsync", fsync)
+    monkeypatch.setattr(export_module, "current_umask", lambda: 0o022)
+    export_module.publish(tmp, target)
+    # The data is synced before the rename, the folder's entry after it.
+    assert synced == [("file", False), ("dir", True)]
+    assert target.read_bytes() == b"GGUF new" and not tmp.exists()
+    assert target.stat().st_mode & 0o777 == 0o644
+
+
+def test_train_refuses_to_export_onto_the_model_or_a_copy_derived_from_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import os
+
+    from selfrag.cli import main
+    from selfrag.infra.model_files import derived_path
+
+    models, home = tmp_path / "models", tmp_path / "home"
+    models.mkdir()
+    model = models / "m.gguf"
+    model.write_bytes(b"GGUF" + bytes(60))  # refused before anything reads more than this
+    derived = derived_path(model, "f16", home)
+    derived.parent.mkdir(parents=True)
+    derived.write_bytes(b"GGUF derived")
+    (models / "link.gguf").symlink_to(model)
+    os.link(model, models / "hard.gguf")
+    for name in list(os.environ):
+        if name.startswith("SELFRAG_"):
+            monkeypatch.delenv(name)
+    monkeypatch.setenv("SELFRAG_HOME", str(home))
+    monkeypatch.setenv("SELFRAG_MODEL__PATH", str(model))
+
+    def listing() -> dict[str, bytes]:
+        return {str(p): p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+
+    before = listing()
+    targets = [
+        model,
+        models / ".." / "models" / "m.gguf",
+        models / "link.gguf",
+        models / "hard.gguf",
+        derived,
+        derived_path(model, "q8_0", home),  # not made yet: still the engine's file
+    ]
+    for target in targets:
+        assert main(["train", "--reuse", "--export-gguf", str(target)]) == 2, target
+        err = capsys.readouterr().err
+        assert f"refusing to export onto {target}" in err and "Traceback" not in err
+        assert listing() == before  # nothing written, nothing left behind
