@@ -62,6 +62,8 @@ class KVJob:
     """Leading tokens placed in a slot before planning (restored or decoded alone to save)."""
     hidden: bool = False
     """The final hidden state is wanted with the logits at `out_from`."""
+    layers: tuple[int, ...] = ()
+    """Middle blocks whose outputs are wanted with the logits at `out_from`."""
     last_alone: bool = False
     """Decode the last prompt token in a call of its own (with the other jobs' last tokens)."""
     prefill: int = 0

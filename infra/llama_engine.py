@@ -31,6 +31,7 @@ from selfrag.infra.kv_cache import ContextLayout, PrefixKey, PrefixStateStore, p
 from selfrag.infra.kv_slots import KVJob, Slot, SlotPlanner
 from selfrag.infra.lifecycle import Closeable
 from selfrag.infra.llama_backend import ensure_backend
+from selfrag.infra.llama_layers import LayerTap
 from selfrag.infra.model_files import check_gguf, file_sha256
 from selfrag.pipeline.protocols import (
     ContinuationRequest,
@@ -107,6 +108,8 @@ class _Feed:
     """Called with (absolute position, batch index) once that position's logits exist."""
     hidden: bool = False
     """The outputs also need the final hidden state (`_hidden_view`)."""
+    layers: tuple[int, ...] = ()
+    """The outputs also need these blocks' outputs (`_layer_rows`)."""
 
 
 class _LlamaMemory:
@@ -147,6 +150,7 @@ class LlamaEngine(Closeable):
         prefix_store: PrefixStateStore | None = None,
         model_sha256: str | None = None,
         prefix_min_tokens: int = 32,
+        layer_tap: bool = False,
     ) -> None:
         if n_seq_max < 1:
             raise ValueError(f"n_seq_max must be at least 1, got {n_seq_max}")
@@ -193,6 +197,13 @@ class LlamaEngine(Closeable):
         # embeddings on, llama.cpp computes logits for every token of the batch.
         ctx_params.embeddings = False
         ctx_params.pooling_type = llama_cpp.LLAMA_POOLING_TYPE_NONE
+        self._n_layers = int(llama_cpp.llama_model_n_layer(self._model))
+        # The eval callback is asked about every graph node of every decode, so it is only
+        # installed for an engine whose critique reads a middle layer.
+        self._tap = LayerTap() if layer_tap else None
+        self._layer_rows: dict[int, npt.NDArray[np.float32]] = {}
+        if self._tap is not None:
+            ctx_params.cb_eval = self._tap.callback
         self._ctx = llama_cpp.llama_init_from_model(self._model, ctx_params)
         if not self._ctx:
             self._ctx = None
@@ -315,6 +326,11 @@ class LlamaEngine(Closeable):
         return self._n_embd
 
     @property
+    def n_layers(self) -> int | None:
+        """The model's number of blocks when this engine can read their outputs (layer_tap)."""
+        return self._n_layers if self._tap is not None else None
+
+    @property
     def stats(self) -> EngineStats:
         """A snapshot of the work counters."""
         with self._lock:
@@ -403,6 +419,7 @@ class LlamaEngine(Closeable):
         for i, req in enumerate(requests):
             prompt = self._prompt(req.prompt, f"requests[{i}].prompt")
             self._check_tokens(req.candidates, f"requests[{i}].candidates")
+            self._check_layers(req.hidden_layers, f"requests[{i}].hidden_layers")
             n = len(prompt)
             jobs.append(
                 KVJob(
@@ -412,16 +429,20 @@ class LlamaEngine(Closeable):
                     reusable=min(req.reusable_prefix, n - 1),
                     hidden=req.hidden_state,
                     last_alone=req.hidden_state,
+                    layers=tuple(req.hidden_layers),
                 )
             )
         results: list[list[float]] = [[] for _ in requests]
         hidden: list[tuple[float, ...] | None] = [None] * len(requests)
+        layer_states: list[dict[int, tuple[float, ...]]] = [{} for _ in requests]
 
         def on_logits(job: int, pos: int, batch_index: int) -> None:
             logprobs = self._log_softmax(batch_index)
             results[job] = [float(logprobs[c]) for c in requests[job].candidates]
             if jobs[job].hidden:
                 hidden[job] = tuple(self._hidden_view(batch_index).tolist())
+            for layer in jobs[job].layers:
+                layer_states[job][layer] = tuple(self._layer_rows[layer][batch_index].tolist())
 
         with self._lock:
             self._require_open()
@@ -429,7 +450,12 @@ class LlamaEngine(Closeable):
             for group in self._planner.groups(list(range(len(jobs))), jobs):
                 self._prefill(jobs, group, on_logits)
         return [
-            TokenScores(logprobs=results[i], prefill_tokens=jobs[i].prefill, hidden_state=hidden[i])
+            TokenScores(
+                logprobs=results[i],
+                prefill_tokens=jobs[i].prefill,
+                hidden_state=hidden[i],
+                layer_states=layer_states[i],
+            )
             for i in range(len(jobs))
         ]
 
@@ -635,6 +661,7 @@ class LlamaEngine(Closeable):
                 out_from=job.out_from,
                 on_logits=(lambda pos, bi, job_index=i: on_logits(job_index, pos, bi)),
                 hidden=job.hidden,
+                layers=job.layers,
             )
             if job.last_alone and len(suffix) > 1:
                 # With hidden states on, llama.cpp outputs every token of a decode call: only
@@ -766,7 +793,15 @@ class LlamaEngine(Closeable):
                 seqs.add(feed.slot.seq_id)
             self._batch.n_tokens = len(chunk)
             self._set_embeddings(any(feed.hidden for feed, _, _ in outputs))
-            status = llama_cpp.llama_decode(self._ctx, self._batch)
+            layers = {layer for feed, _, _ in outputs for layer in feed.layers}
+            tap = self._tap if layers else None
+            self._layer_rows = {}
+            if tap is not None:
+                tap.arm(layers)
+            try:
+                status = llama_cpp.llama_decode(self._ctx, self._batch)
+            finally:
+                captured = tap.disarm() if tap is not None else {}
             self._stats.decode_calls += 1
             self._stats.batch_sizes[len(seqs)] += 1
             if status != 0:
@@ -779,9 +814,33 @@ class LlamaEngine(Closeable):
             for feed, tok, _pos in chunk:
                 feed.slot.tokens.append(tok)
                 feed.slot.cells.extend(self._planner.fresh_cells(1))
+            if tap is not None:
+                self._layer_rows = self._checked_rows(tap, layers, captured, len(chunk))
             for feed, pos, b in outputs:
                 assert feed.on_logits is not None
                 feed.on_logits(pos, b)
+
+    @staticmethod
+    def _checked_rows(
+        tap: LayerTap,
+        layers: set[int],
+        rows: dict[int, npt.NDArray[np.float32]],
+        n_tokens: int,
+    ) -> dict[int, npt.NDArray[np.float32]]:
+        """The captured rows of one decode call, indexed like its batch. A middle block keeps
+        a row for every token of the call (only the last block drops all but the outputs), and
+        with one KV stream (kv_unified) llama.cpp splits a batch into micro-batches in order."""
+        if tap.error is not None:
+            raise EngineError(f"reading a middle layer failed: {tap.error}")
+        for layer in sorted(layers):
+            if layer not in rows:
+                raise EngineError(f"llama.cpp's graph computed no tensor l_out-{layer}")
+            if rows[layer].shape[0] != n_tokens:
+                raise EngineError(
+                    f"llama.cpp's block {layer} held {rows[layer].shape[0]} rows for a batch "
+                    f"of {n_tokens} tokens"
+                )
+        return rows
 
     def _set_embeddings(self, on: bool) -> None:
         if on != self._embeddings_on:
@@ -830,6 +889,18 @@ class LlamaEngine(Closeable):
         if os.getpid() != self._pid:
             # A forked child shares the parent's llama.cpp threads and buffers only in part.
             raise EngineError("a LlamaEngine cannot be used after fork; load it in this process")
+
+    def _check_layers(self, layers: Sequence[int], what: str) -> None:
+        if not layers:
+            return
+        if self._tap is None:
+            raise ValueError(f"{what}: this engine was created without layer_tap")
+        bad = [layer for layer in layers if not 0 <= layer < self._n_layers - 1]
+        if bad:
+            raise ValueError(
+                f"{what}: blocks {bad} out of range; a middle block is 0..{self._n_layers - 2} "
+                "(the last block's output is the hidden state)"
+            )
 
     def _check_tokens(self, tokens: Sequence[int], what: str) -> list[int]:
         try:

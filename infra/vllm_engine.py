@@ -232,10 +232,20 @@ class VLLMEngine(Closeable):
         """None: vLLM's completions API returns no hidden states (no `learned` critique)."""
         return None
 
+    @property
+    def n_layers(self) -> None:
+        """None: vLLM's completions API returns no layer outputs either."""
+        return None
+
     def next_token_logprobs(self, requests: Sequence[TokenScoreRequest]) -> list[TokenScores]:
         """Each candidate scored as the last token of `prompt + [candidate]`."""
         sequences: list[list[int]] = []
         for i, req in enumerate(requests):
+            if req.hidden_layers:
+                raise ValueError(
+                    f"requests[{i}].hidden_layers: the vLLM adapter cannot return the output of "
+                    "a middle layer (vLLM's OpenAI-compatible API has no such output)"
+                )
             if req.hidden_state:
                 raise VLLMError(
                     "the vLLM adapter cannot return hidden states: vLLM's OpenAI-compatible "

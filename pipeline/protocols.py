@@ -25,6 +25,9 @@ class TokenScoreRequest:
     hidden_state: bool = False
     """Also return the final hidden state (after the output norm) at the last prompt token:
     the vector the output matrix turns into these logits."""
+    hidden_layers: tuple[int, ...] = ()
+    """Also return the output of these transformer blocks (counted from 0, before the last
+    one) at the last prompt token (`TokenScores.layer_states`)."""
 
 
 @dataclass(frozen=True)
@@ -35,6 +38,8 @@ class TokenScores:
     prefill_tokens: int
     hidden_state: tuple[float, ...] | None = None
     """The final hidden state at the last prompt token, when the request asked for it."""
+    layer_states: dict[int, tuple[float, ...]] = field(default_factory=dict)
+    """The output of each block of `TokenScoreRequest.hidden_layers` at the last prompt token."""
 
 
 @dataclass(frozen=True)
@@ -106,6 +111,12 @@ class LanguageModel(Protocol):
     def hidden_size(self) -> int | None:
         """Length of the hidden states `next_token_logprobs` returns when a request asks
         (`TokenScoreRequest.hidden_state`); None when this engine cannot return them."""
+        ...
+
+    @property
+    def n_layers(self) -> int | None:
+        """How many transformer blocks the model has, when this engine can return the output
+        of any of them (`TokenScoreRequest.hidden_layers`); else None."""
         ...
 
     def tokenize(self, text: str, *, special: bool = False) -> list[int]:

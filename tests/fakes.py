@@ -126,6 +126,10 @@ class WordModel:
     def hidden_size(self):
         return None if self.hidden is None else len(self.hidden(""))
 
+    @property
+    def n_layers(self):
+        return None  # no middle layers to read
+
     def tokenize(self, text: str, *, special: bool = False) -> list[int]:
         if special and self.specials:
             pattern = "(" + "|".join(self._re.escape(s) for s in self.specials) + ")"

@@ -343,6 +343,142 @@ def test_small_context_splits_batches_and_evicts(weights: Path) -> None:
         assert max(small.stats.batch_sizes) <= 2
 
 
+# ----------------------------------------------------------------------------- middle layers
+
+# Blocks read in these tests: early, middle, and the last one a tap may read (29 is the last).
+LAYERS = (2, 14, 28)
+# Block outputs reach |x| ~ 600 in a few dimensions; batch shapes change the sums by up to
+# ~7e-4 of a layer's largest value (measured: restored prefix vs fresh prefill, layer 28).
+# A row of another token differs by far more (checked below).
+LAYER_REL_TOL = 3e-3
+
+
+@pytest.fixture(scope="module")
+def tap_engine(weights: Path) -> Iterator[LlamaEngine]:
+    # n_batch 1024 with n_ubatch 512: a long call spans two micro-batches in one decode.
+    with LlamaEngine(
+        weights,
+        n_ctx=4096,
+        n_seq_max=8,
+        n_threads=THREADS,
+        n_batch=1024,
+        model_id="smollm2",
+        layer_tap=True,
+    ) as eng:
+        yield eng
+
+
+def long_prompts(engine: LlamaEngine) -> list[list[int]]:
+    head = engine.tokenize(INSTRUCTION, special=True)
+    tail = engine.tokenize("<|im_end|>\n<|im_start|>assistant\n", special=True)
+    return [head + engine.tokenize(" ".join([p] * 6)) + tail for p in PASSAGES]
+
+
+def layer_states(engine: LlamaEngine, prompts: list[list[int]], **kw: int) -> list[np.ndarray]:
+    """(len(LAYERS), n_embd) per prompt, all prompts in one call."""
+    out = engine.next_token_logprobs(
+        [TokenScoreRequest(p, [1], hidden_layers=LAYERS, **kw) for p in prompts]
+    )
+    for r in out:
+        assert sorted(r.layer_states) == sorted(LAYERS)
+    return [np.array([r.layer_states[layer] for layer in LAYERS]) for r in out]
+
+
+def assert_layers_close(a: np.ndarray, b: np.ndarray) -> None:
+    for i, layer in enumerate(LAYERS):
+        scale = float(np.max(np.abs(a[i])))
+        diff = float(np.max(np.abs(a[i] - b[i])))
+        assert diff <= LAYER_REL_TOL * scale, (layer, diff, scale)
+
+
+def test_layer_states_are_the_requested_blocks(tap_engine: LlamaEngine) -> None:
+    assert tap_engine.n_layers == 30
+    prompt = long_prompts(tap_engine)[0]
+    with configured(tap_engine, prefix_cache=False, share_prefix=False):
+        (first,) = layer_states(tap_engine, [prompt])
+        (again,) = layer_states(tap_engine, [prompt])
+        plain = tap_engine.next_token_logprobs([TokenScoreRequest(prompt, [1])])[0]
+    assert first.shape == (len(LAYERS), tap_engine.hidden_size)
+    assert np.all(np.isfinite(first))
+    np.testing.assert_array_equal(first, again)  # same batch shapes: the same sums
+    for i in range(len(LAYERS)):
+        for j in range(i):
+            assert np.max(np.abs(first[i] - first[j])) > 1.0, (LAYERS[i], LAYERS[j])
+    assert plain.layer_states == {}
+    # The last prompt token's row, not another token's: one token earlier differs by far more
+    # than the tolerance.
+    with configured(tap_engine, prefix_cache=False, share_prefix=False):
+        (earlier,) = layer_states(tap_engine, [prompt[:-1]])
+    for i in range(len(LAYERS)):
+        assert np.max(np.abs(first[i] - earlier[i])) > 0.05 * np.max(np.abs(first[i]))
+
+
+def test_batched_layer_states_match_one_at_a_time(tap_engine: LlamaEngine) -> None:
+    prompts = long_prompts(tap_engine)
+    with configured(tap_engine, prefix_cache=False, share_prefix=False):
+        alone = [layer_states(tap_engine, [p])[0] for p in prompts]
+        tap_engine.reset_stats()
+        batched = layer_states(tap_engine, prompts)
+        # Over 512 tokens in one llama_decode: two micro-batches, rows concatenated in order.
+        assert tap_engine.stats.decode_calls == 1
+        assert tap_engine.stats.prefill_tokens > 512
+    with configured(tap_engine, prefix_cache=True, share_prefix=True):
+        shared = layer_states(tap_engine, prompts)  # the common head decoded once, then seq_cp
+    for a, b, c in zip(alone, batched, shared, strict=True):
+        assert_layers_close(a, b)
+        assert_layers_close(a, c)
+
+
+def test_reused_prefix_gives_the_fresh_layer_states(tap_engine: LlamaEngine, weights: Path) -> None:
+    """Only the last token decoded (the rest cached in the slot or restored from the store):
+    its middle-layer rows equal a fresh prefill's, which reads row n-1 of a long batch."""
+    prompts = long_prompts(tap_engine)
+    with configured(tap_engine, prefix_cache=False, share_prefix=False):
+        fresh = [layer_states(tap_engine, [p])[0] for p in prompts]
+    with configured(tap_engine, prefix_cache=True, share_prefix=False):
+        for p, want in zip(prompts, fresh, strict=True):
+            tap_engine.next_token_logprobs([TokenScoreRequest(p[:-1], [1])])
+            tap_engine.reset_stats()
+            (got,) = layer_states(tap_engine, [p])
+            assert tap_engine.stats.prefill_tokens == 1
+            assert_layers_close(want, got)
+
+    from selfrag.infra.cache import MemoryLRU
+    from selfrag.infra.kv_cache import TieredStateStore
+
+    store = TieredStateStore(MemoryLRU(64 << 20))
+    with LlamaEngine(
+        weights,
+        n_ctx=2048,
+        n_seq_max=4,
+        n_threads=THREADS,
+        n_batch=512,
+        model_id="smollm2",
+        prefix_store=store,
+        prefix_min_tokens=8,
+        layer_tap=True,
+    ) as stored:
+        reusable = len(prompts[0]) - 1
+        layer_states(stored, [prompts[0]], reusable_prefix=reusable)  # computes and saves
+        stored.clear_cache()
+        stored.reset_stats()
+        (restored,) = layer_states(stored, [prompts[0]], reusable_prefix=reusable)
+        assert stored.stats.kv_restores == 1 and stored.stats.prefill_tokens == 1
+    assert_layers_close(fresh[0], restored)
+
+
+def test_bad_layer_requests_are_refused(engine: LlamaEngine, tap_engine: LlamaEngine) -> None:
+    prompt = prompts(tap_engine)[0]
+    assert engine.n_layers is None
+    with pytest.raises(ValueError, match="without layer_tap"):
+        engine.next_token_logprobs([TokenScoreRequest(prompt, [1], hidden_layers=(3,))])
+    for bad in (-1, 29, 30):
+        with pytest.raises(ValueError, match=r"out of range; a middle block is 0\.\.28"):
+            tap_engine.next_token_logprobs([TokenScoreRequest(prompt, [1], hidden_layers=(bad,))])
+    # Nothing was decoded for the refused calls, and the engine still works.
+    assert len(tap_engine.next_token_logprobs([TokenScoreRequest(prompt, [1])])[0].logprobs) == 1
+
+
 # ----------------------------------------------------------------------------- model files
 
 

@@ -282,6 +282,13 @@ def test_the_adapter_says_it_cannot_return_hidden_states(engine: VLLMEngine):
     assert isinstance(make_critic(engine, "auto", heads=_any_heads()), LikelihoodCritic)
 
 
+def test_the_adapter_says_it_cannot_return_middle_layers(engine: VLLMEngine):
+    assert engine.n_layers is None
+    prompt = engine.tokenize("Question: who?", special=False)
+    with pytest.raises(ValueError, match="cannot return the output of a middle layer"):
+        engine.next_token_logprobs([TokenScoreRequest(prompt, [1], hidden_layers=(3,))])
+
+
 def _any_heads():  # type: ignore[no-untyped-def]
     from selfrag.pipeline.heads import GROUP_LABELS, GroupHead, ReflectionHeads
 
