@@ -110,6 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
     p_ask = sub.add_parser("ask", help="Answer a question from the index.")
     p_ask.add_argument("question")
     p_ask.add_argument("--json", action="store_true", help="Print the full response as JSON.")
+    _model_flag(p_ask)
     _decoding_flags(p_ask)
 
     p_serve = sub.add_parser("serve", help="Run the HTTP API (Ray Serve) in the foreground.")
@@ -118,6 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
     p_serve.add_argument(
         "--address", help="Join this Ray cluster instead of starting a local Ray instance."
     )
+    _model_flag(p_serve)
 
     p_config = sub.add_parser("config", help="Print the effective settings.")
     p_config.add_argument("--json", action="store_true")
@@ -128,6 +130,14 @@ def build_parser() -> argparse.ArgumentParser:
         "heads in use and the critique `auto` resolves to, without loading the model.",
     )
     p_status.add_argument("--json", action="store_true")
+    _model_flag(p_status)
+
+    p_models = sub.add_parser(
+        "models",
+        help="List the model presets and what is installed: file, size, SHA-256, whether "
+        "reflection heads exist for the file, which one is configured.",
+    )
+    p_models.add_argument("--json", action="store_true")
 
     _eval_parsers(sub)
     _batch_parser(sub)
@@ -193,6 +203,7 @@ def _eval_parsers(sub: Any) -> None:
 
     p_eval = sub.add_parser("eval", help="Run QA systems on a dataset and write a report.")
     _dataset_args(p_eval)
+    _model_flag(p_eval)
     p_eval.add_argument(
         "--systems",
         default=",".join(DEFAULT_SYSTEMS),
@@ -221,6 +232,7 @@ def _eval_parsers(sub: Any) -> None:
         "labelled SQuAD dev set and write HOME/calibration.toml.",
     )
     _dataset_args(p_cal)
+    _model_flag(p_cal)
     p_cal.add_argument("--top-k", type=int, default=5, help="Retrieved passages per question.")
     p_cal.add_argument(
         "--max-segment-tokens",
@@ -253,6 +265,7 @@ def _eval_parsers(sub: Any) -> None:
         "the corpus you serve: the heads adapt to its text without any labels.",
     )
     p_train.add_argument("--seed", type=int, default=0)
+    _model_flag(p_train)
     p_train.add_argument(
         "--passages",
         type=int,
@@ -275,12 +288,36 @@ def _eval_parsers(sub: Any) -> None:
     p_train.add_argument("--no-progress", action="store_true")
 
 
+def _model_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--model",
+        metavar="PRESET|PATH",
+        help="The model for this command: a preset (`selfrag models` lists them) or a GGUF file; "
+        "default: the model.preset / model.path settings.",
+    )
+
+
+def _model_override(value: str) -> dict[str, Any]:
+    """The `model` settings `--model VALUE` means: a preset by name, else a GGUF path or URL."""
+    from selfrag.infra.model_presets import PRESETS
+
+    if value in PRESETS:
+        return {"preset": value, "path": None}
+    if value.startswith(("http://", "https://")) or Path(value).expanduser().exists():
+        return {"path": value}
+    raise CLIError(
+        f"--model {value}: neither a model preset ({', '.join(PRESETS)}) nor an existing file"
+    )
+
+
 def _settings(args: argparse.Namespace) -> Settings:
     from selfrag.infra.settings import load_settings
 
     overrides: dict[str, Any] = {}
     if args.home is not None:
         overrides["home"] = str(args.home)
+    if getattr(args, "model", None) is not None:
+        overrides["model"] = _model_override(args.model)
     return load_settings(config_path=args.config, overrides=overrides)
 
 
@@ -548,7 +585,7 @@ def _model_status(
     from selfrag.infra.engine_threads import describe as describe_threads
     from selfrag.infra.model_files import gguf_special_tokens
     from selfrag.pipeline.critics.base import RESERVED_PIECES
-    from selfrag.runtime.system import model_id_for
+    from selfrag.runtime.system import missing_heads_message, model_id_for
 
     path = system.model_path
     heads = system.heads_file
@@ -558,7 +595,7 @@ def _model_status(
     model = {
         "backend": m.backend,
         "path": str(path),
-        "id": model_id_for(m.path, path),
+        "id": model_id_for(m, path),
         "weights": m.weights,
         # What each engine process runs with (the Serve replicas and batch actors too).
         "threads": describe_threads(m),
@@ -568,6 +605,8 @@ def _model_status(
         "resolved": resolved if configured == "auto" else configured,
         "usable": usable,
     }
+    if configured == "auto" and resolved == "likelihood":
+        critique["warning"] = missing_heads_message(path)
     return model, str(heads) if heads is not None else None, critique
 
 
@@ -579,6 +618,8 @@ def render_status(s: dict[str, Any]) -> str:
         shown = critique["configured"] + ("" if critique["usable"] else " (not usable here)")
     else:
         shown = f"auto -> {resolved}"
+    if critique.get("warning"):
+        shown += f" (warning: {critique['warning']})"
     rows = [
         ("selfrag", s["selfrag"]),
         ("home", s["home"]),
@@ -610,11 +651,45 @@ def _thread_rows(threads: dict[str, Any] | None) -> list[tuple[str, str]]:
     ]
 
 
+def cmd_models(args: argparse.Namespace) -> int:
+    from selfrag.infra.model_presets import list_models
+
+    settings = _settings(args)
+    rows = list_models(settings.model, settings.home)
+    print(json.dumps(rows, indent=2) if args.json else render_models(rows))
+    return 0
+
+
+def render_models(rows: Sequence[dict[str, Any]]) -> str:
+    """`selfrag models` as text: a block per model, the configured one marked `*`."""
+    from selfrag.infra.model_presets import NO_LICENSE
+
+    lines = []
+    for r in rows:
+        mark = "*" if r["active"] else " "
+        lines.append(f"{mark} {r['name']}  {r['title']}")
+        if not r["installed"]:
+            lines.append(f"    not installed: missing {', '.join(r['missing'])}")
+            lines.append(f"    install: {r['install']}")
+            continue
+        lines.append(f"    file     {r['path']}")
+        lines.append(f"    size     {r['size'] / 2**20:,.1f} MiB  sha256 {r['sha256'][:12]}")
+        heads = r["heads"] or "none: critique 'auto' falls back to 'likelihood' (selfrag train)"
+        lines.append(f"    heads    {heads}")
+        if "license" in r:
+            lines.append(f"    license  {r['license']} (shipped as {r['file_type']})")
+            if r["license"] == NO_LICENSE:
+                lines.append(f"             {r['license_note']}")
+    lines.append("* the configured model (model.preset, or model.path when set)")
+    return "\n".join(lines)
+
+
 COMMANDS = {
     "index": cmd_index,
     "ask": cmd_ask,
     "serve": cmd_serve,
     "config": cmd_config,
+    "models": cmd_models,
     "status": cmd_status,
 }
 

@@ -29,8 +29,14 @@ def build_app(settings: Settings | None = None) -> Application:
         from selfrag.infra.settings import load_settings
 
         settings = load_settings()
-    # The address the proxies really bind: infra/serve.yaml and KubeRay set their own.
-    warn_if_open(serve_http_host() or settings.serve.host)
+    # The address the proxies really bind: infra/serve.yaml and KubeRay set their own. The
+    # ingress gets it as serve.host: a loopback one makes it check Host headers.
+    bind = serve_http_host() or settings.serve.host
+    warn_if_open(bind)
+    if bind != settings.serve.host:
+        settings = settings.model_copy(
+            update={"serve": settings.serve.model_copy(update={"host": bind})}
+        )
     # Bounded queues everywhere: past `max_queued_requests` waiting calls a handle raises
     # BackPressureError at once (the ingress answers 503 + Retry-After) instead of piling up.
     queued: dict[str, Any] = {

@@ -3,7 +3,10 @@
 Routes: `POST /v1/answer`, `POST /v1/answer/stream` (server-sent events), `GET /healthz`,
 `GET /readyz`, `GET /metrics`, the playground page at `GET /` (actors/playground.py), the
 OpenAI-compatible `/v1/models`, `/v1/chat/completions` and `/v1/completions`
-(actors/openai_api.py), and FastAPI's `/openapi.json` and `/docs`.
+(actors/openai_api.py), and the OpenAPI document at `/openapi.json` (no `/docs`: FastAPI's
+Swagger UI loads its scripts from a CDN, which would run on the playground's origin).
+Every POST needs `Content-Type: application/json` (415), and a server bound to loopback
+answers only requests that name it in `Host` (421; actors/guards.py).
 Every error body is `{"error": <slug>, "detail": <text or list>}` (OpenAI's envelope on the
 OpenAI routes); an internal error says only
 `internal error; request id <id>` (and `request_id`), its detail goes to the log under that id.
@@ -27,6 +30,7 @@ from pydantic import SecretStr
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from selfrag.actors.guards import HostCheck, SharedReadiness, require_json
 from selfrag.actors.metrics import Metrics
 from selfrag.actors.openai_api import OpenAIError, add_openai_routes, is_openai_path
 from selfrag.actors.playground import add_playground
@@ -89,13 +93,22 @@ def _incoming_request_id(scope: Scope) -> str | None:
 
 class _Edge:
     """The outermost layer of the app (pure ASGI, so streams pass through untouched): the
-    request id, the body limit enforced while the body is read (a chunked body has no
-    Content-Length to check), request metrics, and a generic 500 for anything unhandled."""
+    request id, the Host check of a loopback server, the body limit enforced while the body
+    is read (a chunked body has no Content-Length to check), request metrics (labelled by
+    route, `unmatched` when none), `X-Content-Type-Options: nosniff`, and a generic 500 for
+    anything unhandled."""
 
-    def __init__(self, app: ASGIApp, metrics: Metrics, max_body_bytes: int) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        metrics: Metrics,
+        max_body_bytes: int,
+        host_check: HostCheck | None = None,
+    ) -> None:
         self.app = app
         self.metrics = metrics
         self.max_body_bytes = max_body_bytes
+        self.host_check = host_check
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -121,18 +134,28 @@ class _Edge:
             nonlocal started
             if message["type"] == "http.response.start":
                 started = True
-                headers = [*message.get("headers", ()), (b"x-request-id", rid.encode())]
+                headers = [
+                    *message.get("headers", ()),
+                    (b"x-request-id", rid.encode()),
+                    (b"x-content-type-options", b"nosniff"),
+                ]
                 message = {**message, "headers": headers}
                 route = scope.get("route")
                 self.metrics.observe_request(
                     scope["method"],
-                    getattr(route, "path", None) or "other",
+                    getattr(route, "path", None) or "unmatched",
                     int(message["status"]),
                     time.perf_counter() - start,
                 )
             await send(message)
 
-        length = dict(scope.get("headers", ())).get(b"content-length", b"")
+        headers = dict(scope.get("headers", ()))
+        refused = self.host_check.refusal(headers.get(b"host")) if self.host_check else None
+        if refused is not None:
+            error = _error(421, "misdirected_request", refused, path=scope["path"])
+            await error(scope, receive, tagged_send)
+            return
+        length = headers.get(b"content-length", b"")
         if length.isdigit() and int(length) > limit:
             # Refused before reading a byte of it.
             exc = PayloadTooLarge(limit)
@@ -172,6 +195,7 @@ ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     for status, description in (
         (401, "missing or invalid API key"),
         (413, "request body too large"),
+        (415, "the body is not declared application/json"),
         (422, "invalid request, or one this server cannot answer as configured"),
         (500, "internal error or misconfigured deployment"),
         (503, "overloaded or a dependency is down; retry after Retry-After seconds"),
@@ -211,10 +235,12 @@ class _Failures:
         @app.exception_handler(StarletteHTTPException)
         async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
             slug = {
+                400: "bad_request",
                 401: "unauthorized",
                 404: "not_found",
                 405: "method_not_allowed",
                 413: "payload_too_large",
+                415: "unsupported_media_type",
             }.get(exc.status_code, "http_error")
             headers = dict(exc.headers or {})
             return _error(exc.status_code, slug, exc.detail, headers, path=request.url.path)
@@ -258,10 +284,16 @@ def build_http_app(
     keepalive_s: float = KEEPALIVE_S,
     max_body_bytes: int = MAX_BODY_BYTES,
     model_name: str = "selfrag",
+    bind_host: str | None = None,
+    allowed_hosts: Sequence[str] = (),
+    readiness_ttl_s: float = 1.0,
 ) -> FastAPI:
     """The FastAPI app. With `api_keys`, `/v1/*` and `/metrics` need one of them as
-    `Authorization: Bearer <key>` or `X-API-Key: <key>`; probes, docs and the playground
-    page stay open.
+    `Authorization: Bearer <key>` or `X-API-Key: <key>`; probes, the OpenAPI document and
+    the playground page stay open. Every POST needs `Content-Type: application/json` (415).
+    When `bind_host` (the address the server listens on) is loopback, a request whose
+    `Host` names neither loopback, `bind_host` nor one of `allowed_hosts` gets 421.
+    `/readyz` reuses one check's result for `readiness_ttl_s` seconds.
     Every 503 carries `Retry-After: retry_after_s`. Each answer is logged at INFO with its
     status, latency and request id; the question text only with `log_questions`. A stream
     sends `: keep-alive` every `keepalive_s` without an event; a body over `max_body_bytes`
@@ -273,14 +305,24 @@ def build_http_app(
         title=title,
         summary="Self-RAG answers with per-segment citations and critique scores.",
         version="1",
+        # The OpenAPI document only: FastAPI's /docs and /redoc pages load scripts from a CDN.
+        docs_url=None,
+        redoc_url=None,
     )
-    # Cross-cutting: request id, body limit, metrics, errors.
-    app.add_middleware(_Edge, metrics=metrics, max_body_bytes=max_body_bytes)
+    # Cross-cutting: request id, Host check, body limit, metrics, errors.
+    app.add_middleware(
+        _Edge,
+        metrics=metrics,
+        max_body_bytes=max_body_bytes,
+        host_check=HostCheck.for_bind(bind_host, allowed_hosts),
+    )
     failures.install(app)
     authed = [Depends(api_key_check(api_keys))]
+    posted = [*authed, Depends(require_json)]
+    readiness = SharedReadiness(service.readiness, readiness_ttl_s)
 
     @app.post(
-        "/v1/answer", response_model=AnswerResponse, dependencies=authed, responses=ERROR_RESPONSES
+        "/v1/answer", response_model=AnswerResponse, dependencies=posted, responses=ERROR_RESPONSES
     )
     async def answer(body: AnswerRequest, request: Request, response: Response) -> AnswerResponse:
         """Answer a question; `config` overrides any decoding dial for this request.
@@ -298,7 +340,7 @@ def build_http_app(
 
     @app.post(
         "/v1/answer/stream",
-        dependencies=authed,
+        dependencies=posted,
         response_class=StreamingResponse,
         responses={200: {"content": {"text/event-stream": {}}}, **ERROR_RESPONSES},
     )
@@ -326,9 +368,10 @@ def build_http_app(
 
     @app.get("/readyz")
     async def readyz(request: Request) -> JSONResponse:
-        """Readiness: 200 only when the model, the store and the cache all answer."""
+        """Readiness: 200 only when the model, the store and the cache all answer. One check
+        answers every call within a second (concurrent calls share it)."""
         try:
-            checks = await service.readiness()
+            checks = await readiness()
         except Exception as exc:
             rid = request_id(request)
             log.warning("readiness check failed; request id %s", rid, exc_info=exc)
@@ -359,6 +402,7 @@ def build_http_app(
         metrics,
         model_name=model_name,
         authed=authed,
+        posted=posted,
         log_answer=log_answer,
         keepalive_s=keepalive_s,
         retry_after_s=retry_after_s,

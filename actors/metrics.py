@@ -30,6 +30,8 @@ log = logging.getLogger("selfrag.metrics")
 
 LATENCY_BUCKETS = (0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 BATCH_BUCKETS = (1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0)
+HTTP_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "DELETE", "OPTIONS", "PATCH"})
+"""The methods counted under their own name; any other counts as `other`."""
 
 Kind = Literal["counter", "histogram", "gauge"]
 Source = Literal["ingress", "engine"]
@@ -72,7 +74,8 @@ METRICS: dict[str, MetricSpec] = {
         MetricSpec(
             "selfrag_http_requests_total",
             "counter",
-            "HTTP requests by method, route and status code.",
+            "HTTP requests by method (`other` for an unusual one), route (`unmatched` when "
+            "none) and status code.",
             ("method", "path", "status"),
         ),
         MetricSpec(
@@ -346,6 +349,9 @@ class Metrics(Recorder):
         super().__init__(sinks or (PrometheusSink("ingress"),))
 
     def observe_request(self, method: str, path: str, status: int, seconds: float) -> None:
+        """One HTTP request; `path` is its route's template. Methods outside `HTTP_METHODS`
+        count as `other`: the method is the client's to choose, the series are not."""
+        method = method if method in HTTP_METHODS else "other"
         self.inc("selfrag_http_requests_total", method=method, path=path, status=str(status))
         self.observe("selfrag_http_request_duration_seconds", seconds, path=path)
 

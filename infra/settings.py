@@ -48,7 +48,9 @@ CONFIG_ENV = "SELFRAG_CONFIG"
 # Read by the HTTP ingress itself and kept out of `Settings`, so `selfrag config` and the
 # deployment arguments never carry the keys.
 API_KEYS_ENV = "SELFRAG_API_KEYS"
-_NOT_SETTINGS = frozenset({CONFIG_ENV, API_KEYS_ENV})
+# Read by scripts/install.sh: the model presets to install.
+MODELS_ENV = "SELFRAG_MODELS"
+_NOT_SETTINGS = frozenset({CONFIG_ENV, API_KEYS_ENV, MODELS_ENV})
 CALIBRATION_FILE = "calibration.toml"
 
 

@@ -6,6 +6,7 @@ Components are built lazily, so `selfrag index` never loads the language model a
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -27,7 +28,9 @@ from selfrag.runtime.answering import (
 )
 from selfrag.schemas.answer import AnswerRequest, AnswerResponse
 from selfrag.schemas.decoding import DecodingConfig
-from selfrag.schemas.settings import Settings
+from selfrag.schemas.settings import ModelSettings, Settings
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:  # heavy modules (torch, llama.cpp) load only when a component is built
     from selfrag.infra.embedder import SentenceEmbedder
@@ -67,7 +70,8 @@ class SelfRAGSystem(Closeable):
 
     @cached_property
     def model_path(self) -> Path:
-        from selfrag.infra.model_files import derive_weights, resolve_model
+        from selfrag.infra.model_files import derive_weights
+        from selfrag.infra.model_presets import resolve_model
 
         self._before_llama()  # deriving weights loads llama.cpp
         source = resolve_model(self.settings.model, self.settings.home)
@@ -107,7 +111,7 @@ class SelfRAGSystem(Closeable):
             n_seq_max=m.n_seq_max,
             n_threads=m.n_threads,
             n_batch=m.n_batch,
-            model_id=model_id_for(m.path, path),
+            model_id=model_id_for(m, path),
             prefix_store=self.prefix_store,
             prefix_min_tokens=self.settings.cache.kv_min_tokens,
         )
@@ -154,12 +158,23 @@ class SelfRAGSystem(Closeable):
         return heads
 
     def critic(self, source: str) -> Critic:
+        """The critique `source` names on this model. `learned` without heads for the model file
+        is a `ValueError` saying so; `auto` without them is `likelihood`, with a warning logged
+        once per process and model file."""
         with self._lock:
             if source not in self._critics:
                 heads = self.heads if source in ("auto", "learned") else None
-                self._critics[source] = make_critic(
-                    self.engine, source, self.settings.calibration, heads
-                )
+                llama = self.settings.model.backend == "llama_cpp"
+                if source == "learned" and heads is None and llama:
+                    raise ValueError(
+                        f"critique 'learned' needs reflection heads for the model file "
+                        f"{self.model_path.name}, and it has none: train them with `selfrag "
+                        "train`, or use critique 'auto' or 'likelihood'"
+                    )
+                critic = make_critic(self.engine, source, self.settings.calibration, heads)
+                if source == "auto" and heads is None and llama and critic.name == "likelihood":
+                    warn_missing_heads(self.model_path)
+                self._critics[source] = critic
             return self._critics[source]
 
     # --- operations -----------------------------------------------------------------------------
@@ -273,8 +288,30 @@ class KVPrecompute:
     seconds: float
 
 
-def model_id_for(configured: str | None, path: Path) -> str:
-    """A readable model id: the configured name, or the file the engine loads."""
-    if configured is None:
-        return f"SmolLM2-135M-Instruct ({path.name})"
-    return f"{Path(configured).name} ({path.name})"
+def model_id_for(model: ModelSettings, path: Path) -> str:
+    """A readable model id: the preset's or the configured file's name, and the file the
+    engine loads."""
+    from selfrag.infra.model_presets import model_title
+
+    return f"{model_title(model)} ({path.name})"
+
+
+def missing_heads_message(model_file: Path) -> str:
+    """What `auto` does on a model file without reflection heads, and how to give it some."""
+    return (
+        f"no reflection heads for the model file {model_file.name}: critique 'auto' falls back to "
+        "'likelihood' (train heads for this file with `selfrag train` to use 'learned')"
+    )
+
+
+_warned_lock = threading.Lock()
+_warned_files: set[Path] = set()
+
+
+def warn_missing_heads(model_file: Path) -> None:
+    """Log `missing_heads_message` (WARNING) once per process and model file."""
+    with _warned_lock:
+        if model_file in _warned_files:
+            return
+        _warned_files.add(model_file)
+    log.warning("%s", missing_heads_message(model_file))

@@ -6,7 +6,12 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from selfrag.schemas.decoding import DecodingConfig, DecodingOverrides, SupportLevel
+from selfrag.schemas.decoding import (
+    MAX_ANSWER_TOKENS,
+    DecodingConfig,
+    DecodingOverrides,
+    SupportLevel,
+)
 
 StopReason = Literal["timeout_s", "max_prefill_tokens"]
 """The budget that ended a decode early."""
@@ -22,7 +27,7 @@ class AnswerRequest(BaseModel):
     max_tokens: int | None = Field(
         None,
         ge=4,
-        le=32 * 512,
+        le=MAX_ANSWER_TOKENS,
         description="Caps the answer's length: max_segments × max_segment_tokens is brought "
         "within it (OpenAI's max_tokens).",
     )

@@ -14,6 +14,11 @@ UnsupportedPolicy = Literal["abstain", "no_retrieval"]
 # A bound on the work one request may ask for: ~3 minutes of prefill for the embedded model on
 # two cores, far above any answer the other bounds allow (K ≤ 50, B ≤ 8, 32 segments).
 MAX_PREFILL_TOKENS = 2_000_000
+MAX_SEGMENTS = 32
+MAX_SEGMENT_TOKENS = 512
+MAX_ANSWER_TOKENS = MAX_SEGMENTS * MAX_SEGMENT_TOKENS
+"""The longest answer any request can get (`max_segments` × `max_segment_tokens` at their
+bounds): a larger token cap (`max_tokens`) would change nothing, so it is refused."""
 
 
 class DecodingConfig(BaseModel):
@@ -31,8 +36,10 @@ class DecodingConfig(BaseModel):
     top_k: int = Field(3, ge=1, le=50, description="Passages retrieved per step (K).")
     beam: int = Field(1, ge=1, le=8, description="Segment-level beam width (B).")
     # Defaults below marked "measured" won on the Normans questions (docs/evaluation.md).
-    max_segments: int = Field(2, ge=1, le=32, description="Segments per answer (measured).")
-    max_segment_tokens: int = Field(48, ge=4, le=512)
+    max_segments: int = Field(
+        2, ge=1, le=MAX_SEGMENTS, description="Segments per answer (measured)."
+    )
+    max_segment_tokens: int = Field(48, ge=4, le=MAX_SEGMENT_TOKENS)
     w_rel: float = Field(2.0, ge=0.0, le=100.0, description="Weight of s_rel in S (measured).")
     w_sup: float = Field(1.0, ge=0.0, le=100.0, description="Weight of s_sup in S.")
     w_use: float = Field(0.5, ge=0.0, le=100.0, description="Weight of s_use in S.")
@@ -109,8 +116,8 @@ class DecodingOverrides(BaseModel):
     threshold: float | None = Field(None, ge=0.0, le=1.0)
     top_k: int | None = Field(None, ge=1, le=50)
     beam: int | None = Field(None, ge=1, le=8)
-    max_segments: int | None = Field(None, ge=1, le=32)
-    max_segment_tokens: int | None = Field(None, ge=4, le=512)
+    max_segments: int | None = Field(None, ge=1, le=MAX_SEGMENTS)
+    max_segment_tokens: int | None = Field(None, ge=4, le=MAX_SEGMENT_TOKENS)
     w_rel: float | None = Field(None, ge=0.0, le=100.0)
     w_sup: float | None = Field(None, ge=0.0, le=100.0)
     w_use: float | None = Field(None, ge=0.0, le=100.0)

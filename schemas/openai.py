@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from selfrag.schemas.answer import AnswerResponse, SegmentOut
-from selfrag.schemas.decoding import DecodingOverrides
+from selfrag.schemas.decoding import MAX_ANSWER_TOKENS, DecodingOverrides
 
 MAX_MESSAGES = 64
 MAX_PROMPTS = 8
@@ -68,7 +68,11 @@ class _CompletionFields(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     max_tokens: int | None = Field(
-        None, ge=4, description="Caps the answer's tokens: segments × tokens per segment."
+        None,
+        ge=4,
+        le=MAX_ANSWER_TOKENS,
+        description="Caps the answer's tokens: segments × tokens per segment (at most "
+        "max_segments × max_segment_tokens at their bounds, the longest answer there is).",
     )
     temperature: float | None = Field(
         None, description="selfrag decodes greedily: only 0 (or leaving it out) is accepted."
@@ -115,7 +119,9 @@ class ChatCompletionRequest(_CompletionFields):
     it become the question's context (see `actors/openai_api.py`)."""
 
     messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
-    max_completion_tokens: int | None = Field(None, ge=4, description="Same as max_tokens.")
+    max_completion_tokens: int | None = Field(
+        None, ge=4, le=MAX_ANSWER_TOKENS, description="Same as max_tokens."
+    )
     logprobs: bool | None = None
     top_logprobs: int | None = None
     tools: list[Any] | None = None
@@ -161,6 +167,11 @@ class ChatCompletionRequest(_CompletionFields):
     def token_cap(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
 
+    @property
+    def token_param(self) -> str:
+        """The field `token_cap` came from, as the client named it."""
+        return "max_completion_tokens" if self.max_completion_tokens else "max_tokens"
+
 
 class CompletionRequest(_CompletionFields):
     """`POST /v1/completions`: each prompt is a question."""
@@ -198,6 +209,11 @@ class CompletionRequest(_CompletionFields):
     @property
     def token_cap(self) -> int | None:
         return self.max_tokens
+
+    @property
+    def token_param(self) -> str:
+        """The field `token_cap` came from."""
+        return "max_tokens"
 
 
 FinishReason = Literal["stop", "length"]

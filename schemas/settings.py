@@ -20,6 +20,11 @@ from selfrag.schemas.decoding import DecodingConfig
 
 WeightFormat = Literal["auto", "original", "bf16", "f16", "q8_0", "q4_0"]
 Backend = Literal["llama_cpp", "vllm"]
+# The model presets (infra/model_presets.py holds their files, checksums and licenses).
+ModelPresetName = Literal["smollm2", "qwen2.5-coder-0.5b"]
+# The preset served when settings name none. SmolLM2 until the default is chosen by
+# measurement (issue 24, item 5); its weights are always installed (scripts/install.sh).
+DEFAULT_PRESET: ModelPresetName = "smollm2"
 WaitPolicy = Literal["passive", "active", "inherit"]
 
 MASK = "**********"
@@ -66,8 +71,14 @@ BlankIsUnset = BeforeValidator(_blank_is_none)
 class ModelSettings(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
+    preset: ModelPresetName = Field(
+        DEFAULT_PRESET,
+        description="The model by name (`selfrag models` lists them and what is installed): "
+        "smollm2 (SmolLM2-135M-Instruct Q4_1) or qwen2.5-coder-0.5b (Qwen2.5-Coder-0.5B-Instruct "
+        "Q4_K_M, `SELFRAG_MODELS=qwen2.5-coder-0.5b bash scripts/install.sh`).",
+    )
     path: str | None = Field(
-        None, description="GGUF path or http(s) URL; default: the embedded SmolLM2-135M-Instruct."
+        None, description="Any GGUF file or http(s) URL; overrides `preset` when set."
     )
     weights: WeightFormat = Field(
         "auto",

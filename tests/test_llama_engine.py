@@ -27,8 +27,8 @@ from selfrag.infra.model_files import (
     derive_weights,
     file_sha256,
     gguf_file_type,
-    resolve_model,
 )
+from selfrag.infra.model_presets import resolve_model
 from selfrag.pipeline.protocols import (
     ContinuationRequest,
     GenerationRequest,

@@ -14,7 +14,7 @@ from selfrag.actors.http import build_http_app, parse_api_keys
 from selfrag.actors.metrics import Metrics
 from selfrag.actors.openai_api import conversation_question
 from selfrag.schemas.answer import MAX_QUESTION_CHARS
-from selfrag.schemas.decoding import DecodingConfig
+from selfrag.schemas.decoding import MAX_ANSWER_TOKENS, DecodingConfig
 from selfrag.schemas.errors import DeadlineExceeded, Overloaded
 from selfrag.schemas.openai import ChatMessage
 from tests.http_fakes import FakeService, live_server
@@ -186,6 +186,24 @@ def _error(exc: openai.APIStatusError) -> dict:
             400,
             "messages.0.content",
         ),
+        (
+            {
+                "model": "selfrag",
+                "messages": [{"role": "user", "content": "q"}],
+                "max_tokens": MAX_ANSWER_TOKENS + 1,
+            },
+            400,
+            "max_tokens",
+        ),
+        (
+            {
+                "model": "selfrag",
+                "messages": [{"role": "user", "content": "q"}],
+                "max_completion_tokens": 10**9,
+            },
+            400,
+            "max_completion_tokens",
+        ),
     ],
 )
 def test_bad_requests_get_openais_envelope_naming_the_field(url: str, body, status, param):
@@ -197,6 +215,63 @@ def test_bad_requests_get_openais_envelope_naming_the_field(url: str, body, stat
     assert error["param"] == param, error
     assert error["type"] in ("invalid_request_error", "not_found_error")
     assert error["message"]
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"prompt": "x" * (MAX_QUESTION_CHARS + 1)}, "prompt"),
+        ({"prompt": ["q", "x" * (MAX_QUESTION_CHARS + 1)]}, "prompt.1"),
+        ({"prompt": "  "}, "prompt"),
+        ({"prompt": "q", "max_tokens": MAX_ANSWER_TOKENS + 1}, "max_tokens"),
+        ({"prompt": "q", "selfrag": {"beam": 9}}, "selfrag.beam"),
+    ],
+)
+def test_completions_errors_name_the_field_as_it_was_sent(url: str, body, param):
+    r = httpx.post(
+        url + "/v1/completions",
+        json={"model": "selfrag", **body},
+        headers={"Authorization": f"Bearer {KEY}"},
+    )
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and error["message"].startswith(param + ": "), error
+    assert ".question" not in error["message"] and ".max_tokens" not in error["message"]
+
+
+def test_the_token_caps_bound_is_the_longest_answer_and_documented(url: str):
+    """A cap above max_segments × max_segment_tokens at their bounds could not change an
+    answer; the OpenAPI document shows the bound."""
+    assert DecodingConfig(max_segments=32, max_segment_tokens=512).within_tokens(
+        MAX_ANSWER_TOKENS
+    ) == DecodingConfig(max_segments=32, max_segment_tokens=512)
+    spec = httpx.get(url + "/openapi.json").json()
+    schema = spec["paths"]["/v1/chat/completions"]["post"]["requestBody"]["content"]
+    props = schema["application/json"]["schema"]["properties"]
+    for name in ("max_tokens", "max_completion_tokens"):
+        typed = next(o for o in props[name]["anyOf"] if o.get("type") == "integer")
+        assert typed["maximum"] == MAX_ANSWER_TOKENS, name
+
+
+DEEP = b'{"model": "selfrag", "prompt": "q", "selfrag": ' + b"[" * 30_000 + b"]" * 30_000 + b"}"
+HUGE_INT = b'{"model": "selfrag", "prompt": "q", "max_tokens": ' + b"9" * 5_000 + b"}"
+
+
+@pytest.mark.parametrize("body", [DEEP, HUGE_INT], ids=["deeply-nested", "huge-integer"])
+def test_json_the_parser_refuses_is_400_without_a_traceback(
+    url: str, body: bytes, caplog: pytest.LogCaptureFixture
+):
+    caplog.set_level("INFO")
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        r = httpx.post(
+            url + path,
+            content=body,
+            headers={"Authorization": f"Bearer {KEY}", "content-type": "application/json"},
+        )
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert error["code"] == "invalid_json" and error["type"] == "invalid_request_error"
+    assert not [x for x in caplog.records if x.exc_info or x.levelname == "ERROR"]
 
 
 def test_the_official_client_raises_typed_errors(client: openai.OpenAI):

@@ -3,6 +3,8 @@ a key; and driven in a real headless Chromium against the HTTP app over the scri
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import re
 import tomllib
 from collections.abc import Iterator
@@ -43,6 +45,35 @@ def test_the_page_has_no_external_assets_and_no_inner_html():
     assert not re.search(r"<script[^>]+src=|<link[^>]+href=|@import|url\(", html, re.IGNORECASE)
     # Server text (passages are untrusted) is only ever set as textContent.
     assert "innerHTML" not in html and "insertAdjacentHTML" not in html
+
+
+def _hash(block: str) -> str:
+    return "'sha256-" + base64.b64encode(hashlib.sha256(block.encode()).digest()).decode() + "'"
+
+
+def test_the_page_is_sent_with_a_policy_that_allows_only_its_own_script_and_style():
+    r = TestClient(build_http_app(FakeService(), Metrics())).get("/")
+    directives = (d.partition(" ") for d in r.headers["content-security-policy"].split("; "))
+    policy = {name: value for name, _, value in directives}
+    (script,) = re.findall(r"<script>(.*?)</script>", r.text, re.DOTALL)
+    (style,) = re.findall(r"<style>(.*?)</style>", r.text, re.DOTALL)
+    assert policy["default-src"] == "'none'"
+    assert policy["script-src"] == _hash(script) and policy["style-src"] == _hash(style)
+    assert policy["connect-src"] == "'self'" and policy["frame-ancestors"] == "'none'"
+    assert policy["form-action"] == "'none'" and policy["base-uri"] == "'none'"
+    assert "unsafe" not in r.headers["content-security-policy"]
+    assert r.headers["x-frame-options"] == "DENY"
+    assert r.headers["x-content-type-options"] == "nosniff"
+    assert r.headers["referrer-policy"] == "no-referrer"
+
+
+def test_no_page_of_this_origin_loads_a_cdn():
+    """Swagger UI (/docs) and ReDoc (/redoc) load their scripts from a CDN, on the origin
+    where the playground keeps the API key: only the OpenAPI document is served."""
+    c = TestClient(build_http_app(FakeService(), Metrics()))
+    assert c.get("/docs").status_code == 404 and c.get("/redoc").status_code == 404
+    assert c.get("/docs/oauth2-redirect").status_code == 404
+    assert "/v1/answer" in c.get("/openapi.json").json()["paths"]
 
 
 def test_the_page_is_package_data():
@@ -110,6 +141,15 @@ def test_the_page_streams_an_answer_with_citations(page: Page, tmp_path: Path):
             "the cited passage highlighted",
         )
         shot = page.screenshot(tmp_path / "playground.png")
+        # The page ran under its Content-Security-Policy: its stylesheet applies (60rem wide),
+        # while a script injected into it does not run.
+        assert page.evaluate("getComputedStyle(document.body).maxWidth") == "960px"
+        injected = (
+            "(() => { const s = document.createElement('script');"
+            " s.textContent = 'window.injected = 1'; document.body.append(s);"
+            " return window.injected === undefined; })()"
+        )
+        assert page.evaluate(injected) is True
         # A `segment` event with index i replaces every segment shown at i and after.
         replace = (
             "(i => { handleEvent('segment', {index: i, hypothesis_score: 0, segment: {text: ' X.',"

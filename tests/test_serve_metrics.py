@@ -81,6 +81,15 @@ def test_each_event_reaches_every_sink_once():
     assert b.events == a.events
 
 
+def test_a_method_the_client_made_up_is_counted_as_other():
+    sink = ListSink()
+    metrics = Metrics(sink)
+    for method in ("GET", "PATCH", "BREW", "get", "X" * 1000):
+        metrics.observe_request(method, "/v1/answer", 405, 0.001)
+    methods = [e[2]["method"] for e in sink.events if e[0] == "inc"]
+    assert methods == ["GET", "PATCH", "other", "other", "other"]
+
+
 def test_a_failing_sink_does_not_fail_the_caller_or_the_other_sinks(caplog):
     good = ListSink()
     metrics = Metrics(BrokenSink(), good)
