@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import re
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -37,17 +38,18 @@ from selfrag.actors.service import ServeAnswerService
 from selfrag.infra.cache import open_query_cache
 from selfrag.infra.settings import API_KEYS_ENV
 from selfrag.pipeline.branching import StepWork, expand
-from selfrag.pipeline.critics import Branch, LabelProbs
+from selfrag.pipeline.critics import Branch, Critic, CritiqueUnavailable, LabelProbs
 from selfrag.pipeline.protocols import Passage
 from selfrag.pipeline.ranking import Candidate, Drafted, Hypothesis, StepRanking, rank_step
 from selfrag.runtime.answering import Deadline, query_cache_scope
 from selfrag.runtime.merging import CallMerger, MergedCritic
 from selfrag.schemas.decoding import DecodingConfig
-from selfrag.schemas.errors import DependencyDown, Misconfigured
+from selfrag.schemas.errors import DependencyDown, Misconfigured, Unprocessable
 from selfrag.schemas.settings import Settings
 
 if TYPE_CHECKING:
     from selfrag.infra.qdrant_store import QdrantStore
+    from selfrag.runtime.system import SelfRAGSystem
 
 log = logging.getLogger("selfrag.actors")
 _T = TypeVar("_T")
@@ -70,6 +72,16 @@ def adopt_serve_logging(
             target.addHandler(handler)
     target.propagate = False  # the worker's root handler would print each record a second time
     return True
+
+
+def requested_critic(rag: SelfRAGSystem, source: str) -> Critic:
+    """The critic a request's `critique` names. A source this model cannot run is the
+    request's choice: a 422 saying so (`Unprocessable`); any other failure to build it is the
+    deployment's, and stays a 500."""
+    try:
+        return rag.critic(source)
+    except CritiqueUnavailable as exc:
+        raise Unprocessable(str(exc)) from None
 
 
 class _EngineWorker:
@@ -97,7 +109,7 @@ class _EngineWorker:
 
     async def run(self, source: str, timeout_s: float, work: Callable[[MergedCritic], _T]) -> _T:
         """`work` on a critic whose calls merge with the other requests' ones."""
-        name = self.rag.critic(source).name  # validates the source before any engine work
+        name = requested_critic(self.rag, source).name  # checked before any engine work
         deadline = Deadline(timeout_s)
 
         def call() -> _T:
@@ -153,8 +165,9 @@ class BranchPool:
         return self._rag.model_fingerprint
 
     def critic_name(self, source: str) -> str:
-        """The critique source `source` resolves to; raises ValueError when unusable."""
-        return self._rag.critic(source).name
+        """The critique source `source` resolves to; `Unprocessable` when this model cannot
+        run it."""
+        return requested_critic(self._rag, source).name
 
     def ready(self) -> bool:
         return bool(self._worker.engine.tokenize("ready"))
@@ -236,7 +249,7 @@ class Retriever:
             # A missing collection is checked again on every call (one small request to an
             # open store); a store refused at open is reopened only after RECHECK_S.
             wait = 0.0 if isinstance(exc, IndexMissing) else self.RECHECK_S
-            detail = f"the passage index cannot be used: {_public(exc)}"
+            detail = f"the passage index cannot be used: {public_reason(exc)}"
             self._refused = (time.monotonic() + wait, detail)
             raise Misconfigured(detail) from None
         self._refused = None
@@ -256,7 +269,8 @@ class Retriever:
         except ValueError:
             raise
         except StoreMisconfigured as exc:  # a collection that appeared since, and does not fit
-            raise Misconfigured(f"the passage index cannot be used: {_public(exc)}") from None
+            log.error("passage store: %s", exc)
+            raise Misconfigured(f"the passage index cannot be used: {public_reason(exc)}") from None
         except Exception as exc:
             # Store down (server gone, connection refused, closed client): a 503 for this
             # request; the Qdrant client reconnects by itself once the server answers again.
@@ -280,13 +294,21 @@ class Retriever:
             return False
 
 
-def _public(exc: BaseException) -> str:
-    """An index error's reason without the folder or server it names (those stay in logs)."""
+# An absolute path (`/data/...`) or a URL (`http://...`) in a message.
+_LOCATION = re.compile(r"(?<![\w.-])/[\w.~-]|://")
+
+
+def public_reason(exc: BaseException) -> str:
+    """An index error's reason as a client may see it: without a folder or server it names
+    (a reason that names one is replaced by a generic one; the caller logs the detail)."""
     from selfrag.infra.qdrant_store import IndexMissing
 
     if isinstance(exc, IndexMissing):
         return "no passages are indexed: run `selfrag index PATH` with these settings first"
-    return str(exc)
+    text = str(exc)
+    if _LOCATION.search(text):
+        return "its description is unreadable or does not fit these settings (see the server log)"
+    return text
 
 
 @serve.deployment(ray_actor_options={"num_cpus": 0.1}, max_ongoing_requests=64)

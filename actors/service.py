@@ -45,7 +45,6 @@ from selfrag.schemas.errors import (
     DeadlineExceeded,
     DependencyDown,
     Overloaded,
-    Unprocessable,
 )
 
 log = logging.getLogger("selfrag.service")
@@ -182,8 +181,17 @@ def _cause(exc: BaseException) -> BaseException:
     return exc
 
 
+class InternalFailure(RuntimeError):
+    """A failure without a meaning for the client (a bug, or a fault of a deployment): a
+    generic 500 whose cause goes to the log. Not a ValueError, so that the answer path does
+    not take it for a request it cannot answer."""
+
+
 def as_service_error(exc: BaseException) -> AnswerError | None:
-    """The HTTP meaning of a failure raised while answering, or None if it is a bug."""
+    """The HTTP meaning of a failure raised while answering, or None if it is a bug. A
+    deployment's ValueError is one too: what a client may not ask for is refused where the
+    request is checked (`AnswerPath.config`, the pool's `critic_name`), as an AnswerError;
+    its raw message may name internals."""
     if isinstance(exc, AnswerError):
         return exc
     cause = _cause(exc)
@@ -197,23 +205,24 @@ def as_service_error(exc: BaseException) -> AnswerError | None:
         return DependencyDown(f"a deployment is unavailable: {type(exc).__name__}")
     if isinstance(cause, RayActorError | RayServeException):
         return DependencyDown(f"a deployment is unavailable: {type(cause).__name__}")
-    if isinstance(cause, ValueError):
-        return Unprocessable(str(cause))
     return None
 
 
 @contextmanager
 def service_errors() -> Iterator[None]:
-    """Failures with a known meaning raised as `AnswerError`s; anything else (a bug) as is."""
+    """Failures with a known meaning raised as `AnswerError`s; anything else (a bug) as is,
+    but a ValueError as an `InternalFailure` (never a 422 with its raw message)."""
     try:
         yield
-    except (AnswerError, asyncio.CancelledError):
+    except (AnswerError, asyncio.CancelledError, InternalFailure):
         raise
     except Exception as exc:
         mapped = as_service_error(exc)
-        if mapped is None:
-            raise
-        raise mapped from exc
+        if mapped is not None:
+            raise mapped from exc
+        if isinstance(exc, ValueError):  # a Ray task error is an instance of its cause's class
+            raise InternalFailure(f"{type(_cause(exc)).__name__} while answering") from exc
+        raise
 
 
 class _Admission:

@@ -25,6 +25,7 @@ from selfrag.pipeline.ranking import rank_step
 from selfrag.runtime.answering import query_cache_scope
 from selfrag.schemas.answer import AnswerResponse
 from selfrag.schemas.decoding import DecodingConfig
+from selfrag.schemas.errors import Unprocessable
 from selfrag.schemas.settings import Settings
 from tests.fakes import ListRetriever, ScriptedCritic
 
@@ -95,8 +96,9 @@ class Pool:
         return self.fingerprint
 
     def critic_name(self, source: str) -> str:
+        """As `BranchPool.critic_name`: a source this model cannot run is a 422."""
         if source == "native":
-            raise ValueError("critique 'native' needs a Self-RAG checkpoint")
+            raise Unprocessable("critique 'native' needs a Self-RAG checkpoint")
         return self.critic.name
 
     def ready(self) -> bool:

@@ -317,6 +317,29 @@ def test_an_unusable_critique_source_is_422():
         asyncio.run(service.answer(AnswerRequest(question="q", config={"critique": "native"})))
 
 
+def test_only_a_critique_source_the_model_lacks_is_the_requests_fault():
+    """The engine replicas build the critic a request names: a source this model cannot run
+    is a 422 saying so; any other failure (here heads of another model file) is not the
+    client's, and stays an exception (a 500 whose detail only the log has)."""
+    from selfrag.actors.deployments import requested_critic
+    from selfrag.pipeline.critics import CritiqueUnavailable
+    from selfrag.pipeline.heads import HeadsError
+
+    class Rag:
+        def __init__(self, error: Exception) -> None:
+            self.error = error
+
+        def critic(self, source: str) -> None:
+            raise self.error
+
+    lacking = Rag(CritiqueUnavailable("critique 'native' needs a Self-RAG checkpoint"))
+    with pytest.raises(Unprocessable, match="needs a Self-RAG checkpoint"):
+        requested_critic(lacking, "native")  # type: ignore[arg-type]
+    broken = Rag(HeadsError("heads in /srv/home/heads/x.json are for another model file"))
+    with pytest.raises(HeadsError):
+        requested_critic(broken, "learned")  # type: ignore[arg-type]
+
+
 class FlakyStore(Store):
     """A store that can be switched off, as a Qdrant server going away looks to the
     `Retriever` deployment: its search and probe raise (the deployment maps that to

@@ -8,6 +8,7 @@ import re
 import socket
 import threading
 import time
+import traceback
 from collections.abc import Iterator
 
 import httpx
@@ -18,8 +19,9 @@ from selfrag.actors.http import MAX_BODY_BYTES, build_http_app, parse_api_keys
 from selfrag.actors.metrics import Metrics
 from selfrag.schemas.answer import MAX_QUESTION_CHARS, AnswerResponse
 from selfrag.schemas.errors import DeadlineExceeded, DependencyDown, Overloaded
+from tests.fakes import ScriptedCritic
 from tests.http_fakes import FakeService, live_server, metric_value
-from tests.serve_fakes import Rig, make_service
+from tests.serve_fakes import Pool, Rig, make_service
 
 
 @pytest.fixture
@@ -514,3 +516,44 @@ def test_a_failed_readiness_check_does_not_show_its_exception(
     assert "s3cret" not in r.text and "ConnectionError" not in r.text
     assert r.headers["x-request-id"] in r.json()["detail"]
     assert "s3cret" in caplog.text
+
+
+class LeakyPool(Pool):
+    """A pool whose drafting fails with a ValueError naming a server folder."""
+
+    def expand(self, source, candidates, cfg, timeout_s):  # type: ignore[no-untyped-def]
+        raise ValueError("tensor shape mismatch in /srv/selfrag/home/models/derived.gguf")
+
+
+def test_a_deployments_value_error_is_a_generic_500_not_a_422(
+    caplog: pytest.LogCaptureFixture,
+):
+    """Only what the request validation decides is a 4xx; a deployment's ValueError is not
+    the client's fault, and its message stays in the log."""
+    rig = make_service(pool=LeakyPool(ScriptedCritic(relevance_of={"p1": 0.9})))
+    caplog.set_level("ERROR", logger="selfrag.http")
+    c = TestClient(build_http_app(rig.service, rig.metrics), raise_server_exceptions=False)
+    body = {"question": "q", "config": {"mode": "never"}}
+    r = c.post("/v1/answer", json=body)
+    assert r.status_code == 500, r.text
+    rid = r.headers["x-request-id"]
+    assert r.json()["detail"] == f"internal error; request id {rid}"
+    r = c.post(
+        "/v1/chat/completions",
+        json={
+            "model": "selfrag",
+            "messages": [{"role": "user", "content": "q"}],
+            "selfrag": {"mode": "never"},
+        },
+    )
+    assert r.status_code == 500 and r.json()["error"]["code"] == "internal_error"
+    assert "/srv/selfrag" not in r.text
+    logged = [
+        x
+        for x in caplog.records
+        if x.exc_info and "derived.gguf" in "".join(traceback.format_exception(*x.exc_info))
+    ]
+    assert len(logged) == 2  # each failure logged once, with its detail
+    # A critique source this model lacks is the request's choice: a 422 saying so.
+    r = c.post("/v1/answer", json={"question": "q", "config": {"critique": "native"}})
+    assert r.status_code == 422 and "native" in r.json()["detail"]

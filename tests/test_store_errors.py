@@ -171,3 +171,38 @@ def test_ask_with_an_index_of_another_size_is_a_message_not_a_traceback(
     err = capsys.readouterr().err
     assert err.startswith("selfrag: collection ") and "vectors of size 8" in err
     assert "Traceback" not in err and err.count("\n") == 1
+
+
+def test_a_reason_that_names_a_folder_or_server_is_not_shown(tmp_path: Path):
+    from selfrag.actors.deployments import public_reason
+
+    kept = "collection 'c' holds vectors of size 8, but the embedder org/model-v1 gives 16"
+    assert public_reason(StoreMisconfigured(kept)) == kept
+    for named in (
+        f"{tmp_path}/edge/selfrag/index.json is unreadable (Expecting value): re-index",
+        "the collection 'c' cannot be read from http://qdrant:6333",
+    ):
+        shown = public_reason(StoreMisconfigured(named))
+        assert str(tmp_path) not in shown and "qdrant:6333" not in shown
+        assert "server log" in shown
+
+
+def test_over_http_an_unreadable_index_description_does_not_show_the_folder(
+    settings: Settings, real_model_id: str, caplog: pytest.LogCaptureFixture
+):
+    _index(settings.home, HashEmbedder(8, real_model_id))
+    (facts,) = settings.home.rglob("index.json")
+    facts.write_text("{not json")
+    caplog.set_level("ERROR", logger="selfrag.actors")
+    retriever = Retriever.func_or_class(settings)
+    try:
+        rig = make_service(store=retriever)  # type: ignore[arg-type]
+        c = TestClient(build_http_app(rig.service, rig.metrics))
+        for _ in range(2):
+            r = c.post("/v1/answer", json={"question": "Who ruled Normandy?"})
+            assert r.status_code == 500 and r.json()["error"] == "misconfigured", r.text
+            assert str(settings.home) not in r.text and "index.json" not in r.text
+    finally:
+        retriever._rag.close()
+    # The detail, with the folder, is in the server's log, once.
+    assert sum(str(facts) in x.getMessage() for x in caplog.records) == 1

@@ -27,7 +27,7 @@ from selfrag.pipeline.critics.base import (
     read_requests,
 )
 from selfrag.pipeline.critics.chat import ChatCritic, PromptedQuestions
-from selfrag.pipeline.critics.factory import make_critic
+from selfrag.pipeline.critics.factory import CritiqueUnavailable, make_critic
 from selfrag.pipeline.critics.filters import (
     CRITIQUE_FILTERS,
     FILTERS_OFF,
@@ -53,6 +53,7 @@ __all__ = [
     "Branch",
     "ChatCritic",
     "Critic",
+    "CritiqueUnavailable",
     "LabelProbs",
     "LabelTokens",
     "LearnedCritic",

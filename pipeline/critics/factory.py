@@ -16,6 +16,11 @@ from selfrag.pipeline.protocols import LanguageModel
 from selfrag.schemas.calibration import CalibrationSettings
 
 
+class CritiqueUnavailable(ValueError):
+    """The critique source asked for cannot run on this model (no reflection tokens, no
+    reflection heads, or no such source): the request's choice, not the deployment's fault."""
+
+
 def auto_source(*, native: bool, learned: bool) -> str:
     """The source `auto` stands for on a model: native when its vocabulary has the reflection
     tokens, else learned when it has reflection heads (`learned`), else likelihood."""
@@ -45,20 +50,20 @@ def make_critic(
         return PromptedCritic(model)
     if source == "learned":
         if heads is None:
-            raise ValueError(
+            raise CritiqueUnavailable(
                 "critique 'learned' needs reflection heads for this model file; train them "
                 "with `selfrag train`"
             )
         return LearnedCritic(model, heads)
     if source not in ("native", "auto"):
-        raise ValueError(f"unknown critique source {source!r}")
+        raise CritiqueUnavailable(f"unknown critique source {source!r}")
     groups = native_token_ids(model)
     if groups is not None:
         if model.special_token_id(NATIVE_CHAT_LAYOUT) is not None:
             return NativeChatCritic(model, groups)
         return NativeCritic(model, groups)
     if source == "native":
-        raise ValueError(
+        raise CritiqueUnavailable(
             "critique 'native' needs a Self-RAG checkpoint; this model's vocabulary has no "
             "reflection tokens (use 'learned', 'likelihood' or 'prompted')"
         )
