@@ -12,6 +12,7 @@ import json
 import logging
 import os
 import sys
+import textwrap
 import typing
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -21,7 +22,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from selfrag.schemas.answer import AnswerRequest, AnswerResponse
+from selfrag.schemas.answer import AnswerRequest, AnswerResponse, SegmentOut
 from selfrag.schemas.decoding import DecodingOverrides
 from selfrag.schemas.errors import AnswerError
 from selfrag.schemas.settings import Settings
@@ -398,7 +399,8 @@ def cmd_ask(args: argparse.Namespace) -> int:
 
 
 def render_answer(r: AnswerResponse) -> str:
-    """The answer with numbered citations, a per-segment score table and the sources."""
+    """The answer with numbered citations, a per-segment score table and the sources, each
+    with the sentence that supports each segment citing it (its evidence span)."""
     numbers: dict[str, int] = {}
     body = []
     for seg in r.segments:
@@ -443,6 +445,7 @@ def render_answer(r: AnswerResponse) -> str:
             p = by_id.get(pid)
             title = p.title if p is not None and p.title else pid
             lines.append(f"[{n}] {title} ({pid})")
+            lines.extend(_evidence_lines(r.segments, pid))
         lines.append("")
     u = r.usage
     lines.append(
@@ -453,6 +456,26 @@ def render_answer(r: AnswerResponse) -> str:
         + (f" stopped_by={u.stopped_by}" if u.stopped_by else "")
     )
     return "\n".join(lines)
+
+
+def _evidence_lines(segments: Sequence[SegmentOut], passage_id: str) -> list[str]:
+    """Under a source: for each segment citing it, the passage's sentence that best supports
+    that segment (its evidence span), quoted and wrapped."""
+    lines = []
+    for i, seg in enumerate(segments, 1):
+        evidence = seg.citation.evidence if seg.citation is not None else None
+        if seg.citation is None or seg.citation.passage_id != passage_id or evidence is None:
+            continue
+        head = f"    {i}: "
+        lines.append(
+            textwrap.fill(
+                f"“{' '.join(evidence.text.split())}”",
+                width=100,
+                initial_indent=head,
+                subsequent_indent=" " * len(head),
+            )
+        )
+    return lines
 
 
 def _fmt(value: float | None, signed: bool = False) -> str:

@@ -1,7 +1,8 @@
 """Reading corpora into documents and splitting documents into passages (pure I/O, no model).
 
 Supported inputs:
-- JSONL, one object a line: `{"id"?, "title"?, "text" | "contents"}`. A FlashRAG-style `contents`
+- JSONL, one object a line: `{"id"?, "title"?, "url"?, "text" | "contents"}` (`url`: the
+  document's own http(s) address, which citations then link to). A FlashRAG-style `contents`
   whose first line is a double-quoted title gives that title and the rest as text. A record
   without an id gets `{source_id(file)}:{line}`. Lines are read with a bounded read, so one
   runaway line costs at most `max_bytes` of memory, however long it is.
@@ -23,6 +24,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
+from urllib.parse import urlsplit
 
 from selfrag.pipeline.protocols import Passage
 
@@ -34,6 +36,7 @@ MAX_DOCUMENT_BYTES = 10_000_000
 MAX_JSON_FILE_BYTES = 128 * 2**20
 # How much of an over-long line is read at a time while skipping to its end.
 _SKIP_CHUNK = 1 << 16
+MAX_URL_CHARS = 2048
 TEXT_SUFFIXES = frozenset({".txt", ".md", ".markdown"})
 JSONL_SUFFIXES = frozenset({".jsonl", ".ndjson"})
 
@@ -49,6 +52,8 @@ class Document:
     id: str
     title: str | None
     text: str
+    url: str | None = None
+    """The document's own http(s) address, when the corpus gives one."""
 
 
 @dataclass(frozen=True)
@@ -256,7 +261,35 @@ def _jsonl_document(record: Any, path: Path, number: int, file_id: str) -> Docum
         doc_id = str(raw_id)
     else:
         return CorpusError(str(path), number, "'id' must be a string or an integer")
-    return Document(id=doc_id, title=title.strip() if title else None, text=text.strip())
+    url = record.get("url")
+    if url is not None and (reason := _bad_url(url)):
+        return CorpusError(str(path), number, reason)
+    return Document(
+        id=doc_id, title=title.strip() if title else None, text=text.strip(), url=url or None
+    )
+
+
+def _bad_url(url: Any) -> str | None:
+    """Why a record's `url` cannot be a citation's link (clients render it as one, so only an
+    absolute http(s) address without spaces), or None if it can."""
+    if not isinstance(url, str):
+        return "'url' is not a string"
+    if not url:
+        return None
+    if len(url) > MAX_URL_CHARS:
+        return f"'url' is longer than {MAX_URL_CHARS} characters"
+    try:
+        parts = urlsplit(url)
+    except ValueError:  # e.g. an unclosed "[" of an IPv6 host
+        parts = None
+    if (
+        parts is None
+        or parts.scheme.lower() not in ("http", "https")
+        or not parts.netloc
+        or any(c.isspace() or not c.isprintable() for c in url)
+    ):
+        return f"'url' must be an absolute http(s) URL, got {url[:80]!r}"
+    return None
 
 
 def _read_squad(
@@ -360,7 +393,7 @@ def split_passages(doc: Document, words: int, overlap: int) -> list[Passage]:
     if not 0 <= overlap < words:
         raise ValueError(f"overlap must be in [0, words), got {overlap} with words={words}")
     tokens = doc.text.split()
-    metadata = {"doc_id": doc.id}
+    metadata = {"doc_id": doc.id} | ({"url": doc.url} if doc.url else {})
     if len(tokens) <= words:
         return [Passage(id=doc.id, text=" ".join(tokens), title=doc.title, metadata=metadata)]
     step = words - overlap

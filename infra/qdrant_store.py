@@ -7,7 +7,8 @@ Layout (one collection, `RetrievalSettings.collection`):
   (Qdrant's BM25, `infra.sparse`, IDF applied by the engine). Both are always written, so
   `hybrid` can be switched on later without re-indexing.
 - point id = uuid5 of the passage id, so re-indexing the same passage overwrites it.
-- payload `{passage_id, title, text, doc_id}`, with a keyword index on `doc_id`.
+- payload `{passage_id, title, text, doc_id, url?}` (`url` when the corpus gave one), with a
+  keyword index on `doc_id`.
 - the index's facts `{format, index_version, embedding_model, sparse_scheme, dense_size}`: on a
   server in the collection's metadata (every process sharing it sees the same version); on the
   embedded store in `index.json` beside the shard, replaced atomically.
@@ -420,6 +421,8 @@ def point_data(passage: Passage, dense: list[float]) -> PointData:
             "title": passage.title,
             "text": passage.text,
             "doc_id": doc_id(passage),
+            # Absent when the corpus gave none: citations then use selfrag://passage/<id>.
+            **({"url": passage.metadata["url"]} if passage.metadata.get("url") else {}),
         },
     )
 
@@ -439,12 +442,13 @@ def _document_batches(passages: Sequence[Passage], size: int) -> Iterator[list[P
 
 def _passage(payload: dict[str, Any], score: float) -> Passage:
     doc = str(payload.get("doc_id", ""))
+    url = payload.get("url")
     return Passage(
         id=str(payload.get("passage_id", "")),
         text=str(payload.get("text", "")),
         title=payload.get("title"),
         score=float(score or 0.0),
-        metadata={"doc_id": doc} if doc else {},
+        metadata=({"doc_id": doc} if doc else {}) | ({"url": url} if isinstance(url, str) else {}),
     )
 
 

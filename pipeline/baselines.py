@@ -113,7 +113,10 @@ class BaselineAnswerer:
             abstained=abstained,
             segments=[segment] if text else [],
             passages=[
-                PassageOut(id=p.id, title=p.title, text=p.text, score=p.score) for p in passages
+                PassageOut(
+                    id=p.id, title=p.title, url=p.metadata.get("url"), text=p.text, score=p.score
+                )
+                for p in passages
             ],
             usage=Usage(
                 prefill_tokens=gen.prefill_tokens,

@@ -187,7 +187,10 @@ class SelfRAGDecoder:
             abstained=abstained,
             segments=list(best.segments),
             passages=[
-                PassageOut(id=p.id, title=p.title, text=p.text, score=p.score) for p in order
+                PassageOut(
+                    id=p.id, title=p.title, url=p.metadata.get("url"), text=p.text, score=p.score
+                )
+                for p in order
             ],
             usage=run.usage,
             timings_ms={k: round(v, 2) for k, v in run.timings.items()},

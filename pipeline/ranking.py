@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from selfrag.pipeline.critics import RELEVANCE_LABELS, SUPPORT_LABELS, Branch, LabelProbs
+from selfrag.pipeline.evidence import evidence_span
 from selfrag.pipeline.protocols import Generation
 from selfrag.pipeline.scoring import (
     CritiqueWeights,
@@ -56,7 +57,14 @@ class Candidate:
             parent=self.parent,
             retrieved=self.retrieved,
             p_ret=self.p_ret,
-            citation=Citation(passage_id=p.id, title=p.title) if p is not None else None,
+            citation=Citation(
+                passage_id=p.id,
+                title=p.title,
+                url=p.metadata.get("url"),
+                evidence=evidence_span(p.text, d.text),
+            )
+            if p is not None
+            else None,
             text=d.text,
             logprob=d.logprob,
             n_tokens=len(d.tokens),

@@ -29,8 +29,8 @@ from dataclasses import dataclass, field
 from selfrag.pipeline.critics import Branch
 from selfrag.pipeline.metrics import contains_answer
 from selfrag.pipeline.protocols import Passage
+from selfrag.pipeline.segmenting import sentence_spans
 
-_SENTENCE_END = re.compile(r"(?<=[.!?])\s+(?=[A-Z0-9\"'(])")
 _YEAR = re.compile(r"\b(?:1[0-9]{3}|20[0-9]{2})\b")
 _NUMBER = re.compile(r"\b\d+(?:[.,]\d+)?\b")
 # Capitalised word runs not at the start of the sentence (names, places, organisations).
@@ -53,7 +53,8 @@ class Example:
 
 def sentences(text: str) -> list[str]:
     """The sentences of `text` with at least MIN_WORDS words."""
-    return [s.strip() for s in _SENTENCE_END.split(text) if len(s.split()) >= MIN_WORDS]
+    pieces = (text[start:end] for start, end in sentence_spans(text))
+    return [s for s in pieces if len(s.split()) >= MIN_WORDS]
 
 
 def topic_question(p: Passage) -> str:

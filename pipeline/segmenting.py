@@ -47,3 +47,25 @@ def ends_sentence(text: str) -> bool:
     if last_word.lower().rstrip(".") in _ABBREVIATIONS:
         return False
     return not (last_word.isdigit() and len(last_word) <= 2)
+
+
+# Between sentences of a passage: whitespace after . ! ? before what can start a sentence.
+_BETWEEN_SENTENCES = re.compile(r"(?<=[.!?])\s+(?=[A-Z0-9\"'(])")
+
+
+def sentence_spans(text: str) -> list[tuple[int, int]]:
+    """The sentences of a passage as (start, end) offsets into `text`, surrounding whitespace
+    left out; what training examples (`pipeline/reflection_data.py`) and evidence spans
+    (`pipeline/evidence.py`) both split passages with."""
+    spans = []
+    start = 0
+    for gap in (*_BETWEEN_SENTENCES.finditer(text), None):
+        end = len(text) if gap is None else gap.start()
+        piece = text[start:end]
+        left = start + len(piece) - len(piece.lstrip())
+        right = start + len(piece.rstrip())
+        if right > left:
+            spans.append((left, right))
+        if gap is not None:
+            start = gap.end()
+    return spans

@@ -41,9 +41,22 @@ class AnswerRequest(BaseModel):
         return value
 
 
+class Evidence(BaseModel):
+    """The sentence of the cited passage that best supports the segment
+    (`pipeline/evidence.py`): `passage.text[start:end] == text`."""
+
+    start: int = Field(ge=0, description="Offset of the sentence's first character.")
+    end: int = Field(ge=0, description="Offset just past its last character.")
+    text: str
+
+
 class Citation(BaseModel):
     passage_id: str
     title: str | None = None
+    url: str | None = Field(None, description="The document's own URL, when the corpus gave one.")
+    evidence: Evidence | None = Field(
+        None, description="The passage's sentence that best supports the segment, if any."
+    )
 
 
 class SegmentOut(BaseModel):
@@ -67,6 +80,7 @@ class SegmentOut(BaseModel):
 class PassageOut(BaseModel):
     id: str
     title: str | None = None
+    url: str | None = Field(None, description="The document's own URL, when the corpus gave one.")
     text: str
     score: float = Field(description="Retrieval score from the store.")
 

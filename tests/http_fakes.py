@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -80,6 +80,8 @@ class FakeService:
     seen: list[AnswerRequest] = field(default_factory=list)
     metrics: Metrics | None = None
     scrapes: int = 0
+    script: Callable[[str, DecodingConfig], AnswerResponse] = scripted_response
+    """What the answer is (its segments are also the steps streamed)."""
 
     def config(self, request: AnswerRequest) -> DecodingConfig:
         config = request.config.apply_to(DecodingConfig())
@@ -90,7 +92,7 @@ class FakeService:
         await asyncio.sleep(self.delay_s)
         if self.fail is not None:
             raise self.fail
-        r = scripted_response(request.question, self.config(request))
+        r = self.script(request.question, self.config(request))
         if on_step is not None:
             # Steps come from a worker thread in the real service.
             def steps() -> None:

@@ -3,7 +3,14 @@
 from __future__ import annotations
 
 from selfrag.cli import render_answer
-from selfrag.schemas.answer import AnswerResponse, Citation, PassageOut, SegmentOut, Usage
+from selfrag.schemas.answer import (
+    AnswerResponse,
+    Citation,
+    Evidence,
+    PassageOut,
+    SegmentOut,
+    Usage,
+)
 from selfrag.schemas.decoding import DecodingConfig
 
 
@@ -47,3 +54,25 @@ def test_a_fully_supported_segment_is_not_flagged() -> None:
     text = render_answer(_response("full", 0.93))
     assert "Low support" not in text
     assert "full" in text
+
+
+def test_each_citation_shows_the_sentence_that_supports_its_segment() -> None:
+    passage = "Normandy is in France. The Norse leader Rollo founded Normandy in 911."
+    r = _response("full", 0.93)
+    r.passages[0].text = passage
+    start = passage.index("The Norse")
+    r.segments[0].citation = Citation(
+        passage_id="p1",
+        title="Normans",
+        evidence=Evidence(start=start, end=len(passage), text=passage[start:]),
+    )
+    r.segments.append(r.segments[0].model_copy(update={"text": " It was in 911."}))
+    lines = render_answer(r).splitlines()
+    source = lines.index("[1] Normans (p1)")
+    assert lines[source + 1 : source + 3] == [
+        "    1: “The Norse leader Rollo founded Normandy in 911.”",
+        "    2: “The Norse leader Rollo founded Normandy in 911.”",
+    ]
+    # Without an evidence span only the source line shows.
+    lines = render_answer(_response("full", 0.93)).splitlines()
+    assert lines[lines.index("[1] Normans (p1)") + 1] == ""

@@ -337,7 +337,12 @@ def test_query_engine_response_and_source_nodes():
     assert r.metadata is not None
     assert r.metadata["abstained"] is False and r.metadata["critique"] == "prompted"
     assert [s["s_rel"] for s in r.metadata["segments"]] == [0.6, 0.7, 0.95, None]
-    assert r.metadata["segments"][0]["citation"] == {"passage_id": "b", "title": "B"}
+    assert r.metadata["segments"][0]["citation"] == {
+        "passage_id": "b",
+        "title": "B",
+        "url": None,
+        "evidence": None,
+    }
     assert r.metadata["usage"]["steps"] == 2 and r.metadata["question"] == "Q?"
     assert "> Source (Doc id: b): Passage b." in r.get_formatted_sources()
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import json
 import re
 import tomllib
 from collections.abc import Iterator
@@ -18,9 +19,10 @@ from selfrag.actors.metrics import Metrics
 from selfrag.actors.playground import PAGE
 from selfrag.pipeline.decoder import StepListener
 from selfrag.runtime.answering import Answer
-from selfrag.schemas.answer import AnswerRequest
+from selfrag.schemas.answer import AnswerRequest, AnswerResponse, Evidence
+from selfrag.schemas.decoding import DecodingConfig
 from tests.browser import CHROMIUM, NO_CHROMIUM, SHOWN, Page, ask_in_playground, chromium
-from tests.http_fakes import FakeService, live_server
+from tests.http_fakes import FakeService, live_server, scripted_response
 
 ROOT = Path(__file__).resolve().parents[1]
 QUESTION = "Who founded Normandy?"
@@ -159,6 +161,54 @@ def test_the_page_streams_an_answer_with_citations(page: Page, tmp_path: Path):
         )
         assert page.evaluate(f"{replace}(1)") == ["Rollo founded it.", "X."]
         assert page.evaluate(f"{replace}(0)") == ["X."]
+    assert shot.read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
+
+
+def _with_evidence(question: str, config: DecodingConfig) -> AnswerResponse:
+    """The scripted answer, its passage's text hostile HTML, the first segment's evidence the
+    passage's plain sentence."""
+    r = scripted_response(question, config)
+    r.passages[0].text = HOSTILE
+    start = HOSTILE.index("Rollo")
+    evidence = Evidence(start=start, end=len(HOSTILE), text=HOSTILE[start:])
+    citation = r.segments[0].citation
+    assert citation is not None
+    r.segments[0].citation = citation.model_copy(update={"evidence": evidence})
+    return r
+
+
+@pytest.mark.real
+def test_the_evidence_span_is_marked_in_the_passage(page: Page, tmp_path: Path):
+    with live_server(build_http_app(FakeService(script=_with_evidence), Metrics())) as url:
+        shown = ask_in_playground(page, url, QUESTION, {}, 20.0)
+        assert shown["error"] == "" and shown["passages"][0]["text"] == HOSTILE, shown
+        marks = page.evaluate(
+            "[...document.querySelectorAll('#passages mark')]"
+            ".map(m => [m.textContent, m.dataset.segment, m.title])"
+        )
+        assert marks == [["Rollo founded Normandy.", "0", "supports segment 1"]]
+        assert page.evaluate("document.querySelectorAll('#passages img').length") == 0
+        assert page.evaluate("window.pwned === undefined")
+        # The citation leads to the segment's own span.
+        page.click("#answer .citation")
+        page.wait_for(
+            "document.querySelector('#passages mark').classList.contains('flash')",
+            5.0,
+            "the evidence span highlighted",
+        )
+        shot = page.screenshot(tmp_path / "evidence.png")
+        # Offsets count code points (as Python's do); a span whose text does not match the
+        # offsets, or that runs past the passage, is not marked.
+        marked = (
+            "((text, ev) => passageText({id: 'p', text}, [{citation: {passage_id: 'p',"
+            " evidence: ev}}]).filter(n => typeof n !== 'string').map(n => n.textContent))"
+        )
+        text = json.dumps("\U0001f600 ab. Rollo x.")
+        assert page.evaluate(f'{marked}({text}, {{start: 6, end: 14, text: "Rollo x."}})') == [
+            "Rollo x."
+        ]
+        assert page.evaluate(f'{marked}({text}, {{start: 6, end: 14, text: "Rollo y."}})') == []
+        assert page.evaluate(f'{marked}({text}, {{start: 6, end: 99, text: "Rollo x."}})') == []
     assert shot.read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
 
 
