@@ -18,8 +18,15 @@ from typing import TYPE_CHECKING, Any
 from tqdm import tqdm
 
 from selfrag.infra.corpus import JSONInputError, load_json
+from selfrag.jobs.abstention import (
+    abstention_score,
+    curve_rows,
+    render_abstention_table,
+    score_name,
+    write_curves,
+)
 from selfrag.pipeline.critics import Branch, native_token_ids
-from selfrag.pipeline.metrics import Outcome, contains_answer, summarize
+from selfrag.pipeline.metrics import Outcome, accuracy_coverage, contains_answer, summarize
 from selfrag.pipeline.scoring import retrieval_probability
 from selfrag.schemas.answer import AnswerResponse
 from selfrag.schemas.decoding import DecodingConfig
@@ -282,6 +289,7 @@ def make_record(
         decode_tokens=r.usage.decode_tokens,
         evidence_branches=r.usage.evidence_branches,
         branches_pruned=r.usage.branches_pruned,
+        abstention_score=abstention_score(system, r),
     ).model_dump(mode="json")
 
 
@@ -298,6 +306,7 @@ def outcome(record: dict[str, Any]) -> Outcome:
         prefill_tokens=int(record["prefill_tokens"]),
         evidence_branches=int(record.get("evidence_branches", 0)),
         branches_pruned=int(record.get("branches_pruned", 0)),
+        abstention_score=record.get("abstention_score"),
     )
 
 
@@ -356,16 +365,20 @@ def build_report(
     systems: Sequence[str],
     config: DecodingConfig | None = None,
 ) -> dict[str, Any]:
-    """Summaries per system over the records of the given questions (latest record wins)."""
+    """Summaries per system over the records of the given questions (latest record wins), with
+    each system's abstention score and accuracy–coverage curve (`jobs.abstention`)."""
     ids = {q.id for q in questions}
     latest: dict[tuple[str, str], dict[str, Any]] = {}
     for r in records:
         if r["id"] in ids and r["system"] in systems:
             latest[(r["system"], r["id"])] = r
-    report: dict[str, Any] = {"systems": {}}
+    report: dict[str, Any] = {"systems": {}, "abstention_score": {}, "accuracy_coverage": {}}
     for system in systems:
         rows = [latest[(system, q.id)] for q in questions if (system, q.id) in latest]
-        report["systems"][system] = summarize([outcome(r) for r in rows])
+        outcomes = [outcome(r) for r in rows]
+        report["systems"][system] = summarize(outcomes)
+        report["abstention_score"][system] = score_name(system)
+        report["accuracy_coverage"][system] = curve_rows(accuracy_coverage(outcomes))
     report["questions"] = len(questions)
     if config is not None:
         report["config"] = config.model_dump(mode="json")
@@ -381,11 +394,13 @@ def write_report(
     report = build_report(read_records(out / RECORDS_FILE), questions, systems, config)
     (out / "report.json").write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
     (out / "report.md").write_text(render_table(report) + "\n", encoding="utf-8")
+    write_curves(out, report)
     return report
 
 
 def render_table(report: dict[str, Any]) -> str:
-    """The report as one Markdown table (rates in %, latency in ms)."""
+    """The report as Markdown: one table of every column (rates in %, latency in ms), then the
+    abstention table (`jobs.abstention.render_abstention_table`)."""
     head = ["system", "n", *REPORT_COLUMNS]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for name, row in report["systems"].items():
@@ -393,7 +408,7 @@ def render_table(report: dict[str, Any]) -> str:
         for col in REPORT_COLUMNS:
             cells.append(_cell(col, row.get(col)))
         lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+    return "\n".join(lines) + "\n\n" + render_abstention_table(report)
 
 
 def _cell(column: str, value: float | int | None) -> str:

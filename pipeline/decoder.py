@@ -9,7 +9,14 @@ from dataclasses import dataclass, field
 from selfrag.pipeline.branching import StepCritique, reusable_draft, step_critique
 from selfrag.pipeline.critics import Branch, Critic, resolve_filters
 from selfrag.pipeline.protocols import Generation, Passage, Retriever
-from selfrag.pipeline.ranking import Candidate, Drafted, Hypothesis, StepRanking, rank_step
+from selfrag.pipeline.ranking import (
+    Candidate,
+    Drafted,
+    Hypothesis,
+    StepRanking,
+    best_support,
+    rank_step,
+)
 from selfrag.pipeline.scoring import retrieval_probability, should_retrieve
 from selfrag.schemas.answer import AnswerResponse, PassageOut, StopReason, Usage
 from selfrag.schemas.decoding import DecodingConfig
@@ -33,6 +40,8 @@ class _Run:
     usage: Usage = field(default_factory=Usage)
     timings: dict[str, float] = field(default_factory=dict)
     passages: dict[str, Passage] = field(default_factory=dict)
+    support: float | None = None
+    """`best_support` of the first step: what decides abstention (`AnswerResponse.support`)."""
 
     def timed(self, stage: str, start: float) -> None:
         self.timings[stage] = self.timings.get(stage, 0.0) + (self.clock() - start) * 1e3
@@ -112,6 +121,8 @@ class SelfRAGDecoder:
         for stage, ms in work.timings_ms.items():
             run.timings[stage] = run.timings.get(stage, 0.0) + ms
 
+        if run.usage.steps == 1:  # only the first step's hypothesis has no segment to keep
+            run.support = best_support(work.drafted, cfg)
         t = run.clock()
         ranking = self._ranker(beam, live, work.drafted, cfg)
         run.usage.branches_filtered += ranking.filtered
@@ -185,6 +196,7 @@ class SelfRAGDecoder:
             question=question,
             answer=text,
             abstained=abstained,
+            support=run.support,
             segments=list(best.segments),
             passages=[
                 PassageOut(

@@ -88,6 +88,9 @@ class Outcome:
     prefill_tokens: int
     evidence_branches: int = 0
     branches_pruned: int = 0
+    abstention_score: float | None = None
+    """Higher means answer: the quantity the system's abstention decision thresholds (per
+    system, `jobs.evaluation.ABSTENTION_SCORES`); None ranks below every number."""
 
     @property
     def correct(self) -> bool:
@@ -110,7 +113,75 @@ class Outcome:
 CONFIDENT_SUPPORT = 0.5
 
 
-def summarize(outcomes: Sequence[Outcome]) -> dict[str, float | int | None]:
+@dataclass(frozen=True)
+class CoveragePoint:
+    """One threshold of the accuracy–coverage curve (rates None where undefined)."""
+
+    threshold: float | None
+    """Answer when the abstention score is at least this; None: every answer the system gave,
+    those without a score included."""
+    coverage: float | None
+    """Answerable questions answered, over the answerable questions."""
+    selective_accuracy: float | None
+    """Right answers over the answerable questions answered."""
+    unanswerable_abstain_rate: float | None
+    """Unanswerable questions not answered, over the unanswerable questions."""
+
+
+def _score(o: Outcome) -> float:
+    return o.abstention_score if o.abstention_score is not None else -math.inf
+
+
+def abstention_auroc(outcomes: Sequence[Outcome]) -> tuple[float | None, str | None]:
+    """How well the abstention score ranks answerable above unanswerable questions: the AUROC
+    (ties count half, an outcome without a score ranks below every score), or None and why."""
+    if not any(o.answerable for o in outcomes):
+        return None, "no answerable questions"
+    if all(o.answerable for o in outcomes):
+        return None, "no unanswerable questions"
+    if all(o.abstention_score is None for o in outcomes):
+        return None, "no question has an abstention score"
+    return auc([_score(o) for o in outcomes], [o.answerable for o in outcomes]), None
+
+
+def accuracy_coverage(outcomes: Sequence[Outcome]) -> list[CoveragePoint]:
+    """The accuracy–coverage curve, highest threshold first.
+
+    At a threshold t (each distinct abstention score of an answer) the system keeps the answers
+    it gave whose score is at least t and abstains on the rest. Its own abstentions stay
+    abstentions at every t (their answers are unknown), so coverage never falls from one point
+    to the next, and the last point is the system's own decision (threshold None when some
+    answer has no score, as that answer is kept only there).
+    """
+    n_ans = sum(o.answerable for o in outcomes)
+    n_un = len(outcomes) - n_ans
+    answers = sorted((o for o in outcomes if not o.abstained), key=_score, reverse=True)
+    points: list[CoveragePoint] = []
+    kept = right = kept_un = 0
+
+    def point(threshold: float | None) -> CoveragePoint:
+        return CoveragePoint(
+            threshold=threshold,
+            coverage=kept / n_ans if n_ans else None,
+            selective_accuracy=right / kept if kept else None,
+            unanswerable_abstain_rate=1 - kept_un / n_un if n_un else None,
+        )
+
+    for i, o in enumerate(answers):
+        if o.answerable:
+            kept += 1
+            right += o.correct
+        else:
+            kept_un += 1
+        nxt = answers[i + 1].abstention_score if i + 1 < len(answers) else math.nan
+        if o.abstention_score is not None and nxt != o.abstention_score:
+            points.append(point(o.abstention_score))
+    if not answers or answers[-1].abstention_score is None:
+        points.append(point(None))
+    return points
+
+
+def summarize(outcomes: Sequence[Outcome]) -> dict[str, float | int | str | None]:
     """The report row of one system. Rates are fractions in [0, 1]; None where undefined.
 
     accuracy, f1: over answerable questions; abstain_rate and wrong_confident_rate: over
@@ -120,7 +191,10 @@ def summarize(outcomes: Sequence[Outcome]) -> dict[str, float | int | None]:
     s_sup_correct / s_sup_wrong: mean s_sup of right / wrong answers to answerable questions;
     s_sup_auc: how well s_sup ranks right answers (answerable, correct) above wrong ones (any
     other answer given, unanswerable included); pruned_rate: evidence branches pruned by
-    `min_relevance` before drafting, over all evidence branches opened.
+    `min_relevance` before drafting, over all evidence branches opened; coverage: answerable
+    questions answered (not abstained); selective_accuracy: right answers over the answerable
+    questions answered; abstention_auroc: `abstention_auroc` (None, with
+    abstention_auroc_reason saying why, when it is undefined).
     """
     answerable = [o for o in outcomes if o.answerable]
     impossible = [o for o in outcomes if not o.answerable]
@@ -132,6 +206,7 @@ def summarize(outcomes: Sequence[Outcome]) -> dict[str, float | int | None]:
     ]
     answered = [o for o in outcomes if not o.abstained and o.s_sup is not None]
     evidence = sum(o.evidence_branches for o in outcomes)
+    auroc, auroc_reason = abstention_auroc(outcomes)
     return {
         "questions": len(outcomes),
         "answerable": len(answerable),
@@ -141,6 +216,12 @@ def summarize(outcomes: Sequence[Outcome]) -> dict[str, float | int | None]:
         "abstain_rate": mean_or_none([float(o.abstained) for o in impossible]),
         "wrong_confident_rate": mean_or_none([float(o.confident) for o in impossible]),
         "answerable_abstain_rate": mean_or_none([float(o.abstained) for o in answerable]),
+        "coverage": mean_or_none([float(not o.abstained) for o in answerable]),
+        "selective_accuracy": mean_or_none(
+            [float(o.correct) for o in answerable if not o.abstained]
+        ),
+        "abstention_auroc": auroc,
+        "abstention_auroc_reason": auroc_reason,
         "overall": mean_or_none([float(o.correct) for o in outcomes]),
         "retrieval_rate": mean_or_none([float(o.retrieved) for o in outcomes]),
         "citation_precision": mean_or_none([float(f) for f in cited]),

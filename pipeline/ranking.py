@@ -124,6 +124,19 @@ def passes_filters(c: Drafted, cfg: DecodingConfig) -> bool:
     return True
 
 
+def best_support(drafted: Sequence[Drafted], cfg: DecodingConfig) -> float | None:
+    """The highest s_sup among the grounded `drafted` branches that pass every hard filter but
+    `min_support_score`. With that filter on (and `on_unsupported` abstain), a hypothesis
+    without segments whose step retrieved abstains exactly when this is None or below it."""
+    others = cfg.model_copy(update={"min_support_score": 0.0})
+    scores = [
+        support_score(c.sup)
+        for c in drafted
+        if c.grounded and c.sup is not None and passes_filters(c, others)
+    ]
+    return max(scores, default=None)
+
+
 def needs_evidence(cfg: DecodingConfig) -> bool:
     """Whether a hard filter asks for relevance or support, which a branch without a passage
     cannot show."""

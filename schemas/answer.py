@@ -103,6 +103,15 @@ class AnswerResponse(BaseModel):
     question: str
     answer: str
     abstained: bool
+    support: float | None = Field(
+        None,
+        ge=0.0,
+        le=1.0,
+        description="The highest s_sup among the first step's grounded branches that pass "
+        "every hard filter but min_support_score: with that filter on, an answer whose first "
+        "step retrieved abstains exactly when this is None or below it. None when nothing "
+        "grounded was drafted first (no retrieval, every passage pruned).",
+    )
     segments: list[SegmentOut]
     passages: list[PassageOut]
     usage: Usage

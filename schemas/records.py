@@ -66,3 +66,8 @@ class EvalRecord(BaseModel):
     decode_tokens: int
     evidence_branches: int
     branches_pruned: int
+    abstention_score: float | None = Field(
+        None,
+        description="Higher means answer: the quantity the system abstains by "
+        "(jobs/abstention.py); None ranks below every score.",
+    )

@@ -166,6 +166,33 @@ def test_everything_filtered_can_fall_back_to_no_retrieval():
     assert out.segments[0].citation is None
 
 
+def test_support_is_what_min_support_score_thresholds():
+    # s_sup: p1 0.3, p2 0.6 (but irrelevant), p3 0.45; only the first step counts.
+    critic = ScriptedCritic(
+        relevance_of={"p1": 0.9, "p2": 0.2, "p3": 0.8},
+        drafts={"p1": (" A.", -0.1, "eos"), "p2": (" B.", -0.1, "eos"), None: (" C.", -9, "eos")},
+        support_of={
+            "p1": {"full": 0.3, "none": 0.7},
+            "p2": {"full": 0.6, "none": 0.4},
+            "p3": {"full": 0.45, "none": 0.55},
+        },
+    )
+    decoder, _ = make(critic)
+    out = decoder.answer("q", cfg())  # no filter: answered, support still reported
+    assert not out.abstained and out.support == pytest.approx(0.6)
+    # Every other filter applies: with require_relevant, p2 (irrelevant) does not count.
+    assert decoder.answer("q", cfg(require_relevant=True)).support == pytest.approx(0.45)
+    for threshold in (0.2, 0.44, 0.46, 0.59, 0.61, 0.9):
+        out = decoder.answer("q", cfg(min_support_score=threshold))
+        assert out.support == pytest.approx(0.6)
+        assert out.abstained == (out.support < threshold), threshold
+        if not out.abstained:
+            assert out.segments[0].s_sup >= threshold
+    # Nothing grounded drafted (every passage pruned, or no retrieval): no support score.
+    assert decoder.answer("q", cfg(min_relevance=0.95)).support is None
+    assert decoder.answer("q", cfg(mode="never")).support is None
+
+
 def test_require_relevant_filter():
     critic = ScriptedCritic(
         relevance_of={"p1": 0.4, "p2": 0.6}, drafts={"p1": (" x.", -0.1, "eos")}

@@ -139,6 +139,48 @@ def test_resume_skips_done_records(squad_file: Path, tmp_path: Path):
     assert (out / "report.md").read_text().startswith("| system")
 
 
+def test_report_has_abstention_scores_and_the_accuracy_coverage_curve(
+    squad_file: Path, tmp_path: Path
+):
+    rag = FakeRag()
+    out = tmp_path / "out"
+    qs = load_questions(squad_file, article="Normans")  # q1, q2 answerable; q3 not
+    systems = ["closed-book", "selfrag-prompted"]
+    cfg = DecodingConfig(mode="always", max_segments=1)
+    report = run_evaluation(rag, qs, systems, out, cfg, progress=False)  # type: ignore[arg-type]
+    records = {(r["system"], r["id"]): r for r in read_records(out / "records.jsonl")}
+    # Closed-book: the mean token log-prob of its answer (WordModel: -0.5 per token).
+    assert records[("closed-book", "q1")]["abstention_score"] == pytest.approx(-0.5)
+    # Self-RAG: the best first-step s_sup (the scripted critic's uniform IsSup: 0.5).
+    assert records[("selfrag-prompted", "q1")]["abstention_score"] == pytest.approx(0.5)
+    row = report["systems"]["selfrag-prompted"]
+    assert row["coverage"] == 1.0 and row["selective_accuracy"] == pytest.approx(0.5)
+    assert row["abstain_rate"] == 0.0
+    assert row["abstention_auroc"] == pytest.approx(0.5)  # one score for all: all ties
+    assert report["abstention_score"]["selfrag-prompted"].startswith("support")
+    assert report["abstention_score"]["closed-book"].startswith("mean token log-prob")
+    curve = report["accuracy_coverage"]["selfrag-prompted"]
+    assert curve == [
+        {
+            "threshold": 0.5,
+            "coverage": 1.0,
+            "selective_accuracy": 0.5,
+            "unanswerable_abstain_rate": 0.0,
+        }
+    ]
+    lines = (out / "accuracy_coverage.csv").read_text().splitlines()
+    assert lines[0] == "system,threshold,coverage,selective_accuracy,unanswerable_abstain_rate"
+    assert "selfrag-prompted,0.5,1,0.5,0" in lines and len(lines) == 3
+    assert (out / "accuracy_coverage.png").read_bytes().startswith(b"\x89PNG")
+    table = (out / "report.md").read_text()
+    assert "| system | abstention score | coverage | selective_accuracy |" in table
+    assert "| selfrag-prompted | support" in table and "| 0.500 |" in table
+    # Without unanswerable questions the AUROC is undefined, and the table says why.
+    report = run_evaluation(rag, qs[:2], systems, out, cfg, progress=False)  # type: ignore[arg-type]
+    assert report["systems"]["closed-book"]["abstention_auroc"] is None
+    assert "– (no unanswerable questions)" in (out / "report.md").read_text()
+
+
 def test_threshold_curve_uses_closed_book_where_retrieval_is_skipped():
     own = [
         {

@@ -112,3 +112,97 @@ def test_support_auc_ranks_right_answers_above_wrong_ones_and_pruned_rate():
     flipped = [replace(o, s_sup=1.0 - o.s_sup) for o in outcomes]
     assert summarize(flipped)["s_sup_auc"] == pytest.approx(0.0)
     assert summarize([_o(True, "France")])["pruned_rate"] is None
+
+
+def _scored(answerable: bool, score: float | None, *, right: bool = True, abstained=False):
+    from dataclasses import replace
+
+    answer = "" if abstained else ("It is France." if right else "It is Spain.")
+    return replace(_o(answerable, answer, abstained=abstained), abstention_score=score)
+
+
+def test_abstention_auroc_by_hand():
+    from selfrag.pipeline.metrics import abstention_auroc
+
+    rows = [_scored(True, s) for s in (0.9, 0.6, 0.4)] + [_scored(False, s) for s in (0.7, 0.2)]
+    # Answerable above unanswerable in 4 of the 6 pairs: (0.9 > 0.7, 0.2), (0.6, 0.4 > 0.2).
+    assert abstention_auroc(rows) == (pytest.approx(4 / 6), None)
+    # Ties count half; a missing score ranks below every score and ties with another one.
+    ties = [_scored(True, 0.5), _scored(True, 0.8), _scored(False, 0.5)]
+    assert abstention_auroc(ties)[0] == pytest.approx((0.5 + 1) / 2)
+    missing = [_scored(True, None), _scored(True, 0.3), _scored(False, None)]
+    assert abstention_auroc(missing)[0] == pytest.approx((0.5 + 1) / 2)
+    # The system's own abstentions keep their score (Self-RAG's support is known for them).
+    assert abstention_auroc([_scored(True, 0.3), _scored(False, 0.1, abstained=True)])[0] == 1.0
+
+
+def test_abstention_auroc_undefined_says_why():
+    from selfrag.pipeline.metrics import abstention_auroc
+
+    assert abstention_auroc([_scored(True, 0.5)]) == (None, "no unanswerable questions")
+    assert abstention_auroc([_scored(False, 0.5)]) == (None, "no answerable questions")
+    assert abstention_auroc([]) == (None, "no answerable questions")
+    none = [_scored(True, None), _scored(False, None)]
+    assert abstention_auroc(none) == (None, "no question has an abstention score")
+    row = summarize([_scored(True, 0.5)])
+    assert row["abstention_auroc"] is None
+    assert row["abstention_auroc_reason"] == "no unanswerable questions"
+
+
+def test_accuracy_coverage_curve_by_hand():
+    from selfrag.pipeline.metrics import CoveragePoint, accuracy_coverage
+
+    rows = [
+        _scored(True, 0.9),
+        _scored(True, 0.7, right=False),
+        _scored(False, 0.8),  # an answered unanswerable question
+        _scored(True, 0.5),
+        _scored(True, 0.2, abstained=True),  # the system abstained: never answered
+        _scored(False, 0.1, abstained=True),
+    ]
+    pts = accuracy_coverage(rows)
+    assert [p.threshold for p in pts] == [0.9, 0.8, 0.7, 0.5]
+    assert [p.coverage for p in pts] == [0.25, 0.25, 0.5, 0.75]
+    assert [p.selective_accuracy for p in pts] == pytest.approx([1.0, 1.0, 0.5, 2 / 3])
+    assert [p.unanswerable_abstain_rate for p in pts] == [1.0, 0.5, 0.5, 0.5]
+    # The last point is the system's own decision: the report row's coverage and accuracy.
+    row = summarize(rows)
+    assert (pts[-1].coverage, pts[-1].selective_accuracy) == pytest.approx(
+        (row["coverage"], row["selective_accuracy"])
+    )
+    assert row["abstention_auroc"] == pytest.approx(5 / 8)  # 0.9 > 0.8; all four > 0.1
+    # Equal scores make one point; an answer without a score joins only at threshold None.
+    tied = [_scored(True, 0.5), _scored(True, 0.5, right=False), _scored(True, None)]
+    assert accuracy_coverage(tied) == [
+        CoveragePoint(0.5, 2 / 3, 0.5, None),
+        CoveragePoint(None, 1.0, pytest.approx(2 / 3), None),  # type: ignore[arg-type]
+    ]
+    assert accuracy_coverage([_scored(True, 0.4, abstained=True)]) == [
+        CoveragePoint(None, 0.0, None, None)
+    ]
+
+
+def test_accuracy_coverage_never_loses_coverage():
+    import random
+
+    from selfrag.pipeline.metrics import accuracy_coverage
+
+    rng = random.Random(7)
+    for _ in range(50):
+        rows = [
+            _scored(
+                rng.random() < 0.5,
+                rng.choice([None, round(rng.random(), 1)]),
+                right=rng.random() < 0.5,
+                abstained=rng.random() < 0.2,
+            )
+            for _ in range(rng.randint(1, 30))
+        ]
+        pts = accuracy_coverage(rows)
+        thresholds = [p.threshold for p in pts if p.threshold is not None]
+        assert thresholds == sorted(set(thresholds), reverse=True)
+        cov = [p.coverage for p in pts if p.coverage is not None]
+        assert cov == sorted(cov) and all(0.0 <= c <= 1.0 for c in cov)
+        row = summarize(rows)
+        assert pts[-1].coverage == row["coverage"]
+        assert pts[-1].selective_accuracy == pytest.approx(row["selective_accuracy"])
