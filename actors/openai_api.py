@@ -9,10 +9,13 @@ Each request becomes one `AnswerRequest` on the same answer service as `/v1/answ
 - `max_tokens` / `max_completion_tokens` cap the answer (`DecodingConfig.within_tokens`);
 - the dials come in the `selfrag` extension object (`DecodingOverrides`).
 Each choice carries the `AnswerResponse` in `selfrag`; `usage` counts every token the engine
-computed (all branches). A stream sends one chunk per segment with the segment (its citation
-and scores) in `selfrag`, as it is decoded (with `beam` > 1 the leader can change, so the
-segments come when the answer is done), then a chunk with `finish_reason` and the answer, and
-`data: [DONE]`. Errors use OpenAI's envelope `{"error": {message, type, param, code}}`.
+computed (all branches). A chat message's citations are also OpenAI `url_citation`
+annotations, and the completion's top-level `citations` lists their URLs (`actors/citations.py`).
+A stream sends one chunk per segment with the segment (its citation and scores) in `selfrag`
+and, in a chat, its annotation in `delta.annotations`, as it is decoded (with `beam` > 1 the
+leader can change, so the segments come when the answer is done), then a chunk with
+`finish_reason`, the answer and `citations`, and `data: [DONE]`. Errors use OpenAI's envelope
+`{"error": {message, type, param, code}}`.
 """
 
 from __future__ import annotations
@@ -27,9 +30,10 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 
+from selfrag.actors.citations import AnswerText, annotations, cited_urls
 from selfrag.actors.metrics import Metrics
 from selfrag.actors.streaming import AnswerLog, AnswerService, AnswerStream, request_id, sse
-from selfrag.schemas.answer import MAX_QUESTION_CHARS, AnswerRequest, AnswerResponse
+from selfrag.schemas.answer import MAX_QUESTION_CHARS, AnswerRequest, AnswerResponse, SegmentOut
 from selfrag.schemas.errors import AnswerError
 from selfrag.schemas.events import SegmentEvent
 from selfrag.schemas.openai import (
@@ -44,6 +48,7 @@ from selfrag.schemas.openai import (
     Completion,
     CompletionRequest,
     CompletionUsage,
+    DeltaAnnotation,
     FinishReason,
     ModelCard,
     ModelList,
@@ -200,6 +205,8 @@ class OpenAIStreamFormat:
         self._include_usage = include_usage
         self._retry_after_s = retry_after_s
         self._sent = 0  # segments streamed
+        self._text = AnswerText()  # what they joined into, for the annotations' indexes
+        self._annotated = 0  # annotations streamed
         self._began = False
 
     def _chunk(
@@ -210,10 +217,12 @@ class OpenAIStreamFormat:
         selfrag: StreamedSegment | AnswerResponse | None = None,
         usage: CompletionUsage | None = None,
         no_choice: bool = False,
+        annotation: DeltaAnnotation | None = None,
+        citations: list[str] | None = None,
     ) -> bytes:
         model: BaseModel
         if self._kind == "chat":
-            delta = ChunkDelta(content=text)
+            delta = ChunkDelta(content=text, annotations=[annotation] if annotation else None)
             if not self._began:
                 delta.role, self._began = "assistant", True
             choices = [ChatChunkChoice(index=0, delta=delta, finish_reason=finish, selfrag=selfrag)]
@@ -223,6 +232,7 @@ class OpenAIStreamFormat:
                 model=self._model,
                 choices=[] if no_choice else choices,
                 usage=usage,
+                citations=citations,
             )
         else:
             choice = TextChoice(index=0, text=text or "", finish_reason=finish, selfrag=selfrag)
@@ -235,19 +245,23 @@ class OpenAIStreamFormat:
             )
         return sse(None, model.model_dump(mode="json"))
 
-    def _text(self, text: str) -> str:
-        return text.lstrip() if self._sent == 0 else text
+    def _segment(self, index: int, segment: SegmentOut) -> bytes:
+        """The chunk of a segment that is final: its text and, in a chat, its annotation."""
+        text, found = self._text.append(segment)
+        self._sent += 1
+        annotation = None
+        if found is not None and self._kind == "chat":
+            annotation = DeltaAnnotation(index=self._annotated, url_citation=found.url_citation)
+            self._annotated += 1
+        return self._chunk(
+            text, selfrag=StreamedSegment(index=index, segment=segment), annotation=annotation
+        )
 
     def segment(self, event: SegmentEvent) -> bytes:
         # A replaced segment (index below what was sent) cannot be taken back: hold it.
         if self._hold or event.index != self._sent:
             return b""
-        chunk = self._chunk(
-            self._text(event.segment.text),
-            selfrag=StreamedSegment(index=event.index, segment=event.segment),
-        )
-        self._sent += 1
-        return chunk
+        return self._segment(event.index, event.segment)
 
     def answer(self, response: AnswerResponse) -> bytes:
         out = []
@@ -256,15 +270,11 @@ class OpenAIStreamFormat:
             out.append(self._chunk(text))
         else:
             for i in range(self._sent, len(response.segments)):
-                segment = response.segments[i]
-                out.append(
-                    self._chunk(
-                        self._text(segment.text),
-                        selfrag=StreamedSegment(index=i, segment=segment),
-                    )
-                )
-                self._sent += 1
-        out.append(self._chunk(None, finish=finish_reason(response), selfrag=response))
+                out.append(self._segment(i, response.segments[i]))
+        citations = cited_urls(response) if self._kind == "chat" else None
+        out.append(
+            self._chunk(None, finish=finish_reason(response), selfrag=response, citations=citations)
+        )
         if self._include_usage:
             out.append(self._chunk(None, usage=usage_of(response), no_choice=True))
         return b"".join(out)
@@ -436,12 +446,15 @@ def add_openai_routes(
             choices=[
                 ChatChoice(
                     index=0,
-                    message=AssistantMessage(content=response.answer),
+                    message=AssistantMessage(
+                        content=response.answer, annotations=annotations(response)
+                    ),
                     finish_reason=finish_reason(response),
                     selfrag=response,
                 )
             ],
             usage=usage_of(response),
+            citations=cited_urls(response),
         )
         return JSONResponse(completion.model_dump(mode="json"))
 

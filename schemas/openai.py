@@ -4,14 +4,22 @@ Requests accept the standard fields that mean something for Self-RAG decoding, a
 in a `selfrag` extension object (a `DecodingOverrides`; the `openai` client sends it with
 `extra_body={"selfrag": {...}}`). A standard field selfrag cannot honour is refused, never
 ignored. Every choice carries the full `AnswerResponse` (citations and per-segment scores)
-in its `selfrag` field.
+in its `selfrag` field; a chat message carries the citations as OpenAI `url_citation`
+annotations too, and a chat completion as a Perplexity-style top-level `citations` list.
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    field_validator,
+    model_serializer,
+)
 
 from selfrag.schemas.answer import AnswerResponse, SegmentOut
 from selfrag.schemas.decoding import MAX_ANSWER_TOKENS, DecodingOverrides
@@ -228,9 +236,44 @@ class CompletionUsage(BaseModel):
     total_tokens: int
 
 
+class URLCitation(BaseModel):
+    """What a `url_citation` annotation cites, and the span of the answer text citing it."""
+
+    start_index: int = Field(description="First character of the citing segment in the text.")
+    end_index: int = Field(description="Just past its last character (a Python slice end).")
+    url: str = Field(description="The document's own URL, else selfrag://passage/<id>.")
+    title: str = Field(description="The passage's title, else its id.")
+
+
+class Annotation(BaseModel):
+    """OpenAI's `url_citation` annotation: one per cited segment (`actors/citations.py`)."""
+
+    type: Literal["url_citation"] = "url_citation"
+    url_citation: URLCitation
+
+
+class DeltaAnnotation(Annotation):
+    """An annotation in a stream chunk's delta. `index` is its place in the message's
+    annotations: the `openai` client's stream helper merges list entries by it."""
+
+    index: int
+
+
+def _without_null(data: dict[str, Any], *fields: str) -> dict[str, Any]:
+    """`data` without those of `fields` that are None: an extension field clients need not
+    know is left out rather than sent as null."""
+    for name in fields:
+        if data.get(name, 0) is None:
+            del data[name]
+    return data
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str
+    annotations: list[Annotation] = Field(
+        default_factory=list, description="A url_citation per cited segment."
+    )
 
 
 class ChatChoice(BaseModel):
@@ -248,11 +291,22 @@ class ChatCompletion(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: CompletionUsage
+    citations: list[str] = Field(
+        default_factory=list,
+        description="Perplexity-style: the distinct URLs the answer cites, in order.",
+    )
 
 
 class ChunkDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    annotations: list[DeltaAnnotation] | None = Field(
+        None, description="The url_citation of the segment whose text this chunk carries."
+    )
+
+    @model_serializer(mode="wrap")
+    def _serialize(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return _without_null(handler(self), "annotations")
 
 
 class StreamedSegment(BaseModel):
@@ -279,6 +333,13 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChatChunkChoice]
     usage: CompletionUsage | None = None
+    citations: list[str] | None = Field(
+        None, description="On the closing chunk: the URLs the answer cites (Perplexity-style)."
+    )
+
+    @model_serializer(mode="wrap")
+    def _serialize(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return _without_null(handler(self), "citations")
 
 
 class TextChoice(BaseModel):

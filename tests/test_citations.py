@@ -1,0 +1,160 @@
+"""A document's URL from the corpus to the citation (infra/corpus.py, the Qdrant payload), and
+the citations in client shapes (actors/citations.py): annotation spans and passage URLs."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from selfrag.actors.citations import AnswerText, annotations, cited_urls, passage_url
+from selfrag.infra.corpus import CorpusError, Document, read_documents, split_passages
+from selfrag.infra.qdrant_store import QdrantStore
+from selfrag.jobs.indexing import index_corpus
+from selfrag.schemas.answer import AnswerResponse, Citation, SegmentOut, Usage
+from selfrag.schemas.decoding import DecodingConfig
+
+URL = "https://en.wikipedia.org/wiki/Rollo"
+
+
+def _jsonl(tmp_path: Path, records: list[dict]) -> Path:
+    path = tmp_path / "c.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in records) + "\n", encoding="utf-8")
+    return path
+
+
+def test_a_jsonl_url_is_read_and_a_bad_one_is_an_error_by_line(tmp_path: Path) -> None:
+    path = _jsonl(
+        tmp_path,
+        [
+            {"id": "a", "text": "Rollo founded Normandy.", "url": URL},
+            {"id": "b", "text": "No address.", "url": ""},
+            {"id": "c", "text": "x", "url": "javascript:alert(1)"},
+            {"id": "d", "text": "x", "url": "/wiki/Rollo"},
+            {"id": "e", "text": "x", "url": 7},
+            {"id": "f", "text": "x", "url": "https://a.b/" + "x" * 3000},
+            {"id": "g", "text": "x", "url": "https://a.b/with space"},
+            {"id": "h", "text": "x", "url": "http://[::1"},
+            {"id": "i", "text": "no url field"},
+        ],
+    )
+    items = list(read_documents(path))
+    docs = {d.id: d.url for d in items if isinstance(d, Document)}
+    assert docs == {"a": URL, "b": None, "i": None}
+    errors = {e.line: e.reason for e in items if isinstance(e, CorpusError)}
+    assert sorted(errors) == [3, 4, 5, 6, 7, 8]
+    assert "absolute http(s) URL" in errors[3] and "'javascript:alert(1)'" in errors[3]
+    assert errors[5] == "'url' is not a string" and "longer than 2048" in errors[6]
+
+
+def test_every_passage_of_a_document_carries_its_url() -> None:
+    doc = Document(id="rollo", title="Rollo", text=" ".join(["word"] * 25), url=URL)
+    passages = split_passages(doc, words=10, overlap=2)
+    assert len(passages) == 3
+    assert all(p.metadata == {"doc_id": "rollo", "url": URL} for p in passages)
+    plain = split_passages(Document(id="x", title=None, text="a b"), 10, 2)
+    assert plain[0].metadata == {"doc_id": "x"}
+
+
+class HashEmbedder:
+    """Unit vectors from a hash of the text: enough to store and read passages back."""
+
+    dim = 8
+    model_id = "hash-embedder"
+
+    def embed(self, texts: Sequence[str]) -> np.ndarray:
+        rows = []
+        for text in texts:
+            seed = int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little")
+            row = np.random.default_rng(seed).standard_normal(8).astype(np.float32)
+            rows.append(row / np.linalg.norm(row))
+        return np.array(rows, dtype=np.float32).reshape(len(texts), 8)
+
+
+@pytest.mark.real
+def test_the_store_gives_the_url_back_with_the_passage(tmp_path: Path) -> None:
+    from selfrag.schemas.settings import RetrievalSettings
+
+    path = _jsonl(
+        tmp_path,
+        [
+            {"id": "rollo", "title": "Rollo", "text": "Rollo founded Normandy.", "url": URL},
+            {"id": "apples", "title": "Apples", "text": "Normandy grows apples."},
+        ],
+    )
+    with QdrantStore.open(RetrievalSettings(), tmp_path / "home", HashEmbedder()) as store:
+        index_corpus(path, store, progress=False)
+        found = {p.id: p.metadata for p in store.search("Rollo founded Normandy", 2)}
+    assert found == {"rollo": {"doc_id": "rollo", "url": URL}, "apples": {"doc_id": "apples"}}
+
+
+def _segment(text: str, citation: Citation | None) -> SegmentOut:
+    return SegmentOut(
+        text=text, citation=citation, retrieved=True, logprob=-1.0, n_tokens=3, score=0.5
+    )
+
+
+def _response(segments: list[SegmentOut], abstained: bool = False) -> AnswerResponse:
+    return AnswerResponse(
+        question="q",
+        answer="".join(s.text for s in segments).strip(),
+        abstained=abstained,
+        segments=segments,
+        passages=[],
+        usage=Usage(),
+        timings_ms={},
+        model_id="m",
+        critique="learned",
+        config=DecodingConfig(),
+    )
+
+
+def test_a_passage_without_a_url_gets_a_stable_selfrag_url() -> None:
+    assert passage_url(Citation(passage_id="p1", url=URL)) == URL
+    assert passage_url(Citation(passage_id="c.jsonl@ab12:3#0")) == (
+        "selfrag://passage/c.jsonl%40ab12%3A3%230"
+    )
+    assert passage_url(Citation(passage_id="squad:Normans/x y")) == (
+        "selfrag://passage/squad%3ANormans%2Fx%20y"
+    )
+
+
+def test_annotations_span_each_cited_segment_of_the_answer_text() -> None:
+    rollo = Citation(passage_id="p1", title="Rollo", url=URL)
+    segments = [
+        _segment("  \n", None),  # blank: dropped from the front of the text
+        _segment(" Rollo founded Normandy. ", rollo),
+        _segment("It was in 911.", None),
+        _segment(" The treaty was signed  ", Citation(passage_id="p 2")),
+        _segment(" there.", rollo),
+    ]
+    r = _response(segments)
+    notes = annotations(r)
+    spans = [r.answer[a.url_citation.start_index : a.url_citation.end_index] for a in notes]
+    assert spans == ["Rollo founded Normandy.", "The treaty was signed", "there."]
+    assert [(a.type, a.url_citation.url, a.url_citation.title) for a in notes] == [
+        ("url_citation", URL, "Rollo"),
+        ("url_citation", "selfrag://passage/p%202", "p 2"),  # no title: the id
+        ("url_citation", URL, "Rollo"),
+    ]
+    assert cited_urls(r) == [URL, "selfrag://passage/p%202"]
+    # A stream's text is the same segments appended: the same spans, in the text sent so far.
+    text, streamed = AnswerText(), ""
+    for segment, note in zip(segments, [None, *notes[:1], None, *notes[1:]], strict=True):
+        part, placed = text.append(segment)
+        streamed += part
+        assert placed == note
+    assert streamed.rstrip() == r.answer
+    # An abstention's text is the abstention message: nothing in it to annotate.
+    assert annotations(_response(segments, abstained=True)) == []
+    assert cited_urls(_response(segments, abstained=True)) == []
+
+
+def test_an_answer_joined_differently_gets_no_wrong_span() -> None:
+    r = _response([_segment(" Rollo founded Normandy.", Citation(passage_id="p1"))])
+    r.answer = "Rollo, who founded Normandy."
+    assert annotations(r) == []
