@@ -19,7 +19,13 @@ from ray.serve.schema import ServeDeploySchema
 
 from selfrag.actors.app import serve_logging
 from selfrag.cli import main
-from selfrag.infra.settings import API_KEYS_ENV, exposure_warning, is_loopback
+from selfrag.infra.settings import (
+    API_KEYS_ENV,
+    SettingsError,
+    exposure_warning,
+    is_loopback,
+    load_settings,
+)
 from selfrag.schemas.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -309,3 +315,30 @@ def test_pool_replicas_share_the_pools_cpu_reservation(tmp_path: Path, replicas,
     assert pool.name == "BranchPool"
     assert pool.ray_actor_options["num_cpus"] == cpus
     assert pool.num_replicas == replicas
+
+
+def test_the_ingress_gets_the_address_serve_really_binds(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """infra/serve.yaml binds 0.0.0.0 while serve.host says 127.0.0.1: the ingress must not
+    take itself for a loopback server (its Host check would refuse every remote client)."""
+    from selfrag.actors import app
+
+    settings = Settings(home=tmp_path, serve={"allowed_hosts": ["rag.internal"]})
+    monkeypatch.setattr(app, "serve_http_host", lambda: "0.0.0.0")
+    monkeypatch.setenv(API_KEYS_ENV, "k1")  # no exposure warning
+    ingress = _bound(app.build_app(settings))
+    assert ingress.name == "SelfRAGIngress"
+    given = ingress.init_args[4].serve
+    assert (given.host, given.allowed_hosts) == ("0.0.0.0", ["rag.internal"])
+    monkeypatch.setattr(app, "serve_http_host", lambda: None)
+    assert _bound(app.build_app(settings)).init_args[4].serve.host == "127.0.0.1"
+
+
+def test_allowed_hosts_come_from_the_environment_as_json(tmp_path: Path):
+    env = {"SELFRAG_HOME": str(tmp_path)}
+    names = '["rag.example.com", "[::2]", "*"]'
+    settings = load_settings(environ={**env, "SELFRAG_SERVE__ALLOWED_HOSTS": names})
+    assert settings.serve.allowed_hosts == ["rag.example.com", "[::2]", "*"]
+    with pytest.raises(SettingsError, match="allowed_hosts"):
+        load_settings(environ={**env, "SELFRAG_SERVE__ALLOWED_HOSTS": '["a.example:8000"]'})
