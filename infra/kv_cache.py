@@ -68,7 +68,8 @@ class PrefixKey:
 
 
 State = bytes | memoryview
-"""A saved sequence state: bytes, or a writable view of a mapped file (restored uncopied)."""
+"""A saved sequence state: bytes, or a writable view of a disk file's checked copy in this
+process's memory (restored without copying again; never a mapping of the file)."""
 
 
 class PrefixStateStore(Protocol):
@@ -131,7 +132,7 @@ class TieredStateStore:
             state = self.disk.get(key.digest, bind=key.tokens)
             if state is not None:
                 if self.memory is not None:
-                    self.memory.put(key.digest, state)  # a checked view of the page cache
+                    self.memory.put(key.digest, state)  # checked, and this process's own copy
                 self._count("disk_hits")
                 return state
         if self.redis is not None:

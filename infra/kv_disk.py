@@ -3,10 +3,12 @@ shared by every engine process on the node and kept across restarts.
 
 A file is `MAGIC`, the header (format, token bytes, state bytes), the SHA-256 of tokens and
 state, the prefix's token ids, then the state. It is written to a temporary name and renamed
-into place, so a reader sees a whole file or none. A read maps the file privately
-(copy-on-write), checks the header, the length (a truncated file is refused), the tokens (they
-must equal the ones asked for) and the checksum, and hands out a writable view of the mapping:
-the engine restores from it without copying. A refused file is deleted and reads as a miss.
+into place, so a reader sees a whole file or none. A read copies the file into memory (a
+mapping would kill the process with SIGBUS once another process truncated the file, or a
+shared volume dropped it), checks the header, the length (a truncated file is refused), the
+tokens (they must equal the ones asked for) and the checksum, and hands out a writable view of
+the copy: the engine restores from it without copying again. A refused file is deleted and
+reads as a miss.
 The folder is capped (`cache.kv_disk_mb`): past the cap the least recently used files go (a
 read refreshes a file's mtime).
 """
@@ -15,7 +17,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import mmap
 import os
 import struct
 import tempfile
@@ -54,18 +55,28 @@ class DiskTier:
         """The state saved under `digest` for the prefix tokens `bind`, or None."""
         path = self._path(digest)
         try:
-            with open(path, "rb") as f:
-                size = os.fstat(f.fileno()).st_size
-                if size < _HEADER.size:
-                    return self._refuse(path, "shorter than its header")
-                view = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         except FileNotFoundError:
             return None
         except OSError as exc:
             self._count_error(path, exc)
             return None
-        magic, fmt, n_tokens, n_state, digest_bytes = _HEADER.unpack_from(view, 0)
-        body = memoryview(view)[_HEADER.size :]
+        try:
+            size = os.fstat(fd).st_size
+            if size < _HEADER.size:
+                return self._refuse(path, "shorter than its header")
+            if size > self.max_bytes:
+                return None  # written under a larger cap: not read whole into memory here
+            # Copied, not mapped: a mapping of a file that another process truncates, or that
+            # a shared volume drops, kills the process (SIGBUS) at the next touch of a page.
+            data = _read_whole(fd, size)
+        except OSError as exc:
+            self._count_error(path, exc)
+            return None
+        finally:
+            os.close(fd)
+        magic, fmt, n_tokens, n_state, digest_bytes = _HEADER.unpack_from(data, 0)
+        body = data[_HEADER.size :]
         if magic != MAGIC or fmt != FILE_FORMAT:
             return self._refuse(path, "not a KV state file of this format")
         if len(body) != n_tokens + n_state:
@@ -183,3 +194,16 @@ class DiskTier:
         log.warning("KV state file %s: %s", path, exc)
         with self._lock:
             self.errors += 1
+
+
+def _read_whole(fd: int, size: int) -> memoryview:
+    """Up to `size` bytes from the start of `fd`, into memory of this process (fewer when the
+    file was cut meanwhile), as a writable view."""
+    data = memoryview(bytearray(size))
+    got = 0
+    while got < size:
+        n = os.preadv(fd, [data[got:]], got)
+        if n == 0:
+            break
+        got += n
+    return data[:got]

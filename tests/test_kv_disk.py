@@ -5,6 +5,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import subprocess
+import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -157,3 +161,51 @@ def test_index_precompute_kv_fills_the_disk_tier_once(
     assert main([*base, "--no-progress", "--precompute-kv"]) == 0  # nothing new to index
     assert "kv: 0 passage states computed, 4 already saved" in capsys.readouterr().out
     assert main([*base]) == 2  # neither paths nor --precompute-kv
+
+
+_CHILD = """
+import os, signal, sys
+from pathlib import Path
+from selfrag.infra.cache import MemoryLRU
+from selfrag.infra.kv_cache import PrefixKey, TieredStateStore
+from selfrag.infra.kv_disk import DiskTier
+folder = Path(sys.argv[1])
+TOKENS = b"\\x01\\x00\\x00\\x00\\x02\\x00\\x00\\x00"
+"""
+
+
+def _run(code: str, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-c", _CHILD + textwrap.dedent(code), *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_a_file_truncated_under_a_cached_disk_hit_is_no_sigbus(tmp_path: Path) -> None:
+    """Another process truncates the file of a state this one read from disk and keeps in
+    memory: using it afterwards must not kill this process (a SIGBUS is exit 135 in a shell,
+    returncode -7 here); a fresh reader gets a miss."""
+    proc = _run(
+        """
+        state = bytes(range(256)) * (16 * 1024)  # 4 MiB, many pages
+        key = PrefixKey("12" * 32, TOKENS)
+        writer = TieredStateStore(None, disk=DiskTier(folder, 1 << 26))
+        writer.put(key, state)
+        writer.flush()
+        reader = TieredStateStore(MemoryLRU(1 << 26), disk=DiskTier(folder, 1 << 26))
+        held = reader.get(key)
+        [path] = folder.rglob("*.kv")
+        os.truncate(path, 0)
+        assert bytes(held) == state
+        assert bytes(reader.get(key)) == state  # the memory tier's copy
+        assert reader.counters()["memory_hit"] == 1
+        fresh = TieredStateStore(MemoryLRU(1 << 26), disk=DiskTier(folder, 1 << 26))
+        assert fresh.get(key) is None and fresh.counters()["disk_rejected"] == 1
+        print("ok")
+        """,
+        str(tmp_path / "kv"),
+    )
+    assert proc.returncode != -signal.SIGBUS, "SIGBUS"
+    assert proc.returncode == 0 and proc.stdout == "ok\n", proc.stderr
