@@ -9,8 +9,14 @@ shared volume dropped it), checks the header, the length (a truncated file is re
 tokens (they must equal the ones asked for) and the checksum, and hands out a writable view of
 the copy: the engine restores from it without copying again. A refused file is deleted and
 reads as a miss.
-The folder is capped (`cache.kv_disk_mb`): past the cap the least recently used files go (a
-read refreshes a file's mtime).
+
+The folder is capped (`cache.kv_disk_mb`) for all the processes that share it: its size is kept
+in `.lock`, updated under that file's lock (flock) after every write, and past the cap the
+folder is counted file by file and the least recently used files go (a read refreshes a file's
+mtime). It is also counted at open and at least once a minute, which corrects what a killed
+writer left uncounted; temporary files count too, and one older than `STALE_TEMP_S` (left by a
+killed writer) is deleted then. A process may write one file past the cap before it evicts, so
+the folder holds at most the cap plus one state per process writing at that moment.
 """
 
 from __future__ import annotations
@@ -21,8 +27,11 @@ import os
 import struct
 import tempfile
 import threading
+import time
 from collections.abc import Mapping
 from pathlib import Path
+
+from selfrag.infra.file_lock import FileLock
 
 log = logging.getLogger("selfrag.kv_cache")
 
@@ -33,6 +42,17 @@ SUFFIX = ".kv"
 # After eviction the folder is brought below this share of the cap, so a burst of writes does
 # not evict on every one.
 _EVICT_TO = 0.9
+# The folder's size, shared by the processes writing it: bytes, and when it was last counted
+# file by file. Kept in the lock file, read and written under the lock.
+_USAGE = struct.Struct("<qd")
+_LOCK_FILE = ".lock"
+# The shared size is counted again file by file at least this often, so what it missed (a
+# writer killed between its rename and its update) is corrected.
+_RECOUNT_S = 60.0
+STALE_TEMP_S = 600.0
+"""A temporary file older than this was left by a killed writer (a live one renames its file
+within seconds): it is deleted when the folder is counted."""
+_TEMP_SUFFIX = ".tmp"
 
 
 class DiskTier:
@@ -43,10 +63,12 @@ class DiskTier:
         self.max_bytes = max_bytes
         folder.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
-        self._bytes = self._scan_bytes()
+        self._folder_lock = FileLock(folder / _LOCK_FILE)
+        self._bytes = 0
         self.rejected = 0
         self.evicted = 0
         self.errors = 0
+        self.evict()  # counts the folder, left by other processes or a previous run
 
     def _path(self, digest: str) -> Path:
         return self.folder / digest[:2] / (digest + SUFFIX)
@@ -102,7 +124,7 @@ class DiskTier:
         path = self._path(digest)
         try:
             path.parent.mkdir(exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".", suffix=".tmp")
+            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".", suffix=_TEMP_SUFFIX)
             try:
                 with os.fdopen(fd, "wb") as f:
                     f.write(_HEADER.pack(MAGIC, FILE_FORMAT, len(bind), n_state, h.digest()))
@@ -116,43 +138,66 @@ class DiskTier:
         except OSError as exc:
             self._count_error(path, exc)
             return False
-        with self._lock:
-            self._bytes += size - replaced
-            over = self._bytes > self.max_bytes
-        if over:
-            self.evict()
+        self._account(size - replaced)
         return True
 
-    def evict(self) -> int:
-        """Delete the least recently used files until the folder is below the cap; returns
-        how many went. Other processes may evict at the same time: a file already gone is
-        skipped."""
-        files = []
-        for entry in self._entries():
-            try:
-                st = entry.stat()
-            except FileNotFoundError:
-                continue
-            files.append((st.st_mtime, st.st_size, entry.path))
-        total = sum(size for _, size, _ in files)
-        target = self.max_bytes * _EVICT_TO
-        gone = 0
-        for _, size, path in sorted(files):
-            if total <= target:
-                break
-            try:
-                os.unlink(path)
-            except FileNotFoundError:
-                pass
-            total -= size
-            gone += 1
+    def _account(self, added: int) -> None:
+        """Add `added` bytes to the folder's shared size; past the cap (or when the size was
+        last counted long ago), count the folder and evict."""
+        with self._folder_lock:
+            total, counted = self._read_usage()
+            total += added
+            if total > self.max_bytes or time.time() - counted > _RECOUNT_S:
+                total = self._evict_locked()
+            else:
+                os.pwrite(self._folder_lock.fd, _USAGE.pack(total, counted), 0)
         with self._lock:
             self._bytes = total
+
+    def evict(self) -> int:
+        """Count the folder (every process's files, and temporary files; deleting those of
+        killed writers) and delete the least recently used files while it is over the cap;
+        returns how many went."""
+        with self._folder_lock:
+            before = self.evicted
+            total = self._evict_locked()
+        with self._lock:
+            self._bytes = total
+            return self.evicted - before
+
+    def _evict_locked(self) -> int:
+        """`evict` under the folder's lock; returns the folder's size, which it records.
+        Processes of older versions may evict without the lock: a file already gone is
+        skipped."""
+        files, total = self._count_files()
+        gone = 0
+        if total > self.max_bytes:
+            target = self.max_bytes * _EVICT_TO
+            for _, size, path in sorted(files):
+                if total <= target:
+                    break
+                try:
+                    os.unlink(path)
+                except FileNotFoundError:
+                    pass
+                total -= size
+                gone += 1
+        os.pwrite(self._folder_lock.fd, _USAGE.pack(total, time.time()), 0)
+        with self._lock:
             self.evicted += gone
-        return gone
+        return total
+
+    def _read_usage(self) -> tuple[int, float]:
+        """The folder's shared size and when it was last counted; (0, 0.0), that is count it
+        now, when the lock file holds none yet."""
+        raw = os.pread(self._folder_lock.fd, _USAGE.size, 0)
+        if len(raw) != _USAGE.size:
+            return 0, 0.0
+        total, counted = _USAGE.unpack(raw)
+        return int(total), float(counted)
 
     def size_bytes(self) -> int:
-        """Bytes this tier believes it holds (rescanned on eviction)."""
+        """Bytes in the folder, every process's, as of this tier's last write or eviction."""
         with self._lock:
             return self._bytes
 
@@ -164,21 +209,32 @@ class DiskTier:
                 "disk_error": self.errors,
             }
 
-    def _entries(self) -> list[os.DirEntry[str]]:
-        out = []
-        for sub in os.scandir(self.folder):
-            if sub.is_dir():
-                out.extend(e for e in os.scandir(sub.path) if e.name.endswith(SUFFIX))
-        return out
-
-    def _scan_bytes(self) -> int:
+    def _count_files(self) -> tuple[list[tuple[float, int, str]], int]:
+        """The state files as (mtime, size, path), and the bytes of the folder: theirs and
+        those of live writers' temporary files. Temporary files older than `STALE_TEMP_S`
+        are deleted."""
+        files = []
         total = 0
-        for entry in self._entries():
-            try:
-                total += entry.stat().st_size
-            except FileNotFoundError:
-                pass
-        return total
+        stale_before = time.time() - STALE_TEMP_S
+        for sub in os.scandir(self.folder):
+            if not sub.is_dir():
+                continue
+            for entry in os.scandir(sub.path):
+                temp = entry.name.endswith(_TEMP_SUFFIX)
+                if not (temp or entry.name.endswith(SUFFIX)):
+                    continue
+                try:
+                    st = entry.stat()
+                    if temp and st.st_mtime < stale_before:
+                        log.warning("deleting %s: left by a killed KV state writer", entry.path)
+                        os.unlink(entry.path)
+                        continue
+                except FileNotFoundError:
+                    continue
+                total += st.st_size
+                if not temp:
+                    files.append((st.st_mtime, st.st_size, entry.path))
+        return files, total
 
     def _refuse(self, path: Path, why: str) -> None:
         log.warning("KV state file %s refused (%s): deleted, will be recomputed", path, why)

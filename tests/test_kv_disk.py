@@ -14,7 +14,9 @@ from pathlib import Path
 
 import pytest
 
+from selfrag.infra import kv_disk
 from selfrag.infra.cache import MemoryLRU
+from selfrag.infra.file_lock import FileLock
 from selfrag.infra.kv_cache import PrefixKey, TieredStateStore
 from selfrag.infra.kv_disk import DiskTier
 
@@ -163,6 +165,20 @@ def test_index_precompute_kv_fills_the_disk_tier_once(
     assert main([*base]) == 2  # neither paths nor --precompute-kv
 
 
+def _folder_bytes(folder: Path) -> int:
+    """The bytes of every file under `folder` now, as another process would count them."""
+    total = 0
+    for path in folder.rglob("*"):
+        if path.name == ".lock":
+            continue
+        try:
+            if path.is_file():
+                total += path.stat().st_size
+        except FileNotFoundError:
+            pass  # evicted or renamed meanwhile
+    return total
+
+
 _CHILD = """
 import os, signal, sys
 from pathlib import Path
@@ -209,3 +225,80 @@ def test_a_file_truncated_under_a_cached_disk_hit_is_no_sigbus(tmp_path: Path) -
     )
     assert proc.returncode != -signal.SIGBUS, "SIGBUS"
     assert proc.returncode == 0 and proc.stdout == "ok\n", proc.stderr
+
+
+ONE = 64 * 1024  # one state
+FILE = ONE + 52 + len(TOKENS)  # its file: the header (magic, format, lengths, SHA-256), tokens
+CAP = 1 << 20
+
+
+def test_two_tiers_on_one_folder_share_the_cap(tmp_path: Path) -> None:
+    first, second = DiskTier(tmp_path / "kv", CAP), DiskTier(tmp_path / "kv", CAP)
+    for i in range(40):
+        assert (first if i % 2 else second).put(f"{i:064x}", b"s" * ONE, bind=TOKENS)
+        assert _folder_bytes(tmp_path / "kv") <= CAP
+    assert first.counters()["disk_evicted"] + second.counters()["disk_evicted"] > 0
+    assert first.size_bytes() == _folder_bytes(tmp_path / "kv")  # it wrote last
+    assert _file(first, f"{39:064x}").stat().st_size == FILE
+
+
+def test_two_processes_writing_one_folder_stay_within_the_cap(tmp_path: Path) -> None:
+    """Measured from outside while both write: at most the cap plus one file per writing
+    process (each may write one past the cap before it evicts); the cap once both are done.
+    Measured under the folder's lock, so that no eviction runs during a count (a count that
+    sees a file, then files written after an eviction, adds up what was never there at once)."""
+    folder = tmp_path / "kv"
+    code = """
+        import time
+        tier = DiskTier(folder, int(sys.argv[2]))
+        (folder / f"ready-{sys.argv[3]}").touch()
+        while not (folder / "go").exists():
+            time.sleep(0.005)
+        for i in range(80):
+            assert tier.put(f"{sys.argv[3]}{i:062x}", b"s" * int(sys.argv[4]), bind=TOKENS)
+        """
+    args = [str(folder), str(CAP)]
+    children = [
+        subprocess.Popen(
+            [sys.executable, "-c", _CHILD + textwrap.dedent(code), *args, name, str(ONE)],
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for name in ("aa", "bb")
+    ]
+    while not all((folder / f"ready-{n}").exists() for n in ("aa", "bb")):
+        assert all(c.poll() is None for c in children)
+        time.sleep(0.005)
+    (folder / "go").touch()
+    most, lock = 0, FileLock(folder / ".lock")
+    while any(c.poll() is None for c in children):
+        with lock:
+            most = max(most, _folder_bytes(folder))
+        time.sleep(0.001)
+    for child in children:
+        assert child.wait(timeout=120) == 0, child.stderr.read() if child.stderr else ""
+    assert most <= CAP + 2 * FILE, most
+    assert _folder_bytes(folder) <= CAP
+
+
+def test_a_killed_writers_temporary_file_counts_and_is_deleted_once_stale(tmp_path: Path) -> None:
+    folder = tmp_path / "kv"
+    proc = _run(
+        """
+        os.replace = lambda *a: os.kill(os.getpid(), signal.SIGKILL)  # killed before its rename
+        DiskTier(folder, 1 << 20).put("ab" * 32, b"s" * 200_000, bind=TOKENS)
+        """,
+        str(folder),
+    )
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    [temp] = folder.rglob("*.tmp")
+    size = temp.stat().st_size
+    assert size > 200_000
+    tier = DiskTier(folder, 1 << 20)
+    assert tier.size_bytes() == size and temp.exists()  # counted; it may be a live writer's
+    old = time.time() - 2 * kv_disk.STALE_TEMP_S
+    os.utime(temp, (old, old))
+    tier.put("cd" * 32, STATE, bind=TOKENS)
+    assert tier.evict() == 0
+    assert not temp.exists()
+    assert tier.size_bytes() == _folder_bytes(folder) == _file(tier, "cd" * 32).stat().st_size
