@@ -4,9 +4,16 @@ from __future__ import annotations
 
 import itertools
 import json
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -446,3 +453,250 @@ def test_the_server_engine_indexes_and_searches_alike(
         [lava, stop_words] = store.search_many(["Where does lava come from?", "what is the"], 3)
         assert lava[0].id == "volcano" and len(stop_words) == 3
         assert len(list(store.passages(batch=2))) == 5
+
+
+# --- several processes on one home, crashes -------------------------------------------------
+
+# What the child processes run first: a cheap deterministic embedder (8 floats per text) and
+# Passage/store imports. The tests below need no model: the store is what they exercise.
+_CHILD = """
+import hashlib, os, signal, sys, time
+from pathlib import Path
+import numpy as np
+from selfrag.infra.qdrant_store import EdgeEngine, QdrantStore
+from selfrag.pipeline.protocols import Passage
+from selfrag.schemas.settings import RetrievalSettings
+
+class HashEmbedder:
+    dim = 8
+    model_id = "hash-embedder"
+    def embed(self, texts):
+        rows = []
+        for text in texts:
+            seed = int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little")
+            row = np.random.default_rng(seed).standard_normal(8).astype(np.float32)
+            rows.append(row / np.linalg.norm(row))
+        return np.array(rows, dtype=np.float32).reshape(len(texts), 8)
+
+def passages(prefix, n):
+    return [Passage(f"{prefix}{i}", f"passage {prefix} {i} about things", None,
+                    metadata={"doc_id": f"{prefix}{i}"}) for i in range(n)]
+
+home = Path(sys.argv[1])
+"""
+
+
+class HashEmbedder:
+    """The children's embedder, in this process."""
+
+    dim = 8
+    model_id = "hash-embedder"
+
+    def embed(self, texts: Sequence[str]) -> np.ndarray:
+        import hashlib
+
+        rows = []
+        for text in texts:
+            seed = int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little")
+            row = np.random.default_rng(seed).standard_normal(8).astype(np.float32)
+            rows.append(row / np.linalg.norm(row))
+        return np.array(rows, dtype=np.float32).reshape(len(texts), 8)
+
+
+def _passages(prefix: str, n: int) -> list[Passage]:
+    return [
+        Passage(
+            f"{prefix}{i}", f"passage {prefix} {i} about things", None, {"doc_id": f"{prefix}{i}"}
+        )
+        for i in range(n)
+    ]
+
+
+def _child(home: Path, body: str, *args: str) -> subprocess.Popen[str]:
+    code = _CHILD + textwrap.dedent(body)
+    return subprocess.Popen(
+        [sys.executable, "-c", code, str(home), *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def _run_child(home: Path, body: str) -> subprocess.CompletedProcess[str]:
+    proc = _child(home, body)
+    out, err = proc.communicate(timeout=120)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def _old_random_index(home: Path, n: int) -> None:
+    """An index of the earlier format (qdrant-client local mode) with `n` passages of
+    `HashEmbedder` vectors."""
+    from qdrant_client import QdrantClient, models
+
+    embedder = HashEmbedder()
+    client = QdrantClient(path=str(home / "qdrant"))
+    client.create_collection(
+        "passages",
+        vectors_config={"dense": models.VectorParams(size=8, distance=models.Distance.COSINE)},
+        sparse_vectors_config={"sparse": models.SparseVectorParams(modifier=models.Modifier.IDF)},
+        metadata={"index_version": "v-old", "embedding_model": embedder.model_id},
+    )
+    docs = _passages("old", n)
+    vectors = embedder.embed([p.text for p in docs])
+    client.upsert(
+        "passages",
+        points=[
+            models.PointStruct(
+                id=point_id(p.id),
+                vector={
+                    "dense": v.tolist(),
+                    "sparse": models.SparseVector(indices=[1], values=[1.0]),
+                },
+                payload={"passage_id": p.id, "title": None, "text": p.text, "doc_id": p.id},
+            )
+            for p, v in zip(docs, vectors, strict=True)
+        ],
+    )
+    client.close()
+
+
+@pytest.fixture(scope="module")
+def old_format_home(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A home with only an index of the earlier format, 300 passages (the migration copies
+    256 at a time). Built once: qdrant-client's local mode takes ~30 ms a point."""
+    home = tmp_path_factory.mktemp("old-format")
+    _old_random_index(home, 300)
+    return home
+
+
+def test_a_migration_killed_half_way_is_done_again_on_the_next_open(
+    home: Path, old_format_home: Path
+) -> None:
+    shutil.copytree(old_format_home, home)
+    # The child is killed after the first 256 passages were copied.
+    child = _run_child(
+        home,
+        """
+        from qdrant_client import QdrantClient
+        real_scroll, calls = QdrantClient.scroll, []
+        def scroll(self, *a, **k):
+            calls.append(1)
+            if len(calls) == 2:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return real_scroll(self, *a, **k)
+        QdrantClient.scroll = scroll
+        QdrantStore.open(RetrievalSettings(), home, HashEmbedder())
+        """,
+    )
+    assert child.returncode == -signal.SIGKILL, child.stderr
+    with QdrantStore.open(RetrievalSettings(), home, HashEmbedder()) as store:
+        assert store.count() == 300
+        assert store.index_version() not in ("empty", "v-old")
+        assert store.search("passage old 7 about things", 1)[0].id == "old7"
+    assert sorted(p.name for p in (home / "edge" / "passages").iterdir()) == [
+        ".lock",
+        "index.json",
+        "shard",
+    ]
+
+
+def test_a_failed_migration_is_a_store_error_and_releases_the_folder(
+    home: Path, old_format_home: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A migration that fails half way leaves no partial index, nor its shard open in this
+    process: the next open, here, migrates everything."""
+    from qdrant_client import QdrantClient
+
+    shutil.copytree(old_format_home, home)
+    real_scroll = QdrantClient.scroll
+    calls: list[int] = []
+
+    def failing_scroll(self: QdrantClient, *args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        if len(calls) == 2:
+            raise OSError("disk went away")
+        return real_scroll(self, *args, **kwargs)
+
+    monkeypatch.setattr(QdrantClient, "scroll", failing_scroll)
+    with pytest.raises(StoreError, match=r"migrating the old embedded store .* failed \(disk went"):
+        QdrantStore.open(RetrievalSettings(), home, HashEmbedder())
+    assert not (home / "edge" / "passages" / "index.json").exists()
+    monkeypatch.setattr(QdrantClient, "scroll", real_scroll)
+    with QdrantStore.open(RetrievalSettings(), home, HashEmbedder()) as store:
+        assert store.count() == 300
+        assert store.index_version() not in ("empty", "v-old")
+
+
+def test_a_crash_between_creating_the_shard_and_index_json_is_redone(home: Path) -> None:
+    child = _run_child(
+        home,
+        """
+        EdgeEngine._write_facts = lambda self, facts: os.kill(os.getpid(), signal.SIGKILL)
+        with QdrantStore.open(RetrievalSettings(), home, HashEmbedder()) as store:
+            store.upsert(passages("a", 3))
+        """,
+    )
+    assert child.returncode == -signal.SIGKILL, child.stderr
+    folder = home / "edge" / "passages"
+    assert (folder / "shard").is_dir() and not (folder / "index.json").exists()
+    with QdrantStore.open(RetrievalSettings(), home, HashEmbedder()) as store:
+        assert store.count() == 0 and store.index_version() == "empty"
+        assert store.upsert(_passages("b", 4)) == 4
+        assert store.count() == 4
+    with QdrantStore.open(RetrievalSettings(), home, HashEmbedder()) as store:
+        assert store.count() == 4
+
+
+def test_two_processes_indexing_a_fresh_home_at_once_both_succeed(home: Path) -> None:
+    """Both open the empty home, then both write: the second waits for the first to close
+    the index it created, then writes into it."""
+    body = """
+        name = sys.argv[2]
+        with QdrantStore.open(RetrievalSettings(), home, HashEmbedder()) as store:
+            (home / f"ready-{name}").touch()
+            while not (home / "go").exists():
+                time.sleep(0.01)
+            store.upsert(passages(name, 300), batch_size=64)
+            print("count", store.count())
+        """
+    home.mkdir(parents=True)
+    children = [_child(home, body, name) for name in ("a", "b")]
+    deadline = time.monotonic() + 60
+    while not all((home / f"ready-{n}").exists() for n in "ab"):
+        assert time.monotonic() < deadline and all(c.poll() is None for c in children)
+        time.sleep(0.01)
+    (home / "go").touch()
+    for child in children:
+        out, err = child.communicate(timeout=120)
+        assert child.returncode == 0, err
+        assert "Traceback" not in err and "count " in out
+    with QdrantStore.open(RetrievalSettings(), home, HashEmbedder()) as store:
+        assert store.count() == 600
+        assert store.index_version() != "empty"
+        assert {p.id[0] for p in store.passages()} == {"a", "b"}
+
+
+def test_a_store_opened_on_an_empty_home_serves_an_index_built_later_elsewhere(
+    home: Path,
+) -> None:
+    with QdrantStore.open(RetrievalSettings(), home, HashEmbedder()) as served:
+        assert served.search("passage n 1 about things", 1) == []
+        child = _run_child(
+            home,
+            """
+            with QdrantStore.open(RetrievalSettings(), home, HashEmbedder()) as store:
+                store.upsert(passages("n", 5))
+            """,
+        )
+        assert child.returncode == 0, child.stderr
+        # Looked for at most once a second.
+        deadline = time.monotonic() + 5
+        while not served.search("passage n 1 about things", 1):
+            assert time.monotonic() < deadline, "the index built by the other process is not seen"
+            time.sleep(0.1)
+        assert served.search("passage n 1 about things", 1)[0].id == "n1"
+        assert served.count() == 5 and served.index_version() != "empty"
+        served.require_index()
+        # From now on this process holds it.
+        proc = _run_child(home, "QdrantStore.open(RetrievalSettings(), home, HashEmbedder())")
+        assert proc.returncode == 1 and "already open" in proc.stderr
