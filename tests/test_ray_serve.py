@@ -185,6 +185,14 @@ def test_invalid_requests_are_422_through_the_proxy(api: httpx.Client):
     unknown = api.post("/v1/answer", json={"question": "q", "config": {"temperature": 0.7}})
     assert unknown.status_code == 422
     assert unknown.json()["detail"][0]["field"] == "config.temperature"
+    # A cross-site form or text/plain POST, and a rebound DNS name: refused by the ingress,
+    # which knows that Serve binds loopback here.
+    plain = api.post(
+        "/v1/answer", content=b'{"question": "q"}', headers={"content-type": "text/plain"}
+    )
+    assert plain.status_code == 415 and plain.json()["error"] == "unsupported_media_type"
+    rebound = api.get("/readyz", headers={"host": "evil.example"})
+    assert rebound.status_code == 421 and rebound.json()["error"] == "misdirected_request"
 
 
 def test_concurrent_requests_share_engine_batches(api: httpx.Client):
