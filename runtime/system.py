@@ -55,6 +55,7 @@ class SelfRAGSystem(Closeable):
     def embedder(self) -> SentenceEmbedder:
         from selfrag.infra.embedder import SentenceEmbedder
 
+        self._before_llama()  # an embedder may load llama.cpp (or torch's OpenMP) first
         return SentenceEmbedder(self.settings.retrieval.embedding_model)
 
     @cached_property
@@ -65,7 +66,8 @@ class SelfRAGSystem(Closeable):
 
     def _before_llama(self) -> None:
         """Put OpenMP's wait policy (`model.omp_wait_policy`) into this process's environment:
-        the runtime reads it once, when llama.cpp's CPU backend loads it."""
+        the runtime reads it once, when llama.cpp's CPU backend loads it. Called before
+        anything here that may load llama.cpp: the embedder, the model file, the engine."""
         apply_wait_policy(self.settings.model.omp_wait_policy)
 
     @cached_property

@@ -297,13 +297,25 @@ def test_the_engine_process_starts_openmp_with_the_setting(
         """,
         env,
     )
+    # The store's embedder (torch, or llama.cpp) first, as `selfrag ask` and `index` do.
+    err_store = _openmp_display(
+        """
+        from selfrag import SelfRAG
+        with SelfRAG.open() as rag:
+            rag.system.embedder
+            rag.system.engine
+        """,
+        env,
+    )
     wanted = {None: "PASSIVE", "active": "ACTIVE", "inherit": "PASSIVE"}[policy]
-    assert f"OMP_WAIT_POLICY = '{wanted}'" in err, err[-2000:]
-    # libgomp shows an unset policy as PASSIVE too; its spin count tells them apart.
-    if spin is not None:
-        assert f"GOMP_SPINCOUNT = {spin}" in err, err[-2000:]
-    else:
-        assert "GOMP_SPINCOUNT = '0'" not in err and "GOMP_SPINCOUNT = '300000'" not in err
+    for shown in (err, err_store):
+        assert f"OMP_WAIT_POLICY = '{wanted}'" in shown, shown[-2000:]
+        # libgomp shows an unset policy as PASSIVE too; its spin count tells them apart.
+        if spin is not None:
+            assert f"GOMP_SPINCOUNT = {spin}" in shown, shown[-2000:]
+        else:
+            assert "GOMP_SPINCOUNT = '0'" not in shown and "'300000'" not in shown
+        assert "was loaded in this process" not in shown  # set before, not too late
 
 
 @pytest.mark.real
