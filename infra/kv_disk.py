@@ -68,7 +68,10 @@ class DiskTier:
         self.rejected = 0
         self.evicted = 0
         self.errors = 0
-        self.evict()  # counts the folder, left by other processes or a previous run
+        try:
+            self.evict()  # counts the folder, left by other processes or a previous run
+        except OSError as exc:  # a read-only folder still serves reads
+            self._count_error(folder / _LOCK_FILE, exc)
 
     def _path(self, digest: str) -> Path:
         return self.folder / digest[:2] / (digest + SUFFIX)
@@ -138,7 +141,10 @@ class DiskTier:
         except OSError as exc:
             self._count_error(path, exc)
             return False
-        self._account(size - replaced)
+        try:
+            self._account(size - replaced)
+        except OSError as exc:
+            self._count_error(self.folder / _LOCK_FILE, exc)
         return True
 
     def _account(self, added: int) -> None:

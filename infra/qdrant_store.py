@@ -518,7 +518,13 @@ class EdgeEngine:
         # Without index.json, a holder of the lock is only looking, or creating or migrating
         # the index (then this open is refused once it is done): wait for it a little.
         wait = 0.0 if (self.folder / FACTS_FILE).is_file() else _OPEN_WAIT_S
-        if not self._lock.acquire(timeout_s=wait):
+        try:
+            locked = self._lock.acquire(timeout_s=wait)
+        except OSError as error:
+            raise StoreError(
+                f"the embedded store {self.folder} cannot be opened: {error}"
+            ) from error
+        if not locked:
             raise StoreError(_already_open(self.folder))
         try:
             self._shard = self._load_locked()
