@@ -30,9 +30,10 @@ from selfrag.schemas.settings import ModelSettings, WaitPolicy
 log = logging.getLogger("selfrag.engine_threads")
 
 WAIT_POLICY_ENV = "OMP_WAIT_POLICY"
-# The OpenMP runtimes a llama.cpp build links by their sonames (GCC's, LLVM's, Intel's). A
-# private copy with a hashed name (torch bundles `libgomp-<hash>.so.1`) is a runtime of its
-# own that ggml never uses, so it does not count.
+# The OpenMP runtimes a llama.cpp build links, by soname (GCC's, LLVM's, Intel's). The dynamic
+# linker hands ggml one already loaded under that soname, wherever its file is (torch ships
+# `torch/lib/libgomp.so.1`: importing torch first starts the runtime ggml then shares); a copy
+# renamed by auditwheel (`libgomp-<hash>.so.1`) is a runtime of its own and does not count.
 _OPENMP_LIBRARY = re.compile(r"^lib(gomp|omp|iomp5)\.so(\.\d+)*$")
 
 

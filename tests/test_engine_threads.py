@@ -140,8 +140,10 @@ def test_apply_after_the_runtime_loaded_warns_and_changes_nothing(
 
 
 def test_only_the_runtimes_llama_cpp_links_count(tmp_path: Path):
-    torch_copy = "/venv/lib/python3.11/site-packages/torch/lib/libgomp-a34b3233.so.1"
-    assert loaded_openmp(_maps(tmp_path, torch_copy)) == []
+    renamed = "/venv/lib/python3.11/site-packages/scipy.libs/libgomp-a34b3233.so.1"
+    assert loaded_openmp(_maps(tmp_path, renamed)) == []
+    torch = "/venv/lib/python3.11/site-packages/torch/lib/libgomp.so.1"  # ggml would share it
+    assert loaded_openmp(_maps(tmp_path, torch)) == [torch]
     assert loaded_openmp(_maps(tmp_path, GOMP, GOMP)) == [GOMP]
     assert loaded_openmp(_maps(tmp_path, "/opt/llvm/lib/libomp.so")) == ["/opt/llvm/lib/libomp.so"]
     assert loaded_openmp(tmp_path / "no-such-maps") == []
