@@ -528,7 +528,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         )
         serve.run(build_app(settings), name=APP_NAME, route_prefix="/", blocking=False)
         print(
-            f"selfrag: serving on http://{host}:{port} (docs at /docs); Ctrl-C stops",
+            f"selfrag: serving on http://{host}:{port} (API at /openapi.json); Ctrl-C stops",
             file=sys.stderr,
             flush=True,
         )

@@ -13,6 +13,7 @@ from pydantic import (
     Field,
     Secret,
     SecretStr,
+    StringConstraints,
 )
 
 from selfrag.schemas.calibration import CalibrationSettings
@@ -159,6 +160,15 @@ class ServeSettings(BaseModel):
 
     host: str = Field("127.0.0.1", description="Bind address; loopback unless asked otherwise.")
     port: int = Field(8000, ge=1, le=65535)
+    allowed_hosts: list[
+        Annotated[str, StringConstraints(pattern=r"^(\*|[A-Za-z0-9._-]+|\[[0-9A-Fa-f:.]+\])$")]
+    ] = Field(
+        default_factory=list,
+        max_length=64,
+        description="Host names (no port) a server bound to a loopback address answers besides "
+        "localhost, 127.0.0.1, [::1] and its bind address; other Host headers get 421, which "
+        "stops DNS rebinding. Add the name a local reverse proxy sends; '*' turns the check off.",
+    )
     max_batch_size: int = Field(
         16,
         ge=1,
