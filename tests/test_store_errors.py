@@ -6,6 +6,10 @@ clients retry forever; a server that does not answer stays 503. Real embedded Qd
 from __future__ import annotations
 
 import hashlib
+import subprocess
+import sys
+import textwrap
+import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -96,6 +100,59 @@ def test_the_retriever_answers_500_misconfigured_for_an_index_of_another_size(
             with pytest.raises(Misconfigured, match="vectors of size 8, but the embedder") as err:
                 call()
             assert (err.value.status, err.value.kind) == (500, "misconfigured")
+    finally:
+        retriever._rag.close()
+
+
+def test_a_retriever_started_on_an_empty_home_serves_an_index_built_by_another_process(
+    settings: Settings, real_model_id: str
+):
+    """`selfrag index` in another process after the server started: once that process has
+    closed the index, the running Retriever serves it, without a restart."""
+    retriever = Retriever.func_or_class(settings)
+    try:
+        assert retriever.ready() is False
+        code = textwrap.dedent(
+            """
+            import hashlib, sys
+            from pathlib import Path
+            import numpy as np
+            from selfrag.infra.qdrant_store import QdrantStore
+            from selfrag.pipeline.protocols import Passage
+            from selfrag.schemas.settings import RetrievalSettings
+
+            class HashEmbedder:
+                dim = int(sys.argv[3])
+                model_id = sys.argv[2]
+
+                def embed(self, texts):
+                    rows = []
+                    for text in texts:
+                        seed = int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little")
+                        row = np.random.default_rng(seed).standard_normal(self.dim)
+                        rows.append(row / np.linalg.norm(row))
+                    return np.array(rows, dtype=np.float32).reshape(len(texts), self.dim)
+
+            passages = [Passage(f"p{i}", f"Passage {i} on the Normans.", None) for i in range(3)]
+            with QdrantStore.open(RetrievalSettings(), Path(sys.argv[1]), HashEmbedder()) as store:
+                store.upsert(passages)
+            """
+        )
+        dim = retriever._rag.store.embedder.dim
+        child = subprocess.run(
+            [sys.executable, "-c", code, str(settings.home), real_model_id, str(dim)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+        assert child.returncode == 0, child.stderr
+        deadline = time.monotonic() + 5  # looked for at most once a second
+        while not retriever.ready():
+            assert time.monotonic() < deadline, "the index built meanwhile is not served"
+            time.sleep(0.1)
+        assert len(retriever.search("Who ruled Normandy?", 2)) == 2
+        assert retriever.index_version() != "empty"
     finally:
         retriever._rag.close()
 
