@@ -158,7 +158,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     default_data = Path(__file__).resolve().parents[2] / "shared" / "data"
     parser.add_argument("--data", type=Path, default=default_data)
-    parser.add_argument("--threads", type=int, default=1, help="torch threads for embedding")
+    parser.add_argument("--threads", type=int, default=1, help="llama.cpp threads for embedding")
     parser.add_argument("--points", type=int, default=100_000, help="the large store size")
     args = parser.parse_args()
     squad = args.data / "squad_v2_small.json"
@@ -167,7 +167,7 @@ def main() -> None:
 
     embedder = SentenceEmbedder(threads=args.threads)
     started = time.perf_counter()
-    _ = embedder.dim  # load the model outside the indexing time
+    embedder.embed(["load"])  # convert (once) and load the model outside the indexing time
     load_s = time.perf_counter() - started
 
     settings = RetrievalSettings()
@@ -187,7 +187,7 @@ def main() -> None:
     print(f"corpus: {documents} documents, {passages} passages, {errors} errors")
     print(
         f"model load {load_s:.1f} s, indexing {index_s:.1f} s "
-        f"({passages / index_s:.1f} passages/s, {args.threads} torch thread(s))"
+        f"({passages / index_s:.1f} passages/s, {args.threads} embedding thread(s))"
     )
     print(f"questions: {len(questions)} answerable '{TUNING_ARTICLE}' questions\n")
     print(f"{'search':<8} {'hit@1':>7} {'hit@5':>7} {'p50 ms':>7} {'p95 ms':>7}")

@@ -19,7 +19,7 @@ import tempfile
 import threading
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import BinaryIO, Literal, get_args
@@ -152,13 +152,33 @@ def derive_weights(src: Path, fmt: WeightFormat, home: Path) -> Path:
         if auto is None:
             return src
         fmt = auto
-    target = derived_path(src, fmt, home)
+    ftype = FORMAT_FTYPE[fmt]
+    return derive_once(derived_path(src, fmt, home), lambda tmp: _quantize(src, tmp, ftype))
+
+
+def derive_once(target: Path, make: Callable[[Path], None]) -> Path:
+    """`target`, made once per file system: unless it exists, `make(tmp)` writes a GGUF file
+    to a temporary name beside it under `derivation_lock`, which is renamed onto `target`.
+
+    A crash never leaves a half-written `target`, and processes starting together make it
+    once: the others wait for the lock and find the file.
+    """
     if target.is_file():
         return target
     with derivation_lock(target):
         # Another process may have finished the copy while this one waited for the lock.
-        if not target.is_file():
-            _quantize(src, target, FORMAT_FTYPE[fmt])
+        if target.is_file():
+            return target
+        fd, tmp_name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+        os.close(fd)
+        tmp_path = Path(tmp_name)
+        try:
+            make(tmp_path)
+            _check_magic_of(tmp_path, source=f"the file made for {target}")
+            tmp_path.chmod(0o644)  # mkstemp creates 0600; the copy is as readable as a download
+            os.replace(tmp_path, target)
+        finally:
+            tmp_path.unlink(missing_ok=True)
     return target
 
 
@@ -369,25 +389,15 @@ def _quantize(src: Path, target: Path, ftype: int) -> None:
     from selfrag.infra.llama_backend import init_llama
 
     init_llama()  # also routes llama.cpp's per-tensor progress log away from stdout
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
-    os.close(fd)
-    tmp_path = Path(tmp_name)
-    try:
-        params = llama_cpp.llama_model_quantize_default_params()
-        params.nthread = os.cpu_count() or 1
-        params.ftype = ftype
-        # The source is already quantized (Q4_1); converting it needs requantizing allowed.
-        params.allow_requantize = True
-        status = llama_cpp.llama_model_quantize(
-            str(src).encode(), str(tmp_path).encode(), ctypes.byref(params)
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.nthread = os.cpu_count() or 1
+    params.ftype = ftype
+    # The source is already quantized (Q4_1); converting it needs requantizing allowed.
+    params.allow_requantize = True
+    status = llama_cpp.llama_model_quantize(
+        str(src).encode(), str(target).encode(), ctypes.byref(params)
+    )
+    if status != 0:
+        raise ModelFileError(
+            f"llama.cpp could not convert {src} to file type {ftype} (status {status})"
         )
-        if status != 0:
-            raise ModelFileError(
-                f"llama.cpp could not convert {src} to file type {ftype} (status {status})"
-            )
-        _check_magic_of(tmp_path, source=f"converted copy of {src}")
-        tmp_path.chmod(0o644)  # mkstemp creates 0600; the copy is as readable as a download
-        os.replace(tmp_path, target)
-    finally:
-        tmp_path.unlink(missing_ok=True)

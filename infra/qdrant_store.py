@@ -79,6 +79,10 @@ _HYBRID_PREFETCH_FACTOR = 4
 _HYBRID_PREFETCH_MIN = 20
 _RRF_K = 60  # Qdrant's default RRF constant
 _NO_VERSION = "empty"
+# An index recorded as built by an embedder the current one replaces (`Embedder.replaces`) is
+# reused when this many of its passages re-embed to vectors this close to the stored ones.
+ADOPT_SAMPLE = 32
+ADOPT_MIN_COSINE = 0.999
 # Embedded folders this process has open (resolved paths), to refuse a second store early.
 _OPEN_FOLDERS: set[str] = set()
 _OPEN_FOLDERS_LOCK = threading.Lock()
@@ -94,6 +98,12 @@ class Embedder(Protocol):
     def model_id(self) -> str: ...
 
     def embed(self, texts: Sequence[str]) -> np.ndarray: ...
+
+
+def replaced_by(embedder: Embedder) -> frozenset[str]:
+    """The ids of embedders whose indexes `embedder` may reuse after a sample check (its
+    optional `replaces` attribute; none for an embedder without one)."""
+    return frozenset(getattr(embedder, "replaces", ()))
 
 
 class StoreError(RuntimeError):
@@ -161,6 +171,8 @@ class Engine(Protocol):
     def search(self, searches: Sequence[Search]) -> list[list[tuple[dict[str, Any], float]]]: ...
 
     def scroll(self, limit: int, offset: Any) -> tuple[list[dict[str, Any]], Any]: ...
+
+    def sample(self, limit: int) -> list[tuple[dict[str, Any], list[float]]]: ...
 
     def ping(self) -> None: ...
 
@@ -373,9 +385,45 @@ class QdrantStore(Closeable):
         # Cache a positive answer: collections are not dropped under a running store, and
         # asking a server on every search would cost a round trip.
         if not self._exists and self._engine.exists():
-            check_facts(self._engine.facts(), self._collection, self._embedder)
+            facts = self._engine.facts()
+            if facts.get("embedding_model") in replaced_by(self._embedder):
+                facts = self._adopt(facts)
+            check_facts(facts, self._collection, self._embedder)
             self._exists = True
         return self._exists
+
+    def _adopt(self, facts: dict[str, Any]) -> dict[str, Any]:
+        """Take over an index built by an embedder this one replaces: re-embed a sample of
+        its passages, and when every vector matches the stored one (cosine >= 0.999) record
+        this embedder as the index's; StoreMisconfigured naming the fix otherwise."""
+        built_with = facts["embedding_model"]
+        sample = self._engine.sample(ADOPT_SAMPLE)
+        worst = 1.0
+        if sample:
+            fresh = self._embedder.embed([str(payload.get("text", "")) for payload, _ in sample])
+            stored = np.asarray([vector for _, vector in sample], dtype=np.float32)
+            norms = np.linalg.norm(fresh, axis=1) * np.linalg.norm(stored, axis=1)
+            worst = float(np.min(np.sum(fresh * stored, axis=1) / np.maximum(norms, 1e-12)))
+        if worst < ADOPT_MIN_COSINE:
+            raise StoreMisconfigured(
+                f"collection {self._collection!r} in {self.where} was indexed with {built_with}, "
+                f"whose vectors the embedder {self._embedder.model_id} does not reproduce "
+                f"(cosine {worst:.4f} < {ADOPT_MIN_COSINE} on a sample of {len(sample)} "
+                "passages): re-index, e.g. `selfrag --home NEW_HOME index PATH...` (or set "
+                "retrieval.collection to a new name)"
+            )
+        self._engine.update_facts({"embedding_model": self._embedder.model_id})
+        log.warning(
+            "collection %r was indexed with %s; %s re-embeds %d of its passages alike "
+            "(cosine >= %.4f): reused, and recorded as indexed with %s",
+            self._collection,
+            built_with,
+            self._embedder.model_id,
+            len(sample),
+            worst,
+            self._embedder.model_id,
+        )
+        return {**facts, "embedding_model": self._embedder.model_id}
 
     def _ensure_collection(self) -> None:
         """Create the collection with both vectors; the caller holds the lock."""
@@ -708,6 +756,13 @@ class EdgeEngine:
         )
         return [dict(p.payload or {}) for p in points], next_offset
 
+    def sample(self, limit: int) -> list[tuple[dict[str, Any], list[float]]]:
+        """The first `limit` points in point order (random passages): payload, dense vector."""
+        points, _ = self._require().scroll(
+            edge.ScrollRequest(limit=limit, with_payload=True, with_vector=True)
+        )
+        return [(dict(p.payload or {}), list(_dense_of(p.vector))) for p in points]
+
     def ping(self) -> None:
         if self._closed:
             raise StoreError("the store is closed")
@@ -775,7 +830,8 @@ def migrate_local_store(old: Path, collection: str, target: EdgeEngine, embedder
     try:
         info = client.get_collection(collection)
         built_with = (info.config.metadata or {}).get("embedding_model")
-        if built_with is not None and built_with != embedder.model_id:
+        accepted = {embedder.model_id, *replaced_by(embedder)}
+        if built_with is not None and built_with not in accepted:
             log.warning(
                 "the index in %s was built with %s, not %s: not migrated; re-index",
                 old,
@@ -802,7 +858,13 @@ def migrate_local_store(old: Path, collection: str, target: EdgeEngine, embedder
                 if offset is None:
                     return
 
-        facts = {**new_facts(embedder), "index_version": uuid.uuid4().hex}
+        # Built by an embedder this one replaces: recorded as such, so the first open checks
+        # a sample of its vectors (QdrantStore._adopt) before using them.
+        facts = {
+            **new_facts(embedder),
+            "index_version": uuid.uuid4().hex,
+            "embedding_model": built_with or embedder.model_id,
+        }
         copied = target.build(embedder.dim, facts, batches())
     finally:
         client.close()
@@ -814,6 +876,11 @@ def migrate_local_store(old: Path, collection: str, target: EdgeEngine, embedder
         time.perf_counter() - started,
     )
     return copied
+
+
+def _dense_of(vector: Any) -> Sequence[float]:
+    """The dense vector of a point as an engine returns it (by name, or alone)."""
+    return vector[DENSE] if isinstance(vector, dict) else vector
 
 
 def _already_open(folder: Path) -> str:
@@ -944,6 +1011,13 @@ class ServerEngine:
             self._collection, limit=limit, offset=offset, with_payload=True, with_vectors=False
         )
         return [dict(p.payload or {}) for p in points], next_offset
+
+    def sample(self, limit: int) -> list[tuple[dict[str, Any], list[float]]]:
+        """The first `limit` points in point order (random passages): payload, dense vector."""
+        points, _ = self._client.scroll(
+            self._collection, limit=limit, with_payload=True, with_vectors=[DENSE]
+        )
+        return [(dict(p.payload or {}), list(_dense_of(p.vector))) for p in points]
 
     def ping(self) -> None:
         self._client.get_collections()

@@ -32,7 +32,7 @@ from selfrag.schemas.settings import ModelSettings, Settings
 
 log = logging.getLogger(__name__)
 
-if TYPE_CHECKING:  # heavy modules (torch, llama.cpp) load only when a component is built
+if TYPE_CHECKING:  # heavy modules (llama.cpp, Qdrant) load only when a component is built
     from selfrag.infra.embedder import SentenceEmbedder
     from selfrag.infra.kv_cache import TieredStateStore
     from selfrag.infra.llama_engine import LlamaEngine

@@ -136,7 +136,8 @@ class RetrievalSettings(BaseModel):
     collection: str = "passages"
     embedding_model: str | None = Field(
         None,
-        description="sentence-transformers model folder; default: the embedded all-MiniLM-L6-v2.",
+        description="sentence-transformers BERT model folder (safetensors), converted to GGUF "
+        "once and run on llama.cpp; default: the embedded all-MiniLM-L6-v2.",
     )
     hybrid: bool = Field(
         True,

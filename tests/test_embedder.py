@@ -1,0 +1,160 @@
+"""The llama.cpp embedder (`infra.embedder`, the shipped all-MiniLM-L6-v2 converted to GGUF by
+`infra.bert_gguf`): conversion once, truncation, and an index built by the
+sentence-transformers embedder it replaces, reused or refused."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from selfrag.infra.bert_gguf import BertFolder, read_safetensors
+from selfrag.infra.embedder import SentenceEmbedder, default_model_dir
+from selfrag.infra.model_files import ModelFileError, read_gguf_metadata
+from selfrag.infra.qdrant_store import QdrantStore, StoreMisconfigured
+from selfrag.pipeline.protocols import Passage
+from selfrag.schemas.settings import RetrievalSettings
+
+pytestmark = pytest.mark.real
+
+PASSAGES = [
+    Passage("rollo#0", "Rollo was the first ruler of Normandy.", "Rollo", metadata={"doc_id": "r"}),
+    Passage("lava#0", "Lava escapes from a magma chamber.", "Volcano", metadata={"doc_id": "v"}),
+    Passage("bread#0", "Sourdough rises with wild yeast.", "Bread", metadata={"doc_id": "b"}),
+]
+
+
+@pytest.fixture(scope="module")
+def embedder() -> SentenceEmbedder:
+    return SentenceEmbedder()
+
+
+class OldEmbedder:
+    """Stands for the sentence-transformers embedder an index was built with: its model id,
+    and vectors that are the real ones (`noise` 0) or not."""
+
+    def __init__(self, inner: SentenceEmbedder, noise: float) -> None:
+        [self.model_id] = inner.replaces
+        self.dim = inner.dim
+        self._inner = inner
+        self._noise = noise
+
+    def embed(self, texts: Sequence[str]) -> np.ndarray:
+        vectors = self._inner.embed(texts)
+        if self._noise:
+            rng = np.random.default_rng(0)
+            vectors = vectors + self._noise * rng.standard_normal(vectors.shape)
+            vectors /= np.linalg.norm(vectors, axis=1, keepdims=True)
+        return vectors.astype(np.float32)
+
+
+def test_the_model_is_converted_once_into_the_cache(tmp_path: Path) -> None:
+    first = SentenceEmbedder(cache_dir=tmp_path)
+    path = first.gguf_path()
+    assert path.parent == tmp_path and path.name.endswith(".f16.gguf")
+    assert read_gguf_metadata(path, "general.architecture") == "bert"
+    assert read_gguf_metadata(path, "bert.pooling_type") == 1  # mean, as the folder says
+    made = path.stat().st_mtime_ns
+    second = SentenceEmbedder(cache_dir=tmp_path)
+    assert second.gguf_path() == path and path.stat().st_mtime_ns == made
+    assert [p.name for p in tmp_path.iterdir() if not p.name.startswith(".")] == [path.name]
+    vectors = second.embed(["a volcano erupts", "bread rises"])
+    assert vectors.shape == (2, 384) and vectors.dtype == np.float32
+    assert np.allclose(np.linalg.norm(vectors, axis=1), 1.0, atol=1e-5)
+    assert second.model_id.endswith("-llama-f16") and second.replaces == first.replaces
+
+
+def test_long_texts_are_cut_at_256_word_pieces_like_sentence_transformers(
+    embedder: SentenceEmbedder,
+) -> None:
+    long = " ".join(f"Normandy{i}" for i in range(400))
+    ids = embedder.tokenize(long)
+    assert len(ids) == embedder.max_seq_length == 256
+    assert (ids[0], ids[-1]) == (101, 102)  # [CLS] ... [SEP]
+    longer = long + " and a tail that is never read"
+    assert np.allclose(embedder.embed([long]), embedder.embed([longer]), atol=1e-6)
+    assert embedder.tokenize("Who founded Normandy?") == [101, 2040, 2631, 13298, 1029, 102]
+
+
+def test_accents_are_stripped_as_hugging_face_bert_does(embedder: SentenceEmbedder) -> None:
+    # "Caen" and "Caén" are one word to an uncased BERT tokenizer; without stripping, llama.cpp
+    # would see a combining accent and answer [UNK] (id 100).
+    assert embedder.tokenize("Caén, Bayeux, Rouen") == embedder.tokenize("Caen, Bayeux, Rouen")
+    assert 100 not in embedder.tokenize("Émile Zola était né à Paris")
+
+
+def test_spacing_vowel_signs_stay_word_pieces_as_in_hugging_face(
+    embedder: SentenceEmbedder,
+) -> None:
+    # llama.cpp's own BERT tokenizer drops the Devanagari vowel sign "ा" (Unicode Mc);
+    # Hugging Face keeps it as the piece "##ा", and the model was trained on those ids.
+    vocab = BertFolder.read(default_model_dir()).vocabulary()
+    ids = embedder.tokenize("हवा")
+    assert [vocab[i] for i in ids] == ["[CLS]", "ह", "##व", "##ा", "[SEP]"]
+    assert embedder.tokenize("a [SEP] b") == [101, 1037, 102, 1038, 102]
+    assert embedder.tokenize("a\x0bb\tc") == [101, 11113, 1039, 102]  # VT dropped, tab a space
+
+
+def test_texts_in_one_call_embed_as_they_do_alone(embedder: SentenceEmbedder) -> None:
+    texts = [f"passage {i} about " + "Normans " * (i * 7) for i in range(40)]
+    together = embedder.embed(texts)  # several llama.cpp batches of several sequences
+    alone = np.vstack([embedder.embed([t]) for t in texts[::13]])
+    # Not bit-equal (llama.cpp's kernels split a batch of other shapes differently), but no
+    # sequence sees another: a leak would move these far more.
+    assert np.min(np.sum(together[::13] * alone, axis=1)) > 0.99999
+
+
+def test_a_folder_that_is_not_bert_is_refused(tmp_path: Path) -> None:
+    folder = tmp_path / "model"
+    shutil.copytree(default_model_dir(), folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "model_type": "roberta"}))
+    with pytest.raises(ModelFileError, match="model_type 'roberta'; only BERT"):
+        SentenceEmbedder(folder, cache_dir=tmp_path / "cache")
+    with pytest.raises(FileNotFoundError, match="not a sentence-transformers model folder"):
+        SentenceEmbedder(tmp_path / "nothing")
+
+
+def test_safetensors_are_read_without_torch() -> None:
+    folder = BertFolder.read(default_model_dir())
+    tensors = read_safetensors(folder.weights)
+    assert tensors["embeddings.word_embeddings.weight"].shape == (30522, 384)
+    assert tensors["embeddings.word_embeddings.weight"].dtype == np.float32
+    assert (folder.pooling, folder.max_seq_length, folder.strip_accents) == (1, 256, True)
+
+
+def test_an_index_of_the_replaced_embedder_with_the_same_vectors_is_reused(
+    tmp_path: Path, embedder: SentenceEmbedder, caplog: pytest.LogCaptureFixture
+) -> None:
+    old = OldEmbedder(embedder, noise=0.0)
+    with QdrantStore.open(RetrievalSettings(), tmp_path, old) as store:
+        store.upsert(PASSAGES)
+        version = store.index_version()
+    with caplog.at_level("WARNING", logger="selfrag.store"):
+        store = QdrantStore.open(RetrievalSettings(), tmp_path, embedder)
+    with store:
+        assert "reused, and recorded as indexed with" in caplog.text
+        assert store.search("Who ruled Normandy first?", 1)[0].id == "rollo#0"
+        assert store.index_version() == version  # the vectors did not change
+    facts = json.loads((tmp_path / "edge" / "passages" / "index.json").read_text())
+    assert facts["embedding_model"] == embedder.model_id
+    # Recorded: the next open checks nothing, and the old embedder is now the stranger.
+    with pytest.raises(StoreMisconfigured, match=r"indexed with .*-llama-f16"):
+        QdrantStore.open(RetrievalSettings(), tmp_path, old)
+
+
+def test_an_index_of_the_replaced_embedder_with_other_vectors_is_refused(
+    tmp_path: Path, embedder: SentenceEmbedder
+) -> None:
+    with QdrantStore.open(RetrievalSettings(), tmp_path, OldEmbedder(embedder, 0.2)) as store:
+        store.upsert(PASSAGES)
+    with pytest.raises(StoreMisconfigured) as refused:
+        QdrantStore.open(RetrievalSettings(), tmp_path, embedder)
+    message = str(refused.value)
+    assert "does not reproduce" in message and "selfrag --home NEW_HOME index" in message
+    facts = json.loads((tmp_path / "edge" / "passages" / "index.json").read_text())
+    assert facts["embedding_model"] in embedder.replaces  # left as it was
