@@ -158,3 +158,43 @@ def test_an_index_of_the_replaced_embedder_with_other_vectors_is_refused(
     assert "does not reproduce" in message and "selfrag --home NEW_HOME index" in message
     facts = json.loads((tmp_path / "edge" / "passages" / "index.json").read_text())
     assert facts["embedding_model"] in embedder.replaces  # left as it was
+
+
+def test_a_local_mode_index_of_the_replaced_embedder_is_migrated_then_reused(
+    tmp_path: Path, embedder: SentenceEmbedder, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The earlier store format (qdrant-client's local mode) written by the
+    sentence-transformers embedder: its vectors are copied, then checked like any other."""
+    from qdrant_client import QdrantClient, models
+
+    from selfrag.infra.qdrant_store import point_id
+
+    [old_id] = embedder.replaces
+    client = QdrantClient(path=str(tmp_path / "qdrant"))
+    client.create_collection(
+        "passages",
+        vectors_config={"dense": models.VectorParams(size=384, distance=models.Distance.COSINE)},
+        sparse_vectors_config={"sparse": models.SparseVectorParams(modifier=models.Modifier.IDF)},
+        metadata={"index_version": "v-old", "embedding_model": old_id},
+    )
+    vectors = embedder.embed([p.text for p in PASSAGES])
+    client.upsert(
+        "passages",
+        points=[
+            models.PointStruct(
+                id=point_id(p.id),
+                vector={"dense": v.tolist()},
+                payload={"passage_id": p.id, "title": p.title, "text": p.text, "doc_id": p.id},
+            )
+            for p, v in zip(PASSAGES, vectors, strict=True)
+        ],
+    )
+    client.close()
+    with caplog.at_level("WARNING", logger="selfrag.store"):
+        store = QdrantStore.open(RetrievalSettings(), tmp_path, embedder)
+    with store:
+        assert store.count() == 3
+        assert store.search("Who ruled Normandy first?", 1)[0].id == "rollo#0"
+    assert "migrated 3 passages" in caplog.text and "reused, and recorded" in caplog.text
+    facts = json.loads((tmp_path / "edge" / "passages" / "index.json").read_text())
+    assert facts["embedding_model"] == embedder.model_id
