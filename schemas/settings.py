@@ -22,7 +22,7 @@ from selfrag.schemas.decoding import DecodingConfig
 WeightFormat = Literal["auto", "original", "bf16", "f16", "q8_0", "q4_0"]
 Backend = Literal["llama_cpp", "vllm"]
 # The model presets (infra/model_presets.py holds their files, checksums and licenses).
-ModelPresetName = Literal["smollm2", "qwen2.5-coder-0.5b"]
+ModelPresetName = Literal["smollm2", "qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b"]
 # The preset served when settings name none. SmolLM2 until the default is chosen by
 # measurement (issue 24, item 5); its weights are always installed (scripts/install.sh).
 DEFAULT_PRESET: ModelPresetName = "smollm2"
@@ -75,8 +75,9 @@ class ModelSettings(BaseModel):
     preset: ModelPresetName = Field(
         DEFAULT_PRESET,
         description="The model by name (`selfrag models` lists them and what is installed): "
-        "smollm2 (SmolLM2-135M-Instruct Q4_1) or qwen2.5-coder-0.5b (Qwen2.5-Coder-0.5B-Instruct "
-        "Q4_K_M, `SELFRAG_MODELS=qwen2.5-coder-0.5b bash scripts/install.sh`).",
+        "smollm2 (SmolLM2-135M-Instruct Q4_1), qwen2.5-coder-0.5b or qwen2.5-coder-1.5b "
+        "(Qwen2.5-Coder-0.5B/1.5B-Instruct Q4_K_M; install with "
+        "`SELFRAG_MODELS=qwen2.5-coder-0.5b bash scripts/install.sh`).",
     )
     path: str | None = Field(
         None, description="Any GGUF file or http(s) URL; overrides `preset` when set."

@@ -26,7 +26,7 @@ from selfrag.infra.model_presets import (
     verify_preset,
 )
 from selfrag.infra.settings import SettingsError, load_settings
-from selfrag.pipeline.critics import LikelihoodCritic
+from selfrag.pipeline.critics import CritiqueUnavailable, LikelihoodCritic
 from selfrag.runtime.system import SelfRAGSystem
 from selfrag.schemas.settings import DEFAULT_PRESET, ModelPresetName, ModelSettings, Settings
 from tests.fakes import WordModel
@@ -191,12 +191,23 @@ def test_selfrag_models_lists_presets_heads_and_what_is_missing(
     assert rows["split"]["installed"] and rows["split"]["active"]
     assert rows["split"]["sha256"] == split.sha256 and rows["split"]["size"] == split.size
     assert rows["split"]["heads"] == str(home / "heads" / f"{split.sha256}.json")
+    # Listed by its pinned hash, not joined (weights = original: the engine loads it as is).
+    assert rows["split"]["path"] is None and not joined_path(split, home).exists()
+    assert rows["split"]["joins_to"] == str(joined_path(split, home))
     assert not rows["absent"]["installed"] and not rows["absent"]["active"]
     assert rows["absent"]["install"] == "SELFRAG_MODELS=absent bash scripts/install.sh"
     from selfrag.cli import render_models
 
     text = render_models(list(rows.values()))
     assert "* split" in text and "not installed: missing fake-" in text
+    assert f"joined on first use into {joined_path(split, home)}" in text
+    # Once joined, the file itself is listed; model.heads applies to the configured model only.
+    preset_file(split, home)
+    own = tmp_path / "own-heads.json"
+    configured = settings.model_copy(update={"heads": own})
+    rows = {r["name"]: r for r in list_models(configured, home)}
+    assert rows["split"]["path"] == str(joined_path(split, home))
+    assert rows["split"]["heads"] == str(own) and rows["absent"].get("heads") is None
     assert "SELFRAG_MODELS=absent bash scripts/install.sh" in text
     # A configured path is listed too, as the active model.
     gguf = tmp_path / "mine.gguf"
@@ -257,7 +268,9 @@ def _likelihood_warnings(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> li
 
 def test_learned_without_heads_is_a_clear_error(tmp_path: Path) -> None:
     system = _system_without_heads(tmp_path)
-    with pytest.raises(ValueError, match="critique 'learned' needs reflection heads") as err:
+    with pytest.raises(
+        CritiqueUnavailable, match="critique 'learned' needs reflection heads"
+    ) as err:
         system.critic("learned")
     assert system.model_path.name in str(err.value) and "selfrag train" in str(err.value)
 
@@ -287,19 +300,20 @@ CORPUS = [
 
 
 def _header(path: Path) -> dict[str, object]:
+    """The header facts the table records, read from the file (the keys only: gguf's
+    GGUFReader maps every tensor too, a minute for the 0.5B file on a busy 2-core VM)."""
     import gguf
 
-    reader = gguf.GGUFReader(str(path))
+    from selfrag.infra.model_files import read_gguf_metadata
 
     def field(key: str) -> object:
-        f = reader.fields.get(key)
-        return None if f is None else f.contents()
+        return read_gguf_metadata(path, key)
 
     return {
         "name": field("general.name"),
         "architecture": field("general.architecture"),
         "file_type": gguf.LlamaFileType(int(field("general.file_type"))).name,  # type: ignore[arg-type]
-        "license": field("general.license") or "not stated in the header",
+        "license": field("general.license") or model_presets.NO_LICENSE,
     }
 
 
@@ -330,18 +344,27 @@ def test_the_smollm2_preset_is_the_test_models_file_with_its_header(tmp_path: Pa
     )
 
 
+SPLIT = [p for p in PRESETS.values() if p.split]
+
+
 @pytest.mark.real
-@needs_qwen
-def test_the_qwen_preset_joins_to_the_pinned_file_and_header(qwen_home: Path) -> None:
-    path = resolve_model(ModelSettings(preset="qwen2.5-coder-0.5b"), qwen_home)
-    assert path == joined_path(QWEN, qwen_home) and path.stat().st_size == QWEN.size
+@pytest.mark.parametrize("p", SPLIT, ids=[p.name for p in SPLIT])
+def test_a_split_preset_joins_to_the_pinned_file_and_header(
+    p: ModelPreset, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    if model_presets.missing_parts(p):
+        pytest.skip(f"the {p.name} preset is not installed ({p.install_command})")
+    home = tmp_path_factory.mktemp("join")
+    path = resolve_model(ModelSettings(preset=p.name), home)  # type: ignore[arg-type]
+    assert path == joined_path(p, home) and path.stat().st_size == p.size
     head = _header(path)
     assert (head["name"], head["architecture"], head["file_type"], head["license"]) == (
-        QWEN.header_name,
-        QWEN.architecture,
-        QWEN.file_type,
-        QWEN.license,
+        p.header_name,
+        p.architecture,
+        p.file_type,
+        p.license,
     )
+    path.unlink()  # a gigabyte for the 1.5B
 
 
 @pytest.mark.real
