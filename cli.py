@@ -772,7 +772,10 @@ def cmd_eval(args: argparse.Namespace) -> int:
     if args.plot:
         for path in write_plots(args.out, questions, systems):
             print(f"wrote {path}")
-    print(f"wrote {args.out / 'report.json'} and {args.out / 'report.md'}")
+    print(
+        f"wrote {args.out / 'report.json'}, {args.out / 'report.md'} and the accuracy-coverage "
+        f"curve {args.out / 'accuracy_coverage.png'} (.csv)"
+    )
     return 0
 
 

@@ -102,7 +102,7 @@ def _plot(
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6, 4.5))
+    fig, ax = plt.subplots(figsize=(6, 5.2))
     for system, points in curves.items():
         xy = [
             (p["coverage"], p["selective_accuracy"])
@@ -121,8 +121,8 @@ def _plot(
     ax.set_xlabel("coverage (answerable questions answered)")
     ax.set_ylabel("selective accuracy (right, of those answered)")
     ax.set_title("Accuracy vs coverage; ★ = each system's own decision")
-    if ax.get_legend_handles_labels()[0]:
-        ax.legend(fontsize=8, loc="lower left")
+    if ax.get_legend_handles_labels()[0]:  # below the axes: the curves use the whole square
+        ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
