@@ -4,6 +4,7 @@ wait for its lock and load its file (`infra.model_files.derivation_lock`)."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -72,3 +73,29 @@ def test_two_processes_deriving_the_same_weights_convert_once(tmp_path: Path) ->
     assert all(e["t"] >= done for e in events if e["event"] == "returned"), events
     assert gguf_file_type(target) == FTYPE_MOSTLY_F16
     assert sorted(p.name for p in target.parent.iterdir() if p.name.endswith(".tmp")) == []
+
+
+def test_a_files_sha256_is_remembered_on_disk_until_the_file_changes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import hashlib
+
+    from selfrag.infra import model_files
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setattr(model_files, "_sha_cache", {})
+    path = tmp_path / "weights.gguf"
+    path.write_bytes(b"GGUF" + b"x" * 1000)
+    assert model_files.file_sha256(path) == hashlib.sha256(path.read_bytes()).hexdigest()
+    [record] = (tmp_path / "cache" / "selfrag" / "sha256").iterdir()
+    # A later process takes the remembered value without reading the file: shown here by a
+    # record that lies (the stamp still matches the file).
+    data = json.loads(record.read_text())
+    record.write_text(json.dumps({**data, "sha256": "ab" * 32}))
+    monkeypatch.setattr(model_files, "_sha_cache", {})
+    assert model_files.file_sha256(path) == "ab" * 32
+    # Rewritten (another mtime): hashed again.
+    path.write_bytes(b"GGUF" + b"y" * 1000)
+    os.utime(path, ns=(time.time_ns(), time.time_ns() + 10**9))
+    monkeypatch.setattr(model_files, "_sha_cache", {})
+    assert model_files.file_sha256(path) == hashlib.sha256(path.read_bytes()).hexdigest()
