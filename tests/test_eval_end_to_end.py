@@ -62,6 +62,22 @@ def test_eval_reports_every_system_and_column(
     assert report["systems"]["vanilla-rag"]["retrieval_rate"] == 1.0
     assert (out / "accuracy_vs_threshold.png").stat().st_size > 0
     assert (out / "support_reliability.png").stat().st_size > 0
+    # Abstention as a decision with a curve: a score per record, the curve, its outputs.
+    assert "| system | abstention score | coverage |" in printed
+    assert (out / "accuracy_coverage.png").read_bytes().startswith(b"\x89PNG")
+    assert (out / "accuracy_coverage.csv").read_text().startswith("system,threshold,")
+    for name, row in report["systems"].items():
+        for col in ("coverage", "selective_accuracy", "abstention_auroc"):
+            assert row[col] is None or 0.0 <= row[col] <= 1.0, (name, col)
+        assert row["abstention_auroc"] is not None or row["abstention_auroc_reason"], name
+        points = report["accuracy_coverage"][name]
+        assert points and points[-1]["coverage"] == row["coverage"], name
+    scored = [
+        r
+        for r in map(json.loads, (out / "records.jsonl").read_text().splitlines())
+        if r["system"] == "selfrag-likelihood"
+    ]
+    assert any(r["abstention_score"] is not None for r in scored)
     # A rerun resumes: every record is already there, nothing is answered again. Without
     # --corpus it uses the index as it is.
     lines = (out / "records.jsonl").read_text().count("\n")
