@@ -385,12 +385,29 @@ def test_qwen_answers_through_the_cli_and_says_it_has_no_heads(
     # The learned critique asked for by name is refused, naming the reason.
     assert main([*ask, *dials, "--critique", "learned"]) == 2
     assert "critique 'learned' needs reflection heads" in capsys.readouterr().err
-    # status and models say the same.
-    assert main(["--home", str(qwen_home), "status", "--model", QWEN.name]) == 0
-    assert "auto -> likelihood (warning: no reflection heads" in capsys.readouterr().out
+    # selfrag models says the same.
     assert main(["--home", str(qwen_home), "models", "--json"]) == 0
     rows = {r["name"]: r for r in json.loads(capsys.readouterr().out)}
     assert rows[QWEN.name]["installed"] and rows[QWEN.name]["heads"] is None
     assert rows[QWEN.name]["sha256"] == QWEN.sha256
     # SmolLM2's file (the f16 copy weights=auto loads) has the heads the repository ships.
     assert rows["smollm2"]["active"] and "shipped_heads" in rows["smollm2"]["heads"]
+
+
+@pytest.mark.real
+def test_status_warns_when_the_model_file_has_no_heads(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """SmolLM2's Q4_1 file loaded as it is (`--model PATH`, weights original): the shipped
+    heads are for its F16 copy, so `auto` is likelihood, and status says why."""
+    from selfrag.infra.model_files import default_model_path
+
+    monkeypatch.setenv("SELFRAG_MODEL__WEIGHTS", "original")
+    q4 = str(default_model_path())
+    assert main(["--home", str(tmp_path), "status", "--model", q4, "--json"]) == 0
+    status = json.loads(capsys.readouterr().out)
+    assert status["model"]["path"] == q4 and status["heads"] is None
+    assert status["critique"]["resolved"] == "likelihood"
+    assert "no reflection heads for the model file" in status["critique"]["warning"]
+    assert main(["--home", str(tmp_path), "status", "--model", q4]) == 0
+    assert "auto -> likelihood (warning: no reflection heads" in capsys.readouterr().out
