@@ -273,6 +273,12 @@ def test_learned_without_heads_is_a_clear_error(tmp_path: Path) -> None:
     ) as err:
         system.critic("learned")
     assert system.model_path.name in str(err.value) and "selfrag train" in str(err.value)
+    # Over HTTP the pool turns it into the request's 422, not the deployment's 500.
+    from selfrag.actors.deployments import requested_critic
+    from selfrag.schemas.errors import Unprocessable
+
+    with pytest.raises(Unprocessable, match="needs reflection heads"):
+        requested_critic(system, "learned")
 
 
 # --- the real presets ---------------------------------------------------------------------------
