@@ -7,7 +7,6 @@ training); `selfrag.api` is the Python API (`from selfrag import SelfRAG`), and 
 and `selfrag.ray_app` are the entry points.
 """
 
-from importlib.metadata import PackageNotFoundError, version
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -15,16 +14,19 @@ if TYPE_CHECKING:
 
 __all__ = ["SelfRAG", "__version__"]
 
-try:
-    __version__ = version("selfrag")
-except PackageNotFoundError:  # a source tree that was never installed
-    __version__ = "0+unknown"
-
 
 def __getattr__(name: str) -> Any:
-    # Lazy, so `import selfrag.schemas` does not load the engine and store adapters.
+    # Lazy, so `import selfrag.schemas` does not load the engine and store adapters, and no
+    # command pays for importlib.metadata (a tenth of a second) unless it asks the version.
     if name == "SelfRAG":
         from selfrag.api import SelfRAG
 
         return SelfRAG
+    if name == "__version__":
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            return version("selfrag")
+        except PackageNotFoundError:  # a source tree that was never installed
+            return "0+unknown"
     raise AttributeError(f"module 'selfrag' has no attribute {name!r}")

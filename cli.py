@@ -16,16 +16,17 @@ import textwrap
 import typing
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
 
-from selfrag.schemas.answer import AnswerRequest, AnswerResponse, SegmentOut
 from selfrag.schemas.decoding import DecodingOverrides
 from selfrag.schemas.errors import AnswerError
 from selfrag.schemas.settings import Settings
+
+if TYPE_CHECKING:  # for `ask` only: `config`, `status` and `--help` start without them
+    from selfrag.schemas.answer import AnswerRequest, AnswerResponse, SegmentOut
 
 EXIT_USAGE = 2
 EXIT_PARTIAL = 1
@@ -200,7 +201,7 @@ def _dataset_args(p: argparse.ArgumentParser) -> None:
 
 
 def _eval_parsers(sub: Any) -> None:
-    from selfrag.jobs.evaluation import DEFAULT_SYSTEMS, SYSTEMS
+    from selfrag.schemas.records import DEFAULT_SYSTEMS, SYSTEMS  # not jobs.evaluation: --help
 
     p_eval = sub.add_parser("eval", help="Run QA systems on a dataset and write a report.")
     _dataset_args(p_eval)
@@ -373,6 +374,8 @@ def cmd_index(args: argparse.Namespace) -> int:
 
 
 def _request_from_args(args: argparse.Namespace) -> AnswerRequest:
+    from selfrag.schemas.answer import AnswerRequest
+
     overrides = {
         name: getattr(args, name)
         for name in DecodingOverrides.model_fields
@@ -914,6 +917,8 @@ COMMANDS.update(
 def version_text() -> str:
     """`selfrag --version`: this package's version, then llama-cpp-python's and Ray's."""
 
+    from importlib.metadata import PackageNotFoundError, version
+
     def of(dist: str) -> str:
         try:
             return version(dist)
@@ -926,6 +931,8 @@ def version_text() -> str:
 
 def _selfrag_version() -> str:
     """selfrag's installed version, as `selfrag.__version__` reads it."""
+    from importlib.metadata import PackageNotFoundError, version
+
     try:
         return version("selfrag")
     except PackageNotFoundError:  # a source tree that was never installed

@@ -30,20 +30,11 @@ from selfrag.pipeline.metrics import Outcome, accuracy_coverage, contains_answer
 from selfrag.pipeline.scoring import retrieval_probability
 from selfrag.schemas.answer import AnswerResponse
 from selfrag.schemas.decoding import DecodingConfig
-from selfrag.schemas.records import EvalRecord
+from selfrag.schemas.records import SYSTEMS, EvalRecord
 
 if TYPE_CHECKING:
     from selfrag.runtime.system import SelfRAGSystem
 
-SYSTEMS = (
-    "closed-book",
-    "vanilla-rag",
-    "selfrag-prompted",
-    "selfrag-likelihood",
-    "selfrag-learned",
-    "selfrag-native",
-)
-DEFAULT_SYSTEMS = ("closed-book", "vanilla-rag", "selfrag-likelihood", "selfrag-learned")
 RECORDS_FILE = "records.jsonl"
 # A SQuAD file nests 9 levels (data, article, paragraphs, qas, answers): far past this is not a
 # dataset, and is refused before anything walks it.

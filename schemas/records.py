@@ -12,6 +12,17 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from selfrag.schemas.errors import ErrorKind
 
+SYSTEMS = (
+    "closed-book",
+    "vanilla-rag",
+    "selfrag-prompted",
+    "selfrag-likelihood",
+    "selfrag-learned",
+    "selfrag-native",
+)
+"""The QA systems `selfrag eval` runs (`EvalRecord.system`)."""
+DEFAULT_SYSTEMS = ("closed-book", "vanilla-rag", "selfrag-likelihood", "selfrag-learned")
+
 RecordErrorType = ErrorKind | Literal["invalid", "malformed"]
 """An answer path error kind, or an input problem: `invalid` (the row's config or question
 fails validation) or `malformed` (the row could not be read)."""
