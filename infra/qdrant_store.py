@@ -415,7 +415,7 @@ class QdrantStore(Closeable):
         self._engine.update_facts({"embedding_model": self._embedder.model_id})
         log.warning(
             "collection %r was indexed with %s; %s re-embeds %d of its passages alike "
-            "(cosine >= %.4f): reused, and recorded as indexed with %s",
+            "(cosine >= %.6f): reused, and recorded as indexed with %s",
             self._collection,
             built_with,
             self._embedder.model_id,
