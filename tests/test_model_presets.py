@@ -417,3 +417,19 @@ def test_status_warns_when_the_model_file_has_no_heads(
     assert "no reflection heads for the model file" in status["critique"]["warning"]
     assert main(["--home", str(tmp_path), "status", "--model", q4]) == 0
     assert "auto -> likelihood (warning: no reflection heads" in capsys.readouterr().out
+
+
+@pytest.mark.real
+def test_the_special_tokens_read_from_the_header_are_ggufs_own() -> None:
+    """`gguf_special_tokens` (what `selfrag status` reads) walks the header itself: the same
+    pieces as gguf's GGUFReader, without its seconds per 100k-token vocabulary."""
+    import gguf
+
+    from selfrag.infra.model_files import default_model_path, gguf_special_tokens
+
+    path = default_model_path()
+    reader = gguf.GGUFReader(str(path))
+    tokens = reader.fields["tokenizer.ggml.tokens"].contents()
+    types = reader.fields["tokenizer.ggml.token_type"].contents()
+    expected = {str(t) for t, k in zip(tokens, types, strict=True) if int(k) in (3, 4)}
+    assert gguf_special_tokens(path) == expected and "<|im_start|>" in expected
