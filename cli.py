@@ -514,12 +514,28 @@ def cmd_serve(args: argparse.Namespace) -> int:
         # Fail here, naming the file, before Ray starts: a missing or corrupt model, or one no
         # CPU backend can run, would otherwise surface as a replica that keeps failing to start.
         _check_model_runs(SelfRAGSystem(settings).model_path, settings.model.n_threads)
-    import ray
     from ray import serve
 
     from selfrag.actors.app import APP_NAME, build_app, serve_logging
-    from selfrag.runtime.ray_cluster import init_ray
+    from selfrag.runtime.ray_cluster import (
+        PORT_WAIT_S,
+        init_ray,
+        shutdown_private_ray,
+        starts_private,
+        wait_for_port,
+    )
 
+    if starts_private(args.address):
+        # Serve's proxy binds with SO_REUSEPORT: on a port a stale proxy still holds (a server
+        # stopped a moment ago), both would take connections. Wait for it instead.
+        def waiting(holder: str) -> None:
+            print(
+                f"selfrag: port {port} is held by {holder}; waiting up to {PORT_WAIT_S:.0f} s",
+                file=sys.stderr,
+                flush=True,
+            )
+
+        wait_for_port(host, port, PORT_WAIT_S, waiting)
     local = init_ray(args.address, log_to_driver=True)  # True: a private instance, ours
     stop = threading.Event()
     # Installed after ray.init, which sets handlers of its own.
@@ -540,8 +556,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print("selfrag: shutting down", file=sys.stderr, flush=True)
     finally:
         if local:
-            serve.shutdown()
-            ray.shutdown()
+            # Every process of the instance, the proxy and the replicas included: Ray's workers
+            # are in process groups of their own, out of reach of a signal to ours.
+            shutdown_private_ray()
         else:
             serve.delete(APP_NAME)
     return 0

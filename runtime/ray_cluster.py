@@ -5,16 +5,39 @@ cluster Ray last recorded on this machine (`ray_current_cluster` in Ray's temp f
 by `ray start`), which `ray.init(address=None)` would join and, when that cluster is gone,
 retry for minutes. With an address, the cluster there must answer within seconds, or the
 error names the address.
+
+A private instance is marked: every process of it (GCS, raylet, workers) inherits `OWNER_ENV`
+from the process that started it, so `stop_private_ray` can end them all. Ray's workers run in
+process groups of their own, so a signal to `selfrag serve`'s process group does not reach them,
+and they outlive a killed GCS and raylet for a while; Serve's HTTP proxy among them keeps its
+port, bound with SO_REUSEPORT, which a new proxy on that port would then share with it.
+`wait_for_port` keeps a new server from sharing a port with anything.
 """
 
 from __future__ import annotations
 
+import errno
 import os
+import secrets
+import signal
 import socket
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
 from urllib.parse import urlsplit
 
 # A GCS that is up accepts a connection in milliseconds, even across a data centre.
 CONNECT_TIMEOUT_S = 3.0
+# The environment variable that marks the processes of a private instance (not SELFRAG_*: that
+# prefix is for settings). Its value is unique per instance.
+OWNER_ENV = "RAY_SELFRAG_OWNER"
+# How long `stop_private_ray` waits for the killed processes to be gone.
+STOP_WAIT_S = 5.0
+# The processes of a Ray node that are not workers (their /proc `comm`).
+DAEMONS = frozenset({"gcs_server", "raylet"})
+# How long `selfrag serve` waits for its port to be released by a server stopped just before.
+PORT_WAIT_S = 60.0
 
 
 class RayUnavailable(ConnectionError):
@@ -39,6 +62,8 @@ def init_ray(address: str | None, *, log_to_driver: bool) -> bool:
         # Ports on loopback, no cluster token: nobody else joins this instance.
         os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
         os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+        # Inherited by every process of the instance: how stop_private_ray finds them.
+        os.environ[OWNER_ENV] = f"{os.getpid()}-{secrets.token_hex(8)}"
         ray.init(address="local", include_dashboard=False, log_to_driver=log_to_driver)
         return True
     host, port, shown = target
@@ -53,6 +78,16 @@ def init_ray(address: str | None, *, log_to_driver: bool) -> bool:
     # The address as given ("auto" included): ray.init resolves it the same way.
     ray.init(address=address, include_dashboard=False, log_to_driver=log_to_driver)
     return False
+
+
+def starts_private(address: str | None) -> bool:
+    """Whether `init_ray(address)` would start a private instance here."""
+    import ray
+
+    if ray.is_initialized():
+        return False
+    address = address or os.environ.get("RAY_ADDRESS") or None
+    return address in (None, "local") or _target(address) is None
 
 
 def _target(address: str) -> tuple[str, int, str] | None:
@@ -90,3 +125,135 @@ def _target(address: str) -> tuple[str, int, str] | None:
             f"the Ray address {address!r} is not host:port, ray://host:port or auto"
         )
     return host.strip("[]"), int(port), shown
+
+
+def private_ray_processes() -> list[int]:
+    """The live processes of the private instance this process started (those whose
+    environment holds its `OWNER_ENV` value), this process excluded; [] when it started none."""
+    mark = os.environ.get(OWNER_ENV)
+    if not mark:
+        return []
+    needle = f"{OWNER_ENV}={mark}".encode()
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            # A zombie's environment reads empty: only live processes match.
+            if needle in (entry / "environ").read_bytes().split(b"\0"):
+                found.append(int(entry.name))
+        except OSError:  # gone meanwhile, or another user's
+            continue
+    return found
+
+
+def stop_private_ray(keep: frozenset[str] = frozenset(), wait_s: float = STOP_WAIT_S) -> int:
+    """SIGKILL every process of the private instance this process started (its GCS and raylet
+    if alive, and the workers, Serve's proxy and replicas among them, which nothing else ends
+    when the GCS and raylet went first), but those named in `keep` (/proc's `comm`), then wait
+    up to `wait_s` for them to be gone, so that the ports they held are free. Returns how many
+    were killed."""
+    pids = [pid for pid in private_ray_processes() if _name(pid) not in keep]
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + wait_s
+    while set(pids) & set(private_ray_processes()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return len(pids)
+
+
+def _name(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return ""
+
+
+def shutdown_private_ray(limit_s: float = STOP_WAIT_S) -> None:
+    """End the private instance this process started, Serve included, leaving no process of it
+    behind: its workers (Serve's proxy, controller and replicas) are killed first, then Ray
+    stops its GCS and raylet, then anything left is killed. Serve's graceful shutdown is not
+    attempted: after a signal to the whole process group, which reaches the raylet too, it
+    hung past 5 s, beyond the usual 8 s grace of a stop; requests in flight end with it."""
+    import ray
+
+    stop_private_ray(keep=DAEMONS)  # the proxy's port is free from here on
+    stop_private_ray()
+    # Only this process's own state is left to clean up; with the GCS gone that can hang.
+    _bounded(ray.shutdown, limit_s)
+
+
+def _bounded(call: Callable[[], object], limit_s: float) -> None:
+    """`call()` in a daemon thread, waited for up to `limit_s`: a shutdown step that hangs on
+    a dead peer must not keep the process from exiting."""
+    thread = threading.Thread(target=call, name="selfrag-shutdown", daemon=True)
+    thread.start()
+    thread.join(limit_s)
+
+
+class PortInUse(OSError):
+    """The HTTP port is held by another process (named when /proc says which)."""
+
+
+def wait_for_port(
+    host: str, port: int, wait_s: float, waiting: Callable[[str], None] | None = None
+) -> None:
+    """Return once `port` on `host` can be bound by this process alone; PortInUse when it is
+    still held after `wait_s`. Serve's proxy binds with SO_REUSEPORT, which would let a new
+    server share a port with a stale proxy (each then gets part of the connections), so the
+    check binds without it. `waiting(holder)` is called once when it has to wait."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    deadline = time.monotonic() + wait_s
+    told = False
+    while True:
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            # SO_REUSEADDR only passes over connections in TIME_WAIT, never over a listener.
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind((host, port))
+                return
+            except OSError as exc:
+                if exc.errno != errno.EADDRINUSE:
+                    raise
+        holder = port_holder(port)
+        if time.monotonic() >= deadline:
+            raise PortInUse(
+                errno.EADDRINUSE,
+                f"port {port} on {host} is in use{f' by {holder}' if holder else ''} "
+                f"(waited {wait_s:.0f} s): stop that process, or choose another --port",
+            )
+        if not told and waiting is not None:
+            waiting(holder or "another process")
+            told = True
+        time.sleep(0.25)
+
+
+def port_holder(port: int) -> str | None:
+    """`pid N (name)` of a process listening on TCP `port`, from /proc; None if unknown."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            # local address "ADDR:PORT" in hex; state 0A is LISTEN.
+            if len(fields) > 9 and fields[3] == "0A" and int(fields[1].split(":")[1], 16) == port:
+                inodes.add(f"socket:[{fields[9]}]")
+    if not inodes:
+        return None
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            for fd in (entry / "fd").iterdir():
+                if os.readlink(fd) in inodes:
+                    name = (entry / "comm").read_text().strip()
+                    return f"pid {entry.name} ({name})"
+        except OSError:
+            continue
+    return None
