@@ -170,7 +170,7 @@ def main() -> None:
     embedder.embed(["load"])  # convert (once) and load the model outside the indexing time
     load_s = time.perf_counter() - started
 
-    settings = RetrievalSettings()
+    settings = RetrievalSettings(hybrid=False)  # dense first: hybrid is the default
     with tempfile.TemporaryDirectory() as home:
         with QdrantStore.open(settings, Path(home), embedder) as store:
             started = time.perf_counter()
