@@ -16,7 +16,9 @@ import pytest
 from selfrag.infra.embedder import SentenceEmbedder, default_model_dir
 from selfrag.jobs.indexing import corpus_passages
 
-pytest.importorskip("sentence_transformers", reason="sentence-transformers is not installed")
+pytest.importorskip(
+    "sentence_transformers", reason="sentence-transformers is not installed", exc_type=ImportError
+)
 pytestmark = pytest.mark.real
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
