@@ -28,6 +28,13 @@ _FTYPES: dict[BertFormat, int] = {"f32": FTYPE_ALL_F32, "f16": FTYPE_MOSTLY_F16}
 # Hugging Face tensors llama.cpp does not use for embeddings (position ids are implicit; the
 # pooler is a CLS-classification head sentence-transformers does not apply).
 _UNUSED = ("embeddings.position_ids", "pooler.dense.weight", "pooler.dense.bias")
+_SHAPE_KEYS = (
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "intermediate_size",
+    "max_position_embeddings",
+)
 _F32_ALWAYS = ("token_types.weight", "position_embd.weight")
 _POOLING = {"pooling_mode_mean_tokens": 1, "pooling_mode_cls_token": 2}  # gguf.PoolingType
 _SAFETENSORS_DTYPES = {"F32": np.float32, "F16": np.float16, "I64": np.int64}
@@ -68,6 +75,9 @@ class BertFolder:
                 f"{path / 'config.json'}: model_type {config.get('model_type')!r}; only BERT "
                 "sentence-transformers models can be converted for llama.cpp"
             )
+        missing = [k for k in _SHAPE_KEYS if not isinstance(config.get(k), int)]
+        if missing:
+            raise ModelFileError(f"{path / 'config.json'} lacks the BERT sizes {missing}")
         if not (path / "model.safetensors").is_file():
             raise ModelFileError(f"{path} has no model.safetensors (the weights to convert)")
         if not (path / "vocab.txt").is_file():

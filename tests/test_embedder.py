@@ -115,6 +115,9 @@ def test_a_folder_that_is_not_bert_is_refused(tmp_path: Path) -> None:
     (folder / "config.json").write_text(json.dumps({**config, "model_type": "roberta"}))
     with pytest.raises(ModelFileError, match="model_type 'roberta'; only BERT"):
         SentenceEmbedder(folder, cache_dir=tmp_path / "cache")
+    (folder / "config.json").write_text(json.dumps({"model_type": "bert"}))
+    with pytest.raises(ModelFileError, match=r"lacks the BERT sizes \['hidden_size'"):
+        SentenceEmbedder(folder, cache_dir=tmp_path / "cache")
     with pytest.raises(FileNotFoundError, match="not a sentence-transformers model folder"):
         SentenceEmbedder(tmp_path / "nothing")
 
