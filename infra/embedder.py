@@ -143,7 +143,7 @@ class SentenceEmbedder:
         if self._wordpiece is None:  # read once; a race only reads it twice
             self._wordpiece = _wordpiece(self._bert)
         wordpiece, cls, sep = self._wordpiece
-        return [cls, *wordpiece.ids(text)[: self.max_seq_length - 2], sep]
+        return [cls, *wordpiece.ids(text, self.max_seq_length - 2), sep]
 
     def embed(self, texts: Sequence[str]) -> np.ndarray:
         """Embeddings of `texts` as a float32 array of shape (len(texts), dim), rows of norm 1."""

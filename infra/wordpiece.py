@@ -14,6 +14,7 @@ import re
 import unicodedata
 from collections.abc import Sequence
 
+_CUT = re.compile(r"[ \t\n\r]")
 MAX_WORD_CHARS = 100
 """A longer word is one [UNK] (Hugging Face's `max_input_chars_per_word`)."""
 # Code point ranges Hugging Face surrounds with spaces (the CJK Unified Ideographs blocks).
@@ -52,15 +53,19 @@ class WordPiece:
         self._longest = max(map(len, vocab))
         self._specials = re.compile("(" + "|".join(map(re.escape, specials)) + ")")
 
-    def ids(self, text: str) -> list[int]:
-        """The word-piece ids of `text`, without [CLS] and [SEP] around it."""
+    def ids(self, text: str, limit: int | None = None) -> list[int]:
+        """The word-piece ids of `text`, without [CLS] and [SEP] around it; with `limit`, the
+        first `limit` of them, reading only as much of the text as they take."""
         out: list[int] = []
-        for i, part in enumerate(self._specials.split(text)):
-            if i % 2:  # a special token's own text
-                out.append(self._ids[part])
-                continue
-            for word in self.words(part):
-                out += self._word_ids(word)
+        for chunk in _chunks(text) if limit is not None else (text,):
+            for i, part in enumerate(self._specials.split(chunk)):
+                if i % 2:  # a special token's own text
+                    out.append(self._ids[part])
+                    continue
+                for word in self.words(part):
+                    out += self._word_ids(word)
+            if limit is not None and len(out) >= limit:
+                return out[:limit]
         return out
 
     def words(self, text: str) -> list[str]:
@@ -114,6 +119,19 @@ class WordPiece:
                 return [self._unk]  # one part matches nothing: the whole word is unknown
             start = end
         return pieces
+
+
+def _chunks(text: str, size: int = 2048) -> list[str]:
+    """`text` in pieces of about `size` characters, cut only just after a space, tab or line
+    break (which always ends a word; no special token holds one), so each tokenizes as it would
+    in place. Other Unicode spaces are not cut at: some are controls BERT drops."""
+    cuts = [0]
+    while len(text) - cuts[-1] > size:
+        space = _CUT.search(text, cuts[-1] + size)
+        if space is None:
+            break
+        cuts.append(space.end())
+    return [text[a:b] for a, b in zip(cuts, [*cuts[1:], len(text)], strict=True)]
 
 
 def _is_cjk(cp: int) -> bool:

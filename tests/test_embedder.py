@@ -16,6 +16,7 @@ from selfrag.infra.bert_gguf import BertFolder, read_safetensors
 from selfrag.infra.embedder import SentenceEmbedder, default_model_dir
 from selfrag.infra.model_files import ModelFileError, read_gguf_metadata
 from selfrag.infra.qdrant_store import QdrantStore, StoreMisconfigured
+from selfrag.infra.wordpiece import WordPiece
 from selfrag.pipeline.protocols import Passage
 from selfrag.schemas.settings import RetrievalSettings
 
@@ -97,6 +98,26 @@ def test_spacing_vowel_signs_stay_word_pieces_as_in_hugging_face(
     assert [vocab[i] for i in ids] == ["[CLS]", "ह", "##व", "##ा", "[SEP]"]
     assert embedder.tokenize("a [SEP] b") == [101, 1037, 102, 1038, 102]
     assert embedder.tokenize("a\x0bb\tc") == [101, 11113, 1039, 102]  # VT dropped, tab a space
+
+
+def test_a_long_text_is_read_in_chunks_that_tokenize_as_the_whole() -> None:
+    folder = BertFolder.read(default_model_dir())
+    special = folder.special_tokens()
+    wordpiece = WordPiece(
+        folder.vocabulary(),
+        lowercase=True,
+        strip_accents=True,
+        specials=list(special.values()),
+        unk=special["unk"],
+    )
+    # Controls that are not word breaks, special tokens and marks around the chunk cuts.
+    text = "Rollo's naïve a\x0bb [SEP] हवा x\x0cy 中文 $5 e\u0301\t" * 400
+    glued = "ab\x0bcd," * 3000  # a vertical tab joins "ab" and "cd": no place to cut
+    for long in (text, glued):
+        whole = wordpiece.ids(long)
+        assert len(whole) > 5000
+        for limit in (254, 1000, 5000):
+            assert wordpiece.ids(long, limit) == whole[:limit]
 
 
 def test_texts_in_one_call_embed_as_they_do_alone(embedder: SentenceEmbedder) -> None:
