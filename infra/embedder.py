@@ -14,6 +14,7 @@ its CPU-backend probe.
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
 import threading
 from collections.abc import Sequence
@@ -34,6 +35,7 @@ from selfrag.infra.bert_gguf import (
 from selfrag.infra.model_files import derive_once, file_sha256
 from selfrag.infra.wordpiece import WordPiece
 
+log = logging.getLogger(__name__)
 # Files whose content defines what the model computes; their hash goes into `model_id`.
 _CONFIG_FILES = (
     "config.json",
@@ -195,7 +197,12 @@ def _converted(folder: BertFolder, fmt: BertFormat, cache_dir: Path) -> Path:
             digest.update(file.read_bytes())
     name = folder.path.parent.name if folder.path.name == "model" else folder.path.name
     target = cache_dir / f"{name}.{digest.hexdigest()}.{fmt}.gguf"
-    return derive_once(target, lambda tmp: convert_bert(folder, tmp, fmt))
+
+    def convert(tmp: Path) -> None:
+        log.info("converting the embedding model %s to %s (once)", folder.path, target)
+        convert_bert(folder, tmp, fmt)
+
+    return derive_once(target, convert)
 
 
 def _wordpiece(folder: BertFolder) -> tuple[WordPiece, int, int]:
