@@ -196,6 +196,26 @@ def test_every_serve_replica_starts_with_the_wait_policy(tmp_path: Path, replica
     assert "runtime_env" not in pool.ray_actor_options
 
 
+def test_the_deployment_files_set_the_default_policy_for_every_process():
+    """infra/serve.yaml's deployments replace the options `build_app` gives them, so the file
+    sets the variable for the application; the KubeRay pods start every Ray process with it."""
+    import yaml
+
+    default = engine_environment(ModelSettings())
+    serve = yaml.safe_load((ROOT / "infra" / "serve.yaml").read_text())
+    assert serve["applications"][0]["runtime_env"]["env_vars"] == default
+    manifest = next(yaml.safe_load_all((ROOT / "infra" / "k8s" / "rayservice.yaml").read_text()))
+    cluster = manifest["spec"]["rayClusterConfig"]
+    containers = [
+        c
+        for g in [cluster["headGroupSpec"], *cluster["workerGroupSpecs"]]
+        for c in g["template"]["spec"]["containers"]
+    ]
+    assert len(containers) >= 2
+    for c in containers:
+        assert {"name": WAIT_POLICY_ENV, "value": default[WAIT_POLICY_ENV]} in c["env"]
+
+
 def test_the_batch_actor_pool_starts_with_the_wait_policy(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ):
