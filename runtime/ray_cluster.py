@@ -34,6 +34,9 @@ CONNECT_TIMEOUT_S = 3.0
 OWNER_ENV = "RAY_SELFRAG_OWNER"
 # How long `stop_private_ray` waits for the killed processes to be gone.
 STOP_WAIT_S = 5.0
+# How long ray.shutdown may take once every process of the instance is gone (it only tidies
+# this process's own state then, and can wait on the dead GCS).
+RAY_SHUTDOWN_S = 2.0
 # The processes of a Ray node that are not workers (their /proc `comm`).
 DAEMONS = frozenset({"gcs_server", "raylet"})
 # How long `selfrag serve` waits for its port to be released by a server stopped just before.
@@ -160,9 +163,19 @@ def stop_private_ray(keep: frozenset[str] = frozenset(), wait_s: float = STOP_WA
         except ProcessLookupError:
             pass
     deadline = time.monotonic() + wait_s
-    while set(pids) & set(private_ray_processes()) and time.monotonic() < deadline:
+    while any(map(_exiting, pids)) and time.monotonic() < deadline:
         time.sleep(0.05)
     return len(pids)
+
+
+def _exiting(pid: int) -> bool:
+    """Whether `pid` still runs or is still exiting. A zombie has closed its files (sockets
+    included); its environment reads empty earlier, while its memory is being freed."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X")
 
 
 def _name(pid: int) -> str:
@@ -172,18 +185,21 @@ def _name(pid: int) -> str:
         return ""
 
 
-def shutdown_private_ray(limit_s: float = STOP_WAIT_S) -> None:
+def shutdown_private_ray(tidy: bool = True) -> None:
     """End the private instance this process started, Serve included, leaving no process of it
     behind: its workers (Serve's proxy, controller and replicas) are killed first, then Ray
     stops its GCS and raylet, then anything left is killed. Serve's graceful shutdown is not
     attempted: after a signal to the whole process group, which reaches the raylet too, it
-    hung past 5 s, beyond the usual 8 s grace of a stop; requests in flight end with it."""
+    hung past 5 s, beyond the usual 8 s grace of a stop; requests in flight end with it.
+    `tidy`: then also ray.shutdown (bounded), for a process that goes on; one that exits at
+    once (`os._exit`) skips it."""
     import ray
 
     stop_private_ray(keep=DAEMONS)  # the proxy's port is free from here on
     stop_private_ray()
-    # Only this process's own state is left to clean up; with the GCS gone that can hang.
-    _bounded(ray.shutdown, limit_s)
+    if tidy:
+        # Only this process's own state is left to clean up; with the GCS gone that can hang.
+        _bounded(ray.shutdown, RAY_SHUTDOWN_S)
 
 
 def _bounded(call: Callable[[], object], limit_s: float) -> None:
@@ -218,6 +234,9 @@ def wait_for_port(
             except OSError as exc:
                 if exc.errno != errno.EADDRINUSE:
                     raise
+        listeners = _listening(port)
+        if listeners is not None and not listeners:
+            return  # only connections of a process gone, closing: Serve's bind passes them
         holder = port_holder(port)
         if time.monotonic() >= deadline:
             raise PortInUse(
@@ -231,19 +250,29 @@ def wait_for_port(
         time.sleep(0.25)
 
 
-def port_holder(port: int) -> str | None:
-    """`pid N (name)` of a process listening on TCP `port`, from /proc; None if unknown."""
-    inodes = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+def _listening(port: int) -> set[str] | None:
+    """The `socket:[inode]` names of the sockets listening on TCP `port`, from /proc; None
+    where /proc does not tell."""
+    inodes: set[str] = set()
+    tables = [Path(t) for t in ("/proc/net/tcp", "/proc/net/tcp6") if Path(t).exists()]
+    if not tables:
+        return None
+    for table in tables:
         try:
-            lines = Path(table).read_text().splitlines()[1:]
+            lines = table.read_text().splitlines()[1:]
         except OSError:
-            continue
+            return None
         for line in lines:
             fields = line.split()
             # local address "ADDR:PORT" in hex; state 0A is LISTEN.
             if len(fields) > 9 and fields[3] == "0A" and int(fields[1].split(":")[1], 16) == port:
                 inodes.add(f"socket:[{fields[9]}]")
+    return inodes
+
+
+def port_holder(port: int) -> str | None:
+    """`pid N (name)` of a process listening on TCP `port`, from /proc; None if unknown."""
+    inodes = _listening(port)
     if not inodes:
         return None
     for entry in Path("/proc").iterdir():

@@ -134,6 +134,7 @@ def test_a_server_restarted_on_the_same_port_answers(
                 assert r.status_code == 200 and r.json()["answer"] is not None, r.text
         took = server.stop()
         assert took < STOP_GRACE_S, f"server {n} needed SIGKILL: {server.log.read_text()[-3000:]}"
+        assert server.proc.returncode == 0, server.log.read_text()[-3000:]
         # Nothing of its Ray instance is left, the proxy included: the port is free at once.
         assert _owned(server.proc.pid) == []
         wait_for_port("127.0.0.1", port, 0.0)
