@@ -438,7 +438,7 @@ def test_the_server_engine_indexes_and_searches_alike(
     Qdrant server binary can be had here): same layout, facts in the collection metadata."""
     from qdrant_client import QdrantClient
 
-    from selfrag.infra.qdrant_store import ServerEngine
+    from selfrag.infra.qdrant_server import ServerEngine
 
     settings = RetrievalSettings(hybrid=True)
     engine = ServerEngine(settings, client=QdrantClient(":memory:"))
@@ -463,7 +463,8 @@ _CHILD = """
 import hashlib, os, signal, sys, time
 from pathlib import Path
 import numpy as np
-from selfrag.infra.qdrant_store import EdgeEngine, QdrantStore
+from selfrag.infra.qdrant_edge import EdgeEngine
+from selfrag.infra.qdrant_store import QdrantStore
 from selfrag.pipeline.protocols import Passage
 from selfrag.schemas.settings import RetrievalSettings
 
