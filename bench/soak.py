@@ -12,15 +12,37 @@ question, unknown field, out-of-range dial, oversized body). Every response is c
   valid one under load;
 * dropped: a stream the client closes right after the response headers, before any event
   (the server must cancel its decode; the in-flight gauge must be back at 0 after the run);
+* disrupted by design: a request whose time overlaps a deliberate disruption and failed the
+  way that disruption fails requests, and only that way (see *Disruptions*);
 * failed unexpectedly: anything else (5xx other than 503/504, a 4xx to a valid request, a 200
   to a malformed one, a stream without its answer, a connection error). Must be 0.
+
+Disruptions (`--events`, each `kind@fraction` of the run; default `replica@0.1,restart@0.2,
+redis@0.5` when this script starts the server, none with `--url`; the restart comes early so
+that the server it starts lives through the middle and last thirds, whose RSS peaks the
+report compares: a process that does not span both is left out of that figure):
+
+* `redis`: the query cache's redis-server (this script's own, on a loopback port) is killed
+  (SIGKILL) and started again on the same port `--redis-down-s` later. Nothing is excused: an
+  outage is bypassed, answers go on.
+* `replica`: the engine replica (BranchPool) is killed (SIGKILL, like a crash) and Serve starts
+  another. Its window lasts from the kill until `/readyz` is 200 again; within it only a stream
+  that ends with its `error` event (the decode it was on died) counts as disrupted; 503 with
+  Retry-After and 504 stay "rejected as designed"; a dropped connection is a failure.
+* `restart`: the whole `selfrag serve` is stopped as a supervisor stops it (SIGTERM to its
+  process group, SIGKILL after 8 s) and started again on the same port. Its window lasts from
+  the SIGTERM until the new server's `/readyz` is 200; within it a connection error, a 500 or
+  502, a 404 (the new proxy before its app is deployed) or a stream cut short counts as
+  disrupted. After the window, the same failures count as failed:
+  the new server (not a stale proxy on the port) must answer everything.
 
 Alongside, the resident memory (VmRSS from /proc) of every Ray Serve replica process is
 sampled; the report gives each replica's peak, a per-minute series, and its peak in the middle
 and last thirds of the run (after warm-up), so growth shows as last ≫ middle.
 
-Without `--url` it starts `selfrag serve` itself (`--home`: an indexed SELFRAG_HOME). The last
-line holds the figures as `name=value`.
+Without `--url` it starts `selfrag serve` itself (`--home`: an indexed SELFRAG_HOME), in a
+process group of its own, with its own redis-server as the query cache when `redis-server` is
+on PATH (`--no-redis`: none). The last line holds the figures as `name=value`.
 
     .venv/bin/python -m bench.soak --home /path/to/indexed/home --duration-s 600
 """
@@ -31,6 +53,7 @@ import argparse
 import json
 import os
 import random
+import shutil
 import threading
 import time
 from collections import Counter, defaultdict
@@ -41,7 +64,8 @@ from pathlib import Path
 
 import httpx
 
-from bench.serve_load import SMALL_CONFIG, questions, served
+from bench.disruptions import Disruptions, RedisServer, Server, inject, parse_events
+from bench.serve_load import SMALL_CONFIG, questions
 
 REPLICA_MARK = "ServeReplica:"
 
@@ -62,8 +86,8 @@ class Tally:
             self.outcome[outcome] += 1
             if outcome == "succeeded":
                 self.latencies.append(seconds)
-            if outcome == "failed":
-                self.failures[f"{kind}: {why}"[:160]] += 1
+            if outcome in ("failed", "disrupted"):
+                self.failures[f"{outcome} {kind}: {why}"[:160]] += 1
 
 
 MALFORMED: list[tuple[str, bytes, set[int]]] = [
@@ -115,6 +139,14 @@ def replica_rss(server_pid: int | None) -> dict[str, int]:
                 name = cmd.split(REPLICA_MARK, 1)[1].split()[0].split(".")[0]
                 out[f"{name}[{entry.name}]"] = int(line.split()[1]) * 1024
     return out
+
+
+def engine_replica(server_pid: int, deployment: str = "BranchPool") -> int | None:
+    """The pid of a live `deployment` replica below `server_pid`."""
+    for name in replica_rss(server_pid):  # "app:Deployment[pid]"
+        if name.rsplit(":", 1)[-1].startswith(f"{deployment}["):
+            return int(name.split("[", 1)[1].rstrip("]"))
+    return None
 
 
 class FreshRequests:
@@ -169,6 +201,8 @@ def one_request(
             if r.status_code == 200:
                 if "event: answer" in text:
                     return kind, "succeeded", elapsed, ""
+                if "event: error" in text:
+                    return kind, "failed", elapsed, "stream ended with its error event"
                 return kind, "failed", elapsed, "stream ended without its answer"
         else:
             kind = "answer_repeat" if roll < 0.85 else "answer_fresh"
@@ -196,6 +230,10 @@ def soak(
     sample_s: float,
     seed: int,
     server_pid: int | None = None,
+    server: Server | None = None,
+    redis: RedisServer | None = None,
+    events: Sequence[tuple[str, float]] = (),
+    redis_down_s: float = 10.0,
 ) -> dict[str, float]:
     qs = questions(200)
     pool, fresh = qs[:8], FreshRequests(qs[8:] or qs)
@@ -203,20 +241,38 @@ def soak(
     samples: list[tuple[float, dict[str, int]]] = []
     started = time.monotonic()
     stop = threading.Event()
+    disruptions = Disruptions()
+    counts: Counter[str] = Counter()
+
+    def owner() -> int | None:
+        return server.pid if server is not None else server_pid
 
     def client_loop(i: int) -> None:
         rng = random.Random(seed + i)
         with httpx.Client(base_url=url, timeout=httpx.Timeout(300.0)) as client:
             while not stop.is_set():
-                tally.add(*one_request(client, rng, pool, fresh))
+                t0 = time.monotonic()
+                kind, outcome, seconds, why = one_request(client, rng, pool, fresh)
+                if outcome == "failed" and disruptions.excused(t0, time.monotonic(), why):
+                    outcome = "disrupted"
+                tally.add(kind, outcome, seconds, why)
+                if kind == "transport":
+                    stop.wait(0.5)  # no server there: a client retries later, not in a spin
 
     def sampler() -> None:
         while not stop.is_set():
-            samples.append((time.monotonic() - started, replica_rss(server_pid)))
+            samples.append((time.monotonic() - started, replica_rss(owner())))
             stop.wait(sample_s)
 
-    with ThreadPoolExecutor(clients + 1) as ex:
+    def injector() -> None:
+        for kind, at in events:
+            if stop.wait(max(0.0, started + at * duration_s - time.monotonic())):
+                return
+            inject(kind, disruptions, server, redis, redis_down_s, counts, engine_replica)
+
+    with ThreadPoolExecutor(clients + 2) as ex:
         ex.submit(sampler)
+        injecting = ex.submit(injector)
         futures = [ex.submit(client_loop, i) for i in range(clients)]
         last = started
         while time.monotonic() - started < duration_s:
@@ -232,8 +288,15 @@ def soak(
         stop.set()
         for f in futures:
             f.result()
-    samples.append((time.monotonic() - started, replica_rss(server_pid)))
+        injecting.result()
+    samples.append((time.monotonic() - started, replica_rss(owner())))
     figures = report(tally, samples, time.monotonic() - started)
+    for line in disruptions.log:
+        print(f"disruption {line}")
+    figures.update({k: counts[k] for k in ("redis_kills", "replica_kills", "restarts")})
+    if counts["restarts"]:
+        figures["restart_sigkills"] = counts["restart_sigkills"]
+        figures["restart_stop_ms_max"] = counts["restart_stop_ms_max"]
     inflight, waited = inflight_after(url)
     print(f"in-flight answers after the load: {inflight} (after waiting {waited:.0f} s)")
     figures["dropped_streams"] = tally.outcome["dropped"]
@@ -276,6 +339,7 @@ def report(
     print(
         f"succeeded {tally.outcome['succeeded']}, rejected as designed (4xx/503/504) "
         f"{tally.outcome['rejected']}, streams dropped by the client {tally.outcome['dropped']}, "
+        f"disrupted by design {tally.outcome['disrupted']}, "
         f"failed unexpectedly {tally.outcome['failed']}"
     )
     for why, n in tally.failures.most_common(10):
@@ -311,6 +375,7 @@ def report(
         "sent": sent,
         "succeeded": tally.outcome["succeeded"],
         "rejected": tally.outcome["rejected"],
+        "disrupted": tally.outcome["disrupted"],
         "failed": tally.outcome["failed"],
         "p50_ms": round(pct(0.5)),
         "p95_ms": round(pct(0.95)),
@@ -331,14 +396,51 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--sample-s", type=float, default=5.0, help="RSS sampling period.")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--server-pid", type=int, help="With --url: count only replicas below it.")
+    p.add_argument(
+        "--events",
+        help="Disruptions, kind@fraction-of-the-run, comma-separated (kinds: redis, replica, "
+        "restart); default without --url: replica@0.1,restart@0.2,redis@0.5",
+    )
+    p.add_argument("--redis-down-s", type=float, default=10.0, help="How long Redis stays down.")
+    p.add_argument("--no-redis", action="store_true", help="No query-cache Redis of our own.")
+    p.add_argument("--log", default="soak-serve.log", help="The started server's output.")
     args = p.parse_args(argv)
     if args.url:
+        events = parse_events(args.events or "")
+        if events:
+            raise SystemExit("--events needs the server this script starts (no --url)")
         figures = soak(
             args.url, args.duration_s, args.clients, args.sample_s, args.seed, args.server_pid
         )
     else:
-        with served(args.home, args.port, None) as (url, pid):
-            figures = soak(url, args.duration_s, args.clients, args.sample_s, args.seed, pid)
+        events = parse_events(args.events or "replica@0.1,restart@0.2,redis@0.5")
+        binary = None if args.no_redis else shutil.which("redis-server")
+        if binary is None and any(kind == "redis" for kind, _ in events):
+            raise SystemExit("a redis event needs redis-server on PATH (or drop it: --events)")
+        redis = RedisServer(binary) if binary else None
+        env = {}
+        if redis is not None:
+            redis.start()
+            env = {"SELFRAG_REDIS_URL": redis.url, "SELFRAG_CACHE__REDIS_RETRY_S": "1"}
+        server = Server(args.home, args.port, env, Path(args.log))
+        try:
+            print(f"server ready after {server.start():.0f} s", flush=True)
+            figures = soak(
+                server.url,
+                args.duration_s,
+                args.clients,
+                args.sample_s,
+                args.seed,
+                server=server,
+                redis=redis,
+                events=events,
+                redis_down_s=args.redis_down_s,
+            )
+        finally:
+            if server.proc is not None and server.proc.poll() is None:
+                server.stop()
+            if redis is not None:
+                redis.kill()
     print(" ".join(f"{k}={v}" for k, v in figures.items()))
     return 1 if figures["failed"] or figures.get("inflight_end") != 0 else 0
 
