@@ -417,8 +417,12 @@ class ServeAnswerService:
 
         # A call to a deployment whose replica is gone waits for its replacement, so the probe's
         # timeout decides whether a restart shows as "not ready". The store answers in
-        # milliseconds: 1 s. The pool may be busy with a batch of seconds: 5 s.
-        model, store = await asyncio.gather(probe(self._pool, 5.0), probe(self._retriever, 1.0))
+        # milliseconds: 1 s. The pool may be busy with a batch of seconds: 5 s. An answer needs
+        # both engines, the pool's and the decider's: "model" is both.
+        pool, decider, store = await asyncio.gather(
+            probe(self._pool, 5.0), probe(self._decider, 5.0), probe(self._retriever, 1.0)
+        )
+        model = pool and decider
         cache = True
         if self._cache is not None:
             # A cache with a `ping` (infra.cache.AnswerCache) says whether its Redis answers;

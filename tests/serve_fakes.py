@@ -152,6 +152,12 @@ class _PoolMethods:
 class Decider:
     def __init__(self, critic: ScriptedCritic) -> None:
         self.critic = critic
+        self.up = True
+
+    def ready(self) -> bool:
+        if not self.up:  # as a call to a replica that is gone
+            raise RuntimeError("the decider's replica is down")
+        return True
 
     def decide(self, source, branches, timeout_s):  # type: ignore[no-untyped-def]
         return self.critic.retrieval(branches)
@@ -218,6 +224,7 @@ def make_service(
     max_timeout_s: float | None = None,
     settings: Settings | None = None,
     affinity: bool = True,
+    decider: Decider | None = None,
 ) -> Rig:
     """The answer service over fakes (one segment per answer by default)."""
     pool = pool or Pool(ScriptedCritic(relevance_of={"p1": 0.9}))
@@ -227,7 +234,7 @@ def make_service(
     store_handle = Handle(store)
     service = ServeAnswerService(
         pool=pool_handle,  # type: ignore[arg-type]
-        decider=Handle(Decider(pool.critic)),  # type: ignore[arg-type]
+        decider=Handle(decider or Decider(pool.critic)),  # type: ignore[arg-type]
         retriever=store_handle,  # type: ignore[arg-type]
         ranker=Handle(Ranker()),  # type: ignore[arg-type]
         defaults=DecodingConfig(max_segments=1),

@@ -23,7 +23,7 @@ from selfrag.schemas.errors import DeadlineExceeded, DependencyDown, Overloaded,
 from selfrag.schemas.settings import RetrievalSettings, Settings
 from tests.fakes import ScriptedCritic
 from tests.http_fakes import metric_value
-from tests.serve_fakes import DictCache, Pool, Store, make_service
+from tests.serve_fakes import Decider, DictCache, Pool, Store, make_service
 
 
 def _service(
@@ -368,6 +368,20 @@ def test_store_down_is_503_and_not_ready_then_recovers():
         store.down = False
         assert (await service.readiness())["store"] is True
         assert (await service.answer(REQUEST)).response.segments[0].citation is not None
+
+    asyncio.run(run())
+
+
+def test_readiness_needs_the_deciders_engine_as_well_as_the_pools():
+    decider = Decider(ScriptedCritic(relevance_of={"p1": 0.9}))
+    service = make_service(decider=decider).service
+
+    async def run() -> None:
+        assert (await service.readiness())["model"] is True
+        decider.up = False  # an answer cannot be served: its first step asks the decider
+        assert (await service.readiness())["model"] is False
+        decider.up = True
+        assert (await service.readiness())["model"] is True
 
     asyncio.run(run())
 
