@@ -134,7 +134,7 @@ def private_ray_processes() -> list[int]:
     """The live processes of the private instance this process started (those whose
     environment holds its `OWNER_ENV` value), this process excluded; [] when it started none."""
     mark = os.environ.get(OWNER_ENV)
-    if not mark:
+    if not mark or not Path("/proc/self/environ").exists():  # no /proc (not Linux): unknown
         return []
     needle = f"{OWNER_ENV}={mark}".encode()
     found = []
