@@ -399,7 +399,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument(
         "--events",
         help="Disruptions, kind@fraction-of-the-run, comma-separated (kinds: redis, replica, "
-        "restart); default without --url: replica@0.1,restart@0.2,redis@0.5",
+        "restart); default without --url: replica@0.1,restart@0.2,redis@0.5; '' for none",
     )
     p.add_argument("--redis-down-s", type=float, default=10.0, help="How long Redis stays down.")
     p.add_argument("--no-redis", action="store_true", help="No query-cache Redis of our own.")
@@ -413,7 +413,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.url, args.duration_s, args.clients, args.sample_s, args.seed, args.server_pid
         )
     else:
-        events = parse_events(args.events or "replica@0.1,restart@0.2,redis@0.5")
+        default = "replica@0.1,restart@0.2,redis@0.5"
+        events = parse_events(default if args.events is None else args.events)
         binary = None if args.no_redis else shutil.which("redis-server")
         if binary is None and any(kind == "redis" for kind, _ in events):
             raise SystemExit("a redis event needs redis-server on PATH (or drop it: --events)")
