@@ -135,6 +135,8 @@ def test_a_server_restarted_on_the_same_port_answers(
         took = server.stop()
         assert took < STOP_GRACE_S, f"server {n} needed SIGKILL: {server.log.read_text()[-3000:]}"
         assert server.proc.returncode == 0, server.log.read_text()[-3000:]
-        # Nothing of its Ray instance is left, the proxy included: the port is free at once.
+        # Nothing of its Ray instance is left, the proxy included: the port is free within a
+        # few seconds (a killed proxy's listening socket can outlive its process by a moment:
+        # seen once in 2 CI-like runs with 0 s; `selfrag serve` itself waits up to 60 s).
         assert _owned(server.proc.pid) == []
-        wait_for_port("127.0.0.1", port, 0.0)
+        wait_for_port("127.0.0.1", port, 5.0)
