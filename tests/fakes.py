@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from selfrag.pipeline.critics import Branch, LabelProbs
 from selfrag.pipeline.protocols import Generation, Passage
@@ -191,3 +194,19 @@ class WordModel:
 
     def continuation_logprobs(self, requests):
         raise NotImplementedError
+
+
+class HashEmbedder:
+    """Unit vectors from a hash of the text: enough to store and read passages back (the
+    store's tests; a child process's script carries its own copy, as it runs standalone)."""
+
+    dim = 8
+    model_id = "hash-embedder"
+
+    def embed(self, texts: Sequence[str]) -> np.ndarray:
+        rows = []
+        for text in texts:
+            seed = int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little")
+            row = np.random.default_rng(seed).standard_normal(8).astype(np.float32)
+            rows.append(row / np.linalg.norm(row))
+        return np.array(rows, dtype=np.float32).reshape(len(texts), 8)

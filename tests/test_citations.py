@@ -3,12 +3,9 @@ the citations in client shapes (actors/citations.py): annotation spans and passa
 
 from __future__ import annotations
 
-import hashlib
 import json
-from collections.abc import Sequence
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from selfrag.actors.citations import AnswerText, annotations, cited_urls, passage_url
@@ -17,6 +14,7 @@ from selfrag.infra.qdrant_store import QdrantStore
 from selfrag.jobs.indexing import index_corpus
 from selfrag.schemas.answer import AnswerResponse, Citation, SegmentOut, Usage
 from selfrag.schemas.decoding import DecodingConfig
+from tests.fakes import HashEmbedder
 
 URL = "https://en.wikipedia.org/wiki/Rollo"
 
@@ -58,21 +56,6 @@ def test_every_passage_of_a_document_carries_its_url() -> None:
     assert all(p.metadata == {"doc_id": "rollo", "url": URL} for p in passages)
     plain = split_passages(Document(id="x", title=None, text="a b"), 10, 2)
     assert plain[0].metadata == {"doc_id": "x"}
-
-
-class HashEmbedder:
-    """Unit vectors from a hash of the text: enough to store and read passages back."""
-
-    dim = 8
-    model_id = "hash-embedder"
-
-    def embed(self, texts: Sequence[str]) -> np.ndarray:
-        rows = []
-        for text in texts:
-            seed = int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little")
-            row = np.random.default_rng(seed).standard_normal(8).astype(np.float32)
-            rows.append(row / np.linalg.norm(row))
-        return np.array(rows, dtype=np.float32).reshape(len(texts), 8)
 
 
 @pytest.mark.real

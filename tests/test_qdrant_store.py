@@ -23,6 +23,7 @@ from selfrag.infra.qdrant_store import QdrantStore, StoreError, point_id
 from selfrag.jobs.indexing import index_corpus
 from selfrag.pipeline.protocols import Passage, Retriever
 from selfrag.schemas.settings import RetrievalSettings
+from tests.fakes import HashEmbedder
 
 pytestmark = pytest.mark.real
 
@@ -485,23 +486,6 @@ def passages(prefix, n):
 
 home = Path(sys.argv[1])
 """
-
-
-class HashEmbedder:
-    """The children's embedder, in this process."""
-
-    dim = 8
-    model_id = "hash-embedder"
-
-    def embed(self, texts: Sequence[str]) -> np.ndarray:
-        import hashlib
-
-        rows = []
-        for text in texts:
-            seed = int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little")
-            row = np.random.default_rng(seed).standard_normal(8).astype(np.float32)
-            rows.append(row / np.linalg.norm(row))
-        return np.array(rows, dtype=np.float32).reshape(len(texts), 8)
 
 
 def _passages(prefix: str, n: int) -> list[Passage]:
