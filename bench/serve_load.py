@@ -35,6 +35,8 @@ from pathlib import Path
 
 import httpx
 
+from bench.processes import replica_rss
+
 SQUAD = Path(__file__).resolve().parents[2] / "shared" / "data" / "squad_v2_small.json"
 FALLBACK_QUESTIONS = [
     "Who was the Norse leader who founded Normandy?",
@@ -223,8 +225,6 @@ def route_figures(url: str) -> dict[str, float]:
 def app_memory_mib(server_pid: int | None) -> dict[str, dict[str, float]]:
     """VmRSS and PSS (MiB) of the Serve replica processes, per deployment. PSS splits pages
     that processes share (the model file mapped by every engine replica) between them."""
-    from bench.soak import replica_rss
-
     out: dict[str, dict[str, float]] = {}
     for name, rss in replica_rss(server_pid).items():
         deployment, pid = name.rstrip("]").split("[", 1)

@@ -1,18 +1,25 @@
 """The package's shape: imports point downward only, no circles, no private names across modules.
 
 Layers, lowest first: schemas → pipeline → infra (adapters) → runtime → actors | jobs → the
-Python API (api) → entry points (cli, ray_app) | framework adapters (integrations). Folders
-on one layer sit side by side and never import each other. Function-level imports count too.
+Python API (api) → entry points (cli, ray_app) | framework adapters (integrations) → the
+benchmarks and build scripts outside the package (bench, scripts). Folders on one layer sit side
+by side and never import each other. Function-level imports count, and so do relative imports,
+`importlib.import_module`/`__import__` with a literal name, and reading `module._private`
+through an imported module. Every top-level folder holding Python is scanned or named in
+`NOT_SCANNED` with the reason: a new folder cannot slip past unchecked.
 """
 
 from __future__ import annotations
 
 import ast
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = "selfrag"
 LAYERS = {
     "schemas": 0,
     "pipeline": 1,
@@ -25,111 +32,158 @@ LAYERS = {
     "cli": 6,
     "ray_app": 6,
     "__main__": 7,
+    "bench": 8,
+    "scripts": 8,
 }
+# Top-level folders outside the package (their modules are `bench.x`, not `selfrag.bench.x`).
+OUTSIDE_PACKAGE = {"bench", "scripts"}
+NOT_SCANNED = {
+    "tests": "tests reach into private names on purpose, to check them",
+    "docs": "documentation",
+}
+SKIPPED_DIRS = {".venv", ".git", "__pycache__", ".ruff_cache", ".pytest_cache"}
+IMPORT_CALLS = {"import_module", "__import__"}
 
 
-def _modules() -> dict[str, Path]:
-    out = {"selfrag": ROOT / "__init__.py"}
+@dataclass(frozen=True)
+class Import:
+    """One reference from a module to another: `target` is a module name."""
+
+    target: str
+    names: tuple[str, ...]
+    line: int
+
+
+def modules(root: Path) -> dict[str, Path]:
+    """Every scanned module under `root` by its dotted name."""
+    out = {PACKAGE: root / "__init__.py"}
     for folder in LAYERS:
-        path = ROOT / f"{folder}.py"
+        base = () if folder in OUTSIDE_PACKAGE else (PACKAGE,)
+        path = root / f"{folder}.py"
         if path.exists():
-            out[f"selfrag.{folder}"] = path
-        for p in sorted((ROOT / folder).rglob("*.py")) if (ROOT / folder).is_dir() else []:
-            parts = p.relative_to(ROOT).with_suffix("").parts
-            name = ".".join(("selfrag", *parts)).removesuffix(".__init__")
-            out[name] = p
+            out[".".join((*base, folder))] = path
+        for p in sorted((root / folder).rglob("*.py")) if (root / folder).is_dir() else []:
+            parts = p.relative_to(root).with_suffix("").parts
+            out[".".join((*base, *parts)).removesuffix(".__init__")] = p
     return out
 
 
-MODULES = _modules()
+def unlisted_folders(root: Path) -> list[str]:
+    """Top-level folders holding Python that are neither a layer nor in NOT_SCANNED."""
+    return sorted(
+        d.name
+        for d in root.iterdir()
+        if d.is_dir()
+        and d.name not in SKIPPED_DIRS
+        and not d.name.startswith(".")
+        and not d.name.endswith(".egg-info")
+        and d.name not in LAYERS
+        and d.name not in NOT_SCANNED
+        and any(d.rglob("*.py"))
+    )
 
 
-def _imports(path: Path) -> list[tuple[str, list[str], int]]:
-    """(module, imported names, line) of every `selfrag` import in the file."""
+def _package_of(name: str, path: Path) -> str:
+    return name if path.name == "__init__.py" else name.rpartition(".")[0]
+
+
+def _relative_base(name: str, path: Path, level: int) -> str:
+    parts = _package_of(name, path).split(".")
+    return ".".join(parts[: len(parts) - (level - 1)]) if level - 1 < len(parts) else ""
+
+
+def _literal_module(arg: ast.expr) -> str | None:
+    """The module named by the first argument of an import call: a string literal, or the
+    literal start of an f-string (`f"selfrag.x.{name}"` reads `selfrag.x`)."""
+    if isinstance(arg, ast.Constant) and isinstance(arg.value, str):
+        return arg.value
+    if isinstance(arg, ast.JoinedStr) and arg.values:
+        first = arg.values[0]
+        if isinstance(first, ast.Constant) and isinstance(first.value, str):
+            return first.value.rstrip(".") or None
+    return None
+
+
+def _is_ours(module: str) -> bool:
+    return module.split(".")[0] in {PACKAGE, *OUTSIDE_PACKAGE}
+
+
+def imports(name: str, path: Path) -> list[Import]:
+    """Every reference of module `name` (at `path`) to a module of the project."""
     out = []
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
-        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            if node.module.split(".")[0] == "selfrag":
-                out.append((node.module, [a.name for a in node.names], node.lineno))
+        if isinstance(node, ast.ImportFrom):
+            module = node.module or ""
+            if node.level:
+                base = _relative_base(name, path, node.level)
+                module = f"{base}.{module}" if module else base
+            if module and _is_ours(module):
+                out.append(Import(module, tuple(a.name for a in node.names), node.lineno))
         elif isinstance(node, ast.Import):
-            for a in node.names:
-                if a.name.split(".")[0] == "selfrag":
-                    out.append((a.name, [], node.lineno))
+            out += [Import(a.name, (), node.lineno) for a in node.names if _is_ours(a.name)]
+        elif isinstance(node, ast.Call) and node.args:
+            func = node.func
+            called = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
+            module = _literal_module(node.args[0]) if called in IMPORT_CALLS else None
+            if module and _is_ours(module):
+                out.append(Import(module, (), node.lineno))
     return out
 
 
-def _target(module: str, name: str) -> str:
-    """The module an import reads from: `from selfrag.x import y` is module `selfrag.x.y` when
+def _targets(imp: Import, known: dict[str, Path]) -> list[str]:
+    """The modules an import reads from: `from selfrag.x import y` reads `selfrag.x.y` when
     that is a module."""
-    return f"{module}.{name}" if f"{module}.{name}" in MODULES else module
+    found = [f"{imp.target}.{n}" if f"{imp.target}.{n}" in known else imp.target for n in imp.names]
+    return found or [imp.target]
 
 
 def _layer(module: str) -> tuple[int, str]:
     parts = module.split(".")
+    if parts[0] != PACKAGE:
+        return LAYERS[parts[0]], parts[0]
     if len(parts) == 1:
-        return 9, ""  # the package itself: the public face, above everything
+        return 7, ""  # the package itself: the public face, above everything it re-exports
     return LAYERS[parts[1]], parts[1]
 
 
-def _graph() -> dict[str, set[str]]:
-    graph: dict[str, set[str]] = {}
-    for name, path in MODULES.items():
-        deps = set()
-        for module, names, _ in _imports(path):
-            for target in [_target(module, n) for n in names] or [module]:
-                if target in MODULES and target != name:
-                    deps.add(target)
-        graph[name] = deps
-    return graph
-
-
-def test_the_wheel_lists_every_subpackage():
-    """pyproject names the packages one by one (the root maps to `selfrag`): a new folder with
-    an __init__.py must be listed, or a non-editable install lacks it."""
-    import tomllib
-
-    listed = set(
-        tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
-    )
-    found = {"selfrag"} | {
-        ".".join(("selfrag", *p.parent.relative_to(ROOT).parts))
-        for folder in LAYERS
-        if (ROOT / folder).is_dir()
-        for p in (ROOT / folder).rglob("__init__.py")
-    }
-    assert found == listed
-
-
-def test_every_folder_module_is_found():
-    assert "selfrag.pipeline.decoder" in MODULES
-    assert "selfrag.cli" in MODULES
-    assert len(MODULES) > 40
-
-
-def test_imports_only_point_downward():
+def upward_imports(root: Path) -> list[str]:
+    known = modules(root)
     wrong = []
-    for name, path in MODULES.items():
+    for name, path in known.items():
         mine, my_folder = _layer(name)
-        for module, names, line in _imports(path):
-            for target in [_target(module, n) for n in names] or [module]:
-                if target not in MODULES:
+        for imp in imports(name, path):
+            for target in _targets(imp, known):
+                if target not in known:
                     continue
                 theirs, their_folder = _layer(target)
                 sideways = mine == theirs and my_folder != their_folder
                 if theirs > mine or sideways:
-                    wrong.append(f"{path.relative_to(ROOT)}:{line} imports {target}")
-    assert not wrong, "\n".join(wrong)
+                    wrong.append(f"{path.relative_to(root)}:{imp.line} imports {target}")
+    return wrong
 
 
-def test_no_import_circles():
-    graph = _graph()
+def import_graph(root: Path) -> dict[str, set[str]]:
+    known = modules(root)
+    return {
+        name: {
+            t
+            for imp in imports(name, path)
+            for t in _targets(imp, known)
+            if t in known and t != name
+        }
+        for name, path in known.items()
+    }
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan)."""
     index: dict[str, int] = {}
     low: dict[str, int] = {}
     stack: list[str] = []
     on_stack: set[str] = set()
-    circles: list[list[str]] = []
+    found: list[list[str]] = []
 
-    def visit(v: str) -> None:  # Tarjan's strongly connected components
+    def visit(v: str) -> None:
         index[v] = low[v] = len(index)
         stack.append(v)
         on_stack.add(v)
@@ -148,23 +202,128 @@ def test_no_import_circles():
                 if w == v:
                     break
             if len(component) > 1:
-                circles.append(sorted(component))
+                found.append(sorted(component))
 
     for v in sorted(graph):
         if v not in index:
             visit(v)
-    assert not circles, circles
+    return found
+
+
+def _module_aliases(name: str, path: Path, tree: ast.AST, known: dict[str, Path]) -> dict:
+    """Local names bound to project modules: `import selfrag.x as m`, `from selfrag import x`
+    (x a module), and `import selfrag.x` (binds `selfrag`, read through attribute chains)."""
+    aliases: dict[str, str] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                if _is_ours(a.name):
+                    aliases[a.asname or a.name.split(".")[0]] = (
+                        a.name if a.asname else a.name.split(".")[0]
+                    )
+        elif isinstance(node, ast.ImportFrom):
+            module = node.module or ""
+            if node.level:
+                base = _relative_base(name, path, node.level)
+                module = f"{base}.{module}" if module else base
+            for a in node.names:
+                if f"{module}.{a.name}" in known:
+                    aliases[a.asname or a.name] = f"{module}.{a.name}"
+    return aliases
+
+
+def _dotted(node: ast.expr) -> str | None:
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute):
+        head = _dotted(node.value)
+        return f"{head}.{node.attr}" if head else None
+    return None
+
+
+def private_crossings(root: Path) -> list[str]:
+    known = modules(root)
+    wrong = [
+        f"{path.relative_to(root)}:{imp.line} imports {imp.target}.{n}"
+        for name, path in known.items()
+        for imp in imports(name, path)
+        for n in imp.names
+        if n.startswith("_") and not (n.startswith("__") and n.endswith("__"))
+    ]
+    for name, path in known.items():
+        wrong += [
+            f"{path.relative_to(root)}:{node.lineno} reads {module}.{node.attr}"
+            for module, node in _private_attribute_reads(name, path, known)
+        ]
+    return wrong
+
+
+def _private_attribute_reads(
+    name: str, path: Path, known: dict[str, Path]
+) -> Iterator[tuple[str, ast.Attribute]]:
+    """`module._x` where `module` names another project module."""
+    tree = ast.parse(path.read_text(), str(path))
+    aliases = _module_aliases(name, path, tree, known)
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Attribute) or not node.attr.startswith("_"):
+            continue
+        if node.attr.startswith("__") and node.attr.endswith("__"):
+            continue
+        dotted = _dotted(node.value)
+        head, _, rest = (dotted or "").partition(".")
+        module = aliases.get(head)
+        if module is None:
+            continue
+        module = f"{module}.{rest}" if rest else module
+        if module in known and module != name:
+            yield module, node
+
+
+# --- the project ----------------------------------------------------------------------------
+
+
+def test_the_wheel_lists_every_subpackage():
+    """pyproject names the packages one by one (the root maps to `selfrag`): a new folder with
+    an __init__.py must be listed, or a non-editable install lacks it."""
+    import tomllib
+
+    listed = set(
+        tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
+    )
+    found = {PACKAGE} | {
+        ".".join((PACKAGE, *p.parent.relative_to(ROOT).parts))
+        for folder in LAYERS
+        if folder not in OUTSIDE_PACKAGE and (ROOT / folder).is_dir()
+        for p in (ROOT / folder).rglob("__init__.py")
+    }
+    assert found == listed
+
+
+def test_every_folder_module_is_found():
+    found = modules(ROOT)
+    assert "selfrag.pipeline.decoder" in found
+    assert "selfrag.cli" in found
+    assert "bench.vs_vanilla" in found
+    assert len(found) > 40
+
+
+def test_every_top_level_folder_is_scanned_or_named():
+    assert not unlisted_folders(ROOT)
+
+
+def test_imports_only_point_downward():
+    wrong = upward_imports(ROOT)
+    assert not wrong, "\n".join(wrong)
+
+
+def test_no_import_circles():
+    found = circles(import_graph(ROOT))
+    assert not found, found
 
 
 def test_no_private_names_cross_modules():
-    crossing = [
-        f"{path.relative_to(ROOT)}:{line} imports {module}.{n}"
-        for path in MODULES.values()
-        for module, names, line in _imports(path)
-        for n in names
-        if n.startswith("_")
-    ]
-    assert not crossing, "\n".join(crossing)
+    wrong = private_crossings(ROOT)
+    assert not wrong, "\n".join(wrong)
 
 
 @pytest.mark.parametrize("folder", ["pipeline", "schemas"])
@@ -193,3 +352,87 @@ def test_the_algorithm_and_the_types_import_no_service_library(folder: str):
         if a.split(".")[0] in heavy
     ]
     assert not found, found
+
+
+# --- planted violations: each rule catches what it claims to ---------------------------------
+
+
+def _plant(root: Path, files: dict[str, str]) -> Path:
+    for rel, text in {"__init__.py": "", **files}.items():
+        path = root / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    for folder in ("schemas", "pipeline", "infra", "runtime"):
+        (root / folder).mkdir(exist_ok=True)
+        (root / folder / "__init__.py").touch()
+    return root
+
+
+def test_a_relative_upward_import_is_caught(tmp_path: Path):
+    root = _plant(
+        tmp_path, {"pipeline/algo.py": "from ..runtime import system\n", "runtime/system.py": ""}
+    )
+    assert upward_imports(root) == ["pipeline/algo.py:1 imports selfrag.runtime.system"]
+
+
+def test_a_relative_downward_import_passes(tmp_path: Path):
+    root = _plant(
+        tmp_path,
+        {
+            "runtime/system.py": "from ..pipeline import algo\nfrom . import x\n",
+            "pipeline/algo.py": "",
+            "runtime/x.py": "",
+        },
+    )
+    assert upward_imports(root) == []
+
+
+@pytest.mark.parametrize(
+    "code",
+    [
+        "import importlib\nm = importlib.import_module('selfrag.runtime.system')\n",
+        "from importlib import import_module\nm = import_module('selfrag.runtime.system')\n",
+        "m = __import__('selfrag.runtime.system')\n",
+        "import importlib\nm = importlib.import_module(f'selfrag.runtime.{1}')\n",
+    ],
+)
+def test_a_dynamic_upward_import_is_caught(tmp_path: Path, code: str):
+    root = _plant(tmp_path, {"pipeline/algo.py": code, "runtime/system.py": ""})
+    assert len(upward_imports(root)) == 1
+
+
+@pytest.mark.parametrize(
+    "code",
+    [
+        "from selfrag.pipeline import algo\nx = algo._hidden\n",
+        "import selfrag.pipeline.algo as a\nx = a._hidden\n",
+        "import selfrag.pipeline.algo\nx = selfrag.pipeline.algo._hidden\n",
+        "from ..pipeline import algo\nx = algo._hidden\n",
+    ],
+)
+def test_reading_a_private_attribute_of_another_module_is_caught(tmp_path: Path, code: str):
+    root = _plant(tmp_path, {"runtime/system.py": code, "pipeline/algo.py": "_hidden = 1\n"})
+    assert private_crossings(root) == ["runtime/system.py:2 reads selfrag.pipeline.algo._hidden"]
+
+
+def test_dunder_attributes_and_own_privates_pass(tmp_path: Path):
+    code = "from selfrag.pipeline import algo\nx = algo.__name__\n_y = 1\n"
+    root = _plant(tmp_path, {"runtime/system.py": code, "pipeline/algo.py": ""})
+    assert private_crossings(root) == []
+
+
+def test_a_new_top_level_folder_must_be_listed(tmp_path: Path):
+    root = _plant(tmp_path, {"newthing/mod.py": "from selfrag.runtime import system\n"})
+    assert unlisted_folders(root) == ["newthing"]
+
+
+def test_the_package_must_not_import_bench(tmp_path: Path):
+    root = _plant(tmp_path, {"runtime/system.py": "from bench import soak\n", "bench/soak.py": ""})
+    assert upward_imports(root) == ["runtime/system.py:1 imports bench.soak"]
+
+
+def test_bench_may_import_the_package_but_not_its_privates(tmp_path: Path):
+    code = "from selfrag.runtime import system\nfrom selfrag.runtime.system import _x\n"
+    root = _plant(tmp_path, {"bench/soak.py": code, "runtime/system.py": "_x = 1\n"})
+    assert upward_imports(root) == []
+    assert private_crossings(root) == ["bench/soak.py:2 imports selfrag.runtime.system._x"]
