@@ -399,7 +399,7 @@ class RedisTier:
 
 
 class AnswerCache:
-    """The query cache (`actors.service.QueryCache`): answers by `actors.service.query_key`,
+    """The query cache (`runtime.answering.QueryCache`): answers by `runtime.answering.query_key`,
     in an in-process LRU and, when configured, in Redis shared by all ingress replicas.
 
     Never raises from `get`/`put`: a Redis outage degrades to the in-process tier.

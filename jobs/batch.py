@@ -11,7 +11,7 @@
 * The driver drops ids already in the output file (resume; with `retry_failed`, ids whose last
   record is an error are answered again), writes an error record for every request that does
   not validate, and answers each distinct (question, effective config) once
-  (`actors.service.query_key`); every id of a duplicate gets the same answer.
+  (`runtime.answering.query_key`); every id of a duplicate gets the same answer.
 * Ray Data runs `BatchAnswerer`, a pool of actors each owning one llama.cpp engine. An actor
   decodes a batch of questions in threads; `CallMerger` turns their per-step critique calls
   into one multi-sequence engine call, the way `BranchPool` merges concurrent HTTP requests.
@@ -828,7 +828,7 @@ def plan_on_cluster(
 
 def ensure_ray(address: str | None) -> bool:
     """Connect to `address` or start a private local instance (unless Ray already runs in this
-    process; `infra.ray_cluster.init_ray`). True when this call started a private instance,
+    process; `runtime.ray_cluster.init_ray`). True when this call started a private instance,
     so the caller shuts it down."""
     return init_ray(address, log_to_driver=False)
 
