@@ -28,7 +28,8 @@ from pathlib import Path
 from typing import Any
 
 from selfrag.infra.settings import load_settings
-from selfrag.jobs.batch import ensure_ray, run_batch
+from selfrag.jobs.batch import run_batch
+from selfrag.jobs.ray_pool import ensure_ray
 from selfrag.runtime.system import SelfRAGSystem
 from selfrag.schemas.answer import AnswerRequest
 

@@ -16,25 +16,24 @@ from typing import Any
 
 import pytest
 
-import selfrag.jobs.batch as batch_module
-from selfrag.jobs.batch import (
-    BatchQuestion,
-    ClusterTooSmall,
-    NodeCPUs,
-    NodeLost,
-    NodeWatch,
+import selfrag.jobs.batch_inputs as inputs_module
+import selfrag.jobs.ray_pool as ray_pool
+from selfrag.jobs.batch import plan_jobs, run_batch
+from selfrag.jobs.batch_inputs import BatchQuestion, parse_shard, read_questions, select
+from selfrag.jobs.batch_records import (
     OutputLockedError,
-    Resources,
     compact_records,
     done_ids,
     earlier_answers,
     lock_output,
-    parse_shard,
-    plan_jobs,
+)
+from selfrag.jobs.ray_pool import (
+    ClusterTooSmall,
+    NodeCPUs,
+    NodeLost,
+    NodeWatch,
+    Resources,
     plan_resources,
-    read_questions,
-    run_batch,
-    select,
 )
 from selfrag.pipeline.critics import Branch
 from selfrag.runtime.answering import AnswerPath
@@ -94,7 +93,7 @@ def test_a_non_utf8_line_is_one_problem_and_the_rest_is_read(tmp_path: Path):
 
 
 def test_an_over_long_jsonl_line_is_skipped_by_line(tmp_path: Path, monkeypatch):
-    monkeypatch.setattr(batch_module, "MAX_LINE_BYTES", 100)
+    monkeypatch.setattr(inputs_module, "MAX_LINE_BYTES", 100)
     path = tmp_path / "q.jsonl"
     long_line = json.dumps({"id": "long", "question": "x" * 200})
     path.write_text(f'{{"question": "Who?"}}\n{long_line}\n{{"question": "Where?"}}\n')
@@ -197,8 +196,8 @@ def test_parquet_is_read_in_batches_and_an_oversized_row_is_a_problem(tmp_path: 
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    monkeypatch.setattr(batch_module, "MAX_LINE_BYTES", 100)
-    monkeypatch.setattr(batch_module, "PARQUET_BATCH_ROWS", 2)
+    monkeypatch.setattr(inputs_module, "MAX_LINE_BYTES", 100)
+    monkeypatch.setattr(inputs_module, "PARQUET_BATCH_ROWS", 2)
     path = tmp_path / "q.parquet"
     ids = ["p1", "p2", "big", None, "p5"]
     qs = ["Who?", "When?", "x" * 200, "Where?", "Why?"]
@@ -270,7 +269,8 @@ def test_a_second_writer_is_refused_while_the_first_holds_the_lock(tmp_path: Pat
         [
             sys.executable,
             "-c",
-            "import sys; from pathlib import Path; from selfrag.jobs.batch import lock_output\n"
+            "import sys; from pathlib import Path\n"
+            "from selfrag.jobs.batch_records import lock_output\n"
             "with lock_output(Path(sys.argv[1])):\n"
             "    print('held', flush=True); sys.stdin.read()",
             str(out),
@@ -436,7 +436,7 @@ class _Watch:
 
 def test_rows_are_watched_while_none_come_and_a_lost_node_ends_the_wait():
     ds = _BlockingRows()
-    rows = batch_module._rows_watched(ds, _Watch(fail_after=2), every_s=0.05)
+    rows = ray_pool.rows_watched(ds, _Watch(fail_after=2), every_s=0.05)
     assert next(rows) == {"n": 0}
     with pytest.raises(NodeLost):
         next(rows)  # the second row never comes; the watch raises instead of waiting 30 s
@@ -450,7 +450,7 @@ def test_watched_rows_pass_through_and_raise_the_iterations_error():
             yield {"n": 0}
             raise RuntimeError("block failed")
 
-    rows = batch_module._rows_watched(Failing(), _Watch(fail_after=10**9), every_s=0.05)
+    rows = ray_pool.rows_watched(Failing(), _Watch(fail_after=10**9), every_s=0.05)
     assert next(rows) == {"n": 0}
     with pytest.raises(RuntimeError, match="block failed"):
         next(rows)
@@ -510,7 +510,7 @@ def test_a_question_past_its_timeout_gets_an_error_record():
     import time
     from types import SimpleNamespace
 
-    from selfrag.jobs.batch import BatchAnswerer
+    from selfrag.jobs.batch_actors import BatchAnswerer
     from selfrag.pipeline.protocols import Passage
     from tests.fakes import ListRetriever
 
@@ -538,7 +538,7 @@ def test_a_question_past_its_timeout_gets_an_error_record():
 def test_batch_caches_answers_under_the_online_endpoints_key():
     from types import SimpleNamespace
 
-    from selfrag.jobs.batch import BatchAnswerer
+    from selfrag.jobs.batch_actors import BatchAnswerer
     from selfrag.pipeline.protocols import Passage
     from selfrag.runtime.answering import query_key
     from tests.fakes import ListRetriever

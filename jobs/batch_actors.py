@@ -1,0 +1,152 @@
+"""The Ray actors of `selfrag batch` and `selfrag eval --ray`: the one owner of an embedded
+store, and the engine actors that answer a batch of questions in threads."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from selfrag.pipeline.decoder import SelfRAGDecoder, StepListener
+from selfrag.pipeline.protocols import Passage
+from selfrag.runtime.answering import (
+    AnswerPath,
+    CacheIdentity,
+    Deadline,
+    query_cache_scope,
+)
+from selfrag.runtime.merging import CallMerger, MergedCritic
+from selfrag.schemas.answer import AnswerResponse
+from selfrag.schemas.decoding import DecodingConfig
+from selfrag.schemas.errors import AnswerError
+from selfrag.schemas.settings import Settings
+
+# Seconds a critique call waits for the other decoder threads of its actor before it runs
+# alone. The threads' searches queue at one retriever (~0.1 s each on a loaded 2-core box),
+# while a merged engine call takes seconds, so waiting for stragglers pays.
+MERGE_WAIT_S = 0.3
+
+
+class RetrieverActor:
+    """The one owner of an embedded Qdrant folder (and its embedder) for all engine actors."""
+
+    def __init__(self, settings: Settings) -> None:
+        from selfrag.runtime.system import SelfRAGSystem
+
+        self._rag = SelfRAGSystem(settings)
+        self._store = self._rag.store
+        self._store.search("warm up", 1)  # load the embedder now, not on the first question
+
+    def search(self, query: str, k: int) -> list[Passage]:
+        return self._store.search(query, k)
+
+    def search_many(self, queries: list[str], k: int) -> list[list[Passage]]:
+        return self._store.search_many(queries, k)
+
+    def index_version(self) -> str:
+        return self._store.index_version()
+
+    def count(self) -> int:
+        return self._store.count()
+
+    def close(self) -> None:
+        self._rag.close()
+
+
+class _RemoteStore:
+    """`pipeline.protocols.Retriever` through a `RetrieverActor` handle."""
+
+    def __init__(self, handle: Any) -> None:
+        self._handle = handle
+
+    def search(self, query: str, k: int) -> list[Passage]:
+        import ray
+
+        return ray.get(self._handle.search.remote(query, k))  # type: ignore[no-any-return]
+
+    def search_many(self, queries: Sequence[str], k: int) -> list[list[Passage]]:
+        import ray
+
+        return ray.get(self._handle.search_many.remote(list(queries), k))  # type: ignore[no-any-return]
+
+    def index_version(self) -> str:
+        import ray
+
+        return ray.get(self._handle.index_version.remote())  # type: ignore[no-any-return]
+
+
+class BatchAnswerer:
+    """A Ray Data actor: one llama.cpp engine, and a thread per question of a batch."""
+
+    def __init__(self, settings: Settings, retriever: Any | None, n_threads: int) -> None:
+        from selfrag.infra.cache import open_query_cache
+        from selfrag.runtime.system import SelfRAGSystem
+
+        if n_threads and not settings.model.n_threads:
+            model = settings.model.model_copy(update={"n_threads": n_threads})
+            settings = settings.model_copy(update={"model": model})
+        self._settings = settings
+        self._rag = SelfRAGSystem(settings)
+        self._model_id = self._rag.engine.model_id  # load now, in this actor's process
+        self._store: Any = _RemoteStore(retriever) if retriever is not None else self._rag.store
+        self._index_version = self._store.index_version()
+        # The key the online endpoint uses too: a Redis shared with it serves both.
+        self._path = AnswerPath(
+            settings.decoding,
+            cache=open_query_cache(settings),
+            cache_scope=query_cache_scope(settings),
+        )
+        self._merger = CallMerger(self._rag.critic, MERGE_WAIT_S)
+
+    def __call__(self, batch: dict[str, Any]) -> dict[str, list[str]]:
+        keys = [str(k) for k in batch["key"]]
+        questions = [str(q) for q in batch["question"]]
+        configs = [DecodingConfig.model_validate_json(str(c)) for c in batch["config"]]
+        with ThreadPoolExecutor(len(keys), thread_name_prefix="selfrag-batch") as pool:
+            results = list(pool.map(self._answer_one, questions, configs))
+        return {"key": keys, "result": results}
+
+    def _answer_one(self, question: str, config: DecodingConfig) -> str:
+        """The outcome of one question as JSON: {status: ok, response, cache} or
+        {status: error, error: {type, message}}."""
+        try:
+            answer = self._path.answer(question, config, self._decode, identity=self._identity)
+        except AnswerError as exc:
+            return _error(exc.kind, exc.detail)
+        except Exception as exc:  # any failure is this question's record, not the run's end
+            return _error("internal_error", f"{type(exc).__name__}: {exc}")
+        return _ok(answer.response, answer.cache)
+
+    def _identity(self) -> CacheIdentity:
+        # Hashes the model file once per actor, and only when answers are cached.
+        return CacheIdentity(self._index_version, self._rag.model_fingerprint)
+
+    def _decode(
+        self,
+        question: str,
+        config: DecodingConfig,
+        deadline: Deadline,
+        on_step: StepListener | None,
+    ) -> AnswerResponse:
+        critic = self._rag.critic(config.critique)  # validates the source up front
+        name = critic.name
+        decoder = SelfRAGDecoder(
+            lambda source: MergedCritic(self._merger, source, name, deadline),
+            self._store,
+            self._model_id,
+        )
+        self._merger.enter()
+        try:
+            return decoder.answer(question, config, on_step)
+        finally:
+            self._merger.leave()
+
+
+def _ok(response: AnswerResponse, cache: str) -> str:
+    body = response.model_dump(mode="json")
+    return json.dumps({"status": "ok", "cache": cache, "response": body})
+
+
+def _error(kind: str, message: str) -> str:
+    return json.dumps({"status": "error", "error": {"type": kind, "message": message}})
