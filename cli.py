@@ -838,7 +838,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
 
 def cmd_batch(args: argparse.Namespace) -> int:
-    from selfrag.jobs.batch import parse_shard, run_batch
+    from selfrag.jobs.batch import run_batch
+    from selfrag.jobs.batch_inputs import parse_shard
 
     if args.actors is not None and args.actors < 1:
         raise CLIError("--actors must be at least 1")
