@@ -3,6 +3,9 @@
 `selfrag train` writes `$SELFRAG_HOME/heads/<sha256>.json`; the repository ships the heads of
 the embedded default under `infra/shipped_heads/`. A file holds the weight rows (float32,
 base64) and the training manifest (data, counts, seed, validation AUC per group).
+Answerability models (`pipeline.answerability`) sit beside them, one per model file and critique
+source: `$SELFRAG_HOME/answerability/<sha256>.<source>.json`, shipped as
+`shipped_heads/<sha256>.answerability.<source>.json`.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from selfrag.pipeline.answerability import AnswerabilityError, AnswerabilityModel
 from selfrag.pipeline.heads import GROUP_LABELS, GroupHead, HeadsError, ReflectionHeads
 
 HEADS_FORMAT = 1
@@ -100,3 +104,52 @@ def read_manifest(path: Path) -> dict[str, Any]:
 def heads_matrix(heads: ReflectionHeads, group: str) -> np.ndarray:
     """A group's weight rows as a float32 array (labels × hidden)."""
     return np.asarray(heads.groups[group].rows, dtype=np.float32)
+
+
+# --- answerability models (pipeline.answerability) ------------------------------------------------
+
+
+def answerability_path(home: Path, model_sha256: str, source: str) -> Path:
+    """Where `selfrag train --answerability` writes the model of a file and critique source."""
+    return home / "answerability" / f"{model_sha256}.{source}.json"
+
+
+def shipped_answerability_path(model_sha256: str, source: str) -> Path:
+    return SHIPPED_DIR / f"{model_sha256}.answerability.{source}.json"
+
+
+def find_answerability(home: Path, model_sha256: str, source: str) -> Path | None:
+    """The answerability model of a model file and source: fitted here first, else shipped."""
+    for path in (
+        answerability_path(home, model_sha256, source),
+        shipped_answerability_path(model_sha256, source),
+    ):
+        if path.is_file():
+            return path
+    return None
+
+
+def save_answerability(path: Path, model: AnswerabilityModel) -> AnswerabilityModel:
+    """Write an answerability model as JSON, atomically; returns it as read back."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as fh:
+            json.dump(model.to_json(), fh, indent=1)
+            fh.write("\n")
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return load_answerability(path)
+
+
+def load_answerability(path: Path) -> AnswerabilityModel:
+    """Read an answerability model; a malformed file is an `AnswerabilityError` naming it."""
+    try:
+        return AnswerabilityModel.from_json(json.loads(path.read_text()))
+    except AnswerabilityError as exc:
+        raise AnswerabilityError(f"{path}: {exc}") from exc
+    except (OSError, ValueError) as exc:
+        raise AnswerabilityError(f"{path} is not an answerability model ({exc})") from exc

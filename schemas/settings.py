@@ -93,6 +93,12 @@ class ModelSettings(BaseModel):
         "the heads trained for the model file ($SELFRAG_HOME/heads/<sha256>.json), else those "
         "shipped for the embedded default.",
     )
+    answerability: bool = Field(
+        True,
+        description="Take s_sup from the answerability model fitted for the model file and "
+        "critique source (`selfrag train --answerability`, or shipped), when there is one; "
+        "false: the source's own s_sup.",
+    )
     n_ctx: int = Field(
         8192, ge=512, le=131072, description="Total KV cells shared by all sequences."
     )

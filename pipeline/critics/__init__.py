@@ -8,8 +8,11 @@ returns label probabilities that `pipeline.scoring` turns into p_ret, s_rel, s_s
 * `prompted`: any instruct model's answer tokens under short questions (`PromptedCritic`).
 * `likelihood`: likelihood gains of the generator itself (`LikelihoodCritic`).
 * `learned`: reflection heads on the final hidden state (`LearnedCritic`).
+
+`AnswerabilityCritic` wraps any of them, replacing s_sup by `pipeline.answerability`'s p.
 """
 
+from selfrag.pipeline.critics.answerability import AnswerabilityCritic, read_support
 from selfrag.pipeline.critics.base import (
     NATIVE_CHAT_LAYOUT,
     NATIVE_MARKUP,
@@ -27,7 +30,12 @@ from selfrag.pipeline.critics.base import (
     read_requests,
 )
 from selfrag.pipeline.critics.chat import ChatCritic, PromptedQuestions
-from selfrag.pipeline.critics.factory import CritiqueUnavailable, make_critic
+from selfrag.pipeline.critics.factory import (
+    CritiqueUnavailable,
+    make_critic,
+    source_critic,
+    with_answerability,
+)
 from selfrag.pipeline.critics.filters import (
     CRITIQUE_FILTERS,
     FILTERS_OFF,
@@ -50,6 +58,7 @@ __all__ = [
     "RETRIEVE_LABELS",
     "SUPPORT_LABELS",
     "UTILITY_LABELS",
+    "AnswerabilityCritic",
     "Branch",
     "ChatCritic",
     "Critic",
@@ -67,6 +76,9 @@ __all__ = [
     "native_token_ids",
     "read_groups",
     "read_requests",
+    "read_support",
     "resolve_filters",
+    "source_critic",
     "unresolved_filters",
+    "with_answerability",
 ]

@@ -128,10 +128,21 @@ RESERVED_PIECES = tuple(p for group in NATIVE_TOKENS.values() for p in group.val
 
 
 def read_requests(
-    prompts: Sequence[list[int]], reusable: Sequence[int], *, hidden: bool
+    prompts: Sequence[list[int]],
+    reusable: Sequence[int],
+    *,
+    hidden: bool,
+    layers: Sequence[int] = (),
 ) -> list[TokenScoreRequest]:
-    """The engine requests of a learned read: no candidate tokens, the hidden state or not."""
+    """The engine requests of a learned read: no candidate tokens, the hidden state or not,
+    and the output of the middle blocks `layers` (none by default)."""
     return [
-        TokenScoreRequest(prompt=p, candidates=(), reusable_prefix=n, hidden_state=hidden)
+        TokenScoreRequest(
+            prompt=p,
+            candidates=(),
+            reusable_prefix=n,
+            hidden_state=hidden,
+            hidden_layers=tuple(layers),
+        )
         for p, n in zip(prompts, reusable, strict=True)
     ]

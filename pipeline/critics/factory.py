@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from selfrag.pipeline.answerability import AnswerabilityModel
+from selfrag.pipeline.critics.answerability import AnswerabilityCritic
 from selfrag.pipeline.critics.base import NATIVE_CHAT_LAYOUT, Critic
 from selfrag.pipeline.critics.learned import LearnedCritic
 from selfrag.pipeline.critics.likelihood import LikelihoodCritic
@@ -30,6 +32,31 @@ def auto_source(*, native: bool, learned: bool) -> str:
 
 
 def make_critic(
+    model: LanguageModel,
+    source: str,
+    calibration: CalibrationSettings | None = None,
+    heads: ReflectionHeads | None = None,
+    answerability: AnswerabilityModel | None = None,
+) -> Critic:
+    """`source_critic`, with its s_sup from `answerability` (`AnswerabilityCritic`) when that
+    model was fitted on the source `source` resolves to; the source alone otherwise. The
+    caller checks that `answerability` belongs to this model file (`AnswerabilityModel.check`).
+    """
+    return with_answerability(
+        source_critic(model, source, calibration, heads), model, answerability
+    )
+
+
+def with_answerability(
+    critic: Critic, model: LanguageModel, answerability: AnswerabilityModel | None
+) -> Critic:
+    """`critic` with its s_sup from `answerability` when that was fitted on this source."""
+    if answerability is not None and answerability.source == critic.name:
+        return AnswerabilityCritic(critic, model, answerability)
+    return critic
+
+
+def source_critic(
     model: LanguageModel,
     source: str,
     calibration: CalibrationSettings | None = None,

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from selfrag.pipeline.critics.base import LabelProbs, read_requests
 from selfrag.pipeline.critics.chat import ChatCritic
 from selfrag.pipeline.heads import HeadsError, ReflectionHeads
-from selfrag.pipeline.protocols import LanguageModel
+from selfrag.pipeline.protocols import LanguageModel, TokenScores
 
 
 class LearnedCritic(ChatCritic):
@@ -37,6 +37,27 @@ class LearnedCritic(ChatCritic):
             LabelProbs(self.heads.groups[group].probabilities(h), prefill)
             for h, prefill in self.hidden_states(prompts, reusable)
         ]
+
+    def read_with_layers(
+        self,
+        group: str,
+        prompts: Sequence[list[int]],
+        reusable: Sequence[int],
+        layers: Sequence[int],
+    ) -> list[tuple[LabelProbs, TokenScores]]:
+        """The group's label probabilities after each prompt and the engine's reply to the
+        same request, which also carries the output of the middle blocks `layers` there
+        (`pipeline.answerability` probes it) and the final hidden state."""
+        if not prompts:
+            return []
+        out = []
+        requests = read_requests(prompts, reusable, hidden=True, layers=layers)
+        for r in self._model.next_token_logprobs(requests):
+            if r.hidden_state is None:
+                raise RuntimeError("the engine returned no hidden state for a learned critique")
+            probs = self.heads.groups[group].probabilities(r.hidden_state)
+            out.append((LabelProbs(probs, r.prefill_tokens), r))
+        return out
 
     def hidden_states(
         self, prompts: Sequence[list[int]], reusable: Sequence[int]

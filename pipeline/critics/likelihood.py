@@ -225,11 +225,15 @@ class LikelihoodCritic:
         return self._model.generate(requests) if requests else []
 
     def support(self, branches: Sequence[Branch], drafts: Sequence[Generation]) -> list[LabelProbs]:
+        return self.support_from_signals(self.support_signals(branches, drafts))
+
+    def support_from_signals(self, signals: Sequence[Signal]) -> list[LabelProbs]:
+        """The support probabilities of `support_signals`' segment-likelihood gains."""
         return [
             LabelProbs(
                 support_probs(self.calibration.support.probability(s.value)), s.prefill_tokens
             )
-            for s in self.support_signals(branches, drafts)
+            for s in signals
         ]
 
     def utility(self, branches: Sequence[Branch], drafts: Sequence[Generation]) -> list[LabelProbs]:
