@@ -108,6 +108,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="Then save every indexed passage's KV state to the disk tier (HOME/kv), so "
         "answers start warm, also after a restart; prints the disk it will take.",
     )
+    p_index.add_argument(
+        "--no-calibrate",
+        action="store_true",
+        help="Skip fitting the support threshold on the index afterwards (`selfrag calibrate` "
+        "does it alone; about 2 min with the default model, whatever the corpus size).",
+    )
 
     p_ask = sub.add_parser("ask", help="Answer a question from the index.")
     p_ask.add_argument("question")
@@ -184,9 +190,12 @@ def _batch_parser(sub: Any) -> None:
     p.add_argument("--no-progress", action="store_true")
 
 
-def _dataset_args(p: argparse.ArgumentParser) -> None:
+def _dataset_args(p: argparse.ArgumentParser, optional: bool = False) -> None:
     p.add_argument(
-        "dataset", type=Path, help="SQuAD-format JSON or JSONL {question, golden_answers}."
+        "dataset",
+        type=Path,
+        nargs="?" if optional else None,
+        help="SQuAD-format JSON or JSONL {question, golden_answers}.",
     )
     p.add_argument(
         "--corpus",
@@ -230,10 +239,29 @@ def _eval_parsers(sub: Any) -> None:
 
     p_cal = sub.add_parser(
         "calibrate",
-        help="Fit the likelihood critique's calibration on a "
-        "labelled SQuAD dev set and write HOME/calibration.toml.",
+        help="Without a dataset: fit the support threshold (min_support_score) on the index, "
+        "no labels needed (HOME/calibration/<model sha256>/<critique>.json). With a labelled "
+        "SQuAD dev set: fit the likelihood critique's calibration (HOME/calibration.toml).",
     )
-    _dataset_args(p_cal)
+    _dataset_args(p_cal, optional=True)
+    p_cal.add_argument(
+        "--questions",
+        type=int,
+        help="Without a dataset: synthetic questions drawn from the index (default 40).",
+    )
+    p_cal.add_argument("--seed", type=int, help="Without a dataset: the draw's seed (default 0).")
+    p_cal.add_argument(
+        "--max-answerable-abstain",
+        type=float,
+        help="Without a dataset: the share of synthetic answerable pairs the threshold may "
+        "abstain on (default 0.15).",
+    )
+    p_cal.add_argument(
+        "--time-limit",
+        type=float,
+        help="Without a dataset: seconds of critique before calibrating on the pairs read "
+        "(default 300).",
+    )
     _model_flag(p_cal)
     p_cal.add_argument("--top-k", type=int, default=5, help="Retrieved passages per question.")
     p_cal.add_argument(
@@ -360,6 +388,11 @@ def cmd_index(args: argparse.Namespace) -> int:
                 + (f", {len(report.errors)} skipped" if report.errors else "")
             )
         print(f"index: {rag.count()} passages in {settings.home}")
+        if args.paths and not args.no_calibrate and rag.count() > 0:
+            from selfrag.jobs.support_calibration import corpus_plan, run_calibration
+
+            _, message = run_calibration(rag.system, corpus_plan(), progress=not args.no_progress)
+            print(message)
         if args.precompute_kv:
             try:
                 kv = rag.precompute_kv(progress=not args.no_progress)
@@ -611,6 +644,15 @@ def collect_status(settings: Settings) -> dict[str, Any]:
                 "using it, or use a Qdrant server (retrieval.qdrant_url)"
             ) from exc
         model, heads, critique = _model_status(settings, system)
+        if settings.model.backend != "vllm":
+            from selfrag.infra.model_files import file_sha256
+            from selfrag.jobs.support_calibration import threshold_status
+
+            name = critique["resolved"]
+            sha = file_sha256(system.model_path)
+            critique["support_threshold"] = threshold_status(
+                settings.home, sha, name, index["version"]
+            )
     return {
         "selfrag": _selfrag_version(),
         "home": str(settings.home),
@@ -686,6 +728,10 @@ def render_status(s: dict[str, Any]) -> str:
         ("heads", s["heads"] or "none"),
         ("critique", shown),
     ]
+    if critique.get("support_threshold") is not None:
+        from selfrag.jobs.support_calibration import describe_threshold
+
+        rows.append(("min_support", describe_threshold(critique["support_threshold"])))
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
 
@@ -818,6 +864,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     from selfrag.jobs.evaluation import ensure_indexed, load_questions
     from selfrag.runtime.system import SelfRAGSystem
 
+    if args.dataset is None:
+        return _calibrate_corpus(args)
     questions = load_questions(args.dataset, article=args.article, limit=_limit(args))
     if all(q.context is None for q in questions):
         raise CLIError(
@@ -835,6 +883,27 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     if not args.dry_run:
         print(f"wrote {write_calibration(settings.home, cal)}")
     return 0
+
+
+def _calibrate_corpus(args: argparse.Namespace) -> int:
+    """`selfrag calibrate` without a dataset: the support threshold, fitted on the index."""
+    from selfrag.jobs.evaluation import ensure_indexed
+    from selfrag.jobs.support_calibration import corpus_plan, run_calibration
+    from selfrag.runtime.system import SelfRAGSystem
+
+    plan = corpus_plan(
+        questions=args.questions,
+        seed=args.seed,
+        max_answerable_abstain=args.max_answerable_abstain,
+        time_limit_s=args.time_limit,
+    )
+    with SelfRAGSystem(_settings(args)) as rag:
+        ensure_indexed(rag, args.corpus, progress=not args.no_progress)
+        if rag.store.count() == 0:
+            raise CLIError(f"the index in {rag.settings.home} is empty: run `selfrag index` first")
+        done, message = run_calibration(rag, plan, progress=not args.no_progress)
+    print(message)
+    return 0 if done else EXIT_PARTIAL
 
 
 def cmd_batch(args: argparse.Namespace) -> int:

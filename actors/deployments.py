@@ -161,8 +161,14 @@ class BranchPool:
         return self._worker.engine.model_id
 
     def model_fingerprint(self) -> str:
-        """`SelfRAGSystem.model_fingerprint`: the model's identity in query-cache keys."""
-        return self._rag.model_fingerprint
+        """`SelfRAGSystem.answer_fingerprint`: the model's identity in query-cache keys, with
+        the support thresholds calibrated for it."""
+        return self._rag.answer_fingerprint()
+
+    def calibrated_filters(self, critic_name: str) -> dict[str, object]:
+        """The filter defaults calibrated on the served corpus for the source `critic_name`
+        (`SelfRAGSystem.calibrated_filters`)."""
+        return self._rag.calibrated_filters(critic_name)
 
     def critic_name(self, source: str) -> str:
         """The critique source `source` resolves to; `Unprocessable` when this model cannot

@@ -284,6 +284,7 @@ class ServeAnswerService:
         self._model_id: str | None = None
         self._model_fingerprint: str | None = None
         self._critic_names: dict[str, str] = {}
+        self._calibrated: dict[str, dict[str, object]] = {}
         self._index_version_ttl_s = index_version_ttl_s
         # (version, time.monotonic() when read); a hit needs no Retriever call while it is fresh.
         self._index_version: tuple[str, float] | None = None
@@ -327,12 +328,13 @@ class ServeAnswerService:
             async with asyncio.timeout_at(loop.time() + config.timeout_s):
                 model_id = await self._get_model_id()
                 critic_name = await self._get_critic_name(config.critique)
+                calibrated = await self._get_calibrated(critic_name)
                 identity: CacheIdentity | None = None
                 if self._cache is not None:
                     identity = CacheIdentity(
                         await self._get_index_version(), await self._get_model_fingerprint()
                     )
-                decode = functools.partial(self._decode, model_id, critic_name)
+                decode = functools.partial(self._decode, model_id, critic_name, calibrated)
                 future = self._executor.submit(
                     self._path.answer,
                     request.question,
@@ -362,6 +364,7 @@ class ServeAnswerService:
         self,
         model_id: str,
         critic_name: str,
+        calibrated: dict[str, object],
         question: str,
         config: DecodingConfig,
         deadline: Deadline,
@@ -379,6 +382,7 @@ class ServeAnswerService:
             RemoteRetriever(remote, self._retriever),
             model_id,
             ranker=RemoteRanker(remote, self._ranker),
+            calibrated=lambda _: calibrated,
         )
         with service_errors():
             return decoder.answer(question, config, on_step)
@@ -404,6 +408,15 @@ class ServeAnswerService:
         if source not in self._critic_names:
             self._critic_names[source] = await _awaited(self._pool.critic_name.remote(source))
         return self._critic_names[source]
+
+    async def _get_calibrated(self, critic_name: str) -> dict[str, object]:
+        # The pool's calibrated filter defaults of the source, read once per ingress (as the
+        # pool reads its calibration once per replica: a new one needs a restart).
+        if critic_name not in self._calibrated:
+            self._calibrated[critic_name] = await _awaited(
+                self._pool.calibrated_filters.remote(critic_name)
+            )
+        return self._calibrated[critic_name]
 
     # --- probes --------------------------------------------------------------------------------
 

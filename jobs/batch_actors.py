@@ -120,7 +120,7 @@ class BatchAnswerer:
 
     def _identity(self) -> CacheIdentity:
         # Hashes the model file once per actor, and only when answers are cached.
-        return CacheIdentity(self._index_version, self._rag.model_fingerprint)
+        return CacheIdentity(self._index_version, self._rag.answer_fingerprint())
 
     def _decode(
         self,
@@ -135,6 +135,7 @@ class BatchAnswerer:
             lambda source: MergedCritic(self._merger, source, name, deadline),
             self._store,
             self._model_id,
+            calibrated=self._rag.calibrated_filters,
         )
         self._merger.enter()
         try:

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from selfrag.pipeline.branching import StepCritique, reusable_draft, step_critique
-from selfrag.pipeline.critics import Branch, Critic, resolve_filters
+from selfrag.pipeline.critics import Branch, Critic
+from selfrag.pipeline.critics.filters import resolve_filters
 from selfrag.pipeline.protocols import Generation, Passage, Retriever
 from selfrag.pipeline.ranking import (
     Candidate,
@@ -25,6 +26,8 @@ Ranker = Callable[
     [Sequence[Hypothesis], Sequence[Hypothesis], Sequence[Drafted], DecodingConfig], StepRanking
 ]
 StepListener = Callable[[Hypothesis], None]
+CalibratedFilters = Callable[[str], Mapping[str, object]]
+"""The filter defaults calibrated on the served corpus for a critique source (by name)."""
 
 ABSTAIN_MESSAGE = "The retrieved evidence does not support an answer to this question."
 NO_ANSWER_MESSAGE = "The model produced no answer to this question."
@@ -70,8 +73,12 @@ class SelfRAGDecoder:
         *,
         ranker: Ranker = rank_step,
         clock: Callable[[], float] = time.perf_counter,
+        calibrated: CalibratedFilters | None = None,
     ) -> None:
+        """`calibrated(name)` gives the filter defaults fitted on the served corpus for the
+        critique source `name` (`selfrag calibrate`); they come before the source's own."""
         self._critic_for = critic_for
+        self._calibrated = calibrated
         self._retriever = retriever
         self._model_id = model_id
         self._ranker = ranker
@@ -82,7 +89,8 @@ class SelfRAGDecoder:
     ) -> AnswerResponse:
         """Answer `question`. `on_step` sees the leading hypothesis after every step."""
         critic = step_critique(self._critic_for(config.critique), clock=self._clock)
-        config = resolve_filters(config, critic.name)
+        fitted = self._calibrated(critic.name) if self._calibrated is not None else None
+        config = resolve_filters(config, critic.name, fitted)
         run = _Run(config=config, clock=self._clock, started=self._clock())
         beam: list[Hypothesis] = [Hypothesis()]
         for _ in range(config.max_segments):

@@ -82,7 +82,7 @@ class EntityPool:
 
     def replace_one(self, sentence: str, rng: random.Random) -> str | None:
         """`sentence` with one entity swapped for another of its kind; None if it has none."""
-        found = [(kind, m) for kind, m in _entity_matches(sentence) if len(self.kinds[kind]) > 1]
+        found = [(kind, m) for kind, m in entity_matches(sentence) if len(self.kinds[kind]) > 1]
         if not found:
             return None
         kind, match = rng.choice(found)
@@ -93,7 +93,8 @@ class EntityPool:
         return sentence[: match.start()] + rng.choice(choices) + sentence[match.end() :]
 
 
-def _entity_matches(text: str) -> list[tuple[str, re.Match[str]]]:
+def entity_matches(text: str) -> list[tuple[str, re.Match[str]]]:
+    """The years, other numbers and names in `text`, each as (kind, match)."""
     out: list[tuple[str, re.Match[str]]] = [("year", m) for m in _YEAR.finditer(text)]
     years = {m.span() for _, m in out}
     out += [("number", m) for m in _NUMBER.finditer(text) if m.span() not in years]
@@ -102,7 +103,7 @@ def _entity_matches(text: str) -> list[tuple[str, re.Match[str]]]:
 
 
 def _entities(text: str) -> list[tuple[str, str]]:
-    return [(kind, m.group(0)) for kind, m in _entity_matches(text)]
+    return [(kind, m.group(0)) for kind, m in entity_matches(text)]
 
 
 def inverse_cloze(

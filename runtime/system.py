@@ -26,6 +26,7 @@ from selfrag.runtime.answering import (
     Deadline,
     query_cache_scope,
 )
+from selfrag.runtime.calibrated import CalibratedDefaults
 from selfrag.schemas.answer import AnswerRequest, AnswerResponse
 from selfrag.schemas.decoding import DecodingConfig
 from selfrag.schemas.settings import ModelSettings, Settings
@@ -132,7 +133,34 @@ class SelfRAGSystem(Closeable):
 
     @cached_property
     def decoder(self) -> SelfRAGDecoder:
-        return SelfRAGDecoder(self.critic, self.store, self.engine.model_id)
+        return SelfRAGDecoder(
+            self.critic, self.store, self.engine.model_id, calibrated=self.calibrated_filters
+        )
+
+    @cached_property
+    def calibrated(self) -> CalibratedDefaults:
+        """The support thresholds calibrated on this home's corpus for the model file."""
+        from selfrag.infra.model_files import file_sha256
+
+        return CalibratedDefaults(
+            self.settings.home,
+            lambda: file_sha256(self.model_path),
+            lambda: self.model_fingerprint,
+        )
+
+    def calibrated_filters(self, critique: str) -> dict[str, object]:
+        """The filter defaults calibrated on the served corpus for the critique source
+        `critique` (`selfrag calibrate`); none on the vLLM backend (no model file to key by)."""
+        if self.settings.model.backend == "vllm":
+            return {}
+        return self.calibrated.filters(critique)
+
+    def answer_fingerprint(self) -> str:
+        """`model_fingerprint` and the calibrated thresholds: what the query cache keys an
+        answer by besides the index (a recalibration changes answers that left it unset)."""
+        if self.settings.model.backend == "vllm":
+            return self.model_fingerprint
+        return self.model_fingerprint + self.calibrated.cache_tag(CALIBRATED_SOURCES)
 
     @cached_property
     def heads_file(self) -> Path | None:
@@ -194,7 +222,7 @@ class SelfRAGSystem(Closeable):
         )
 
     def cache_identity(self) -> CacheIdentity:
-        return CacheIdentity(self.store.index_version(), self.model_fingerprint)
+        return CacheIdentity(self.store.index_version(), self.answer_fingerprint())
 
     def decode(
         self,
@@ -275,6 +303,9 @@ class SelfRAGSystem(Closeable):
             if component is not None:
                 component.close()
 
+
+# The critique sources whose calibrated threshold is part of an answer's cache identity.
+CALIBRATED_SOURCES = ("learned", "likelihood", "prompted", "native")
 
 # Any question: what is saved is the prompt head before it (template + passage).
 KV_WARM_QUESTION = "What does this passage say?"

@@ -55,3 +55,44 @@ class CalibrationSettings(BaseModel):
         "embedded default: SmolLM2-135M-Instruct, SQuAD 'Normans', 40 questions",
         description="What the parameters were fitted on (written by `selfrag calibrate`).",
     )
+
+
+class SupportCalibration(BaseModel):
+    """A `min_support_score` fitted on the served corpus without labels (`selfrag calibrate`,
+    and the end of `selfrag index`), for one model file and critique source.
+
+    The critique's s_sup is read on synthetic pairs drawn from the index
+    (`pipeline.synthetic_qa`): a question made from a passage's sentence, with its own passage
+    (answerable) and with the retriever's best other passage lacking the answer (unanswerable).
+    The threshold is the highest one that abstains on at most `max_answerable_abstain` of the
+    answerable pairs. Kept in `$SELFRAG_HOME/calibration/<model sha256>/<critique>.json`.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    format: int = 1
+    model_sha256: str = Field(description="SHA-256 of the model file it was fitted with.")
+    model_file: str
+    critique: str = Field(description="The critique source s_sup was read from.")
+    fingerprint: str = Field(
+        description="The model's identity in query-cache keys when fitted (model file, heads, "
+        "answerability model): a calibration of other heads is not used."
+    )
+    min_support_score: float = Field(ge=0.0, le=1.0)
+    max_answerable_abstain: float = Field(ge=0.0, lt=1.0)
+    answerable_abstain: float = Field(description="Synthetic answerable pairs below it.")
+    unanswerable_abstain: float | None = Field(description="Synthetic unanswerable pairs below it.")
+    auroc: float | None = Field(description="s_sup's AUROC, answerable vs unanswerable pairs.")
+    questions: int
+    answerable: dict[str, float | int] = Field(description="Summary of their s_sup.")
+    unanswerable: dict[str, float | int] = Field(description="Summary of their s_sup.")
+    pruned: dict[str, int] = Field(
+        description="Pairs the source's default relevance filter (min_relevance) would prune "
+        "before drafting, per kind."
+    )
+    style: str = Field(description="How the questions were written (wh or cloze).")
+    seed: int
+    index_version: str
+    passages: int = Field(description="Passages in the index when fitted.")
+    seconds: float
+    created: str = Field(description="When, UTC, ISO 8601.")

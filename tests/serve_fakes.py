@@ -88,6 +88,7 @@ class Pool:
         self.hang: threading.Event | None = None
         self.drafts_started = 0
         self.fingerprint = "scripted-model sha256:00"
+        self.calibrated: dict[str, object] = {}
 
     def model_id(self) -> str:
         return "scripted-model"
@@ -100,6 +101,10 @@ class Pool:
         if source == "native":
             raise Unprocessable("critique 'native' needs a Self-RAG checkpoint")
         return self.critic.name
+
+    def calibrated_filters(self, critic_name: str) -> dict[str, object]:
+        """As `BranchPool.calibrated_filters`: the scripted calibration (none by default)."""
+        return self.calibrated
 
     def ready(self) -> bool:
         return True

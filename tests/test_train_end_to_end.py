@@ -52,7 +52,7 @@ def test_train_refuses_a_corpus_too_small_for_a_group(
     lines = [json.loads(x) for x in (shared_data / "wiki_sample_1000.jsonl").open()][:12]
     corpus.write_text("".join(json.dumps(x) + "\n" for x in lines))
     home = tmp_path / "home"
-    assert main(["--home", str(home), "index", "--no-progress", str(corpus)]) == 0
+    assert main(["--home", str(home), "index", "--no-progress", "--no-calibrate", str(corpus)]) == 0
     code = main(["--home", str(home), "train", "--passages", "12", "--no-progress"])
     assert code == 2
     err = capsys.readouterr().err

@@ -1,0 +1,276 @@
+"""Calibrate the support threshold on the served corpus, without labels.
+
+For each synthetic pair (`pipeline.synthetic_qa`: a question written from a sampled passage's
+sentence, with its own passage or with a near neighbour lacking its answer) the system's own
+critique does what the decoder does for a first-step evidence branch, `Branch(question, "",
+passage)`: relevance, then a draft of `max_segment_tokens`, then support, and s_sup is
+`pipeline.scoring.support_score` of that. The critic is the one the system serves
+(`SelfRAGSystem.critic`: heads, answerability model and all). The threshold is
+`choose_threshold` of the two s_sup lists: the highest that abstains on at most
+`max_answerable_abstain` of the answerable pairs. Cost: the number of pairs times three
+critique calls, whatever the corpus size (the passages are sampled in one pass over the index).
+"""
+
+from __future__ import annotations
+
+import random
+import sys
+import time
+from dataclasses import dataclass, replace
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from selfrag.infra.support_calibration import save_calibration
+from selfrag.pipeline.calibration import auc
+from selfrag.pipeline.critics import Branch
+from selfrag.pipeline.critics.filters import resolve_filters
+from selfrag.pipeline.scoring import relevance_score, support_score
+from selfrag.pipeline.synthetic_qa import (
+    QuestionStyle,
+    SyntheticPair,
+    choose_threshold,
+    sample_passages,
+    summary,
+    synthetic_pairs,
+)
+from selfrag.schemas.calibration import SupportCalibration
+
+if TYPE_CHECKING:
+    from selfrag.runtime.system import SelfRAGSystem
+
+MIN_ANSWERABLE = 8
+"""Fewer answerable pairs than this (a tiny corpus, or a time limit hit early) calibrate
+nothing: a quantile of so few scores is noise."""
+
+
+class CalibrationSkipped(ValueError):
+    """The corpus gave too few pairs to calibrate on (the message says how many)."""
+
+
+@dataclass(frozen=True)
+class CorpusCalibrationPlan:
+    """How many pairs, drawn how. The defaults take about 2 minutes with SmolLM2-135M on one
+    thread (docs/evaluation.md, *The support threshold*)."""
+
+    questions: int = 40
+    """Questions written; each gives an answerable pair and, mostly, an unanswerable one."""
+    seed: int = 0
+    style: QuestionStyle = "wh"
+    max_answerable_abstain: float = 0.15
+    time_limit_s: float = 300.0
+    """Stop reading pairs after this long and calibrate on those read (if enough)."""
+    batch: int = 8
+    """Pairs per critique call (the engine batches them as the decoder's branches)."""
+
+
+@dataclass(frozen=True)
+class PairScore:
+    """One pair as the critique read it."""
+
+    pair: SyntheticPair
+    s_rel: float
+    s_sup: float | None
+    """None when the draft was empty (the decoder drops such a branch)."""
+    pruned: bool
+    """Whether the source's default relevance filter would prune it before drafting."""
+
+
+def score_pairs(
+    rag: SelfRAGSystem,
+    critique: str,
+    pairs: list[SyntheticPair],
+    plan: CorpusCalibrationPlan,
+    *,
+    progress: bool = True,
+) -> list[PairScore]:
+    """Relevance, draft and support of each pair's first-step branch, by the system's
+    critique `critique` (a source name or `auto`), until `plan.time_limit_s` passes."""
+    from tqdm import tqdm
+
+    critic = rag.critic(critique)
+    # The filters an answer with the default request would use, save the threshold itself.
+    cfg = resolve_filters(rag.settings.decoding, critic.name)
+    started = time.monotonic()
+    out: list[PairScore] = []
+    bar = tqdm(
+        total=len(pairs), desc="calibrate", unit="pair", file=sys.stderr, disable=not progress
+    )
+    for start in range(0, len(pairs), plan.batch):
+        if time.monotonic() - started > plan.time_limit_s:
+            bar.write(
+                f"calibrate: time limit {plan.time_limit_s:g} s reached after {len(out)} pairs",
+                file=sys.stderr,
+            )
+            break
+        chunk = pairs[start : start + plan.batch]
+        branches = [Branch(p.question.question, "", p.passage) for p in chunk]
+        rels = critic.relevance(branches)
+        drafts = critic.draft(branches, cfg.max_segment_tokens)
+        kept = [i for i, d in enumerate(drafts) if d.text.strip()]
+        sups = critic.support([branches[i] for i in kept], [drafts[i] for i in kept])
+        s_sup: dict[int, float] = {
+            i: support_score(sup.probs) for i, sup in zip(kept, sups, strict=True)
+        }
+        for i, (pair, rel) in enumerate(zip(chunk, rels, strict=True)):
+            s_rel = relevance_score(rel.probs)
+            out.append(PairScore(pair, s_rel, s_sup.get(i), s_rel < (cfg.min_relevance or 0.0)))
+        bar.update(len(chunk))
+    bar.close()
+    return out
+
+
+def calibrate_support(
+    rag: SelfRAGSystem,
+    plan: CorpusCalibrationPlan,
+    *,
+    critique: str | None = None,
+    progress: bool = True,
+) -> tuple[SupportCalibration, Path]:
+    """Draw the pairs from the index, read them with the served critique (`critique`, default
+    the configured one), choose the threshold and save it for this model file and source.
+    `CalibrationSkipped` when the corpus gives fewer than MIN_ANSWERABLE answerable pairs."""
+    from selfrag.infra.model_files import file_sha256
+
+    started = time.monotonic()
+    source = critique or rag.settings.decoding.critique
+    rng = random.Random(plan.seed)
+    # Sorted, so the draw does not depend on the order the store lists its points in.
+    sampled = sample_passages(rag.store.passages(), 4 * plan.questions, rng)
+    sampled.sort(key=lambda p: p.id)
+    pairs = synthetic_pairs(sampled, rag.store.search, plan.questions, rng, plan.style)
+    _enough(sum(1 for p in pairs if p.answerable))  # before any model work
+    scores = score_pairs(rag, source, pairs, plan, progress=progress)
+    answerable = [s.s_sup for s in scores if s.pair.answerable and s.s_sup is not None]
+    unanswerable = [s.s_sup for s in scores if not s.pair.answerable and s.s_sup is not None]
+    _enough(len(answerable))
+    name = rag.critic(source).name
+    choice = choose_threshold(answerable, unanswerable, plan.max_answerable_abstain)
+    cal = SupportCalibration(
+        model_sha256=file_sha256(rag.model_path),
+        model_file=rag.model_path.name,
+        critique=name,
+        fingerprint=rag.model_fingerprint,
+        min_support_score=round(choice.threshold, 6),
+        max_answerable_abstain=plan.max_answerable_abstain,
+        answerable_abstain=round(choice.answerable_abstain, 4),
+        unanswerable_abstain=(
+            round(choice.unanswerable_abstain, 4)
+            if choice.unanswerable_abstain is not None
+            else None
+        ),
+        auroc=_auroc(answerable, unanswerable),
+        questions=sum(1 for s in scores if s.pair.answerable),
+        answerable=summary(answerable),
+        unanswerable=summary(unanswerable),
+        pruned={
+            "answerable": sum(1 for s in scores if s.pair.answerable and s.pruned),
+            "unanswerable": sum(1 for s in scores if not s.pair.answerable and s.pruned),
+        },
+        style=plan.style,
+        seed=plan.seed,
+        index_version=rag.store.index_version(),
+        passages=rag.store.count(),
+        seconds=round(time.monotonic() - started, 1),
+        created=datetime.now(UTC).isoformat(timespec="seconds"),
+    )
+    path = save_calibration(rag.settings.home, cal)
+    rag.calibrated.forget()
+    return cal, path
+
+
+def _enough(answerable: int) -> None:
+    if answerable < MIN_ANSWERABLE:
+        raise CalibrationSkipped(
+            f"the index gave {answerable} answerable question/passage pairs, fewer than the "
+            f"{MIN_ANSWERABLE} a threshold needs (too few passages with a sentence holding a "
+            "year, a count or a name?): the support threshold stays the critique's default"
+        )
+
+
+def _auroc(answerable: list[float], unanswerable: list[float]) -> float | None:
+    value = auc(answerable + unanswerable, [True] * len(answerable) + [False] * len(unanswerable))
+    return round(value, 4) if value is not None else None
+
+
+def describe(cal: SupportCalibration, path: Path) -> str:
+    """What a calibration chose and from what, for the terminal."""
+    a, u = cal.answerable, cal.unanswerable
+    unans = "-" if cal.unanswerable_abstain is None else f"{cal.unanswerable_abstain:.0%}"
+    return "\n".join(
+        [
+            f"support threshold ({cal.critique}, {cal.model_file}): min_support_score "
+            f"{cal.min_support_score:.4f} -> {path}",
+            f"  {cal.questions} synthetic questions ({cal.style}); s_sup answerable "
+            f"n={a.get('n')} p10 {a.get('p10', '-')} p50 {a.get('p50', '-')}, unanswerable "
+            f"n={u.get('n')} p10 {u.get('p10', '-')} p50 {u.get('p50', '-')}; AUROC "
+            f"{'-' if cal.auroc is None else f'{cal.auroc:.3f}'}",
+            f"  abstains on {cal.answerable_abstain:.0%} of answerable pairs (at most "
+            f"{cal.max_answerable_abstain:.0%}), {unans} of unanswerable; {cal.seconds:.0f} s",
+        ]
+    )
+
+
+def corpus_plan(**overrides: object) -> CorpusCalibrationPlan:
+    """The default plan with the `overrides` that are not None (command-line flags)."""
+    given = {k: v for k, v in overrides.items() if v is not None}
+    plan = replace(CorpusCalibrationPlan(), **given)  # type: ignore[arg-type]
+    if plan.questions < 1:
+        raise ValueError("--questions must be at least 1")
+    if not 0.0 <= plan.max_answerable_abstain < 1.0:
+        raise ValueError("--max-answerable-abstain must be in [0, 1)")
+    if plan.time_limit_s <= 0:
+        raise ValueError("--time-limit must be positive")
+    return plan
+
+
+def run_calibration(
+    rag: SelfRAGSystem, plan: CorpusCalibrationPlan, *, progress: bool = True
+) -> tuple[bool, str]:
+    """`calibrate_support` for a command: (whether a threshold was written, what to print).
+    A corpus too small to calibrate on, or the vLLM backend (no model file to key it by),
+    is reported, not raised."""
+    if rag.settings.model.backend == "vllm":
+        return False, "support threshold: not calibrated (the vLLM backend has no model file)"
+    try:
+        cal, path = calibrate_support(rag, plan, progress=progress)
+    except CalibrationSkipped as exc:
+        return False, f"support threshold: not calibrated: {exc}"
+    return True, describe(cal, path)
+
+
+def threshold_status(
+    home: Path, model_sha256: str, critique: str, index_version: str
+) -> dict[str, object]:
+    """Where the support threshold of `critique` on this model file comes from, for `selfrag
+    status`: the calibration (and whether the index changed since), else the source's
+    constant (or none). Reads no model."""
+    from selfrag.infra.support_calibration import calibration_path, read_calibration
+    from selfrag.pipeline.critics.filters import filter_defaults
+
+    cal = read_calibration(home, model_sha256, critique)
+    if cal is None:
+        value = filter_defaults(critique)["min_support_score"]
+        return {"min_support_score": value, "calibrated": False}
+    return {
+        "min_support_score": cal.min_support_score,
+        "calibrated": True,
+        "file": str(calibration_path(home, model_sha256, critique)),
+        "questions": cal.questions,
+        "created": cal.created,
+        "index_changed": cal.index_version != index_version,
+    }
+
+
+def describe_threshold(t: dict[str, object]) -> str:
+    """`threshold_status` on one line."""
+    if not t["calibrated"]:
+        if not t["min_support_score"]:
+            return "off (not calibrated: `selfrag calibrate`)"
+        value = t["min_support_score"]
+        return f"{value} (constant, not calibrated on this corpus: `selfrag calibrate`)"
+    changed = "; the index changed since: `selfrag calibrate`" if t["index_changed"] else ""
+    return (
+        f"{t['min_support_score']} (calibrated on {t['questions']} synthetic questions from the "
+        f"index, {t['created']}{changed})"
+    )

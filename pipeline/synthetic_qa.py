@@ -1,0 +1,229 @@
+"""Label-free question/passage pairs from an indexed corpus, and the support threshold they give.
+
+A sentence of a sampled passage that holds an entity (a year, another number or a name, the
+patterns of `pipeline.reflection_data`) becomes a question whose answer is that entity:
+
+* `wh` (default): the entity replaced in place by a wh-phrase, around it at most `WINDOW` words
+  of the sentence: "... under their leader who?", "... in what year?", "... how many ...?";
+* `cloze`: the same words with the entity blanked: "... under their leader ___ ." as a
+  fill-in-the-blank request.
+
+The answerable pair is the question with its own passage; the unanswerable pair is the same
+question with the retriever's best other passage that does not contain the answer string (a
+near neighbour that lacks it). Everything is drawn from a seeded `random.Random`, so the same
+passages, search results and seed give the same pairs.
+
+`choose_threshold` turns the critique's s_sup on both kinds of pair into a `min_support_score`.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import re
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+from selfrag.pipeline.metrics import contains_answer
+from selfrag.pipeline.protocols import Passage
+from selfrag.pipeline.reflection_data import entity_matches, sentences
+
+QuestionStyle = Literal["wh", "cloze"]
+STYLES: tuple[str, ...] = ("wh", "cloze")
+WINDOW = 10
+"""Words kept on each side of the entity: real questions are short (SQuAD's average about 10
+words), whole encyclopaedia sentences are not."""
+NEIGHBOUR_DEPTH = 8
+"""Retrieved passages searched for a near neighbour without the answer."""
+_WH = {"year": "what year", "number": "how many", "name": "who"}
+"""The wh-phrase asking for each entity kind (a count's noun stays after "how many")."""
+_LEADING = re.compile(r"^\W+|[\s,;:]+$")
+_FUNCTION = frozenset(
+    "was is were are had has and or in of who which to from at on for by as with when after "
+    "before but".split()
+)
+_MONTHS = frozenset(
+    "January February March April May June July August September October November December".split()
+)
+
+
+@dataclass(frozen=True)
+class SyntheticQuestion:
+    """A question drawn from `passage`, whose answer is `answer` (a span of it)."""
+
+    question: str
+    answer: str
+    kind: str
+    """The entity kind: year, number or name."""
+    passage: Passage
+
+
+@dataclass(frozen=True)
+class SyntheticPair:
+    """A question with a passage; `answerable` when the passage is the one it came from."""
+
+    question: SyntheticQuestion
+    passage: Passage
+    answerable: bool
+
+
+def make_question(
+    sentence: str, rng: random.Random, style: QuestionStyle = "wh"
+) -> tuple[str, str, str] | None:
+    """(question, answer, kind) from one entity of `sentence`, or None when it has none (or
+    the answer would still be written in the question)."""
+    found = [(kind, m) for kind, m in entity_matches(sentence) if _askable(sentence, kind, m)]
+    if not found:
+        return None
+    kind, match = rng.choice(found)
+    answer = match.group(0)
+    before = sentence[: match.start()].split()[-WINDOW:]
+    after = sentence[match.end() :].split()[:WINDOW]
+    left = _LEADING.sub("", " ".join(before))
+    right = _LEADING.sub("", " ".join(after).rstrip(".!?"))
+    while right.split()[-1:] and right.split()[-1] in _FUNCTION | {"the", "a", "an"}:
+        right = _LEADING.sub("", right.rsplit(" ", 1)[0] if " " in right else "")
+    if style == "cloze":
+        text = " ".join(w for w in (left, "___", right) if w)
+        question = f"Fill in the blank: {text}."
+    else:
+        question = " ".join(w for w in (left, _WH[kind], right) if w) + "?"
+        question = question[0].upper() + question[1:]
+    if contains_answer(question, [answer]):
+        return None
+    return question, answer, kind
+
+
+def _askable(sentence: str, kind: str, m: re.Match[str]) -> bool:
+    """Whether the entity `m` is a whole one a question can ask for: a year; a count followed
+    by a plural noun ("12 weeks"); a name of 3+ letters after a lower-case word and not part
+    of a longer name or a compound ("Prince's Dock", "UK Albums Chart", "Carnegie-donated")."""
+    before = sentence[: m.start()].split()[-1:]
+    rest = sentence[m.end() :]
+    after = [w.strip(".,;:()") for w in rest.split()[:1]]
+    if kind == "year":
+        return True
+    if kind == "number":
+        return bool(after) and re.fullmatch(r"[a-z]+s", after[0]) is not None
+    return (
+        len(m.group(0)) >= 3
+        and m.group(0) not in _MONTHS
+        and bool(before)
+        and before[0].isalpha()
+        and before[0].islower()
+        # Followed by punctuation or a function word: "leader Rollo, agreed", "by Rollo in",
+        # not an adjective or a compound ("Norse raiders", "Carnegie-donated").
+        and (rest[:1] in ("", ".", ",", ";", ":", ")") or bool(after and after[0] in _FUNCTION))
+    )
+
+
+def sample_passages(stream: Iterable[Passage], k: int, rng: random.Random) -> list[Passage]:
+    """`k` passages drawn uniformly from `stream` (reservoir sampling: memory O(k), one pass)."""
+    chosen: list[Passage] = []
+    for i, p in enumerate(stream):
+        if i < k:
+            chosen.append(p)
+        else:
+            j = rng.randrange(i + 1)
+            if j < k:
+                chosen[j] = p
+    return chosen
+
+
+def synthetic_pairs(
+    passages: Sequence[Passage],
+    search: Callable[[str, int], list[Passage]],
+    n: int,
+    rng: random.Random,
+    style: QuestionStyle = "wh",
+) -> list[SyntheticPair]:
+    """Up to `n` questions from `passages` (in a seeded order), each with an answerable pair
+    and, when the retriever finds a near neighbour without the answer, an unanswerable one."""
+    order = list(passages)
+    rng.shuffle(order)
+    pairs: list[SyntheticPair] = []
+    made = 0
+    for p in order:
+        if made >= n:
+            break
+        q = question_for(p, rng, style)
+        if q is None:
+            continue
+        made += 1
+        pairs.append(SyntheticPair(q, p, True))
+        neighbour = near_neighbour(q, search)
+        if neighbour is not None:
+            pairs.append(SyntheticPair(q, neighbour, False))
+    return pairs
+
+
+def question_for(p: Passage, rng: random.Random, style: QuestionStyle) -> SyntheticQuestion | None:
+    """A question from one of `p`'s sentences that holds an entity, or None."""
+    sents = sentences(p.text)
+    rng.shuffle(sents)
+    for sentence in sents:
+        made = make_question(sentence, rng, style)
+        if made is not None:
+            question, answer, kind = made
+            return SyntheticQuestion(question, answer, kind, p)
+    return None
+
+
+def near_neighbour(
+    q: SyntheticQuestion, search: Callable[[str, int], list[Passage]]
+) -> Passage | None:
+    """The retriever's best passage for `q` other than its own that lacks its answer."""
+    for p in search(q.question, NEIGHBOUR_DEPTH):
+        if p.id != q.passage.id and not contains_answer(p.text, [q.answer]):
+            return p
+    return None
+
+
+# --- the threshold ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ThresholdChoice:
+    """A `min_support_score` and what it does on the synthetic pairs."""
+
+    threshold: float
+    answerable_abstain: float
+    """Fraction of answerable pairs whose s_sup is below the threshold."""
+    unanswerable_abstain: float | None
+    """Fraction of unanswerable pairs below it (None without any)."""
+
+
+def choose_threshold(
+    answerable: Sequence[float], unanswerable: Sequence[float], max_answerable_abstain: float
+) -> ThresholdChoice:
+    """The highest threshold that abstains (s_sup < threshold) on at most
+    `max_answerable_abstain` of the answerable pairs: as many unanswerable pairs abstain as the
+    budget on answerable ones allows (the abstained fraction only grows with the threshold).
+
+    It is the smallest answerable score above the allowed ones, so exactly
+    floor(max_answerable_abstain · n) answerable pairs fall below it; ValueError without any.
+    """
+    if not answerable:
+        raise ValueError("no answerable pairs to choose a threshold from")
+    if not 0.0 <= max_answerable_abstain < 1.0:
+        raise ValueError("max_answerable_abstain must be in [0, 1)")
+    ranked = sorted(answerable)
+    allowed = math.floor(max_answerable_abstain * len(ranked) + 1e-9)
+    threshold = ranked[allowed]
+    below = sum(1 for s in ranked if s < threshold) / len(ranked)
+    unans = (
+        sum(1 for s in unanswerable if s < threshold) / len(unanswerable) if unanswerable else None
+    )
+    return ThresholdChoice(threshold, below, unans)
+
+
+def summary(scores: Sequence[float]) -> dict[str, float | int]:
+    """n, mean and the 10/25/50/75/90th percentiles (nearest rank) of `scores`."""
+    if not scores:
+        return {"n": 0}
+    ranked = sorted(scores)
+    out: dict[str, float | int] = {"n": len(ranked), "mean": round(sum(ranked) / len(ranked), 4)}
+    for q in (10, 25, 50, 75, 90):
+        out[f"p{q}"] = round(ranked[min(len(ranked) - 1, int(q / 100 * len(ranked)))], 4)
+    return out

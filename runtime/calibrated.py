@@ -1,0 +1,100 @@
+"""The support thresholds calibrated on the served corpus, as one process reads them.
+
+`selfrag calibrate` (and the end of `selfrag index`) writes a `SupportCalibration` per model
+file and critique source; answers whose request leaves `min_support_score` unset take it
+(`pipeline.critics.filters.filter_defaults`). A source with a constant default and no
+calibration keeps the constant, with a warning once per process, model file and source.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+from selfrag.infra.support_calibration import calibration_path, read_calibration
+from selfrag.pipeline.critics.filters import CRITIQUE_FILTERS
+from selfrag.schemas.calibration import SupportCalibration
+
+log = logging.getLogger(__name__)
+
+_warned_lock = threading.Lock()
+_warned: set[tuple[str, str]] = set()
+
+
+class CalibratedDefaults:
+    """The calibrated filter defaults of one home and model file, read once per process (and
+    again after `forget`, which the calibration job calls when it writes a new one)."""
+
+    def __init__(
+        self, home: Path, model_sha256: Callable[[], str], fingerprint: Callable[[], str]
+    ) -> None:
+        self._home = home
+        self._sha = model_sha256
+        self._fingerprint = fingerprint
+        self._lock = threading.Lock()
+        self._read: dict[str, SupportCalibration | None] = {}
+
+    def calibration(self, critique: str) -> SupportCalibration | None:
+        """The calibration of `critique` on this model file; None when there is none, or it
+        was made with other heads or another answerability model (logged)."""
+        with self._lock:
+            if critique not in self._read:
+                self._read[critique] = self._load(critique)
+            return self._read[critique]
+
+    def _load(self, critique: str) -> SupportCalibration | None:
+        cal = read_calibration(self._home, self._sha(), critique)
+        if cal is not None and cal.fingerprint != self._fingerprint():
+            log.warning(
+                "not using the support threshold in %s: it was calibrated for %s, this model "
+                "is %s; rerun `selfrag calibrate`",
+                calibration_path(self._home, cal.model_sha256, critique),
+                cal.fingerprint,
+                self._fingerprint(),
+            )
+            return None
+        return cal
+
+    def filters(self, critique: str) -> dict[str, object]:
+        """The filter defaults calibrated for `critique` (its `min_support_score`); empty
+        without a calibration, and then a source whose constant applies warns once."""
+        cal = self.calibration(critique)
+        if cal is not None:
+            return {"min_support_score": cal.min_support_score}
+        constant = CRITIQUE_FILTERS.get(critique, {}).get("min_support_score")
+        if constant:
+            warn_uncalibrated(self._sha(), critique, constant)
+        return {}
+
+    def cache_tag(self, critiques: tuple[str, ...]) -> str:
+        """What the calibrations of `critiques` add to the query cache's model identity: a
+        new threshold changes answers that left it unset."""
+        tags = []
+        for critique in critiques:
+            cal = self.calibration(critique)
+            if cal is not None:
+                tags.append(f" support-{critique}:{cal.min_support_score!r}")
+        return "".join(tags)
+
+    def forget(self) -> None:
+        """Read the calibrations from disk again at the next answer."""
+        with self._lock:
+            self._read.clear()
+
+
+def warn_uncalibrated(model_sha256: str, critique: str, constant: object) -> None:
+    """Log (WARNING) once per process, model file and source that the threshold in use was
+    not calibrated on this corpus."""
+    with _warned_lock:
+        if (model_sha256, critique) in _warned:
+            return
+        _warned.add((model_sha256, critique))
+    log.warning(
+        "critique '%s': min_support_score %s was not calibrated on this corpus (it was chosen "
+        "on the SQuAD 'Normans' questions; s_sup's scale moves between corpora): run "
+        "`selfrag calibrate` to fit it on the index",
+        critique,
+        constant,
+    )

@@ -1,0 +1,406 @@
+"""The support threshold calibrated on the served corpus without labels (issue 24, item 2):
+synthetic pairs, the threshold rule, storage per model file and critique, the resolve order,
+and `selfrag index` / `selfrag calibrate` running it."""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import shutil
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from selfrag.infra.support_calibration import (
+    calibration_path,
+    read_calibration,
+    save_calibration,
+)
+from selfrag.pipeline.critics import Branch, LabelProbs
+from selfrag.pipeline.critics.filters import resolve_filters
+from selfrag.pipeline.decoder import SelfRAGDecoder
+from selfrag.pipeline.metrics import contains_answer
+from selfrag.pipeline.protocols import Generation, Passage
+from selfrag.pipeline.synthetic_qa import (
+    choose_threshold,
+    make_question,
+    sample_passages,
+    synthetic_pairs,
+)
+from selfrag.runtime import calibrated as calibrated_module
+from selfrag.runtime.calibrated import CalibratedDefaults
+from selfrag.schemas.calibration import SupportCalibration
+from selfrag.schemas.decoding import DecodingConfig
+from tests.fakes import ListRetriever, ScriptedCritic
+
+TEXTS = [
+    "The duchy was founded when the Norse raiders under their leader Rollo, settled in the "
+    "north. The treaty with the king was signed in 911 after a long siege of the city.",
+    "The cathedral was consecrated by Archbishop Lanfranc, in the presence of the court. "
+    "Its nave was rebuilt in 1180 after a fire destroyed the wooden roof completely.",
+    "The abbey owned land in many parishes of the region and paid taxes to the crown. "
+    "The monks kept bees and sold the wax for candles used during 12 weeks of Lent.",
+    "The river flows through the valley and reaches the sea near the old harbour town. "
+    "Fishermen landed their catch there until the harbour silted up in 1750 for good.",
+]
+
+
+def _passages() -> list[Passage]:
+    return [Passage(f"p{i}", text, f"Title {i}") for i, text in enumerate(TEXTS)]
+
+
+def _search(passages: list[Passage]):  # type: ignore[no-untyped-def]
+    def search(query: str, k: int) -> list[Passage]:
+        words = set(query.lower().split())
+        ranked = sorted(passages, key=lambda p: -len(words & set(p.text.lower().split())))
+        return ranked[:k]
+
+    return search
+
+
+# --- pairs ------------------------------------------------------------------------------------
+
+
+def test_questions_ask_for_an_entity_the_question_no_longer_holds() -> None:
+    sentence = "They settled in the north under their leader Rollo, who signed a treaty in 1066."
+    seen = set()
+    for seed in range(20):
+        made = make_question(sentence, random.Random(seed), "wh")
+        assert made is not None
+        question, answer, kind = made
+        assert answer in sentence and not contains_answer(question, [answer])
+        assert question.endswith("?")
+        seen.add((answer, kind))
+    assert seen == {("Rollo", "name"), ("1066", "year")}
+    cloze = make_question(sentence, random.Random(0), "cloze")
+    assert cloze is not None and "___" in cloze[0]
+    # No year, count or whole name to ask for: no question.
+    assert (
+        make_question("the river flows slowly through the quiet green valley.", random.Random(0))
+        is None
+    )
+
+
+def test_pairs_answerable_with_their_passage_unanswerable_with_a_neighbour_lacking_it() -> None:
+    passages = _passages()
+    pairs = synthetic_pairs(passages, _search(passages), 10, random.Random(3))
+    answerable = [p for p in pairs if p.answerable]
+    unanswerable = [p for p in pairs if not p.answerable]
+    assert len(answerable) == len(passages) and unanswerable
+    for pair in answerable:
+        assert pair.passage is pair.question.passage
+        assert contains_answer(pair.passage.text, [pair.question.answer])
+    for pair in unanswerable:
+        assert pair.passage.id != pair.question.passage.id
+        assert not contains_answer(pair.passage.text, [pair.question.answer])
+    again = synthetic_pairs(passages, _search(passages), 10, random.Random(3))
+    assert [(p.question.question, p.passage.id) for p in again] == [
+        (p.question.question, p.passage.id) for p in pairs
+    ]
+    other = synthetic_pairs(passages, _search(passages), 10, random.Random(4))
+    assert [p.question.question for p in other] != [p.question.question for p in pairs]
+
+
+def test_sampling_is_seeded_and_bounded() -> None:
+    stream = [Passage(str(i), "x") for i in range(100)]
+    first = sample_passages(iter(stream), 10, random.Random(1))
+    assert len(first) == 10 and len({p.id for p in first}) == 10
+    assert [p.id for p in sample_passages(iter(stream), 10, random.Random(1))] == [
+        p.id for p in first
+    ]
+    assert len(sample_passages(iter(stream[:3]), 10, random.Random(1))) == 3
+
+
+# --- the threshold rule -----------------------------------------------------------------------
+
+
+def test_threshold_abstains_on_at_most_the_allowed_share_of_answerable_pairs() -> None:
+    answerable = [0.50 + i / 100 for i in range(20)]  # 0.50 .. 0.69
+    unanswerable = [0.40 + i / 100 for i in range(20)]  # 0.40 .. 0.59
+    choice = choose_threshold(answerable, unanswerable, 0.15)
+    assert choice.threshold == pytest.approx(0.53)  # 3 of 20 answerable below it
+    assert choice.answerable_abstain == pytest.approx(0.15)
+    assert choice.unanswerable_abstain == pytest.approx(13 / 20)
+    assert choose_threshold(answerable, [], 0.0).threshold == pytest.approx(0.50)
+    assert choose_threshold(answerable, [], 0.0).unanswerable_abstain is None
+    with pytest.raises(ValueError, match="no answerable"):
+        choose_threshold([], unanswerable, 0.15)
+
+
+# --- storage ----------------------------------------------------------------------------------
+
+
+def _calibration(sha: str = "a" * 64, critique: str = "learned", **kw: Any) -> SupportCalibration:
+    fields: dict[str, Any] = dict(
+        model_sha256=sha,
+        model_file="m.gguf",
+        critique=critique,
+        fingerprint="model-fp",
+        min_support_score=0.52,
+        max_answerable_abstain=0.15,
+        answerable_abstain=0.15,
+        unanswerable_abstain=0.4,
+        auroc=0.7,
+        questions=40,
+        answerable={"n": 40},
+        unanswerable={"n": 38},
+        pruned={"answerable": 1, "unanswerable": 5},
+        style="wh",
+        seed=0,
+        index_version="v1",
+        passages=1000,
+        seconds=100.0,
+        created="2026-12-03T00:00:00+00:00",
+    )
+    fields.update(kw)
+    return SupportCalibration(**fields)
+
+
+def test_a_calibration_is_kept_per_model_file_and_critique(tmp_path: Path) -> None:
+    path = save_calibration(tmp_path, _calibration())
+    assert path == calibration_path(tmp_path, "a" * 64, "learned") and path.is_file()
+    assert read_calibration(tmp_path, "a" * 64, "learned") == _calibration()
+    assert read_calibration(tmp_path, "b" * 64, "learned") is None  # another model file
+    assert read_calibration(tmp_path, "a" * 64, "likelihood") is None  # another source
+    defaults = CalibratedDefaults(tmp_path, lambda: "a" * 64, lambda: "model-fp")
+    assert defaults.filters("learned") == {"min_support_score": 0.52}
+    other_model = CalibratedDefaults(tmp_path, lambda: "b" * 64, lambda: "model-fp")
+    assert other_model.filters("likelihood") == {}
+    # Same file, other heads (the fingerprint differs): not used.
+    retrained = CalibratedDefaults(tmp_path, lambda: "a" * 64, lambda: "model-fp heads:new")
+    assert retrained.filters("learned") == {}
+
+
+def test_an_unreadable_calibration_is_ignored_with_a_warning(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = calibration_path(tmp_path, "a" * 64, "learned")
+    path.parent.mkdir(parents=True)
+    path.write_text("{not json")
+    with caplog.at_level(logging.WARNING):
+        assert read_calibration(tmp_path, "a" * 64, "learned") is None
+    assert "unreadable calibration" in caplog.text
+
+
+# --- resolve order ----------------------------------------------------------------------------
+
+
+def test_request_value_before_calibrated_before_the_constant() -> None:
+    calibrated = {"min_support_score": 0.52}
+    assert resolve_filters(DecodingConfig(), "learned", calibrated).min_support_score == 0.52
+    assert resolve_filters(DecodingConfig(), "learned").min_support_score == 0.36
+    asked = DecodingConfig(min_support_score=0.1)
+    assert resolve_filters(asked, "learned", calibrated).min_support_score == 0.1
+    # The calibration fits the threshold only; the other filters keep the source's defaults.
+    assert resolve_filters(DecodingConfig(), "learned", calibrated).min_relevance == 0.5
+    # A source without a constant takes its calibrated threshold too.
+    assert resolve_filters(DecodingConfig(), "likelihood", calibrated).min_support_score == 0.52
+
+
+def test_uncalibrated_constant_warns_once(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(calibrated_module, "_warned", set())
+    defaults = CalibratedDefaults(tmp_path, lambda: "c" * 64, lambda: "fp")
+    with caplog.at_level(logging.WARNING):
+        assert defaults.filters("learned") == {}
+        assert defaults.filters("learned") == {}
+        assert defaults.filters("likelihood") == {}  # no constant: nothing to warn about
+    assert caplog.text.count("was not calibrated on this corpus") == 1
+
+
+def _decoder(critic: ScriptedCritic, calibrated: dict[str, object] | None) -> SelfRAGDecoder:
+    retriever = ListRetriever([Passage("p1", "Rollo led the Normans.", "Normans")])
+    return SelfRAGDecoder(
+        lambda _: critic,
+        retriever,
+        "fake",
+        calibrated=(lambda name: calibrated or {}) if calibrated is not None else None,
+    )
+
+
+def test_the_decoder_abstains_by_the_calibrated_threshold_unless_the_request_sets_one() -> None:
+    critic = ScriptedCritic(
+        name="learned",
+        relevance_of={"p1": 0.9},
+        drafts={"p1": (" Rollo.", -1.0, "eos")},
+        support_of={"p1": {"full": 0.45, "partial": 0.0, "none": 0.55}},  # s_sup 0.45
+    )
+    config = DecodingConfig(mode="always", top_k=1)
+    # The constant 0.36 keeps the answer; a calibrated 0.52 abstains; a request's 0.4 rules.
+    assert not _decoder(critic, None).answer("Who?", config).abstained
+    calibrated = _decoder(critic, {"min_support_score": 0.52}).answer("Who?", config)
+    assert calibrated.abstained and calibrated.config.min_support_score == 0.52
+    asked = config.model_copy(update={"min_support_score": 0.4})
+    assert not _decoder(critic, {"min_support_score": 0.52}).answer("Who?", asked).abstained
+
+
+# --- the job, on scripted critique ------------------------------------------------------------
+
+
+@dataclass
+class OverlapCritic(ScriptedCritic):
+    """s_sup = the share of the question's words found in the passage: high for the passage a
+    question was written from, lower for a neighbour."""
+
+    asked: list[Branch] = field(default_factory=list)
+
+    def support(self, branches: Sequence[Branch], drafts: Sequence[Generation]) -> list[LabelProbs]:
+        out = []
+        for b in branches:
+            self.asked.append(b)
+            words = set(b.question.lower().rstrip("?").split())
+            assert b.passage is not None
+            share = len(words & set(b.passage.text.lower().split())) / max(len(words), 1)
+            out.append(LabelProbs({"full": share, "partial": 0.0, "none": 1 - share}, 5))
+        return out
+
+
+class FakeStore:
+    def __init__(self, passages: list[Passage]) -> None:
+        self._passages = passages
+        self.search = _search(passages)
+
+    def passages(self) -> list[Passage]:
+        return list(self._passages)
+
+    def count(self) -> int:
+        return len(self._passages)
+
+    def index_version(self) -> str:
+        return "v7"
+
+
+def _fake_rag(tmp_path: Path, passages: list[Passage], critic: ScriptedCritic) -> Any:
+    from selfrag.infra.model_files import file_sha256
+
+    model = tmp_path / "model.gguf"
+    model.write_bytes(b"weights")
+    rag = SimpleNamespace(
+        settings=SimpleNamespace(
+            home=tmp_path, decoding=DecodingConfig(), model=SimpleNamespace(backend="llama_cpp")
+        ),
+        store=FakeStore(passages),
+        critic=lambda source: critic,
+        model_path=model,
+        model_fingerprint="fake-fp",
+    )
+    rag.calibrated = CalibratedDefaults(tmp_path, lambda: file_sha256(model), lambda: "fake-fp")
+    return rag
+
+
+def test_the_job_reads_each_pair_as_a_first_step_branch_and_saves_the_threshold(
+    tmp_path: Path,
+) -> None:
+    from selfrag.infra.model_files import file_sha256
+    from selfrag.jobs.support_calibration import CorpusCalibrationPlan, calibrate_support
+
+    passages = [
+        Passage(f"p{i}-{j}", text.replace("the", f"the{j}" if j else "the"), f"T{i}")
+        for j in range(4)
+        for i, text in enumerate(TEXTS)
+    ]
+    critic = OverlapCritic(name="learned")
+    rag = _fake_rag(tmp_path, passages, critic)
+    cal, path = calibrate_support(rag, CorpusCalibrationPlan(questions=12), progress=False)
+    assert path == calibration_path(tmp_path, file_sha256(rag.model_path), "learned")
+    assert json.loads(path.read_text())["min_support_score"] == cal.min_support_score
+    assert cal.critique == "learned" and cal.fingerprint == "fake-fp"
+    assert cal.questions == 12 and cal.answerable["n"] == 12
+    assert cal.answerable_abstain <= 0.15
+    assert cal.auroc is not None and cal.auroc > 0.5
+    # Every read is a first-step branch: the question, nothing written yet, one passage.
+    assert critic.asked and all(b.prefix == "" and b.passage is not None for b in critic.asked)
+    # Answers through this system now take it.
+    assert rag.calibrated.filters("learned") == {"min_support_score": cal.min_support_score}
+
+
+def test_too_small_a_corpus_calibrates_nothing_before_any_model_work(tmp_path: Path) -> None:
+    from selfrag.jobs.support_calibration import CorpusCalibrationPlan, run_calibration
+
+    critic = OverlapCritic(name="learned")
+    rag = _fake_rag(tmp_path, _passages()[:2], critic)
+    done, message = run_calibration(rag, CorpusCalibrationPlan(), progress=False)
+    assert not done and "not calibrated" in message and critic.calls == []
+    assert not (tmp_path / "calibration").exists()
+
+
+# --- the commands -----------------------------------------------------------------------------
+
+
+@pytest.fixture
+def recorded_calibrations(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
+    from selfrag.jobs import support_calibration
+
+    calls: list[Any] = []
+
+    def run(rag: Any, plan: Any, *, progress: bool = True) -> tuple[bool, str]:
+        calls.append((rag, plan))
+        return True, "support threshold: recorded"
+
+    monkeypatch.setattr(support_calibration, "run_calibration", run)
+    return calls
+
+
+def test_selfrag_index_calibrates_at_its_end_unless_told_not_to(
+    tmp_path: Path, recorded_calibrations: list[Any], capsys: pytest.CaptureFixture[str]
+) -> None:
+    from selfrag.cli import main
+
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text(
+        "".join(json.dumps({"id": f"d{i}", "text": t}) + "\n" for i, t in enumerate(TEXTS))
+    )
+    home = tmp_path / "home"
+    assert main(["--home", str(home), "index", "--no-progress", str(corpus)]) == 0
+    assert len(recorded_calibrations) == 1
+    assert "support threshold: recorded" in capsys.readouterr().out
+    assert main(["--home", str(home), "index", "--no-progress", "--no-calibrate", str(corpus)]) == 0
+    assert len(recorded_calibrations) == 1
+    assert "support threshold" not in capsys.readouterr().out
+
+
+@pytest.mark.real
+def test_selfrag_calibrate_on_the_real_model_sets_the_default_threshold(
+    normans_api_home: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from selfrag.cli import main
+
+    home = tmp_path / "home"
+    shutil.copytree(normans_api_home, home)
+    flags = ["--home", str(home)]
+    assert main([*flags, "calibrate", "--no-progress", "--questions", "10"]) == 0
+    out = capsys.readouterr().out
+    assert "support threshold (learned" in out
+    [path] = (home / "calibration").glob("*/learned.json")
+    cal = SupportCalibration.model_validate_json(path.read_text())
+    assert cal.questions == 10 and cal.answerable["n"] >= 8
+    assert main([*flags, "ask", "--json", "--mode", "always", "Who led the Normans?"]) == 0
+    response = json.loads(capsys.readouterr().out)
+    # The response shows the threshold that applied: the calibrated one.
+    assert response["config"]["min_support_score"] == cal.min_support_score
+
+
+def test_serve_decodes_with_the_pools_calibrated_threshold() -> None:
+    import asyncio
+
+    from selfrag.schemas.answer import AnswerRequest
+    from tests.serve_fakes import Pool, make_service
+
+    critic = ScriptedCritic(
+        name="learned",
+        relevance_of={"p1": 0.9},
+        support_of={"p1": {"full": 0.45, "partial": 0.0, "none": 0.55}},  # s_sup 0.45
+    )
+    request = AnswerRequest(question="Who founded Normandy?", config={"mode": "always"})
+    plain = make_service(pool=Pool(critic))
+    assert not asyncio.run(plain.service.answer(request)).response.abstained
+    pool = Pool(critic)
+    pool.calibrated = {"min_support_score": 0.52}
+    response = asyncio.run(make_service(pool=pool).service.answer(request)).response
+    assert response.abstained and response.config.min_support_score == 0.52
