@@ -10,6 +10,12 @@ extends an earlier prompt (or an earlier prompt plus its generation) decodes onl
 With a `PrefixStateStore` the engine also keeps the KV state of each request's reusable prefix
 (template + passage, `reusable_prefix`) across contexts and processes: it restores a saved
 state into a slot instead of decoding the prefix, and saves the state after computing it.
+
+The parts with a job of their own live beside it: the ctypes batch and the reads of its outputs
+(`infra.llama_batch`), prefix staging from the store (`infra.kv_staging`), slot planning
+(`infra.kv_slots`), the vocabulary (`infra.llama_vocab`) and the counters
+(`infra.engine_stats`). What stays here (~640 lines) is what shares the engine's lock and
+its slots: the three batched calls, group prefill and greedy generation, and input checks.
 """
 
 from __future__ import annotations
@@ -18,20 +24,21 @@ import ctypes
 import logging
 import os
 import threading
-from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import llama_cpp
 import numpy as np
-import numpy.typing as npt
 
-from selfrag.infra.kv_cache import ContextLayout, PrefixKey, PrefixStateStore, prefix_state_key
+from selfrag.infra.engine_stats import EngineStats
+from selfrag.infra.kv_cache import ContextLayout, PrefixStateStore
 from selfrag.infra.kv_slots import KVJob, Slot, SlotPlanner
+from selfrag.infra.kv_staging import PrefixStager
 from selfrag.infra.lifecycle import Closeable
 from selfrag.infra.llama_backend import ensure_backend
+from selfrag.infra.llama_batch import BatchDecoder, EngineError, Feed, greedy_logprob
 from selfrag.infra.llama_layers import LayerTap
+from selfrag.infra.llama_vocab import LlamaVocab
 from selfrag.infra.model_files import check_gguf, file_sha256
 from selfrag.pipeline.protocols import (
     ContinuationRequest,
@@ -45,71 +52,6 @@ from selfrag.pipeline.protocols import (
 from selfrag.pipeline.segmenting import ends_sentence
 
 logger = logging.getLogger(__name__)
-
-
-class EngineError(RuntimeError):
-    """llama.cpp failed to load the model or to decode a batch."""
-
-
-@dataclass
-class EngineStats:
-    """Work counters since the engine was created (or `reset_stats`)."""
-
-    prefill_tokens: int = 0
-    """Prompt tokens decoded (the shared prefix of a batch counts once)."""
-    cached_tokens: int = 0
-    """Prompt tokens found in a slot's KV cache from an earlier call and not decoded again."""
-    shared_tokens: int = 0
-    """Prompt tokens a sequence received by copying the batch's shared prefix (seq_cp)."""
-    generated_tokens: int = 0
-    """Tokens produced by `generate` (stop and end-of-generation tokens included)."""
-    decode_calls: int = 0
-    """`llama_decode` calls, prefill chunks and generation steps together."""
-    decode_steps: int = 0
-    """Generation steps: `llama_decode` calls that advance every live sequence by one token."""
-    batch_sizes: Counter[int] = field(default_factory=Counter)
-    """How many `llama_decode` calls carried each number of distinct sequences."""
-    kv_restores: int = 0
-    """Reusable prefixes restored from the prefix-state store instead of decoded."""
-    kv_restored_tokens: int = 0
-    """Prompt tokens those restores supplied."""
-    kv_saves: int = 0
-    """Reusable prefix states computed here and put into the store."""
-    kv_misses: int = 0
-    """Store lookups that found no state (the prefix was decoded, then saved)."""
-    kv_restore_failures: int = 0
-    """Stored states llama.cpp rejected (corrupt, foreign); the prefix was recomputed."""
-
-    def copy(self) -> EngineStats:
-        return EngineStats(
-            kv_restores=self.kv_restores,
-            kv_restored_tokens=self.kv_restored_tokens,
-            kv_saves=self.kv_saves,
-            kv_misses=self.kv_misses,
-            kv_restore_failures=self.kv_restore_failures,
-            prefill_tokens=self.prefill_tokens,
-            cached_tokens=self.cached_tokens,
-            shared_tokens=self.shared_tokens,
-            generated_tokens=self.generated_tokens,
-            decode_calls=self.decode_calls,
-            decode_steps=self.decode_steps,
-            batch_sizes=Counter(self.batch_sizes),
-        )
-
-
-@dataclass
-class _Feed:
-    """Tokens to append to a slot in one decode pass; outputs requested from `out_from` on."""
-
-    slot: Slot
-    tokens: list[int]
-    out_from: int
-    on_logits: Callable[[int, int], None] | None
-    """Called with (absolute position, batch index) once that position's logits exist."""
-    hidden: bool = False
-    """The outputs also need the final hidden state (`_hidden_view`)."""
-    layers: tuple[int, ...] = ()
-    """The outputs also need these blocks' outputs (`_layer_rows`)."""
 
 
 class _LlamaMemory:
@@ -171,15 +113,14 @@ class LlamaEngine(Closeable):
         self._pid = os.getpid()
         self._ctx: llama_cpp.llama_context_p | None = None
         self._model: llama_cpp.llama_model_p | None = None
-        self._batch: llama_cpp.llama_batch | None = None
 
         model_params = llama_cpp.llama_model_default_params()
         self._model = llama_cpp.llama_model_load_from_file(str(model_path).encode(), model_params)
         if not self._model:
             self._model = None
             raise EngineError(f"llama.cpp could not load the model file {model_path}")
-        self._vocab = llama_cpp.llama_model_get_vocab(self._model)
-        self._n_vocab = int(llama_cpp.llama_vocab_n_tokens(self._vocab))
+        self._vocab = LlamaVocab(llama_cpp.llama_model_get_vocab(self._model))
+        self._n_vocab = self._vocab.n_tokens
         self._n_embd = int(llama_cpp.llama_model_n_embd(self._model))
 
         ctx_params = llama_cpp.llama_context_default_params()
@@ -201,7 +142,6 @@ class LlamaEngine(Closeable):
         # The eval callback is asked about every graph node of every decode, so it is only
         # installed for an engine whose critique reads a middle layer.
         self._tap = LayerTap() if layer_tap else None
-        self._layer_rows: dict[int, npt.NDArray[np.float32]] = {}
         if self._tap is not None:
             ctx_params.cb_eval = self._tap.callback
         self._ctx = llama_cpp.llama_init_from_model(self._model, ctx_params)
@@ -213,17 +153,10 @@ class LlamaEngine(Closeable):
                 f"n_batch={n_batch}) for {model_path}"
             )
         self._mem = llama_cpp.llama_get_memory(self._ctx)
-        self._embeddings_on = False
         self.n_ctx = int(llama_cpp.llama_n_ctx(self._ctx))
         self.n_batch = int(llama_cpp.llama_n_batch(self._ctx))
         self.n_seq_max = n_seq_max
         self.n_threads = threads
-        self._batch = llama_cpp.llama_batch_init(self.n_batch, 0, 1)
-        self._batch_tokens = np.ctypeslib.as_array(self._batch.token, shape=(self.n_batch,))
-        self._batch_pos = np.ctypeslib.as_array(self._batch.pos, shape=(self.n_batch,))
-        self._batch_n_seq = np.ctypeslib.as_array(self._batch.n_seq_id, shape=(self.n_batch,))
-        self._batch_logits = np.ctypeslib.as_array(self._batch.logits, shape=(self.n_batch,))
-        self._batch_n_seq[:] = 1
         self._planner = SlotPlanner(
             _LlamaMemory(self._mem),
             n_ctx=self.n_ctx,
@@ -242,6 +175,22 @@ class LlamaEngine(Closeable):
             llama_cpp_version=llama_cpp.__version__,
         )
         """What a saved sequence state of this context needs in order to restore elsewhere."""
+        self._decoder = BatchDecoder(
+            self._ctx,
+            n_batch=self.n_batch,
+            n_vocab=self._n_vocab,
+            n_embd=self._n_embd,
+            planner=self._planner,
+            stats=self._stats,
+            tap=self._tap,
+        )
+        self._stager = PrefixStager(
+            self._ctx,
+            planner=self._planner,
+            decoder=self._decoder,
+            stats=self._stats,
+            layout=self.layout,
+        )
         if prefix_store is not None and model_sha256 is None:
             self._model_sha256 = file_sha256(model_path)
 
@@ -275,7 +224,10 @@ class LlamaEngine(Closeable):
         ended; later calls raise. Safe to call twice."""
         if getattr(self, "_pid", os.getpid()) != os.getpid():
             # In a forked child the native objects belong to the parent: just let go of them.
-            self._batch = self._ctx = self._model = None
+            decoder = getattr(self, "_decoder", None)
+            if decoder is not None:
+                decoder.forget()
+            self._ctx = self._model = None
             return
         lock = getattr(self, "_lock", None)  # absent when __init__ failed early
         if lock is None:
@@ -285,9 +237,9 @@ class LlamaEngine(Closeable):
             self._free()
 
     def _free(self) -> None:
-        if getattr(self, "_batch", None) is not None:
-            llama_cpp.llama_batch_free(self._batch)
-            self._batch = None
+        decoder = getattr(self, "_decoder", None)
+        if decoder is not None:
+            decoder.free()
         if getattr(self, "_ctx", None) is not None:
             llama_cpp.llama_free(self._ctx)
             self._ctx = None
@@ -338,7 +290,7 @@ class LlamaEngine(Closeable):
 
     def reset_stats(self) -> None:
         with self._lock:
-            self._stats = EngineStats()
+            self._stats.reset()
 
     def clear_cache(self) -> None:
         """Forget every cached sequence (the next call starts from an empty KV cache)."""
@@ -362,54 +314,26 @@ class LlamaEngine(Closeable):
     def tokenize(self, text: str, *, special: bool = False) -> list[int]:
         """Tokenize without adding BOS. With `special=False` no control token can appear."""
         self._require_open()
-        data = text.encode("utf-8")
-        if not data:
-            return []
-        size = len(data) + 8
-        while True:
-            buf = (llama_cpp.llama_token * size)()
-            n = llama_cpp.llama_tokenize(self._vocab, data, len(data), buf, size, False, special)
-            if n >= 0:
-                return list(buf[:n])
-            if -n <= size:
-                raise EngineError(f"llama.cpp could not tokenize a text of {len(data)} bytes")
-            size = -n
+        return self._vocab.tokenize(text, special=special)
 
     def detokenize(self, tokens: Sequence[int]) -> str:
         """The text of `tokens`, special tokens written out as their text."""
         self._require_open()
-        if not tokens:
-            return ""
-        self._check_tokens(tokens, "tokens")
-        arr = (llama_cpp.llama_token * len(tokens))(*tokens)
-        size = 8 * len(tokens) + 16
-        while True:
-            buf = ctypes.create_string_buffer(size)
-            n = llama_cpp.llama_detokenize(self._vocab, arr, len(tokens), buf, size, False, True)
-            if n >= 0:
-                return buf.raw[:n].decode("utf-8", errors="replace")
-            size = -n + 1
+        return self._vocab.detokenize(self._check_tokens(tokens, "tokens"))
 
     def special_token_id(self, piece: str) -> int | None:
         """The id of `piece` when the vocabulary holds it as one control/user-defined token."""
-        tokens = self.tokenize(piece, special=True)
-        if len(tokens) != 1:
-            return None
-        attr = int(llama_cpp.llama_vocab_get_attr(self._vocab, tokens[0]))
-        special = llama_cpp.LLAMA_TOKEN_ATTR_CONTROL | llama_cpp.LLAMA_TOKEN_ATTR_USER_DEFINED
-        return tokens[0] if attr & special else None
+        self._require_open()
+        return self._vocab.special_token_id(piece)
 
     def bos_tokens(self) -> list[int]:
         """[BOS] when the model's vocabulary asks for it at the start of a prompt, else []."""
         self._require_open()
-        bos = int(llama_cpp.llama_vocab_bos(self._vocab))
-        if bos >= 0 and llama_cpp.llama_vocab_get_add_bos(self._vocab):
-            return [bos]
-        return []
+        return self._vocab.bos_tokens()
 
     def is_eog(self, token: int) -> bool:
         """True for end-of-generation tokens (EOS, end-of-turn, ...)."""
-        return bool(llama_cpp.llama_vocab_is_eog(self._vocab, token))
+        return self._vocab.is_eog(token)
 
     # ----------------------------------------------------------------- batched calls
 
@@ -437,12 +361,13 @@ class LlamaEngine(Closeable):
         layer_states: list[dict[int, tuple[float, ...]]] = [{} for _ in requests]
 
         def on_logits(job: int, pos: int, batch_index: int) -> None:
-            logprobs = self._log_softmax(batch_index)
+            logprobs = self._decoder.log_softmax(batch_index)
             results[job] = [float(logprobs[c]) for c in requests[job].candidates]
             if jobs[job].hidden:
-                hidden[job] = tuple(self._hidden_view(batch_index).tolist())
+                hidden[job] = tuple(self._decoder.hidden_view(batch_index).tolist())
             for layer in jobs[job].layers:
-                layer_states[job][layer] = tuple(self._layer_rows[layer][batch_index].tolist())
+                rows = self._decoder.layer_rows[layer]
+                layer_states[job][layer] = tuple(rows[batch_index].tolist())
 
         with self._lock:
             self._require_open()
@@ -483,7 +408,7 @@ class LlamaEngine(Closeable):
         results: list[list[float]] = [[0.0] * len(r.continuation) for r in requests]
 
         def on_logits(job: int, pos: int, batch_index: int) -> None:
-            logprobs = self._log_softmax(batch_index)
+            logprobs = self._decoder.log_softmax(batch_index)
             offset = pos - jobs[job].out_from
             target = requests[job].continuation[offset]
             results[job][offset] = float(logprobs[target])
@@ -547,9 +472,9 @@ class LlamaEngine(Closeable):
         pending: dict[int, tuple[int, float]] = {}
 
         def choose(job: int, pos: int, batch_index: int) -> None:
-            logits = self._logits_view(batch_index)
+            logits = self._decoder.logits_view(batch_index)
             token = int(np.argmax(logits))
-            pending[job] = (token, self._greedy_logprob(logits, token))
+            pending[job] = (token, greedy_logprob(logits, token))
 
         self._prefill(jobs, group, choose)
         while True:
@@ -577,7 +502,7 @@ class LlamaEngine(Closeable):
             if not live:
                 break
             feeds = [
-                _Feed(
+                Feed(
                     slot=self._slot_of(jobs[i]),
                     tokens=[tokens[i][-1]],
                     out_from=len(self._slot_of(jobs[i]).tokens),
@@ -586,7 +511,7 @@ class LlamaEngine(Closeable):
                 for i in live
             ]
             self._stats.decode_steps += 1
-            self._decode(feeds)
+            self._decoder.decode(feeds)
         return [
             Generation(
                 tokens=tokens[i],
@@ -620,7 +545,10 @@ class LlamaEngine(Closeable):
             self._planner.clear()
         group_jobs = [jobs[i] for i in group]
         if self.prefix_store is not None and self.prefix_cache:
-            self._stage_prefixes(group_jobs)
+            assert self._model_sha256 is not None
+            self._stager.stage(
+                group_jobs, self.prefix_store, self._model_sha256, self.prefix_min_tokens
+            )
         shared = self._planner.shared_prefix(group_jobs)
         plan = self._planner.place(group_jobs, shared)
         if plan is None:
@@ -644,18 +572,18 @@ class LlamaEngine(Closeable):
                 missing = root_job.tokens[plan.cached[plan.root] : shared]
                 root_job.prefill += len(missing)
                 self._stats.prefill_tokens += len(missing)
-                self._decode([_Feed(root_slot, missing, shared, None)])
+                self._decoder.decode([Feed(root_slot, missing, shared, None)])
             for k in plan.copies:
                 self._planner.copy_prefix(root_slot, self._slot_of(group_jobs[k]), shared)
                 self._stats.shared_tokens += shared
 
-        feeds: list[_Feed] = []
-        tails: list[_Feed] = []
+        feeds: list[Feed] = []
+        tails: list[Feed] = []
         for k, (i, job) in enumerate(zip(group, group_jobs, strict=True)):
             suffix = job.tokens[plan.starts[k] :]
             job.prefill += len(suffix)
             self._stats.prefill_tokens += len(suffix)
-            feed = _Feed(
+            feed = Feed(
                 slot=self._slot_of(job),
                 tokens=suffix,
                 out_from=job.out_from,
@@ -666,216 +594,14 @@ class LlamaEngine(Closeable):
             if job.last_alone and len(suffix) > 1:
                 # With hidden states on, llama.cpp outputs every token of a decode call: only
                 # the last token, whose output is read, goes into that call.
-                feeds.append(_Feed(feed.slot, suffix[:-1], job.out_from, None))
+                feeds.append(Feed(feed.slot, suffix[:-1], job.out_from, None))
                 feed.tokens = suffix[-1:]
                 tails.append(feed)
             else:
                 feeds.append(feed)
-        self._decode(feeds)
+        self._decoder.decode(feeds)
         if tails:
-            self._decode(tails)
-
-    # ----------------------------------------------------------------- prefix-state store
-
-    def _stage_prefixes(self, group_jobs: list[KVJob]) -> None:
-        """Put each job's reusable prefix alone into a slot, restored from the store if it can.
-
-        Only the exact prefix computed from position 0 is ever restored or saved (a sequence's
-        state holds all its tokens, so a prefix is saved while its slot holds nothing else). A
-        prefix some slot already holds is left to the planner. The planner then finds each
-        staged slot as a cached source and decodes only the rest of the prompt.
-        """
-        assert self.prefix_store is not None and self._model_sha256 is not None
-        staged: set[int] = set()
-        misses: list[tuple[Slot, PrefixKey]] = []
-        feeds: list[_Feed] = []
-        for job in group_jobs:
-            n = job.reusable
-            if n < self.prefix_min_tokens:
-                continue
-            prefix = job.tokens[:n]
-            holder = self._planner.holder_of(prefix)
-            if holder is None:
-                # Staged for decoding below: its tokens are not in the slot yet.
-                holder = next((f.slot for f in feeds if f.tokens == prefix), None)
-            if holder is not None:
-                if holder.seq_id in staged:  # staged for an earlier job of this group
-                    job.staged = n
-                continue
-            dest = self._planner.staging_slot(staged)
-            if dest is None:
-                break
-            self._planner.trim(dest, 0)
-            pending = sum(len(f.tokens) for f in feeds)
-            if not self._planner.make_room(staged | {dest.seq_id}, pending + n):
-                break
-            dest.last_used = self._planner.clock
-            staged.add(dest.seq_id)
-            job.staged = n
-            key = prefix_state_key(self._model_sha256, self.layout, prefix)
-            state = self.prefix_store.get(key)
-            if state is not None and self._restore(dest, prefix, state):
-                self._stats.kv_restores += 1
-                self._stats.kv_restored_tokens += n
-                continue
-            if state is None:
-                self._stats.kv_misses += 1
-            job.prefill += n
-            self._stats.prefill_tokens += n
-            misses.append((dest, key))
-            feeds.append(_Feed(dest, prefix, n, None))
-        if feeds:
-            # All missing prefixes in one batch, each alone in its sequence, so that each
-            # sequence's state is exactly its prefix when saved.
-            self._decode(feeds)
-            for slot, key in misses:
-                self._save(slot, key)
-
-    def _restore(self, dest: Slot, prefix: list[int], state: bytes) -> bool:
-        """Load `state` into the empty slot `dest`; False (slot left empty) if llama.cpp refuses
-        it or it does not hold exactly positions 0..len(prefix)-1."""
-        # A disk state is a private writable mapping: restore from it in place, uncopied.
-        kind = ctypes.c_uint8 * len(state)
-        writable = isinstance(state, memoryview) and not state.readonly
-        buf = kind.from_buffer(state) if writable else kind.from_buffer_copy(state)
-        read = llama_cpp.llama_state_seq_set_data(self._ctx, buf, len(state), dest.seq_id)
-        lo = llama_cpp.llama_memory_seq_pos_min(self._mem, dest.seq_id)
-        hi = llama_cpp.llama_memory_seq_pos_max(self._mem, dest.seq_id)
-        if read == len(state) and lo == 0 and hi == len(prefix) - 1:
-            dest.tokens = list(prefix)
-            dest.cells = self._planner.fresh_cells(len(prefix))
-            return True
-        llama_cpp.llama_memory_seq_rm(self._mem, dest.seq_id, 0, -1)
-        self._stats.kv_restore_failures += 1
-        logger.warning(
-            "a stored KV state of %d tokens (%d bytes) did not restore (read %d bytes, "
-            "positions %d..%d); recomputing it",
-            len(prefix),
-            len(state),
-            read,
-            lo,
-            hi,
-        )
-        return False
-
-    def _save(self, slot: Slot, key: PrefixKey) -> None:
-        """Put the state of `slot` (exactly the reusable prefix) into the store."""
-        assert self.prefix_store is not None
-        size = llama_cpp.llama_state_seq_get_size(self._ctx, slot.seq_id)
-        buf = (ctypes.c_uint8 * size)()
-        written = llama_cpp.llama_state_seq_get_data(self._ctx, buf, size, slot.seq_id)
-        if written <= 0:
-            logger.warning("llama.cpp could not save the state of sequence %d", slot.seq_id)
-            return
-        self.prefix_store.put(key, bytes(memoryview(buf)[:written]))
-        self._stats.kv_saves += 1
-
-    # ----------------------------------------------------------------- KV cache and decoding
-
-    def _decode(self, feeds: list[_Feed]) -> None:
-        """Append the feeds' tokens to their slots, n_batch tokens per `llama_decode`."""
-        items: list[tuple[_Feed, int, int]] = []  # (feed, token, absolute position)
-        for feed in feeds:
-            start = len(feed.slot.tokens)
-            items.extend((feed, tok, start + j) for j, tok in enumerate(feed.tokens))
-        for begin in range(0, len(items), self.n_batch):
-            chunk = items[begin : begin + self.n_batch]
-            outputs: list[tuple[_Feed, int, int]] = []
-            seqs: set[int] = set()
-            for b, (feed, tok, pos) in enumerate(chunk):
-                self._batch_tokens[b] = tok
-                self._batch_pos[b] = pos
-                self._batch.seq_id[b][0] = feed.slot.seq_id
-                wants = feed.on_logits is not None and pos >= feed.out_from
-                self._batch_logits[b] = 1 if wants else 0
-                if wants:
-                    outputs.append((feed, pos, b))
-                seqs.add(feed.slot.seq_id)
-            self._batch.n_tokens = len(chunk)
-            self._set_embeddings(any(feed.hidden for feed, _, _ in outputs))
-            layers = {layer for feed, _, _ in outputs for layer in feed.layers}
-            tap = self._tap if layers else None
-            self._layer_rows = {}
-            if tap is not None:
-                tap.arm(layers)
-            try:
-                status = llama_cpp.llama_decode(self._ctx, self._batch)
-            finally:
-                captured = tap.disarm() if tap is not None else {}
-            self._stats.decode_calls += 1
-            self._stats.batch_sizes[len(seqs)] += 1
-            if status != 0:
-                # The KV cache may now hold part of the batch: forget everything.
-                self._planner.clear()
-                raise EngineError(
-                    f"llama_decode failed with status {status} on a batch of {len(chunk)} tokens "
-                    f"in {len(seqs)} sequences"
-                )
-            for feed, tok, _pos in chunk:
-                feed.slot.tokens.append(tok)
-                feed.slot.cells.extend(self._planner.fresh_cells(1))
-            if tap is not None:
-                self._layer_rows = self._checked_rows(tap, layers, captured, len(chunk))
-            for feed, pos, b in outputs:
-                assert feed.on_logits is not None
-                feed.on_logits(pos, b)
-
-    @staticmethod
-    def _checked_rows(
-        tap: LayerTap,
-        layers: set[int],
-        rows: dict[int, npt.NDArray[np.float32]],
-        n_tokens: int,
-    ) -> dict[int, npt.NDArray[np.float32]]:
-        """The captured rows of one decode call, indexed like its batch. A middle block keeps
-        a row for every token of the call (only the last block drops all but the outputs), and
-        with one KV stream (kv_unified) llama.cpp splits a batch into micro-batches in order."""
-        if tap.error is not None:
-            raise EngineError(f"reading a middle layer failed: {tap.error}")
-        for layer in sorted(layers):
-            if layer not in rows:
-                raise EngineError(f"llama.cpp's graph computed no tensor l_out-{layer}")
-            if rows[layer].shape[0] != n_tokens:
-                raise EngineError(
-                    f"llama.cpp's block {layer} held {rows[layer].shape[0]} rows for a batch "
-                    f"of {n_tokens} tokens"
-                )
-        return rows
-
-    def _set_embeddings(self, on: bool) -> None:
-        if on != self._embeddings_on:
-            llama_cpp.llama_set_embeddings(self._ctx, on)
-            self._embeddings_on = on
-
-    def _hidden_view(self, batch_index: int) -> npt.NDArray[np.float32]:
-        """The final hidden state of one output of the last decode (a view, no copy)."""
-        ptr = llama_cpp.llama_get_embeddings_ith(self._ctx, batch_index)
-        if not ptr:
-            raise EngineError(f"llama.cpp has no hidden state for batch position {batch_index}")
-        return np.ctypeslib.as_array(ptr, shape=(self._n_embd,))
-
-    def _logits_view(self, batch_index: int) -> npt.NDArray[np.float32]:
-        """The logits of one output of the last decode, as a view (no copy)."""
-        ptr = llama_cpp.llama_get_logits_ith(self._ctx, batch_index)
-        if not ptr:
-            raise EngineError(f"llama.cpp has no logits for batch position {batch_index}")
-        return np.ctypeslib.as_array(ptr, shape=(self._n_vocab,))
-
-    def _log_softmax(self, batch_index: int) -> npt.NDArray[np.float64]:
-        logits = self._logits_view(batch_index).astype(np.float64)
-        top = logits.max()
-        logits -= top + np.log(np.exp(logits - top).sum())
-        return logits
-
-    @staticmethod
-    def _greedy_logprob(logits: npt.NDArray[np.float32], token: int) -> float:
-        """Log-probability of the argmax `token`, computed once per sequence and step.
-
-        exp runs in float32 (terms in [0, 1], relative error ~1e-7) and the sum in float64;
-        this keeps the per-step cost at a fraction of a millisecond for a 49k vocabulary.
-        """
-        shifted = logits - logits[token]
-        return float(-np.log(np.exp(shifted).sum(dtype=np.float64)))
+            self._decoder.decode(tails)
 
     # ----------------------------------------------------------------- validation
 

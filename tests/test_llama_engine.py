@@ -20,7 +20,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from selfrag.infra.llama_engine import EngineError, LlamaEngine
+from selfrag.infra.llama_batch import EngineError
+from selfrag.infra.llama_engine import LlamaEngine
 from selfrag.infra.model_files import (
     ModelFileError,
     default_model_path,
