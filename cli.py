@@ -644,15 +644,13 @@ def collect_status(settings: Settings) -> dict[str, Any]:
                 "using it, or use a Qdrant server (retrieval.qdrant_url)"
             ) from exc
         model, heads, critique = _model_status(settings, system)
+        threshold = None
         if settings.model.backend != "vllm":
             from selfrag.infra.model_files import file_sha256
             from selfrag.jobs.support_calibration import threshold_status
 
-            name = critique["resolved"]
             sha = file_sha256(system.model_path)
-            critique["support_threshold"] = threshold_status(
-                settings.home, sha, name, index["version"]
-            )
+            threshold = threshold_status(settings.home, sha, critique["resolved"], index["version"])
     return {
         "selfrag": _selfrag_version(),
         "home": str(settings.home),
@@ -660,6 +658,7 @@ def collect_status(settings: Settings) -> dict[str, Any]:
         "model": model,
         "heads": heads,
         "critique": critique,
+        "support_threshold": threshold,
     }
 
 
@@ -728,10 +727,10 @@ def render_status(s: dict[str, Any]) -> str:
         ("heads", s["heads"] or "none"),
         ("critique", shown),
     ]
-    if critique.get("support_threshold") is not None:
+    if s.get("support_threshold") is not None:
         from selfrag.jobs.support_calibration import describe_threshold
 
-        rows.append(("min_support", describe_threshold(critique["support_threshold"])))
+        rows.append(("min_support", describe_threshold(s["support_threshold"])))
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
 
