@@ -522,7 +522,9 @@ def test_a_question_past_its_timeout_gets_an_error_record():
     critic = Slow()
     # The actor without its engine: the decoding path of one question around a slow critic.
     actor = object.__new__(BatchAnswerer)
-    actor._rag = SimpleNamespace(critic=lambda source: critic)  # type: ignore[attr-defined]
+    actor._rag = SimpleNamespace(  # type: ignore[attr-defined]
+        critic=lambda source: critic, calibrated_filters=lambda name: {}
+    )
     actor._store = ListRetriever([Passage("p1", "Rollo founded Normandy.")])  # type: ignore[attr-defined]
     actor._index_version, actor._model_id = "v", "m"  # type: ignore[attr-defined]
     actor._path = AnswerPath(DecodingConfig())  # type: ignore[attr-defined]
@@ -550,7 +552,9 @@ def test_batch_caches_answers_under_the_online_endpoints_key():
     critic = ScriptedCritic()
     actor = object.__new__(BatchAnswerer)
     actor._rag = SimpleNamespace(  # type: ignore[attr-defined]
-        critic=lambda source: critic, model_fingerprint="m sha256:abc"
+        critic=lambda source: critic,
+        calibrated_filters=lambda name: {},
+        answer_fingerprint=lambda: "m sha256:abc",
     )
     actor._store = ListRetriever([Passage("p1", "Rollo founded Normandy.")])  # type: ignore[attr-defined]
     actor._index_version, actor._model_id = "v", "m"  # type: ignore[attr-defined]
