@@ -315,6 +315,23 @@ def _eval_parsers(sub: Any) -> None:
         action="store_true",
         help="With --export-gguf: export the heads this model already has instead of training.",
     )
+    p_train.add_argument(
+        "--answerability",
+        action="store_true",
+        help="Fit the answerability model (s_sup from middle layers and the draft's grounding) "
+        "of the model file and --critique on --qa instead of the heads; write "
+        "HOME/answerability/<sha>.<source>.json (or --out).",
+    )
+    p_train.add_argument(
+        "--critique", default="auto", help="With --answerability: the source it wraps."
+    )
+    p_train.add_argument(
+        "--features",
+        type=Path,
+        metavar="CACHE.npz",
+        help="With --answerability: read the collected features from this file when it exists, "
+        "else collect them and write it.",
+    )
     p_train.add_argument("--no-progress", action="store_true")
 
 
@@ -942,6 +959,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     from selfrag.jobs.training import TrainingPlan, describe, train
     from selfrag.runtime.system import SelfRAGSystem
 
+    if args.answerability:
+        return train_answerability(args)
     if args.reuse and args.export_gguf is None:
         raise CLIError("--reuse only applies with --export-gguf")
     if args.passages is not None and args.passages < 10:
@@ -1000,6 +1019,61 @@ def cmd_train(args: argparse.Namespace) -> int:
 
             written = export_reflection_model(rag.model_path, heads, args.export_gguf, protected)
             print(f"wrote {written} (critique 'native': reflection tokens with the learned rows)")
+    return 0
+
+
+def train_answerability(args: argparse.Namespace) -> int:
+    """`selfrag train --answerability`: collect (or read) the features, fit, write."""
+    from selfrag.infra.heads_store import answerability_path, save_answerability
+    from selfrag.infra.model_files import file_sha256
+    from selfrag.jobs.answerability import (
+        collect_table,
+        describe,
+        fit_model,
+        load_table,
+        save_table,
+    )
+    from selfrag.jobs.evaluation import ensure_indexed, load_questions
+    from selfrag.runtime.system import SelfRAGSystem
+
+    if args.export_gguf is not None:
+        raise CLIError(
+            "--export-gguf exports the heads only: the answerability model is not exportable"
+        )
+    with SelfRAGSystem(_settings(args), layer_tap=True) as rag:
+        sha = file_sha256(rag.model_path)
+        if args.features is not None and args.features.is_file():
+            table, meta = load_table(args.features)
+        else:
+            if not args.qa:
+                raise CLIError(
+                    "--answerability needs labelled questions (--qa, e.g. --article Normans)"
+                )
+            questions = []
+            for path in args.qa:
+                questions += load_questions(
+                    path, article=args.article if path.suffix == ".json" else None
+                )
+            ensure_indexed(rag, args.corpus, progress=not args.no_progress)
+            d = rag.settings.decoding
+            table, meta = collect_table(
+                rag,
+                questions,
+                args.critique,
+                top_k=d.top_k,
+                max_tokens=d.max_segment_tokens,
+                progress=not args.no_progress,
+            )
+            if args.features is not None:
+                save_table(args.features, table, meta)
+        data = {
+            "qa": [str(p) for p in args.qa],
+            "article": args.article,
+            "command": "selfrag " + " ".join(sys.argv[1:]),
+        }
+        model = fit_model(table, meta, sha, data=data)
+        out = args.out or answerability_path(rag.settings.home, sha, model.source)
+        print(describe(save_answerability(out, model), out))
     return 0
 
 

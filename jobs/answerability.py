@@ -3,9 +3,10 @@ a model file and critique source on labelled SQuAD questions (tune on "Normans" 
 
 Per question, as the decoder's first step does: retrieve the top-K passages, draft a segment
 from each with the critique source, and read the combiner's features through the product's
-own reader (`pipeline.critics.read_support`). A branch is positive when its question is
-answerable AND its passage contains a gold answer (`pipeline.metrics.contains_answer`).
-The features of every candidate block are kept in a cache file (NumPy .npz), so refits and
+own readers (`pipeline.critics.read_relevance`, `read_support`). A branch is positive when
+its question is answerable AND its passage contains a gold answer
+(`pipeline.metrics.contains_answer`). The features, with every candidate block's output at the
+relevance and the support prompt, are kept in a cache file (NumPy .npz), so refits and
 `bench/answerability.py` need no model.
 """
 
@@ -29,9 +30,8 @@ from selfrag.pipeline.answerability import (
     fit_answerability,
     probe_name,
 )
-from selfrag.pipeline.critics import Branch, read_support, source_critic
+from selfrag.pipeline.critics import Branch, read_relevance, read_support, source_critic
 from selfrag.pipeline.metrics import contains_answer
-from selfrag.pipeline.scoring import relevance_score
 
 if TYPE_CHECKING:
     from selfrag.runtime.system import SelfRAGSystem
@@ -40,6 +40,8 @@ if TYPE_CHECKING:
 # does): for SmolLM2's 30 layers these are 6, 9, 12, 15, 19, 22 and 26; plus the last.
 LAYER_SHARES = (0.2, 0.3, 0.4, 0.5, 0.63, 0.73, 0.87)
 QUESTIONS_PER_CALL = 4
+# The probes' L2 strength (standardised block outputs; the better of 30 and 300 on Normans).
+SHIPPED_PROBE_L2 = 300.0
 
 
 class AnswerabilityFitError(ValueError):
@@ -80,7 +82,9 @@ def collect_table(
     if not labelled:
         raise AnswerabilityFitError("no SQuAD questions with a gold paragraph to label")
     values: dict[str, list[float]] = {f: [] for f in FEATURES}
-    states: dict[int, list[tuple[float, ...]]] = {b: [] for b in blocks}
+    states: dict[str, list[tuple[float, ...]]] = {
+        probe_name(b, site): [] for b in blocks for site in ("support", "relevance")
+    }
     labels: list[int] = []
     groups: list[str] = []
     answerable: list[int] = []
@@ -91,9 +95,9 @@ def collect_table(
         branches = [
             Branch(q.question, "", p) for q in chunk for p in rag.store.search(q.question, top_k)
         ]
-        rel = [relevance_score(r.probs) for r in inner.relevance(branches)]
+        rel = read_relevance(inner, engine, branches, blocks)
         drafts = inner.draft(branches, max_tokens)
-        readings = read_support(inner, engine, branches, drafts, blocks, rel)
+        readings = read_support(inner, engine, branches, drafts, blocks, rel, blocks)
         by_question = {q.question: q for q in chunk}
         for b, r in zip(branches, readings, strict=True):
             if not r.grounded:
@@ -102,8 +106,8 @@ def collect_table(
             assert b.passage is not None
             for f in FEATURES:
                 values[f].append(r.values[f])
-            for k in blocks:
-                states[k].append(r.states[k])
+            for name, column in states.items():
+                column.append(r.states[name])
             labels.append(int(q.answerable and contains_answer(b.passage.text, q.golds)))
             groups.append(q.id)
             answerable.append(int(q.answerable))
@@ -133,7 +137,7 @@ def collect_table(
 def save_table(path: Path, table: FeatureTable, meta: dict[str, Any]) -> None:
     """Write collected features (and how they were collected) as one .npz file."""
     arrays: dict[str, Any] = {f"value_{k}": v for k, v in table.values.items()}
-    arrays.update({f"state_{k}": v for k, v in table.states.items()})
+    arrays.update({"state_" + k.replace(":", "@"): v for k, v in table.states.items()})
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("wb") as fh:
         np.savez_compressed(
@@ -149,10 +153,15 @@ def load_table(path: Path) -> tuple[FeatureTable, dict[str, Any]]:
     """The features and description `save_table` wrote."""
     with np.load(path) as z:
         values = {k[6:]: z[k] for k in z.files if k.startswith("value_")}
-        states = {int(k[6:]): z[k] for k in z.files if k.startswith("state_")}
+        states = {_state_name(k[6:]): z[k] for k in z.files if k.startswith("state_")}
         table = FeatureTable(values, states, z["labels"], [str(g) for g in z["groups"]])
         meta = json.loads(str(z["meta"]))
     return table, meta
+
+
+def _state_name(key: str) -> str:
+    # Tables written before the relevance-prompt probes keyed support blocks by number.
+    return probe_name(int(key)) if key.isdigit() else key.replace("@", ":")
 
 
 def fit_model(
@@ -176,7 +185,12 @@ def fit_model(
         "not_exportable": "middle-layer and draft features are no rows of the output matrix",
     }
     return fit_answerability(
-        table, features, model_sha256=model_sha256, source=str(meta["source"]), manifest=manifest
+        table,
+        features,
+        model_sha256=model_sha256,
+        source=str(meta["source"]),
+        probe_l2=SHIPPED_PROBE_L2,
+        manifest=manifest,
     )
 
 

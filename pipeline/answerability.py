@@ -10,9 +10,11 @@ Features (`FEATURES`), all read per branch:
   repeats the question is no answer);
 * `length`: log(1 + draft tokens);
 * `gain`: mean per-token log-probability of the draft with the passage minus without it;
-* `probe:<block>`: a linear probe (logit) of the output of a middle transformer block at the
-  support prompt's last token, where the probing literature finds what a model "knows"
-  (the final layer, which the reflection heads read, separates answerable questions far less).
+* `probe:<block>`: a linear probe (logit) of the output of a transformer block at the
+  support prompt's last token (after the draft), where the probing literature finds what a
+  model "knows" in middle layers;
+* `rprobe:<block>`: the same at the relevance prompt's last token ("does the passage contain
+  the information needed to answer the question?", before any draft).
 
 The combiner is p = sigmoid(w·z + b) over standardised features z, L2-regularised, fitted on
 labelled questions of one model file and critique source (`jobs.answerability`). It is NOT
@@ -33,7 +35,8 @@ import numpy.typing as npt
 
 ANSWERABILITY_FORMAT = 1
 FEATURES = ("s_sup", "s_rel", "copy", "echo", "length", "gain")
-PROBE_PREFIX = "probe:"
+# Probe features by the prompt they read: the support prompt, or the relevance prompt.
+PROBE_SITES = {"probe:": "support", "rprobe:": "relevance"}
 # Function words carry no content: an answer's copy and echo shares count the rest.
 STOP_WORDS = frozenset(
     """a an the of in on at to for from by with and or but not no is are was were be been
@@ -74,13 +77,18 @@ def draft_features(draft: str, n_tokens: int, passage: str, question: str) -> di
     }
 
 
-def probe_name(block: int) -> str:
-    return f"{PROBE_PREFIX}{block}"
+def probe_name(block: int, site: str = "support") -> str:
+    """The feature that probes `block` at the `site` prompt ("support" or "relevance")."""
+    prefix = next(p for p, s in PROBE_SITES.items() if s == site)
+    return f"{prefix}{block}"
 
 
-def probe_block(name: str) -> int | None:
-    """The block a `probe:<block>` feature reads, else None."""
-    return int(name[len(PROBE_PREFIX) :]) if name.startswith(PROBE_PREFIX) else None
+def probe_site(name: str) -> tuple[str, int] | None:
+    """(site, block) of a probe feature, else None."""
+    for prefix, site in PROBE_SITES.items():
+        if name.startswith(prefix):
+            return site, int(name[len(prefix) :])
+    return None
 
 
 def sigmoid(z: float) -> float:
@@ -136,7 +144,7 @@ class AnswerabilityModel:
     source: str
     features: tuple[str, ...]
     combiner: Linear
-    probes: Mapping[int, Linear] = field(default_factory=dict)
+    probes: Mapping[str, Linear] = field(default_factory=dict)
     manifest: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -144,17 +152,25 @@ class AnswerabilityModel:
             raise AnswerabilityError(
                 f"{len(self.features)} features for a combiner of {len(self.combiner.weights)}"
             )
-        unknown = [f for f in self.features if f not in FEATURES and probe_block(f) is None]
+        unknown = [f for f in self.features if f not in FEATURES and probe_site(f) is None]
         if unknown:
             raise AnswerabilityError(f"unknown features {unknown}")
-        missing = [b for b in self.blocks if b not in self.probes]
+        missing = [f for f in self.features if probe_site(f) is not None and f not in self.probes]
         if missing:
-            raise AnswerabilityError(f"no probe for blocks {missing}")
+            raise AnswerabilityError(f"no probe for {missing}")
+
+    def blocks_at(self, site: str) -> tuple[int, ...]:
+        """The blocks whose output the features read at the `site` prompt."""
+        return tuple(
+            at[1] for f in self.features if (at := probe_site(f)) is not None and at[0] == site
+        )
 
     @property
     def blocks(self) -> tuple[int, ...]:
-        """The middle blocks whose output the features read."""
-        return tuple(b for f in self.features if (b := probe_block(f)) is not None)
+        """Every block any feature reads, at either prompt."""
+        return tuple(
+            sorted({b for site in set(PROBE_SITES.values()) for b in self.blocks_at(site)})
+        )
 
     def check(self, model_sha256: str, source: str) -> None:
         """Refuse a model fitted on another model file or critique source."""
@@ -169,18 +185,18 @@ class AnswerabilityModel:
             )
 
     def probability(
-        self, values: Mapping[str, float], states: Mapping[int, Sequence[float]]
+        self, values: Mapping[str, float], states: Mapping[str, Sequence[float]]
     ) -> float:
-        """p(answerable from this passage) from the named features and block outputs."""
+        """p(answerable from this passage) from the named features and the block outputs
+        (`states`, by probe feature name)."""
         x = []
         for name in self.features:
-            block = probe_block(name)
-            if block is None:
+            if probe_site(name) is None:
                 x.append(float(values[name]))
-            elif block not in states:
-                raise AnswerabilityError(f"no output of block {block} to probe")
+            elif name not in states:
+                raise AnswerabilityError(f"no block output for {name}")
             else:
-                x.append(self.probes[block].logit(states[block]))
+                x.append(self.probes[name].logit(states[name]))
         return sigmoid(self.combiner.logit(x))
 
     def to_json(self) -> dict[str, Any]:
@@ -190,7 +206,7 @@ class AnswerabilityModel:
             "source": self.source,
             "features": list(self.features),
             "combiner": self.combiner.to_json(),
-            "probes": {str(b): p.to_json() for b, p in self.probes.items()},
+            "probes": {name: p.to_json() for name, p in self.probes.items()},
             "manifest": dict(self.manifest),
         }
 
@@ -208,7 +224,7 @@ class AnswerabilityModel:
                 source=str(doc["source"]),
                 features=tuple(str(f) for f in doc["features"]),
                 combiner=Linear.from_json(doc["combiner"]),
-                probes={int(b): Linear.from_json(p) for b, p in doc.get("probes", {}).items()},
+                probes={str(k): Linear.from_json(p) for k, p in doc.get("probes", {}).items()},
                 manifest=dict(doc.get("manifest", {})),
             )
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
@@ -275,10 +291,11 @@ def group_folds(groups: Sequence[str], k: int, seed: int = 0) -> FloatArray:
 
 @dataclass
 class FeatureTable:
-    """Collected features of labelled branches: named columns, block outputs, labels, groups."""
+    """Collected features of labelled branches: named columns, block outputs (by probe
+    feature name), labels, groups (question ids)."""
 
     values: dict[str, FloatArray]
-    states: dict[int, FloatArray]
+    states: dict[str, FloatArray]
     labels: FloatArray
     groups: list[str]
 
@@ -292,15 +309,15 @@ class FeatureTable:
 
 
 def probe_features(
-    table: FeatureTable, blocks: Sequence[int], probe_l2: float, k: int = 5, seed: int = 0
-) -> tuple[dict[int, Linear], dict[int, FloatArray]]:
-    """Per block: the probe fitted on all rows, and each row's probe logit from a probe fitted
-    without its question's fold (so a combiner fitted on them does not trust an overfitted
-    probe)."""
+    table: FeatureTable, names: Sequence[str], probe_l2: float, k: int = 5, seed: int = 0
+) -> tuple[dict[str, Linear], dict[str, FloatArray]]:
+    """Per probe feature: the probe fitted on all rows, and each row's probe logit from a probe
+    fitted without its question's fold (so a combiner fitted on them does not trust an
+    overfitted probe)."""
     folds = group_folds(table.groups, k, seed)
-    probes: dict[int, Linear] = {}
-    logits: dict[int, FloatArray] = {}
-    for b in blocks:
+    probes: dict[str, Linear] = {}
+    logits: dict[str, FloatArray] = {}
+    for b in names:
         X = table.states[b]
         out = np.zeros(len(X))
         for f in range(k):
@@ -325,11 +342,9 @@ def fit_answerability(
 ) -> AnswerabilityModel:
     """Fit the probes of the `probe:<block>` features (cross-fitted by question) and the
     combiner over `features`."""
-    blocks = [b for f in features if (b := probe_block(f)) is not None]
-    probes, logits = probe_features(table, blocks, probe_l2)
-    columns = [
-        logits[b] if (b := probe_block(f)) is not None else table.values[f] for f in features
-    ]
+    names = [f for f in features if probe_site(f) is not None]
+    probes, logits = probe_features(table, names, probe_l2)
+    columns = [logits[f] if f in logits else table.values[f] for f in features]
     combiner = fit_linear(np.column_stack(columns), table.labels, l2)
     return AnswerabilityModel(
         model_sha256=model_sha256,
@@ -344,9 +359,7 @@ def fit_answerability(
 def predict(model: AnswerabilityModel, table: FeatureTable) -> FloatArray:
     """`model.probability` of every row of `table`."""
     columns = [
-        linear_logits(model.probes[b], table.states[b])
-        if (b := probe_block(f)) is not None
-        else table.values[f]
+        linear_logits(model.probes[f], table.states[f]) if f in model.probes else table.values[f]
         for f in model.features
     ]
     z = linear_logits(model.combiner, np.column_stack(columns))

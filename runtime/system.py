@@ -16,7 +16,13 @@ from typing import TYPE_CHECKING
 
 from selfrag.infra.engine_threads import apply_wait_policy
 from selfrag.infra.lifecycle import Closeable
-from selfrag.pipeline.critics import Critic, CritiqueUnavailable, make_critic
+from selfrag.pipeline.answerability import AnswerabilityModel
+from selfrag.pipeline.critics import (
+    Critic,
+    CritiqueUnavailable,
+    make_critic,
+    with_answerability,
+)
 from selfrag.pipeline.decoder import SelfRAGDecoder, StepListener
 from selfrag.pipeline.heads import ReflectionHeads
 from selfrag.runtime.answering import (
@@ -32,6 +38,8 @@ from selfrag.schemas.decoding import DecodingConfig
 from selfrag.schemas.settings import ModelSettings, Settings
 
 log = logging.getLogger(__name__)
+# The critique sources an answerability model may be fitted on.
+CRITIQUES = ("native", "learned", "likelihood", "prompted")
 
 if TYPE_CHECKING:  # heavy modules (llama.cpp, Qdrant) load only when a component is built
     from selfrag.infra.embedder import SentenceEmbedder
@@ -44,8 +52,11 @@ if TYPE_CHECKING:  # heavy modules (llama.cpp, Qdrant) load only when a componen
 class SelfRAGSystem(Closeable):
     """One process's Self-RAG system. Thread-safe; the engine serialises its own calls."""
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, *, layer_tap: bool | None = None) -> None:
+        """`layer_tap`: whether the engine can read middle layers; None: when an answerability
+        model of the model file reads one (the tap costs ~10% of generation speed)."""
         self.settings = settings
+        self._layer_tap = layer_tap
         settings.home.mkdir(parents=True, exist_ok=True)
         self._critics: dict[str, Critic] = {}
         self._lock = threading.Lock()
@@ -93,6 +104,11 @@ class SelfRAGSystem(Closeable):
         if self.heads_file is not None:
             # Retrained heads change the learned critique's answers.
             fingerprint += f" heads:{file_sha256(self.heads_file)}"
+        for source in CRITIQUES:
+            # A fitted answerability model changes s_sup, hence abstentions.
+            path = self.answerability_file(source)
+            if path is not None:
+                fingerprint += f" answerability-{source}:{file_sha256(path)}"
         return fingerprint
 
     @cached_property
@@ -117,6 +133,14 @@ class SelfRAGSystem(Closeable):
             model_id=model_id_for(m, path),
             prefix_store=self.prefix_store,
             prefix_min_tokens=self.settings.cache.kv_min_tokens,
+            layer_tap=self._layer_tap if self._layer_tap is not None else self.reads_layers,
+        )
+
+    @cached_property
+    def reads_layers(self) -> bool:
+        """Whether an answerability model of the model file probes a block's output."""
+        return any(
+            (m := self.answerability(source)) is not None and m.blocks for source in CRITIQUES
         )
 
     @cached_property
@@ -187,6 +211,29 @@ class SelfRAGSystem(Closeable):
         heads.check_model(file_sha256(self.model_path), None)
         return heads
 
+    def answerability_file(self, source: str) -> Path | None:
+        """The answerability model file of the model file and critique `source`: fitted here,
+        else shipped; None without one, when `model.answerability` is off, or on vLLM."""
+        if self.settings.model.backend == "vllm" or not self.settings.model.answerability:
+            return None
+        from selfrag.infra.heads_store import find_answerability
+        from selfrag.infra.model_files import file_sha256
+
+        return find_answerability(self.settings.home, file_sha256(self.model_path), source)
+
+    def answerability(self, source: str) -> AnswerabilityModel | None:
+        """The model in `answerability_file`; one of another model file or source is refused
+        (`AnswerabilityError`)."""
+        path = self.answerability_file(source)
+        if path is None:
+            return None
+        from selfrag.infra.heads_store import load_answerability
+        from selfrag.infra.model_files import file_sha256
+
+        model = load_answerability(path)
+        model.check(file_sha256(self.model_path), source)
+        return model
+
     def critic(self, source: str) -> Critic:
         """The critique `source` names on this model. `learned` without heads for the model file
         is `CritiqueUnavailable` saying so; `auto` without them is `likelihood`, with a warning
@@ -202,6 +249,7 @@ class SelfRAGSystem(Closeable):
                         "train`, or use critique 'auto' or 'likelihood'"
                     )
                 critic = make_critic(self.engine, source, self.settings.calibration, heads)
+                critic = with_answerability(critic, self.engine, self.answerability(critic.name))
                 if source == "auto" and heads is None and llama and critic.name == "likelihood":
                     warn_missing_heads(self.model_path)
                 self._critics[source] = critic

@@ -12,7 +12,12 @@ returns label probabilities that `pipeline.scoring` turns into p_ret, s_rel, s_s
 `AnswerabilityCritic` wraps any of them, replacing s_sup by `pipeline.answerability`'s p.
 """
 
-from selfrag.pipeline.critics.answerability import AnswerabilityCritic, read_support
+from selfrag.pipeline.critics.answerability import (
+    AnswerabilityCritic,
+    RelevanceReading,
+    read_relevance,
+    read_support,
+)
 from selfrag.pipeline.critics.base import (
     NATIVE_CHAT_LAYOUT,
     NATIVE_MARKUP,
@@ -71,10 +76,12 @@ __all__ = [
     "NativeCritic",
     "PromptedCritic",
     "PromptedQuestions",
+    "RelevanceReading",
     "first_token_labels",
     "make_critic",
     "native_token_ids",
     "read_groups",
+    "read_relevance",
     "read_requests",
     "read_support",
     "resolve_filters",

@@ -2,9 +2,9 @@
 
 `read_support` is the one place the combiner's features are read, for the critique at answer
 time and for fitting (`jobs.answerability`): the source's own support probabilities, the
-middle blocks' output at the chat layout's support prompt (in the same engine request as the
-learned heads' read; one extra request for other sources), and the draft's log-probability
-without its passage (one continuation request per grounded branch).
+blocks' output at the chat layout's support and relevance prompts (in the same engine request
+as the learned heads' reads; one extra request each for other sources), and the draft's
+log-probability without its passage (one continuation request per grounded branch).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from selfrag.pipeline.answerability import AnswerabilityModel, draft_features
+from selfrag.pipeline.answerability import AnswerabilityModel, draft_features, probe_name
 from selfrag.pipeline.critics.base import Branch, Critic, LabelProbs, read_requests
 from selfrag.pipeline.critics.chat import ChatCritic
 from selfrag.pipeline.critics.learned import LearnedCritic
@@ -31,18 +31,66 @@ _RELEVANCE_MEMO = 256
 
 
 @dataclass(frozen=True)
+class RelevanceReading:
+    """The source's relevance probabilities of a branch and the blocks' output at the chat
+    layout's relevance prompt."""
+
+    probs: LabelProbs
+    states: dict[int, tuple[float, ...]]
+
+
+@dataclass(frozen=True)
 class SupportReading:
     """What the combiner reads of one branch: the source's support, the named features and
-    the blocks' output (empty for a branch without passage or draft)."""
+    the blocks' output by probe feature name (all empty for a branch without passage or
+    draft)."""
 
     support: LabelProbs
     values: dict[str, float]
-    states: dict[int, tuple[float, ...]]
+    states: dict[str, tuple[float, ...]]
     prefill_tokens: int
 
     @property
     def grounded(self) -> bool:
         return bool(self.values)
+
+
+def _split(model: LanguageModel, blocks: Sequence[int]) -> tuple[int | None, tuple[int, ...]]:
+    """(the last block, the middle ones of `blocks`); the last block's output is the final
+    hidden state, the others come through the engine's layer tap."""
+    last = (model.n_layers - 1) if model.n_layers is not None else None
+    middle = tuple(b for b in blocks if b != last)
+    if middle and model.n_layers is None:
+        raise ValueError("the answerability model reads middle layers, which this engine cannot")
+    return last, middle
+
+
+def read_relevance(
+    inner: Critic, model: LanguageModel, branches: Sequence[Branch], blocks: Sequence[int]
+) -> list[RelevanceReading]:
+    """The source's relevance of each branch and the output of `blocks` at the relevance
+    prompt (from the heads' own request for the learned source, else one more request)."""
+    if not blocks:
+        return [RelevanceReading(p, {}) for p in inner.relevance(branches)]
+    last, middle = _split(model, blocks)
+    chat = inner if isinstance(inner, ChatCritic) else ChatCritic(model)
+    prompts = [chat.relevance_prompt(b) for b in branches]
+    if isinstance(inner, LearnedCritic):
+        reads = inner.read_with_layers(
+            "relevance", [p for p, _ in prompts], [n for _, n in prompts], middle
+        )
+        return [RelevanceReading(probs, block_states(r, blocks, last)) for probs, r in reads]
+    requests = read_requests(
+        [p for p, _ in prompts], [n for _, n in prompts], hidden=last in blocks, layers=middle
+    )
+    replies = model.next_token_logprobs(requests) if requests else []
+    return [
+        RelevanceReading(
+            LabelProbs(probs.probs, probs.prefill_tokens + r.prefill_tokens, probs.draft),
+            block_states(r, blocks, last),
+        )
+        for probs, r in zip(inner.relevance(branches), replies, strict=True)
+    ]
 
 
 def read_support(
@@ -51,17 +99,17 @@ def read_support(
     branches: Sequence[Branch],
     drafts: Sequence[Generation],
     blocks: Sequence[int],
-    relevance: Sequence[float | None],
+    relevance: Sequence[RelevanceReading | None],
+    relevance_blocks: Sequence[int] = (),
 ) -> list[SupportReading]:
-    """The combiner's features of each branch. `blocks` may include the last block
+    """The combiner's features of each branch: `blocks` read at the support prompt,
+    `relevance_blocks` at the relevance prompt. Either may include the last block
     (`model.n_layers − 1`): its output is the final hidden state. `relevance` holds the
-    branches' s_rel where known; the others' is read from `inner`."""
+    branches' relevance readings where known (with `relevance_blocks`); the others' are read
+    here."""
     pairs = list(zip(branches, drafts, strict=True))
     grounded = [i for i, (b, d) in enumerate(pairs) if b.passage is not None and d.tokens]
-    last = (model.n_layers - 1) if model.n_layers is not None else None
-    middle = tuple(b for b in blocks if b != last)
-    if middle and model.n_layers is None:
-        raise ValueError("the answerability model reads middle layers, which this engine cannot")
+    last, middle = _split(model, blocks)
     chat = inner if isinstance(inner, ChatCritic) else ChatCritic(model)
     gb = [branches[i] for i in grounded]
     gd = [drafts[i] for i in grounded]
@@ -112,27 +160,31 @@ def read_support(
             gains[k] = (sum(gd[k].logprobs) - sum(s.logprobs)) / len(gd[k].tokens)
             extra[k] += s.prefill_tokens
 
-    # s_rel where the caller does not know it.
+    # Relevance where the caller does not know it.
     rel = [relevance[i] for i in grounded]
     unknown = [k for k, r in enumerate(rel) if r is None]
     if unknown:
-        for k, probs in zip(unknown, inner.relevance([gb[k] for k in unknown]), strict=True):
-            rel[k] = relevance_score(probs.probs)
-            extra[k] += probs.prefill_tokens
+        fresh = read_relevance(inner, model, [gb[k] for k in unknown], relevance_blocks)
+        for k, reading in zip(unknown, fresh, strict=True):
+            rel[k] = reading
+            extra[k] += reading.probs.prefill_tokens
 
     done = [s for s in support if s is not None]
     assert len(done) == len(pairs)
     out = [SupportReading(s, {}, {}, 0) for s in done]
     for k, i in enumerate(grounded):
         b, d = gb[k], gd[k]
-        assert b.passage is not None
+        r = rel[k]
+        assert b.passage is not None and r is not None
         values = {
             "s_sup": support_score(done[i].probs),
-            "s_rel": float(rel[k] if rel[k] is not None else 0.5),
+            "s_rel": relevance_score(r.probs.probs),
             "gain": float(gains[k] or 0.0),
             **draft_features(d.text, len(d.tokens), b.passage.text, b.question),
         }
-        out[i] = SupportReading(done[i], values, states[k], extra[k])
+        named = {probe_name(block, "support"): v for block, v in states[k].items()}
+        named.update({probe_name(block, "relevance"): v for block, v in r.states.items()})
+        out[i] = SupportReading(done[i], values, named, extra[k])
     return out
 
 
@@ -153,8 +205,7 @@ class AnswerabilityCritic:
     its meaning); every other group, and support without passage, are `inner`'s own."""
 
     def __init__(self, inner: Critic, model: LanguageModel, answerability: AnswerabilityModel):
-        last = (model.n_layers - 1) if model.n_layers is not None else None
-        if any(b != last for b in answerability.blocks) and model.n_layers is None:
+        if answerability.blocks and model.n_layers is None:
             raise ValueError(
                 "the answerability model reads middle layers, which this engine cannot return"
             )
@@ -163,7 +214,7 @@ class AnswerabilityCritic:
         self.answerability = answerability
         self._model = model
         self._lock = threading.Lock()
-        self._relevance: OrderedDict[tuple[str, str, str, str], float] = OrderedDict()
+        self._relevance: OrderedDict[tuple[str, str, str, str], RelevanceReading] = OrderedDict()
 
     @staticmethod
     def _key(b: Branch) -> tuple[str, str, str, str]:
@@ -174,15 +225,17 @@ class AnswerabilityCritic:
         return self.inner.retrieval(branches)
 
     def relevance(self, branches: Sequence[Branch]) -> list[LabelProbs]:
-        out = self.inner.relevance(branches)
-        with self._lock:  # the support read uses s_rel as a feature
-            for b, probs in zip(branches, out, strict=True):
+        readings = read_relevance(
+            self.inner, self._model, branches, self.answerability.blocks_at("relevance")
+        )
+        with self._lock:  # the support read uses them as features
+            for b, r in zip(branches, readings, strict=True):
                 if b.passage is not None:
-                    self._relevance[self._key(b)] = relevance_score(probs.probs)
+                    self._relevance[self._key(b)] = r
                     self._relevance.move_to_end(self._key(b))
             while len(self._relevance) > _RELEVANCE_MEMO:
                 self._relevance.popitem(last=False)
-        return out
+        return [r.probs for r in readings]
 
     def draft(self, branches: Sequence[Branch], max_tokens: int) -> list[Generation]:
         return self.inner.draft(branches, max_tokens)
@@ -193,8 +246,15 @@ class AnswerabilityCritic:
                 self._relevance.get(self._key(b)) if b.passage is not None else None
                 for b in branches
             ]
+        fitted = self.answerability
         readings = read_support(
-            self.inner, self._model, branches, drafts, self.answerability.blocks, known
+            self.inner,
+            self._model,
+            branches,
+            drafts,
+            fitted.blocks_at("support"),
+            known,
+            fitted.blocks_at("relevance"),
         )
         out = []
         for r in readings:
