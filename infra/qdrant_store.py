@@ -28,7 +28,7 @@ from selfrag.infra.qdrant_engine import (
 )
 from selfrag.infra.qdrant_facts import NO_VERSION, adopt, check_facts, new_facts, replaced_by
 from selfrag.infra.qdrant_server import ServerEngine
-from selfrag.pipeline.protocols import Passage
+from selfrag.pipeline.protocols import COLLECTION, Passage
 from selfrag.schemas.settings import RetrievalSettings
 
 # The store's public API; the errors and `point_id` are defined in infra.qdrant_engine.
@@ -283,6 +283,11 @@ def point_data(passage: Passage, dense: list[float]) -> PointData:
             "doc_id": doc_id(passage),
             # Absent when the corpus gave none: citations then use selfrag://passage/<id>.
             **({"url": passage.metadata["url"]} if passage.metadata.get("url") else {}),
+            **(
+                {COLLECTION: passage.metadata[COLLECTION]}
+                if passage.metadata.get(COLLECTION)
+                else {}
+            ),
         },
     )
 
@@ -303,10 +308,13 @@ def _document_batches(passages: Sequence[Passage], size: int) -> Iterator[list[P
 def _passage(payload: dict[str, Any], score: float) -> Passage:
     doc = str(payload.get("doc_id", ""))
     url = payload.get("url")
+    collection = payload.get(COLLECTION)
     return Passage(
         id=str(payload.get("passage_id", "")),
         text=str(payload.get("text", "")),
         title=payload.get("title"),
         score=float(score or 0.0),
-        metadata=({"doc_id": doc} if doc else {}) | ({"url": url} if isinstance(url, str) else {}),
+        metadata=({"doc_id": doc} if doc else {})
+        | ({"url": url} if isinstance(url, str) else {})
+        | ({COLLECTION: collection} if isinstance(collection, str) else {}),
     )

@@ -12,7 +12,7 @@ from tqdm import tqdm
 
 from selfrag.infra.corpus import MAX_DOCUMENT_BYTES, CorpusError, read_documents, split_passages
 from selfrag.infra.qdrant_store import QdrantStore
-from selfrag.pipeline.protocols import Passage
+from selfrag.pipeline.protocols import COLLECTION, Passage
 from selfrag.schemas.settings import RetrievalSettings
 
 log = logging.getLogger(__name__)
@@ -39,11 +39,18 @@ def corpus_passages(
     """The passages `index_corpus` would write for `path` (same cuts and ids); unreadable
     records are skipped."""
     return [
-        p
+        tagged(p, Path(path))
         for item in read_documents(path, max_document_bytes)
         if not isinstance(item, CorpusError)
         for p in split_passages(item, passage_words, overlap)
     ]
+
+
+def tagged(passage: Passage, path: Path) -> Passage:
+    """`passage` with its collection: the name of the corpus file or folder it was indexed
+    from (the support threshold is calibrated per collection, whose styles differ)."""
+    passage.metadata[COLLECTION] = path.name
+    return passage
 
 
 def index_corpus(
@@ -102,7 +109,9 @@ def index_corpus(
                 log.warning("skipped %s", item)
                 report.errors.append(item)
                 continue
-            pending.extend(split_passages(item, passage_words, overlap))
+            pending.extend(
+                tagged(p, Path(path)) for p in split_passages(item, passage_words, overlap)
+            )
             pending_docs += 1
             if len(pending) >= embedder_batch:
                 flush()

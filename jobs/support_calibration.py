@@ -7,12 +7,16 @@ passage)`: relevance, then a draft of `max_segment_tokens`, then support, and s_
 `pipeline.scoring.support_score` of that. The critic is the one the system serves
 (`SelfRAGSystem.critic`: heads, answerability model and all). The threshold is
 `choose_threshold` of the two s_sup lists: the highest that abstains on at most
-`max_answerable_abstain` of the answerable pairs. Cost: the number of pairs times three
-critique calls, whatever the corpus size (the passages are sampled in one pass over the index).
+`max_answerable_abstain` of the answerable pairs. An index of several collections (corpus
+files) is sampled and thresholded per collection, and the lowest collection's threshold is
+kept, so that it holds the budget in each (s_sup's scale moves between collections). Cost:
+the number of pairs times three critique calls, whatever the corpus size (the passages are
+sampled in one pass over the index).
 """
 
 from __future__ import annotations
 
+import math
 import random
 import sys
 import time
@@ -25,12 +29,15 @@ from selfrag.infra.support_calibration import save_calibration
 from selfrag.pipeline.calibration import auc
 from selfrag.pipeline.critics import Branch
 from selfrag.pipeline.critics.filters import resolve_filters
+from selfrag.pipeline.protocols import COLLECTION
 from selfrag.pipeline.scoring import relevance_score, support_score
 from selfrag.pipeline.synthetic_qa import (
     QuestionStyle,
     SyntheticPair,
+    ThresholdChoice,
     choose_threshold,
-    sample_passages,
+    lowest_threshold,
+    sample_by_collection,
     summary,
     synthetic_pairs,
 )
@@ -41,7 +48,10 @@ if TYPE_CHECKING:
 
 MIN_ANSWERABLE = 8
 """Fewer answerable pairs than this (a tiny corpus, or a time limit hit early) calibrate
-nothing: a quantile of so few scores is noise."""
+nothing: a quantile of so few scores is noise. A collection with fewer gets no threshold of its
+own (its pairs still count in the summary)."""
+MIN_QUESTIONS_PER_COLLECTION = 20
+"""Questions written per collection at least, when the index has several."""
 
 
 class CalibrationSkipped(ValueError):
@@ -135,17 +145,33 @@ def calibrate_support(
     started = time.monotonic()
     source = critique or rag.settings.decoding.critique
     rng = random.Random(plan.seed)
-    # Sorted, so the draw does not depend on the order the store lists its points in.
-    sampled = sample_passages(rag.store.passages(), 4 * plan.questions, rng)
-    sampled.sort(key=lambda p: p.id)
-    pairs = synthetic_pairs(sampled, rag.store.search, plan.questions, rng, plan.style)
+    groups = sample_by_collection(rag.store.passages(), 4 * plan.questions, rng)
+    per = plan.questions
+    if len(groups) > 1:
+        per = max(MIN_QUESTIONS_PER_COLLECTION, math.ceil(plan.questions / len(groups)))
+    by_collection = [
+        # Sorted, so the draw does not depend on the order the store lists its points in.
+        synthetic_pairs(
+            sorted(groups[c], key=lambda p: p.id), rag.store.search, per, rng, plan.style
+        )
+        for c in sorted(groups)
+    ]
+    pairs = _interleaved(by_collection)
     _enough(sum(1 for p in pairs if p.answerable))  # before any model work
     scores = score_pairs(rag, source, pairs, plan, progress=progress)
     answerable = [s.s_sup for s in scores if s.pair.answerable and s.s_sup is not None]
     unanswerable = [s.s_sup for s in scores if not s.pair.answerable and s.s_sup is not None]
     _enough(len(answerable))
     name = rag.critic(source).name
-    choice = choose_threshold(answerable, unanswerable, plan.max_answerable_abstain)
+    per_collection = _collection_choices(scores, plan.max_answerable_abstain)
+    if per_collection:
+        lowest, picked = lowest_threshold(per_collection)
+        choice = _at(picked.threshold, answerable, unanswerable)
+    else:  # no collection gave enough pairs alone: all of them as one
+        lowest, choice = (
+            None,
+            choose_threshold(answerable, unanswerable, plan.max_answerable_abstain),
+        )
     cal = SupportCalibration(
         model_sha256=file_sha256(rag.model_path),
         model_file=rag.model_path.name,
@@ -167,6 +193,17 @@ def calibrate_support(
             "answerable": sum(1 for s in scores if s.pair.answerable and s.pruned),
             "unanswerable": sum(1 for s in scores if not s.pair.answerable and s.pruned),
         },
+        collections={
+            c: {
+                "threshold": round(t.threshold, 6),
+                "answerable_abstain": round(t.answerable_abstain, 4),
+                "unanswerable_abstain": (
+                    None if t.unanswerable_abstain is None else round(t.unanswerable_abstain, 4)
+                ),
+            }
+            for c, t in per_collection.items()
+        },
+        threshold_collection=lowest,
         style=plan.style,
         seed=plan.seed,
         index_version=rag.store.index_version(),
@@ -177,6 +214,59 @@ def calibrate_support(
     path = save_calibration(rag.settings.home, cal)
     rag.calibrated.forget()
     return cal, path
+
+
+def _interleaved(groups: list[list[SyntheticPair]]) -> list[SyntheticPair]:
+    """The collections' pairs question by question in turn (a question's answerable pair and
+    its unanswerable one stay together), so a time limit cuts every collection alike."""
+    questions = [_by_question(g) for g in groups]
+    out: list[SyntheticPair] = []
+    for i in range(max((len(q) for q in questions), default=0)):
+        for q in questions:
+            if i < len(q):
+                out += q[i]
+    return out
+
+
+def _by_question(pairs: list[SyntheticPair]) -> list[list[SyntheticPair]]:
+    out: list[list[SyntheticPair]] = []
+    for p in pairs:
+        if p.answerable or not out:
+            out.append([p])
+        else:
+            out[-1].append(p)
+    return out
+
+
+def _collection_choices(
+    scores: list[PairScore], max_answerable_abstain: float
+) -> dict[str, ThresholdChoice]:
+    """Each collection's own threshold, for those with at least MIN_ANSWERABLE answerable
+    pairs read."""
+    out: dict[str, ThresholdChoice] = {}
+    names = sorted({_collection(s) for s in scores})
+    for name in names:
+        mine = [s for s in scores if _collection(s) == name and s.s_sup is not None]
+        ans = [s.s_sup for s in mine if s.pair.answerable and s.s_sup is not None]
+        unans = [s.s_sup for s in mine if not s.pair.answerable and s.s_sup is not None]
+        if len(ans) >= MIN_ANSWERABLE:
+            out[name] = choose_threshold(ans, unans, max_answerable_abstain)
+    return out
+
+
+def _collection(s: PairScore) -> str:
+    """The collection a pair's question was drawn from (its unanswerable pair's passage may
+    lie in another)."""
+    return s.pair.question.passage.metadata.get(COLLECTION, "")
+
+
+def _at(threshold: float, answerable: list[float], unanswerable: list[float]) -> ThresholdChoice:
+    """What `threshold` does on all the pairs."""
+    below = sum(1 for s in answerable if s < threshold) / len(answerable)
+    unans = (
+        sum(1 for s in unanswerable if s < threshold) / len(unanswerable) if unanswerable else None
+    )
+    return ThresholdChoice(threshold, below, unans)
 
 
 def _enough(answerable: int) -> None:
@@ -207,6 +297,11 @@ def describe(cal: SupportCalibration, path: Path) -> str:
             f"{'-' if cal.auroc is None else f'{cal.auroc:.3f}'}",
             f"  abstains on {cal.answerable_abstain:.0%} of answerable pairs (at most "
             f"{cal.max_answerable_abstain:.0%}), {unans} of unanswerable; {cal.seconds:.0f} s",
+            *(
+                f"  collection {name or '(unnamed)'}: {c['threshold']:.4f}"
+                + (" (kept: the lowest)" if name == cal.threshold_collection else "")
+                for name, c in sorted(cal.collections.items())
+            ),
         ]
     )
 

@@ -151,6 +151,11 @@ class Passage:
     metadata: dict[str, str] = field(default_factory=dict)
 
 
+COLLECTION = "collection"
+"""The `Passage.metadata` key naming the collection a passage was indexed from (the corpus
+file or folder), when the index recorded it."""
+
+
 @runtime_checkable
 class Retriever(Protocol):
     def search(self, query: str, k: int) -> list[Passage]: ...

@@ -14,6 +14,10 @@ near neighbour that lacks it). Everything is drawn from a seeded `random.Random`
 passages, search results and seed give the same pairs.
 
 `choose_threshold` turns the critique's s_sup on both kinds of pair into a `min_support_score`.
+An index of several collections (corpus files) is sampled per collection
+(`sample_by_collection`), since s_sup's scale differs between them: the threshold is then the
+lowest of the collections' own (`lowest_threshold`), so that no collection's answerable pairs
+abstain more often than the budget allows.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from selfrag.pipeline.metrics import contains_answer
-from selfrag.pipeline.protocols import Passage
+from selfrag.pipeline.protocols import COLLECTION, Passage
 from selfrag.pipeline.reflection_data import entity_matches, sentences
 
 QuestionStyle = Literal["wh", "cloze"]
@@ -118,16 +122,24 @@ def _askable(sentence: str, kind: str, m: re.Match[str]) -> bool:
     )
 
 
-def sample_passages(stream: Iterable[Passage], k: int, rng: random.Random) -> list[Passage]:
-    """`k` passages drawn uniformly from `stream` (reservoir sampling: memory O(k), one pass)."""
-    chosen: list[Passage] = []
-    for i, p in enumerate(stream):
+def sample_by_collection(
+    stream: Iterable[Passage], k: int, rng: random.Random
+) -> dict[str, list[Passage]]:
+    """Up to `k` passages drawn uniformly from each collection of `stream` (one reservoir per
+    collection, in one pass); passages without a recorded collection form the collection ""."""
+    seen: dict[str, int] = {}
+    chosen: dict[str, list[Passage]] = {}
+    for p in stream:
+        name = p.metadata.get(COLLECTION, "")
+        i = seen.get(name, 0)
+        seen[name] = i + 1
+        group = chosen.setdefault(name, [])
         if i < k:
-            chosen.append(p)
+            group.append(p)
         else:
             j = rng.randrange(i + 1)
             if j < k:
-                chosen[j] = p
+                group[j] = p
     return chosen
 
 
@@ -216,6 +228,15 @@ def choose_threshold(
         sum(1 for s in unanswerable if s < threshold) / len(unanswerable) if unanswerable else None
     )
     return ThresholdChoice(threshold, below, unans)
+
+
+def lowest_threshold(choices: dict[str, ThresholdChoice]) -> tuple[str, ThresholdChoice]:
+    """The collection whose threshold is lowest, and its choice: with it every collection
+    abstains on at most its budget of answerable pairs (a higher one would exceed it there)."""
+    if not choices:
+        raise ValueError("no collection to choose a threshold from")
+    name = min(sorted(choices), key=lambda c: choices[c].threshold)
+    return name, choices[name]
 
 
 def summary(scores: Sequence[float]) -> dict[str, float | int]:

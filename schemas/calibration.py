@@ -90,6 +90,14 @@ class SupportCalibration(BaseModel):
         description="Pairs the source's default relevance filter (min_relevance) would prune "
         "before drafting, per kind."
     )
+    collections: dict[str, dict[str, float | None]] = Field(
+        default_factory=dict,
+        description="Per collection (corpus file) with enough pairs: its own threshold and what "
+        "it abstains on; `min_support_score` is the lowest of them.",
+    )
+    threshold_collection: str | None = Field(
+        None, description="The collection whose threshold was kept (None: all pairs as one)."
+    )
     style: str = Field(description="How the questions were written (wh or cloze).")
     seed: int
     index_version: str

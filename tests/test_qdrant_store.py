@@ -150,9 +150,11 @@ def test_index_then_search_finds_the_right_document_first(store: QdrantStore, co
         text=DOCUMENTS[0]["text"],
         title="Volcano",
         score=top.score,
-        metadata={"doc_id": "volcano"},
+        metadata={"doc_id": "volcano", "collection": corpus.name},
     )
     assert 0.0 < top.score <= 1.0
+    # The collection (the corpus file) is kept for every passage: calibration groups by it.
+    assert {p.metadata["collection"] for p in store.passages()} == {corpus.name}
 
 
 def test_reindexing_does_not_duplicate_and_changes_the_version(

@@ -27,9 +27,11 @@ from selfrag.pipeline.decoder import SelfRAGDecoder
 from selfrag.pipeline.metrics import contains_answer
 from selfrag.pipeline.protocols import Generation, Passage
 from selfrag.pipeline.synthetic_qa import (
+    ThresholdChoice,
     choose_threshold,
+    lowest_threshold,
     make_question,
-    sample_passages,
+    sample_by_collection,
     synthetic_pairs,
 )
 from selfrag.runtime import calibrated as calibrated_module
@@ -106,14 +108,29 @@ def test_pairs_answerable_with_their_passage_unanswerable_with_a_neighbour_lacki
     assert [p.question.question for p in other] != [p.question.question for p in pairs]
 
 
-def test_sampling_is_seeded_and_bounded() -> None:
-    stream = [Passage(str(i), "x") for i in range(100)]
-    first = sample_passages(iter(stream), 10, random.Random(1))
-    assert len(first) == 10 and len({p.id for p in first}) == 10
-    assert [p.id for p in sample_passages(iter(stream), 10, random.Random(1))] == [
-        p.id for p in first
-    ]
-    assert len(sample_passages(iter(stream[:3]), 10, random.Random(1))) == 3
+def test_sampling_is_seeded_and_bounded_per_collection() -> None:
+    stream = [Passage(str(i), "x", metadata={"collection": "wiki.jsonl"}) for i in range(100)]
+    stream += [Passage(f"s{i}", "x", metadata={"collection": "squad.json"}) for i in range(5)]
+    stream += [Passage(f"old{i}", "x") for i in range(30)]  # indexed before collections
+    first = sample_by_collection(iter(stream), 10, random.Random(1))
+    assert sorted(first) == ["", "squad.json", "wiki.jsonl"]
+    assert len(first["wiki.jsonl"]) == 10 and len({p.id for p in first["wiki.jsonl"]}) == 10
+    assert len(first["squad.json"]) == 5  # a small collection is not drowned by a large one
+    assert all(p.id.startswith("old") for p in first[""]) and len(first[""]) == 10
+    again = sample_by_collection(iter(stream), 10, random.Random(1))
+    assert {c: [p.id for p in ps] for c, ps in again.items()} == {
+        c: [p.id for p in ps] for c, ps in first.items()
+    }
+
+
+def test_the_lowest_collection_threshold_is_kept() -> None:
+    choices = {
+        "wiki.jsonl": ThresholdChoice(0.51, 0.15, 0.2),
+        "squad.json": ThresholdChoice(0.39, 0.1, 0.3),
+    }
+    assert lowest_threshold(choices) == ("squad.json", choices["squad.json"])
+    with pytest.raises(ValueError):
+        lowest_threshold({})
 
 
 # --- the threshold rule -----------------------------------------------------------------------
@@ -318,6 +335,50 @@ def test_the_job_reads_each_pair_as_a_first_step_branch_and_saves_the_threshold(
     assert critic.asked and all(b.prefix == "" and b.passage is not None for b in critic.asked)
     # Answers through this system now take it.
     assert rag.calibrated.filters("learned") == {"min_support_score": cal.min_support_score}
+
+
+@dataclass
+class ScaledCritic(OverlapCritic):
+    """OverlapCritic with s_sup scaled per collection of the question's own passage: two
+    corpora whose s_sup scales differ, as the Wikipedia and SQuAD passages do."""
+
+    scale: dict[str, float] = field(default_factory=dict)
+
+    def support(self, branches: Sequence[Branch], drafts: Sequence[Generation]) -> list[LabelProbs]:
+        out = []
+        for b, probs in zip(branches, super().support(branches, drafts), strict=True):
+            assert b.passage is not None
+            s = probs.probs["full"] * self.scale[b.passage.metadata["collection"]]
+            out.append(LabelProbs({"full": s, "partial": 0.0, "none": 1 - s}, 5))
+        return out
+
+
+def test_each_collection_gets_its_own_threshold_and_the_lowest_is_kept(tmp_path: Path) -> None:
+    from selfrag.jobs.support_calibration import CorpusCalibrationPlan, calibrate_support
+
+    passages = [
+        Passage(
+            f"{c}{i}-{j}",
+            text.replace("the", f"the{j}" if j else "the"),
+            f"T{i}",
+            metadata={"collection": c},
+        )
+        for c in ("low", "high")
+        for j in range(4)
+        for i, text in enumerate(TEXTS)
+    ]
+    critic = ScaledCritic(name="learned", scale={"low": 0.5, "high": 1.0})
+    rag = _fake_rag(tmp_path, passages, critic)
+    cal, _ = calibrate_support(rag, CorpusCalibrationPlan(questions=24), progress=False)
+    assert set(cal.collections) == {"low", "high"}
+    assert cal.threshold_collection == "low"
+    assert cal.min_support_score == cal.collections["low"]["threshold"]
+    assert cal.collections["low"]["threshold"] < cal.collections["high"]["threshold"]
+    # Each collection's own answerable pairs abstain within the budget at the kept threshold.
+    assert cal.collections["low"]["answerable_abstain"] <= 0.15
+    # Questions are drawn from both, however many passages each has.
+    drawn = {b.passage.metadata["collection"] for b in critic.asked}
+    assert drawn == {"low", "high"}
 
 
 def test_too_small_a_corpus_calibrates_nothing_before_any_model_work(tmp_path: Path) -> None:
