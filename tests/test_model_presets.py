@@ -14,6 +14,7 @@ import pytest
 
 from selfrag.cli import CLIError, main
 from selfrag.infra import model_presets
+from selfrag.infra.heads_store import SHIPPED_DIR, find_heads, load_heads
 from selfrag.infra.model_files import ModelFileError
 from selfrag.infra.model_presets import (
     PRESETS,
@@ -323,6 +324,18 @@ def _header(path: Path) -> dict[str, object]:
     }
 
 
+def test_the_qwen_preset_has_shipped_heads_for_its_file(tmp_path: Path) -> None:
+    """Keyed by the preset's pinned SHA-256: `weights = "auto"` loads the Q4_K_M file as it is
+    (no derived copy), so every home finds them; one row per label over Qwen2.5-0.5B's 896-wide
+    hidden state."""
+    path = find_heads(tmp_path, QWEN.sha256)
+    assert path == SHIPPED_DIR / f"{QWEN.sha256}.json"
+    heads = load_heads(path)
+    assert heads.model_sha256 == QWEN.sha256
+    assert set(heads.groups) == {"retrieve", "relevance", "support", "utility"}
+    assert {len(row) for g in heads.groups.values() for row in g.rows} == {896}
+
+
 @pytest.fixture(scope="module")
 def qwen_home(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A home holding a two-passage index; the Qwen preset is joined into it on first use."""
@@ -375,9 +388,12 @@ def test_a_split_preset_joins_to_the_pinned_file_and_header(
 
 @pytest.mark.real
 @needs_qwen
-def test_qwen_answers_through_the_cli_and_says_it_has_no_heads(
+def test_qwen_answers_through_the_cli_with_the_heads_the_repository_ships(
     qwen_home: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    """Issue 24, item 5: the Qwen preset passed the speed gate, so its heads ship and critique
+    `auto` is `learned` on it (a file without heads: `test_status_warns_...` and the tests of
+    `_system_without_heads`)."""
     monkeypatch.setenv("SELFRAG_MODEL__N_THREADS", "1")
     ask = ["--home", str(qwen_home), "ask", "Who founded Normandy?", "--model", QWEN.name]
     dials = ["--mode", "always", "--top-k", "1", "--max-segments", "1"]
@@ -385,17 +401,14 @@ def test_qwen_answers_through_the_cli_and_says_it_has_no_heads(
     captured = capsys.readouterr()
     data = json.loads(captured.out)
     assert data["model_id"].startswith("Qwen2.5-Coder-0.5B-Instruct (")
-    assert data["critique"] == "likelihood" and data["config"]["critique"] == "auto"
+    assert data["critique"] == "learned" and data["config"]["critique"] == "auto"
     assert data["answer"].strip() and data["passages"][0]["id"] == "normandy"
-    assert "no reflection heads for the model file" in captured.err
-    # The learned critique asked for by name is refused, naming the reason.
-    assert main([*ask, *dials, "--critique", "learned"]) == 2
-    assert "critique 'learned' needs reflection heads" in capsys.readouterr().err
-    # selfrag models says the same.
+    assert "no reflection heads" not in captured.err
+    # selfrag models names the shipped file, for the joined file's own hash.
     assert main(["--home", str(qwen_home), "models", "--json"]) == 0
     rows = {r["name"]: r for r in json.loads(capsys.readouterr().out)}
-    assert rows[QWEN.name]["installed"] and rows[QWEN.name]["heads"] is None
-    assert rows[QWEN.name]["sha256"] == QWEN.sha256
+    assert rows[QWEN.name]["installed"] and rows[QWEN.name]["sha256"] == QWEN.sha256
+    assert rows[QWEN.name]["heads"] == str(SHIPPED_DIR / f"{QWEN.sha256}.json")
     # SmolLM2's file (the f16 copy weights=auto loads) has the heads the repository ships.
     assert rows["smollm2"]["active"] and "shipped_heads" in rows["smollm2"]["heads"]
 
