@@ -130,7 +130,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     print("| kind | features | AUROC per branch | AUROC per question (max) |")
     print("|---|---|---:|---:|")
-    for f in FEATURES:
+    named = [f for f in FEATURES if f in table.values]  # older tables lack newer features
+    for f in named:
         run("feature", f, [f])
     probe_auc: dict[tuple[str, float], float] = {}
     last = int(meta["n_layers"]) - 1
@@ -145,19 +146,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         for site in ("support", "relevance")
     }
     heads = ["s_sup", "s_rel"]
-    draft = ["copy", "echo", "length", "gain"]
-    default = list(default_features(int(meta["n_layers"])))
+    draft = [f for f in named if f not in heads]
+    default = [
+        f for f in default_features(int(meta["n_layers"])) if f in named or f in table.states
+    ]
     combos: dict[str, tuple[list[str], float]] = {
         "s_sup + s_rel": (heads, 300.0),
-        "copy + echo + length + gain": (draft, 300.0),
-        "all six named": ([*heads, *draft], 300.0),
+        " + ".join(draft): (draft, 300.0),
+        "all named": (named, 300.0),
     }
     found = [k for k in best_at.values() if k is not None]
     for name, l2 in found:
-        combos[f"all six + {name}"] = ([*heads, *draft, name], l2)
+        combos[f"all named + {name}"] = ([*named, name], l2)
     if len(found) == 2:
         names = [k[0] for k in found]
-        combos["all six + " + " + ".join(names)] = ([*heads, *draft, *names], found[1][1])
+        combos["all named + " + " + ".join(names)] = ([*named, *names], found[1][1])
         combos["s_rel + " + names[1]] = (["s_rel", names[1]], found[1][1])
     combos["shipped default: " + ", ".join(default)] = (default, SHIPPED_PROBE_L2)
     for name, (feats, l2) in combos.items():

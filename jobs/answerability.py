@@ -40,8 +40,8 @@ if TYPE_CHECKING:
 # does): for SmolLM2's 30 layers these are 6, 9, 12, 15, 19, 22 and 26; plus the last.
 LAYER_SHARES = (0.2, 0.3, 0.4, 0.5, 0.63, 0.73, 0.87)
 QUESTIONS_PER_CALL = 4
-# The probes' L2 strength (standardised block outputs; the better of 30 and 300 on Normans).
-SHIPPED_PROBE_L2 = 300.0
+# The probes' L2 strength (standardised block outputs; 30 and 300 measured alike on Normans).
+SHIPPED_PROBE_L2 = 30.0
 
 
 class AnswerabilityFitError(ValueError):
@@ -55,9 +55,10 @@ def candidate_blocks(n_layers: int) -> list[int]:
 
 
 def default_features(n_layers: int) -> tuple[str, ...]:
-    """The features the shipped models combine (chosen on Normans, docs/evaluation.md)."""
-    block = round(n_layers * 0.5) - 1
-    return (*FEATURES, probe_name(block))
+    """The features the shipped models combine: s_rel and a probe of the middle layer at the
+    relevance prompt (layer 15 of SmolLM2's 30), the best per question of the combinations
+    tried on Normans (docs/evaluation.md)."""
+    return ("s_rel", probe_name(round(n_layers * 0.5) - 1, "relevance"))
 
 
 def collect_table(

@@ -8,6 +8,8 @@ Features (`FEATURES`), all read per branch:
   passage copies from it);
 * `echo`: share of the draft's content words found in the question (an answer that only
   repeats the question is no answer);
+* `qcover`: share of the question's content words found in the passage (a question about
+  something the passage never names cannot be answered from it);
 * `length`: log(1 + draft tokens);
 * `gain`: mean per-token log-probability of the draft with the passage minus without it;
 * `probe:<block>`: a linear probe (logit) of the output of a transformer block at the
@@ -34,7 +36,7 @@ import numpy as np
 import numpy.typing as npt
 
 ANSWERABILITY_FORMAT = 1
-FEATURES = ("s_sup", "s_rel", "copy", "echo", "length", "gain")
+FEATURES = ("s_sup", "s_rel", "copy", "echo", "qcover", "length", "gain")
 # Probe features by the prompt they read: the support prompt, or the relevance prompt.
 PROBE_SITES = {"probe:": "support", "rprobe:": "relevance"}
 # Function words carry no content: an answer's copy and echo shares count the rest.
@@ -68,11 +70,12 @@ def overlap(words: Sequence[str], text: str) -> float:
 
 
 def draft_features(draft: str, n_tokens: int, passage: str, question: str) -> dict[str, float]:
-    """The grounding features read from the texts alone: copy, echo and length."""
+    """The grounding features read from the texts alone: copy, echo, qcover and length."""
     words = content_words(draft)
     return {
         "copy": overlap(words, passage),
         "echo": overlap(words, question),
+        "qcover": overlap(content_words(question), passage),
         "length": math.log1p(n_tokens),
     }
 

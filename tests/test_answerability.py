@@ -119,6 +119,7 @@ def test_draft_features_count_content_words_in_passage_and_question() -> None:
     # Content words: viking, rollo, founded, 911 ("the", "it", "in" are function words).
     assert f["copy"] == pytest.approx(3 / 4)  # rollo, founded, 911 are in the passage
     assert f["echo"] == pytest.approx(1 / 4)  # founded is in the question
+    assert f["qcover"] == 1.0  # founded, normandy: the question's content words
     assert f["length"] == pytest.approx(math.log(10))
     assert draft_features("the of it", 3, ROLLO.text, QUESTION)["copy"] == 0.0
 
@@ -126,6 +127,7 @@ def test_draft_features_count_content_words_in_passage_and_question() -> None:
 def test_an_answer_that_echoes_the_question_has_high_echo_and_low_copy() -> None:
     f = draft_features("Who founded Normandy", 3, "Paris is in France.", QUESTION)
     assert f["echo"] == 1.0 and f["copy"] == 0.0
+    assert f["qcover"] == 0.0  # the passage names nothing the question asks about
 
 
 # --- fitting ---------------------------------------------------------------------------------
@@ -243,8 +245,10 @@ def test_a_relevance_probe_is_read_in_the_heads_relevance_request_and_remembered
     drafts = wrapped.draft([branch], 16)
     model.score_requests.clear()
     (out,) = wrapped.support([branch], drafts)
-    # The support read is the heads' own, and relevance is not read again.
+    # The support read is the heads' own, relevance is not read again, and without the gain
+    # feature the draft is not scored without its passage.
     assert [(r.hidden_layers, r.hidden_state) for r in model.score_requests] == [((), True)]
+    assert model.continuations == []
     s_sup = support_score(LearnedCritic(model, heads()).support([branch], drafts)[0].probs)
     # Block 2's output at the relevance prompt is (2, 1, 1): the probe's logit is 2.
     assert support_score(out.probs) == pytest.approx(1.0 / (1.0 + math.exp(-(s_sup + 2.0))))

@@ -101,12 +101,14 @@ def read_support(
     blocks: Sequence[int],
     relevance: Sequence[RelevanceReading | None],
     relevance_blocks: Sequence[int] = (),
+    *,
+    gain: bool = True,
 ) -> list[SupportReading]:
     """The combiner's features of each branch: `blocks` read at the support prompt,
     `relevance_blocks` at the relevance prompt. Either may include the last block
     (`model.n_layers − 1`): its output is the final hidden state. `relevance` holds the
     branches' relevance readings where known (with `relevance_blocks`); the others' are read
-    here."""
+    here. Without `gain` the draft is not scored without its passage (the feature is 0)."""
     pairs = list(zip(branches, drafts, strict=True))
     grounded = [i for i, (b, d) in enumerate(pairs) if b.passage is not None and d.tokens]
     last, middle = _split(model, blocks)
@@ -150,7 +152,7 @@ def read_support(
             extra[k] += r.prefill_tokens
 
     # The draft's log-probability without its passage, in the layout it was drafted in.
-    missing = [k for k, g in enumerate(gains) if g is None]
+    missing = [k for k, g in enumerate(gains) if g is None] if gain else []
     if missing:
         requests_c = [
             ContinuationRequest(chat.draft_prompt(replace(gb[k], passage=None))[0], gd[k].tokens)
@@ -255,6 +257,7 @@ class AnswerabilityCritic:
             fitted.blocks_at("support"),
             known,
             fitted.blocks_at("relevance"),
+            gain="gain" in fitted.features,
         )
         out = []
         for r in readings:
