@@ -235,7 +235,8 @@ def test_selfrag_models_on_the_command_line(
 
 
 def _system_without_heads(tmp_path: Path) -> SelfRAGSystem:
-    system = SelfRAGSystem(Settings(home=tmp_path))
+    # No answerability model either: looking one up needs the (absent) model file's SHA-256.
+    system = SelfRAGSystem(Settings(home=tmp_path, model=ModelSettings(answerability=False)))
     # The components the critique needs, without loading a model: a toy engine, no heads.
     system.__dict__.update(
         engine=WordModel(), model_path=tmp_path / f"m-{uuid.uuid4().hex}.gguf", heads=None
