@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -12,6 +13,11 @@ import redis
 from tests.redis_proc import RedisProcess, redis_or_skip
 
 SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+
+# The suite's model is SmolLM2-135M, for speed: every real-model test that does not name a
+# model runs on it (and so do the commands they start, which inherit the environment). The
+# default preset (Qwen2.5-Coder-0.5B) has real-model tests of its own (test_model_presets).
+os.environ.setdefault("SELFRAG_MODEL__PRESET", "smollm2")
 
 
 @pytest.fixture(scope="session")

@@ -223,6 +223,7 @@ def test_the_batch_actor_pool_starts_with_the_wait_policy(
     import ray.data
 
     from selfrag.jobs import batch
+    from selfrag.jobs.ray_pool import Resources
     from selfrag.schemas.decoding import DecodingConfig
 
     class Stop(Exception):
@@ -235,7 +236,7 @@ def test_the_batch_actor_pool_starts_with_the_wait_policy(
             seen.update(kwargs)
             raise Stop
 
-    monkeypatch.setattr(batch, "plan_on_cluster", lambda *a, **k: batch.Resources(1, 1.0, 1, 8))
+    monkeypatch.setattr(batch, "plan_on_cluster", lambda *a, **k: Resources(1, 1.0, 1, 8))
     monkeypatch.setattr(ray.data, "from_items", lambda *a, **k: Dataset())
     settings = Settings(
         home=tmp_path,
