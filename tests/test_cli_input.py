@@ -4,7 +4,8 @@ import json
 
 import pytest
 
-from selfrag.cli import build_parser, main
+from selfrag.cli import main
+from selfrag.cli.parser import build_parser
 
 
 @pytest.fixture(autouse=True)

@@ -12,7 +12,8 @@ from typing import get_args
 
 import pytest
 
-from selfrag.cli import CLIError, main
+from selfrag.cli import main
+from selfrag.cli.common import CLIError
 from selfrag.infra import model_presets
 from selfrag.infra.heads_store import SHIPPED_DIR, find_heads, load_heads
 from selfrag.infra.model_files import ModelFileError
@@ -158,20 +159,21 @@ def test_selfrag_models_is_not_a_setting(caplog: pytest.LogCaptureFixture, tmp_p
 
 
 def test_the_model_flag_picks_a_preset_over_a_configured_path(tmp_path: Path) -> None:
-    from selfrag.cli import _model_override, build_parser
+    from selfrag.cli.common import model_override
+    from selfrag.cli.parser import build_parser
 
     config = tmp_path / "c.toml"
     config.write_text('[model]\npath = "/somewhere/else.gguf"\nn_threads = 1\n')
     args = build_parser().parse_args(
         ["--config", str(config), "--home", str(tmp_path), "ask", "q", "--model", "smollm2"]
     )
-    from selfrag.cli import _settings
+    from selfrag.cli.common import settings_from_args
 
-    model = _settings(args).model
+    model = settings_from_args(args).model
     assert (model.preset, model.path, model.n_threads) == ("smollm2", None, 1)
-    assert _model_override(str(config)) == {"path": str(config)}
+    assert model_override(str(config)) == {"path": str(config)}
     with pytest.raises(CLIError, match="neither a model preset"):
-        _model_override("qwen")
+        model_override("qwen")
 
 
 def test_selfrag_models_lists_presets_heads_and_what_is_missing(
@@ -197,7 +199,7 @@ def test_selfrag_models_lists_presets_heads_and_what_is_missing(
     assert rows["split"]["joins_to"] == str(joined_path(split, home))
     assert not rows["absent"]["installed"] and not rows["absent"]["active"]
     assert rows["absent"]["install"] == "SELFRAG_MODELS=absent bash scripts/install.sh"
-    from selfrag.cli import render_models
+    from selfrag.cli.status import render_models
 
     text = render_models(list(rows.values()))
     assert "* split" in text and "not installed: missing fake-" in text

@@ -1,0 +1,310 @@
+"""`selfrag index`, `eval`, `calibrate`, `batch` and `train`: the jobs over files."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from selfrag.cli.common import EXIT_PARTIAL, CLIError, question_limit, settings_from_args
+from selfrag.schemas.decoding import DecodingOverrides
+
+
+def cmd_index(args: argparse.Namespace) -> int:
+    from selfrag.api import SelfRAG
+
+    if not args.paths and not args.precompute_kv:
+        raise CLIError("name at least one file or folder to index (or --precompute-kv)")
+    for path in args.paths:
+        if not path.exists():
+            raise CLIError(f"no such file or folder: {path}")
+    settings = settings_from_args(args)
+    failed = 0
+    with SelfRAG(settings) as rag:
+        for path in args.paths:
+            # Each skipped record is logged (WARNING) once by the indexing job itself.
+            [report] = rag.index(path, progress=not args.no_progress)
+            failed += len(report.errors)
+            print(
+                f"{path}: {report.documents} documents, {report.passages} passages indexed"
+                + (f", {len(report.errors)} skipped" if report.errors else "")
+            )
+        print(f"index: {rag.count()} passages in {settings.home}")
+        if args.paths and not args.no_calibrate and rag.count() > 0:
+            from selfrag.jobs.support_calibration import corpus_plan, run_calibration
+
+            _, message = run_calibration(rag.system, corpus_plan(), progress=not args.no_progress)
+            print(message)
+        if args.precompute_kv:
+            try:
+                kv = rag.precompute_kv(progress=not args.no_progress)
+            except ValueError as exc:
+                raise CLIError(str(exc)) from exc
+            print(
+                f"kv: {kv.computed} passage states computed, {kv.passages - kv.computed} "
+                f"already saved; {kv.disk_bytes / 2**20:,.0f} MiB in {settings.home / 'kv'} "
+                f"({kv.seconds:.0f} s)"
+            )
+    return EXIT_PARTIAL if failed else 0
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    from selfrag.jobs.evaluation import (
+        ensure_indexed,
+        load_questions,
+        parse_systems,
+        render_table,
+        run_evaluation,
+        write_plots,
+    )
+    from selfrag.runtime.system import SelfRAGSystem
+
+    systems = parse_systems(args.systems)
+    questions = load_questions(args.dataset, article=args.article, limit=question_limit(args))
+    chosen = {n: getattr(args, n) for n in DecodingOverrides.model_fields}
+    overrides = DecodingOverrides.model_validate({n: v for n, v in chosen.items() if v is not None})
+    settings = settings_from_args(args)
+    with SelfRAGSystem(settings) as rag:
+        ensure_indexed(rag, args.corpus, progress=not args.no_progress)
+        config = overrides.apply_to(settings.decoding)
+        if args.ray:
+            from selfrag.jobs.batch import run_eval_systems
+
+            # The actors' retriever needs the embedded store folder: release it meanwhile.
+            rag.close()
+            run_eval_systems(
+                settings,
+                questions,
+                systems,
+                args.out,
+                config,
+                actors=args.actors,
+                progress=not args.no_progress,
+            )
+        report = run_evaluation(
+            rag,
+            questions,
+            systems,
+            args.out,
+            config,
+            progress=not args.no_progress,
+            probe_p_ret=args.plot,
+        )
+    print(render_table(report))
+    if args.plot:
+        for path in write_plots(args.out, questions, systems):
+            print(f"wrote {path}")
+    print(
+        f"wrote {args.out / 'report.json'}, {args.out / 'report.md'} and the accuracy-coverage "
+        f"curve {args.out / 'accuracy_coverage.png'} (.csv)"
+    )
+    return 0
+
+
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    from selfrag.jobs.calibrate import (
+        collect_samples,
+        dataset_label,
+        describe,
+        fit_samples,
+        write_calibration,
+    )
+    from selfrag.jobs.evaluation import ensure_indexed, load_questions
+    from selfrag.runtime.system import SelfRAGSystem
+
+    if args.dataset is None:
+        return _calibrate_corpus(args)
+    questions = load_questions(args.dataset, article=args.article, limit=question_limit(args))
+    if all(q.context is None for q in questions):
+        raise CLIError(
+            "calibrate needs SQuAD-format questions (their gold paragraphs label the samples)"
+        )
+    settings = settings_from_args(args)
+    tokens = args.max_segment_tokens or settings.decoding.max_segment_tokens
+    with SelfRAGSystem(settings) as rag:
+        ensure_indexed(rag, args.corpus, progress=not args.no_progress)
+        samples = collect_samples(rag, questions, args.top_k, tokens, progress=not args.no_progress)
+    if args.samples is not None:
+        args.samples.write_text("".join(json.dumps(s) + "\n" for s in samples))
+    cal, stats = fit_samples(samples, dataset_label(args.dataset, args.article, len(questions)))
+    print(describe(stats, cal))
+    if not args.dry_run:
+        print(f"wrote {write_calibration(settings.home, cal)}")
+    return 0
+
+
+def _calibrate_corpus(args: argparse.Namespace) -> int:
+    """`selfrag calibrate` without a dataset: the support threshold, fitted on the index."""
+    from selfrag.jobs.evaluation import ensure_indexed
+    from selfrag.jobs.support_calibration import corpus_plan, run_calibration
+    from selfrag.runtime.system import SelfRAGSystem
+
+    plan = corpus_plan(
+        questions=args.questions,
+        seed=args.seed,
+        max_answerable_abstain=args.max_answerable_abstain,
+        time_limit_s=args.time_limit,
+    )
+    with SelfRAGSystem(settings_from_args(args)) as rag:
+        ensure_indexed(rag, args.corpus, progress=not args.no_progress)
+        if rag.store.count() == 0:
+            raise CLIError(f"the index in {rag.settings.home} is empty: run `selfrag index` first")
+        done, message = run_calibration(rag, plan, progress=not args.no_progress)
+    print(message)
+    return 0 if done else EXIT_PARTIAL
+
+
+def cmd_batch(args: argparse.Namespace) -> int:
+    from selfrag.jobs.batch import run_batch
+    from selfrag.jobs.batch_inputs import parse_shard
+
+    if args.actors is not None and args.actors < 1:
+        raise CLIError("--actors must be at least 1")
+    if args.per_actor < 1:
+        raise CLIError("--per-actor must be at least 1")
+    if args.actor_cpus is not None and args.actor_cpus <= 0:
+        raise CLIError("--actor-cpus must be above 0")
+    summary = run_batch(
+        settings_from_args(args),
+        args.questions,
+        args.out,
+        actors=args.actors,
+        per_actor=args.per_actor,
+        limit=question_limit(args),
+        shard=parse_shard(args.shard),
+        address=args.address,
+        progress=not args.no_progress,
+        retry_failed=args.retry_failed,
+        actor_cpus=args.actor_cpus,
+    )
+    print(summary.line())
+    return EXIT_PARTIAL if summary.failed or summary.malformed else 0
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from dataclasses import replace
+
+    from selfrag.infra.heads_store import heads_path, save_heads
+    from selfrag.infra.model_files import file_sha256
+    from selfrag.jobs.evaluation import ensure_indexed, load_questions
+    from selfrag.jobs.indexing import corpus_passages
+    from selfrag.jobs.training import TrainingPlan, describe, train
+    from selfrag.runtime.system import SelfRAGSystem
+
+    if args.answerability:
+        return train_answerability(args)
+    if args.reuse and args.export_gguf is None:
+        raise CLIError("--reuse only applies with --export-gguf")
+    if args.passages is not None and args.passages < 10:
+        raise CLIError("--passages must be at least 10")
+    questions = []
+    for path in args.qa:
+        questions += load_questions(path, article=args.article if path.suffix == ".json" else None)
+    plan = TrainingPlan(seed=args.seed)
+    if args.passages is not None:
+        n = args.passages
+        plan = replace(
+            plan,
+            relevance_passages=n,
+            support_passages=max(n // 2, 5),
+            utility_passages=max(n // 3, 12),
+            retrieve_passages=max(n // 3, 12),
+        )
+    settings = settings_from_args(args)
+    protected: list[Path] = []
+    if args.export_gguf is not None:
+        from selfrag.infra.gguf_export import check_export_target, engine_model_files
+
+        # Checked before training: a refusal after it would throw minutes of work away.
+        protected = engine_model_files(settings.model, settings.home)
+        check_export_target(args.export_gguf, protected)
+    with SelfRAGSystem(settings) as rag:
+        sha = file_sha256(rag.model_path)
+        out = args.out or heads_path(settings.home, sha)
+        if args.reuse:
+            heads = rag.heads
+            if heads is None:
+                raise CLIError(f"no reflection heads for {rag.model_path.name}: train them first")
+        else:
+            ensure_indexed(rag, args.corpus, progress=not args.no_progress)
+            passages = None
+            if args.corpus:
+                r = settings.retrieval
+                passages = [
+                    p
+                    for c in args.corpus
+                    for p in corpus_passages(c, r.passage_words, r.passage_overlap_words)
+                ]
+            data = {
+                "qa": [str(p) for p in args.qa],
+                "article": args.article,
+                "corpus": [str(c) for c in args.corpus or []],
+                "command": "selfrag " + " ".join(sys.argv[1:]),
+            }
+            weights, manifest = train(
+                rag, questions, plan, data=data, passages=passages, progress=not args.no_progress
+            )
+            heads = save_heads(out, sha, weights, manifest)
+            print(describe(manifest, out))
+        if args.export_gguf is not None:
+            from selfrag.infra.gguf_export import export_reflection_model
+
+            written = export_reflection_model(rag.model_path, heads, args.export_gguf, protected)
+            print(f"wrote {written} (critique 'native': reflection tokens with the learned rows)")
+    return 0
+
+
+def train_answerability(args: argparse.Namespace) -> int:
+    """`selfrag train --answerability`: collect (or read) the features, fit, write."""
+    from selfrag.infra.heads_store import answerability_path, save_answerability
+    from selfrag.infra.model_files import file_sha256
+    from selfrag.jobs.answerability import (
+        collect_table,
+        describe,
+        fit_model,
+        load_table,
+        save_table,
+    )
+    from selfrag.jobs.evaluation import ensure_indexed, load_questions
+    from selfrag.runtime.system import SelfRAGSystem
+
+    if args.export_gguf is not None:
+        raise CLIError(
+            "--export-gguf exports the heads only: the answerability model is not exportable"
+        )
+    with SelfRAGSystem(settings_from_args(args), layer_tap=True) as rag:
+        sha = file_sha256(rag.model_path)
+        if args.features is not None and args.features.is_file():
+            table, meta = load_table(args.features)
+        else:
+            if not args.qa:
+                raise CLIError(
+                    "--answerability needs labelled questions (--qa, e.g. --article Normans)"
+                )
+            questions = []
+            for path in args.qa:
+                questions += load_questions(
+                    path, article=args.article if path.suffix == ".json" else None
+                )
+            ensure_indexed(rag, args.corpus, progress=not args.no_progress)
+            d = rag.settings.decoding
+            table, meta = collect_table(
+                rag,
+                questions,
+                args.critique,
+                top_k=d.top_k,
+                max_tokens=d.max_segment_tokens,
+                progress=not args.no_progress,
+            )
+            if args.features is not None:
+                save_table(args.features, table, meta)
+        data = {
+            "qa": [str(p) for p in args.qa],
+            "article": args.article,
+            "command": "selfrag " + " ".join(sys.argv[1:]),
+        }
+        model = fit_model(table, meta, sha, data=data)
+        out = args.out or answerability_path(rag.settings.home, sha, model.source)
+        print(describe(save_answerability(out, model), out))
+    return 0

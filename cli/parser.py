@@ -1,0 +1,343 @@
+"""The argument parser of every command, and `selfrag --version`."""
+
+from __future__ import annotations
+
+import argparse
+import typing
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from selfrag.schemas.decoding import DecodingOverrides
+
+
+def _decoding_flags(parser: argparse.ArgumentParser) -> None:
+    """One flag per `DecodingOverrides` field, so the CLI and the API share their dials."""
+    group = parser.add_argument_group("decoding (per request; defaults from `selfrag config`)")
+    for name, field in DecodingOverrides.model_fields.items():
+        flag = "--" + name.replace("_", "-")
+        inner = [a for a in typing.get_args(field.annotation) if a is not type(None)]
+        kind = inner[0] if inner else field.annotation
+        help_text = field.description or _DESCRIPTIONS.get(name, "")
+        if kind is bool:
+            group.add_argument(
+                flag, action=argparse.BooleanOptionalAction, default=None, help=help_text
+            )
+        elif typing.get_origin(kind) is typing.Literal:
+            group.add_argument(flag, choices=typing.get_args(kind), default=None, help=help_text)
+        elif kind in (int, float):
+            group.add_argument(flag, type=kind, default=None, help=help_text)
+        else:  # pragma: no cover - guards new field types
+            raise TypeError(f"no CLI flag type for {name}: {kind}")
+
+
+def _field_docs() -> dict[str, str]:
+    from selfrag.schemas.decoding import DecodingConfig
+
+    return {n: f.description or "" for n, f in DecodingConfig.model_fields.items()}
+
+
+_DESCRIPTIONS = _field_docs()
+
+
+class _Version(argparse.Action):
+    """`--version`: `version_text()` as it is, two lines (argparse's own action rewraps it)."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str, **kwargs: Any) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
+
+    def __call__(self, parser: argparse.ArgumentParser, *args: Any, **kwargs: Any) -> None:
+        print(version_text())
+        parser.exit()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="selfrag",
+        description="Self-RAG: retrieval-augmented answers with per-segment citations and "
+        "critique scores.",
+    )
+    parser.add_argument("--config", type=Path, help="TOML settings file.")
+    parser.add_argument("--home", type=Path, help="Data folder (default: $SELFRAG_HOME).")
+    parser.add_argument(
+        "--version",
+        action=_Version,
+        help="Print the versions of selfrag, llama-cpp-python and Ray, and exit.",
+    )
+    loudness = parser.add_mutually_exclusive_group()
+    loudness.add_argument(
+        "-v", "--verbose", action="store_true", help="Log selfrag's DEBUG records too."
+    )
+    loudness.add_argument(
+        "-q", "--quiet", action="store_true", help="Log only warnings and errors (no INFO)."
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p_index = sub.add_parser("index", help="Index JSONL, SQuAD JSON, or a folder of .txt/.md.")
+    p_index.add_argument("paths", nargs="*", type=Path)
+    p_index.add_argument("--no-progress", action="store_true")
+    p_index.add_argument(
+        "--precompute-kv",
+        action="store_true",
+        help="Then save every indexed passage's KV state to the disk tier (HOME/kv), so "
+        "answers start warm, also after a restart; prints the disk it will take.",
+    )
+    p_index.add_argument(
+        "--no-calibrate",
+        action="store_true",
+        help="Skip fitting the support threshold on the index afterwards (`selfrag calibrate` "
+        "does it alone; about 2 min with the default model, whatever the corpus size).",
+    )
+
+    p_ask = sub.add_parser("ask", help="Answer a question from the index.")
+    p_ask.add_argument("question")
+    p_ask.add_argument("--json", action="store_true", help="Print the full response as JSON.")
+    _model_flag(p_ask)
+    _decoding_flags(p_ask)
+
+    p_serve = sub.add_parser("serve", help="Run the HTTP API (Ray Serve) in the foreground.")
+    p_serve.add_argument("--host", help="Bind address (default: serve.host, 127.0.0.1).")
+    p_serve.add_argument("--port", type=int, help="Port (default: serve.port, 8000).")
+    p_serve.add_argument(
+        "--address", help="Join this Ray cluster instead of starting a local Ray instance."
+    )
+    _model_flag(p_serve)
+
+    p_config = sub.add_parser("config", help="Print the effective settings.")
+    p_config.add_argument("--json", action="store_true")
+
+    p_status = sub.add_parser(
+        "status",
+        help="Show the index (passages, embedder, store, version), the model and reflection "
+        "heads in use and the critique `auto` resolves to, without loading the model.",
+    )
+    p_status.add_argument("--json", action="store_true")
+    _model_flag(p_status)
+
+    p_models = sub.add_parser(
+        "models",
+        help="List the model presets and what is installed: file, size, SHA-256, whether "
+        "reflection heads exist for the file, which one is configured.",
+    )
+    p_models.add_argument("--json", action="store_true")
+
+    _eval_parsers(sub)
+    _batch_parser(sub)
+    return parser
+
+
+def _batch_parser(sub: Any) -> None:
+    p = sub.add_parser("batch", help="Answer a file of questions on Ray Data (resumable).")
+    p.add_argument("questions", type=Path, help="JSONL {id?, question, config?}, CSV or Parquet.")
+    p.add_argument(
+        "--out",
+        type=Path,
+        required=True,
+        help="Answers, one JSON line per id; a rerun answers only the missing ids. One run per "
+        "file: a second run on the same --out is refused while the first holds OUT.lock.",
+    )
+    p.add_argument(
+        "--retry-failed",
+        action="store_true",
+        help="Also answer again the ids whose last record is an error (the new record replaces "
+        "it; the last record of an id counts).",
+    )
+    p.add_argument(
+        "--actors",
+        type=int,
+        help="Engine actors (default: one per free CPU of each node; they must fit the nodes).",
+    )
+    p.add_argument(
+        "--actor-cpus",
+        type=float,
+        help="CPUs each engine actor reserves (default: the largest share that fits the nodes).",
+    )
+    p.add_argument(
+        "--per-actor",
+        type=int,
+        default=8,
+        help="Questions an actor decodes together (one merged engine batch).",
+    )
+    p.add_argument("--limit", type=int, help="Keep the first N input rows (after --shard).")
+    p.add_argument("--shard", help="i/n: keep every n-th input row from the i-th (0-based).")
+    p.add_argument("--address", help="Ray cluster address (default: a private local instance).")
+    p.add_argument("--no-progress", action="store_true")
+
+
+def _dataset_args(p: argparse.ArgumentParser, optional: bool = False) -> None:
+    p.add_argument(
+        "dataset",
+        type=Path,
+        nargs="?" if optional else None,
+        help="SQuAD-format JSON or JSONL {question, golden_answers}.",
+    )
+    p.add_argument(
+        "--corpus",
+        type=Path,
+        nargs="+",
+        help="Corpus files or folders; indexed first when the index lacks them "
+        "(default: use the existing index as it is).",
+    )
+    p.add_argument("--article", help="Keep one SQuAD article (e.g. Normans).")
+    p.add_argument("--limit", type=int, help="Keep the first N questions.")
+    p.add_argument("--no-progress", action="store_true")
+
+
+def _eval_parsers(sub: Any) -> None:
+    from selfrag.schemas.records import DEFAULT_SYSTEMS, SYSTEMS  # not jobs.evaluation: --help
+
+    p_eval = sub.add_parser("eval", help="Run QA systems on a dataset and write a report.")
+    _dataset_args(p_eval)
+    _model_flag(p_eval)
+    p_eval.add_argument(
+        "--systems",
+        default=",".join(DEFAULT_SYSTEMS),
+        help=f"Comma-separated, from: {', '.join(SYSTEMS)}.",
+    )
+    p_eval.add_argument(
+        "--out",
+        type=Path,
+        default=Path("eval-out"),
+        help="Report folder; a rerun resumes from its records.jsonl.",
+    )
+    p_eval.add_argument(
+        "--plot", action="store_true", help="Also write accuracy-vs-δ and s_sup reliability PNGs."
+    )
+    p_eval.add_argument(
+        "--ray",
+        action="store_true",
+        help="Answer the selfrag-* systems through the `selfrag batch` path.",
+    )
+    p_eval.add_argument("--actors", type=int, help="With --ray: engine actors.")
+    _decoding_flags(p_eval)
+
+    p_cal = sub.add_parser(
+        "calibrate",
+        help="Without a dataset: fit the support threshold (min_support_score) on the index, "
+        "no labels needed (HOME/calibration/<model sha256>/<critique>.json). With a labelled "
+        "SQuAD dev set: fit the likelihood critique's calibration (HOME/calibration.toml).",
+    )
+    _dataset_args(p_cal, optional=True)
+    p_cal.add_argument(
+        "--questions",
+        type=int,
+        help="Without a dataset: synthetic questions drawn from the index (default 40).",
+    )
+    p_cal.add_argument("--seed", type=int, help="Without a dataset: the draw's seed (default 0).")
+    p_cal.add_argument(
+        "--max-answerable-abstain",
+        type=float,
+        help="Without a dataset: the share of synthetic answerable pairs the threshold may "
+        "abstain on (default 0.15).",
+    )
+    p_cal.add_argument(
+        "--time-limit",
+        type=float,
+        help="Without a dataset: seconds of critique before calibrating on the pairs read "
+        "(default 300).",
+    )
+    _model_flag(p_cal)
+    p_cal.add_argument("--top-k", type=int, default=5, help="Retrieved passages per question.")
+    p_cal.add_argument(
+        "--max-segment-tokens",
+        type=int,
+        default=None,
+        help="Draft length (default: the decoding setting).",
+    )
+    p_cal.add_argument("--samples", type=Path, help="Also write the raw samples (JSONL) here.")
+    p_cal.add_argument("--dry-run", action="store_true", help="Fit and print; write nothing.")
+
+    p_train = sub.add_parser(
+        "train",
+        help="Fit the reflection heads of the model file (the learned critique) on the index, "
+        "and optionally labelled questions; write HOME/heads/<model sha256>.json.",
+    )
+    p_train.add_argument(
+        "--qa",
+        type=Path,
+        nargs="+",
+        default=[],
+        help="Labelled questions: SQuAD v2 JSON or FlashRAG JSONL {question, golden_answers}.",
+    )
+    p_train.add_argument("--article", help="Keep one SQuAD article of --qa (e.g. Normans).")
+    p_train.add_argument(
+        "--corpus",
+        type=Path,
+        nargs="+",
+        help="Corpus files or folders, indexed first when the index lacks them; the "
+        "self-supervised examples come from their passages (default: the whole index). Train on "
+        "the corpus you serve: the heads adapt to its text without any labels.",
+    )
+    p_train.add_argument("--seed", type=int, default=0)
+    _model_flag(p_train)
+    p_train.add_argument(
+        "--passages",
+        type=int,
+        help="Passages drawn for the self-supervised relevance examples (default 120; the "
+        "other groups scale with it).",
+    )
+    p_train.add_argument("--out", type=Path, help="Heads file (default: HOME/heads/<sha>.json).")
+    p_train.add_argument(
+        "--export-gguf",
+        type=Path,
+        metavar="OUT.gguf",
+        help="Also write a copy of the model whose vocabulary carries the reflection tokens "
+        "with the learned rows in its output matrix (critique 'native').",
+    )
+    p_train.add_argument(
+        "--reuse",
+        action="store_true",
+        help="With --export-gguf: export the heads this model already has instead of training.",
+    )
+    p_train.add_argument(
+        "--answerability",
+        action="store_true",
+        help="Fit the answerability model (s_sup from middle layers and the draft's grounding) "
+        "of the model file and --critique on --qa instead of the heads; write "
+        "HOME/answerability/<sha>.<source>.json (or --out).",
+    )
+    p_train.add_argument(
+        "--critique", default="auto", help="With --answerability: the source it wraps."
+    )
+    p_train.add_argument(
+        "--features",
+        type=Path,
+        metavar="CACHE.npz",
+        help="With --answerability: read the collected features from this file when it exists, "
+        "else collect them and write it.",
+    )
+    p_train.add_argument("--no-progress", action="store_true")
+
+
+def _model_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--model",
+        metavar="PRESET|PATH",
+        help="The model for this command: a preset (`selfrag models` lists them) or a GGUF file; "
+        "default: the model.preset / model.path settings.",
+    )
+
+
+def version_text() -> str:
+    """`selfrag --version`: this package's version, then llama-cpp-python's and Ray's."""
+
+    from importlib.metadata import PackageNotFoundError, version
+
+    def of(dist: str) -> str:
+        try:
+            return version(dist)
+        except PackageNotFoundError:
+            return "not installed"
+
+    engines = f"llama-cpp-python {of('llama-cpp-python')}, ray {of('ray')}"
+    return f"selfrag {selfrag_version()}\n{engines}"
+
+
+def selfrag_version() -> str:
+    """selfrag's installed version, as `selfrag.__version__` reads it."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("selfrag")
+    except PackageNotFoundError:  # a source tree that was never installed
+        return "0+unknown"

@@ -1,0 +1,95 @@
+"""`selfrag serve`: the HTTP endpoint on Ray Serve."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from selfrag.cli.common import settings_from_args
+
+
+def _check_model_runs(model: Path, n_threads: int) -> None:
+    """Probe `model` on this machine's llama.cpp CPU backends (in child processes);
+    `BackendError` with the reason when none runs it."""
+    from selfrag.infra.llama_backend import check_backend
+
+    check_backend(model, n_threads=n_threads or os.cpu_count() or 1)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    """Start the Serve application and block until SIGINT/SIGTERM, then shut it down (and
+    the local Ray instance when this command started it)."""
+    import signal
+    import threading
+
+    settings = settings_from_args(args)
+    host = args.host or settings.serve.host
+    port = args.port or settings.serve.port
+    from selfrag.actors.app import warn_if_open
+
+    # Loud and early, before the model check and Ray: an open port without keys answers anyone.
+    warn_if_open(host)
+    if settings.model.backend == "llama_cpp":
+        from selfrag.runtime.system import SelfRAGSystem
+
+        # Fail here, naming the file, before Ray starts: a missing or corrupt model, or one no
+        # CPU backend can run, would otherwise surface as a replica that keeps failing to start.
+        _check_model_runs(SelfRAGSystem(settings).model_path, settings.model.n_threads)
+    from ray import serve
+
+    from selfrag.actors.app import APP_NAME, build_app, serve_logging
+    from selfrag.runtime.ray_cluster import (
+        PORT_WAIT_S,
+        init_ray,
+        shutdown_private_ray,
+        starts_private,
+        wait_for_port,
+    )
+
+    if starts_private(args.address):
+        # Serve's proxy binds with SO_REUSEPORT: on a port a stale proxy still holds (a server
+        # stopped a moment ago), both would take connections. Wait for it instead.
+        def waiting(holder: str) -> None:
+            print(
+                f"selfrag: port {port} is held by {holder}; waiting up to {PORT_WAIT_S:.0f} s",
+                file=sys.stderr,
+                flush=True,
+            )
+
+        wait_for_port(host, port, PORT_WAIT_S, waiting)
+    local = init_ray(args.address, log_to_driver=True)  # True: a private instance, ours
+    stop = threading.Event()
+    # Installed after ray.init, which sets handlers of its own.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    stopped = False
+    try:
+        serve.start(
+            http_options={"host": host, "port": port}, logging_config=serve_logging(settings)
+        )
+        serve.run(build_app(settings), name=APP_NAME, route_prefix="/", blocking=False)
+        print(
+            f"selfrag: serving on http://{host}:{port} (API at /openapi.json); Ctrl-C stops",
+            file=sys.stderr,
+            flush=True,
+        )
+        while not stop.wait(1.0):
+            pass
+        print("selfrag: shutting down", file=sys.stderr, flush=True)
+        stopped = True
+    finally:
+        if local:
+            # Every process of the instance, the proxy and the replicas included: Ray's workers
+            # are in process groups of their own, out of reach of a signal to ours.
+            shutdown_private_ray(tidy=not stopped)
+        else:
+            serve.delete(APP_NAME)
+    if local:
+        # Ray's exit hooks would wait on the GCS and raylet just killed (5 to 13 s measured),
+        # past a supervisor's grace period; nothing of this process is left to run.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+    return 0
