@@ -97,12 +97,15 @@ def fsync_dir(folder: Path) -> None:
         os.close(fd)
 
 
-def write_atomic(path: Path, data: bytes) -> None:
+def write_atomic(path: Path, data: bytes, mode: int | None = None) -> None:
     """Replace `path` with `data` so that a reader, or the file after a crash, is the old
-    content or the new one, never a mix: a synced temporary file renamed into place."""
+    content or the new one, never a mix: a synced temporary file renamed into place. The file
+    is private (0600, as mkstemp makes it) unless `mode` says otherwise."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
+            if mode is not None:
+                os.fchmod(f.fileno(), mode)
             f.write(data)
             f.flush()
             os.fsync(f.fileno())

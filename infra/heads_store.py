@@ -12,13 +12,12 @@ from __future__ import annotations
 
 import base64
 import json
-import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from selfrag.infra.file_lock import write_atomic
 from selfrag.pipeline.answerability import AnswerabilityError, AnswerabilityModel
 from selfrag.pipeline.heads import GROUP_LABELS, GroupHead, HeadsError, ReflectionHeads
 
@@ -61,17 +60,7 @@ def save_heads(
         "groups": groups,
         "manifest": manifest,
     }
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as fh:
-            json.dump(doc, fh, indent=1)
-            fh.write("\n")
-        os.chmod(tmp, 0o644)  # mkstemp makes it private; heads are no secret
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    _write_json(path, doc)
     return load_heads(path)
 
 
@@ -131,18 +120,14 @@ def find_answerability(home: Path, model_sha256: str, source: str) -> Path | Non
 
 def save_answerability(path: Path, model: AnswerabilityModel) -> AnswerabilityModel:
     """Write an answerability model as JSON, atomically; returns it as read back."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as fh:
-            json.dump(model.to_json(), fh, indent=1)
-            fh.write("\n")
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    _write_json(path, model.to_json())
     return load_answerability(path)
+
+
+def _write_json(path: Path, doc: object) -> None:
+    """`doc` as indented JSON at `path`, atomically; readable by all (no secret in it)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_atomic(path, (json.dumps(doc, indent=1) + "\n").encode(), mode=0o644)
 
 
 def load_answerability(path: Path) -> AnswerabilityModel:

@@ -8,12 +8,11 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import tempfile
 from pathlib import Path
 
 from pydantic import ValidationError
 
+from selfrag.infra.file_lock import write_atomic
 from selfrag.schemas.calibration import SupportCalibration
 
 log = logging.getLogger(__name__)
@@ -29,14 +28,7 @@ def save_calibration(home: Path, cal: SupportCalibration) -> Path:
     """Write `cal` atomically (a reader sees the old file or the new one)."""
     path = calibration_path(home, cal.model_sha256, cal.critique)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".calibration-", suffix=".json")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(cal.model_dump_json(indent=2) + "\n")
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_atomic(path, (cal.model_dump_json(indent=2) + "\n").encode(), mode=0o644)
     return path
 
 
