@@ -287,7 +287,12 @@ def test_a_ray_actor_process_starts_with_the_variable(tmp_path: Path):
 def _openmp_display(code: str, env: dict[str, str]) -> str:
     """stderr of `code` run with libgomp displaying what it started with (OMP_DISPLAY_ENV)."""
     base = {k: v for k, v in os.environ.items() if k != WAIT_POLICY_ENV}
-    base = {k: v for k, v in base.items() if not k.startswith("SELFRAG_")}
+    # No setting of this session's but the suite's model (tests/conftest.py).
+    base = {
+        k: v
+        for k, v in base.items()
+        if not k.startswith("SELFRAG_") or k == "SELFRAG_MODEL__PRESET"
+    }
     done = subprocess.run(
         [sys.executable, "-c", textwrap.dedent(code)],
         env={**base, "OMP_DISPLAY_ENV": "VERBOSE", **env},

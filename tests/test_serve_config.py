@@ -245,7 +245,12 @@ def test_selfrag_serve_with_keys_does_not_warn(
 
 def _run_python(code: str, env: dict[str, str], timeout: float = 120) -> str:
     """Run `code` in a fresh interpreter (no Ray of this session in it); returns stderr."""
-    base = {k: v for k, v in os.environ.items() if not k.startswith("SELFRAG_")}
+    # No setting of this session's but the suite's model (tests/conftest.py).
+    base = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith("SELFRAG_") or k == "SELFRAG_MODEL__PRESET"
+    }
     proc = subprocess.run(
         [sys.executable, "-c", textwrap.dedent(code)],
         cwd=ROOT,
