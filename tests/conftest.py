@@ -20,6 +20,14 @@ SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 os.environ.setdefault("SELFRAG_MODEL__PRESET", "smollm2")
 
 
+@pytest.fixture
+def no_selfrag_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No SELFRAG_ setting of this session's in the environment, but the suite's model."""
+    for name in list(os.environ):
+        if name.startswith("SELFRAG_") and name != "SELFRAG_MODEL__PRESET":
+            monkeypatch.delenv(name)
+
+
 @pytest.fixture(scope="session")
 def shared_data() -> Path:
     if not (SHARED_DATA / "squad_v2_small.json").exists():

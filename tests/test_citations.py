@@ -72,7 +72,11 @@ def test_the_store_gives_the_url_back_with_the_passage(tmp_path: Path) -> None:
     with QdrantStore.open(RetrievalSettings(), tmp_path / "home", HashEmbedder()) as store:
         index_corpus(path, store, progress=False)
         found = {p.id: p.metadata for p in store.search("Rollo founded Normandy", 2)}
-    assert found == {"rollo": {"doc_id": "rollo", "url": URL}, "apples": {"doc_id": "apples"}}
+    collection = {"collection": path.name}  # the corpus file, for per-collection calibration
+    assert found == {
+        "rollo": {"doc_id": "rollo", "url": URL, **collection},
+        "apples": {"doc_id": "apples", **collection},
+    }
 
 
 def _segment(text: str, citation: Citation | None) -> SegmentOut:

@@ -9,11 +9,8 @@ from selfrag.cli.parser import build_parser
 
 
 @pytest.fixture(autouse=True)
-def _home(tmp_path, monkeypatch):
+def _home(tmp_path, monkeypatch, no_selfrag_environment):
     monkeypatch.setenv("SELFRAG_HOME", str(tmp_path / "home"))
-    for name in list(__import__("os").environ):
-        if name.startswith("SELFRAG_") and name != "SELFRAG_HOME":
-            monkeypatch.delenv(name)
 
 
 @pytest.mark.parametrize(

@@ -19,10 +19,8 @@ from selfrag.cli import main
 
 
 @pytest.fixture(autouse=True)
-def _no_selfrag_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in list(os.environ):
-        if name.startswith("SELFRAG_"):
-            monkeypatch.delenv(name)
+def _no_selfrag_environment(no_selfrag_environment: None) -> None:
+    pass
 
 
 def test_version_names_selfrag_llama_cpp_and_ray(capsys: pytest.CaptureFixture[str]):
