@@ -11,13 +11,15 @@ import pytest
 import redis
 
 from tests.redis_proc import RedisProcess, redis_or_skip
+from tests.suite import SUITE_ENV
 
 SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 
 # The suite's model is SmolLM2-135M, for speed: every real-model test that does not name a
 # model runs on it (and so do the commands they start, which inherit the environment). The
 # default preset (Qwen2.5-Coder-0.5B) has real-model tests of its own (test_model_presets).
-os.environ.setdefault("SELFRAG_MODEL__PRESET", "smollm2")
+for _name, _value in SUITE_ENV.items():
+    os.environ.setdefault(_name, _value)
 
 
 @pytest.fixture

@@ -40,6 +40,7 @@ from selfrag.runtime.answering import AnswerPath
 from selfrag.runtime.merging import CallMerger
 from selfrag.schemas.decoding import DecodingConfig
 from tests.fakes import ScriptedCritic
+from tests.suite import SUITE_ENV
 
 # The likelihood critique: these tests are about the batch path, not the critique, and an
 # answer must carry segments (the learned default abstains on unsupported answers).
@@ -573,7 +574,7 @@ def test_batch_caches_answers_under_the_online_endpoints_key():
 def _offline_settings(tmp_path: Path) -> Any:
     from selfrag.infra.settings import load_settings
 
-    return load_settings(environ={"SELFRAG_HOME": str(tmp_path / "home")})
+    return load_settings(environ={"SELFRAG_HOME": str(tmp_path / "home"), **SUITE_ENV})
 
 
 # --- real: Ray Data, llama.cpp, embedded Qdrant --------------------------------------------------

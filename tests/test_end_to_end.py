@@ -9,13 +9,14 @@ import pytest
 from selfrag.infra.settings import load_settings
 from selfrag.runtime.system import SelfRAGSystem
 from selfrag.schemas.answer import AnswerRequest, AnswerResponse
+from tests.suite import SUITE_ENV
 
 pytestmark = pytest.mark.real
 
 
 @pytest.fixture(scope="module")
 def rag(indexed_home: Path):
-    settings = load_settings(environ={"SELFRAG_HOME": str(indexed_home)})
+    settings = load_settings(environ={"SELFRAG_HOME": str(indexed_home), **SUITE_ENV})
     with SelfRAGSystem(settings) as system:
         yield system
 

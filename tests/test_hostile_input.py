@@ -38,6 +38,7 @@ from selfrag.pipeline.protocols import (
     TokenScores,
 )
 from selfrag.runtime.system import SelfRAGSystem
+from tests.suite import SUITE_ENV
 
 pytestmark = pytest.mark.real
 
@@ -82,7 +83,7 @@ class Recording:
 @pytest.fixture(scope="module")
 def rag(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SelfRAGSystem]:
     home = tmp_path_factory.mktemp("hostile-home")
-    with SelfRAGSystem(load_settings(environ={"SELFRAG_HOME": str(home)})) as system:
+    with SelfRAGSystem(load_settings(environ={"SELFRAG_HOME": str(home), **SUITE_ENV})) as system:
         yield system
 
 

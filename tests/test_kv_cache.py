@@ -31,6 +31,7 @@ from selfrag.infra.model_files import default_model_path, derive_weights
 from selfrag.infra.settings import load_settings
 from selfrag.pipeline.protocols import TokenScoreRequest
 from tests.redis_proc import RedisProcess
+from tests.suite import SUITE_ENV
 
 LAYOUT = ContextLayout(
     n_ctx=8192, n_seq_max=16, kv_unified=True, type_k=1, type_v=1, llama_cpp_version="0.3.36"
@@ -160,7 +161,7 @@ def test_refused_states_are_counted_in_the_pool_metrics(redis_url: str, tmp_path
     from selfrag.actors.metrics import EngineMetrics, PrometheusSink
     from selfrag.runtime.system import SelfRAGSystem
 
-    env = {"SELFRAG_HOME": str(tmp_path), "SELFRAG_REDIS_URL": redis_url}
+    env = {"SELFRAG_HOME": str(tmp_path), "SELFRAG_REDIS_URL": redis_url, **SUITE_ENV}
     with SelfRAGSystem(load_settings(environ=env)) as rag:
         assert rag.kv_store_counters() == {}  # nothing opened just to report on it
         store = rag.prefix_store

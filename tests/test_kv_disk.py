@@ -19,6 +19,7 @@ from selfrag.infra.cache import MemoryLRU
 from selfrag.infra.file_lock import FileLock
 from selfrag.infra.kv_cache import PrefixKey, TieredStateStore
 from selfrag.infra.kv_disk import DiskTier
+from tests.suite import SUITE_ENV
 
 TOKENS = b"\x01\x00\x00\x00\x02\x00\x00\x00"
 STATE = bytes(range(256)) * 64
@@ -106,7 +107,7 @@ def test_a_restarted_engine_starts_warm_from_disk(tmp_path: Path, normans_squad:
     from selfrag.runtime.system import SelfRAGSystem
 
     home = tmp_path / "home"
-    env = {"SELFRAG_HOME": str(home), "SELFRAG_MODEL__N_THREADS": "1"}
+    env = {"SELFRAG_HOME": str(home), "SELFRAG_MODEL__N_THREADS": "1", **SUITE_ENV}
     settings = load_settings(environ=env)
     corpus = tmp_path / "few.jsonl"
     data = json.loads(normans_squad.read_text())["data"][0]["paragraphs"][:3]

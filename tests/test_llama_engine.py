@@ -502,7 +502,7 @@ def test_local_gguf_and_default_resolve(tmp_path: Path) -> None:
     fake = tmp_path / "tiny.gguf"
     fake.write_bytes(b"GGUF" + b"\0" * 60)
     assert resolve_model(ModelSettings(path=str(fake)), tmp_path) == fake
-    assert resolve_model(ModelSettings(), tmp_path) == default_model_path()
+    assert resolve_model(ModelSettings(preset="smollm2"), tmp_path) == default_model_path()
     assert gguf_file_type(default_model_path()) == 3  # LLAMA_FTYPE_MOSTLY_Q4_1
 
 

@@ -23,6 +23,7 @@ import pytest
 from selfrag.infra.settings import load_settings
 from tests.browser import CHROMIUM, NO_CHROMIUM, ask_in_playground, chromium
 from tests.redis_proc import RedisProcess, free_port
+from tests.suite import SUITE_ENV
 
 pytestmark = pytest.mark.real
 
@@ -68,7 +69,7 @@ def api(
 
     from selfrag.actors.app import APP_NAME, build_app
 
-    env = {"SELFRAG_HOME": str(indexed_home)}
+    env = {"SELFRAG_HOME": str(indexed_home), **SUITE_ENV}
     if redis_for_app is not None:
         env |= {"SELFRAG_REDIS_URL": redis_for_app.url, "SELFRAG_CACHE__REDIS_RETRY_S": "1"}
     settings = load_settings(environ=env)
@@ -260,8 +261,10 @@ def test_stream_sends_segments_then_the_answer(api: httpx.Client):
 @pytest.mark.skipif(CHROMIUM is None, reason=NO_CHROMIUM)
 def test_the_playground_answers_in_a_browser(api: httpx.Client, tmp_path: Path):
     """The page at `/` in headless Chromium, against this module's app and the real model.
-    SELFRAG_UPDATE_SCREENSHOT=1 saves the screenshot as docs/playground.png."""
-    question = "Who was the Norse leader who founded Normandy?"
+    SELFRAG_UPDATE_SCREENSHOT=1 saves the screenshot as docs/playground.png. (A question the
+    suite's SmolLM2 answers with support above the uncalibrated threshold: its README answer,
+    "Grimh Mor", abstains here.)"""
+    question = "What is the original meaning of the word Norman?"
     with chromium(timeout_s=30) as page:
         shown = ask_in_playground(
             page, str(api.base_url), question, {"mode": "always", "top_k": "2"}, 120.0

@@ -1,0 +1,5 @@
+"""What the test suite runs on: SmolLM2-135M, for speed (the default preset has its own
+real-model tests). `tests/conftest.py` puts it into the session's environment; a test that
+loads settings from an environment of its own adds `SUITE_ENV`."""
+
+SUITE_ENV = {"SELFRAG_MODEL__PRESET": "smollm2"}
