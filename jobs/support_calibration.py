@@ -40,6 +40,7 @@ from selfrag.pipeline.synthetic_qa import (
     sample_by_collection,
     summary,
     synthetic_pairs,
+    threshold_effect,
 )
 from selfrag.schemas.calibration import SupportCalibration
 
@@ -166,7 +167,7 @@ def calibrate_support(
     per_collection = _collection_choices(scores, plan.max_answerable_abstain)
     if per_collection:
         lowest, picked = lowest_threshold(per_collection)
-        choice = _at(picked.threshold, answerable, unanswerable)
+        choice = threshold_effect(picked.threshold, answerable, unanswerable)
     else:  # no collection gave enough pairs alone: all of them as one
         lowest, choice = (
             None,
@@ -258,15 +259,6 @@ def _collection(s: PairScore) -> str:
     """The collection a pair's question was drawn from (its unanswerable pair's passage may
     lie in another)."""
     return s.pair.question.passage.metadata.get(COLLECTION, "")
-
-
-def _at(threshold: float, answerable: list[float], unanswerable: list[float]) -> ThresholdChoice:
-    """What `threshold` does on all the pairs."""
-    below = sum(1 for s in answerable if s < threshold) / len(answerable)
-    unans = (
-        sum(1 for s in unanswerable if s < threshold) / len(unanswerable) if unanswerable else None
-    )
-    return ThresholdChoice(threshold, below, unans)
 
 
 def _enough(answerable: int) -> None:

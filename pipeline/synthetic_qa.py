@@ -222,8 +222,15 @@ def choose_threshold(
         raise ValueError("max_answerable_abstain must be in [0, 1)")
     ranked = sorted(answerable)
     allowed = math.floor(max_answerable_abstain * len(ranked) + 1e-9)
-    threshold = ranked[allowed]
-    below = sum(1 for s in ranked if s < threshold) / len(ranked)
+    return threshold_effect(ranked[allowed], ranked, unanswerable)
+
+
+def threshold_effect(
+    threshold: float, answerable: Sequence[float], unanswerable: Sequence[float]
+) -> ThresholdChoice:
+    """What `threshold` abstains on (s_sup below it) among non-empty `answerable` pairs and
+    `unanswerable` ones."""
+    below = sum(1 for s in answerable if s < threshold) / len(answerable)
     unans = (
         sum(1 for s in unanswerable if s < threshold) / len(unanswerable) if unanswerable else None
     )

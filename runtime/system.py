@@ -38,8 +38,9 @@ from selfrag.schemas.decoding import DecodingConfig
 from selfrag.schemas.settings import ModelSettings, Settings
 
 log = logging.getLogger(__name__)
-# The critique sources an answerability model may be fitted on.
-CRITIQUES = ("native", "learned", "likelihood", "prompted")
+# The critique sources (all but `auto`): each may have an answerability model and a calibrated
+# support threshold, both part of an answer's cache identity.
+CRITIQUE_SOURCES = ("learned", "likelihood", "prompted", "native")
 
 if TYPE_CHECKING:  # heavy modules (llama.cpp, Qdrant) load only when a component is built
     from selfrag.infra.embedder import SentenceEmbedder
@@ -104,7 +105,7 @@ class SelfRAGSystem(Closeable):
         if self.heads_file is not None:
             # Retrained heads change the learned critique's answers.
             fingerprint += f" heads:{file_sha256(self.heads_file)}"
-        for source in CRITIQUES:
+        for source in CRITIQUE_SOURCES:
             # A fitted answerability model changes s_sup, hence abstentions.
             path = self.answerability_file(source)
             if path is not None:
@@ -140,7 +141,8 @@ class SelfRAGSystem(Closeable):
     def reads_layers(self) -> bool:
         """Whether an answerability model of the model file probes a block's output."""
         return any(
-            (m := self.answerability(source)) is not None and m.blocks for source in CRITIQUES
+            (m := self.answerability(source)) is not None and m.blocks
+            for source in CRITIQUE_SOURCES
         )
 
     @cached_property
@@ -184,7 +186,7 @@ class SelfRAGSystem(Closeable):
         answer by besides the index (a recalibration changes answers that left it unset)."""
         if self.settings.model.backend == "vllm":
             return self.model_fingerprint
-        return self.model_fingerprint + self.calibrated.cache_tag(CALIBRATED_SOURCES)
+        return self.model_fingerprint + self.calibrated.cache_tag(CRITIQUE_SOURCES)
 
     @cached_property
     def heads_file(self) -> Path | None:
@@ -351,9 +353,6 @@ class SelfRAGSystem(Closeable):
             if component is not None:
                 component.close()
 
-
-# The critique sources whose calibrated threshold is part of an answer's cache identity.
-CALIBRATED_SOURCES = ("learned", "likelihood", "prompted", "native")
 
 # Any question: what is saved is the prompt head before it (template + passage).
 KV_WARM_QUESTION = "What does this passage say?"
