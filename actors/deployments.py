@@ -35,7 +35,7 @@ from ray.serve.handle import DeploymentHandle
 from selfrag.actors.http import build_http_app, parse_api_keys
 from selfrag.actors.metrics import EngineMetrics, Metrics, PrometheusSink, RaySink
 from selfrag.actors.service import ServeAnswerService
-from selfrag.infra.cache import open_query_cache
+from selfrag.infra.answer_cache import open_query_cache
 from selfrag.infra.settings import API_KEYS_ENV
 from selfrag.pipeline.branching import StepWork, expand
 from selfrag.pipeline.critics import Branch, Critic, CritiqueUnavailable, LabelProbs

@@ -80,7 +80,7 @@ class BatchAnswerer:
     """A Ray Data actor: one llama.cpp engine, and a thread per question of a batch."""
 
     def __init__(self, settings: Settings, retriever: Any | None, n_threads: int) -> None:
-        from selfrag.infra.cache import open_query_cache
+        from selfrag.infra.answer_cache import open_query_cache
         from selfrag.runtime.system import SelfRAGSystem
 
         if n_threads and not settings.model.n_threads:

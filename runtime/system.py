@@ -263,7 +263,7 @@ class SelfRAGSystem(Closeable):
     def answer_path(self) -> AnswerPath:
         """The answer path of this process: configured defaults, the query cache (none when
         `cache.query` is off), deadline and error kinds."""
-        from selfrag.infra.cache import open_query_cache
+        from selfrag.infra.answer_cache import open_query_cache
 
         return AnswerPath(
             self.settings.decoding,

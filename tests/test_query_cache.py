@@ -8,14 +8,8 @@ from pathlib import Path
 import pytest
 import redis
 
-from selfrag.infra.cache import (
-    MAX_ANSWER_BYTES,
-    MB,
-    AnswerCache,
-    MemoryLRU,
-    RedisTier,
-    open_query_cache,
-)
+from selfrag.infra.answer_cache import MAX_ANSWER_BYTES, AnswerCache, open_query_cache
+from selfrag.infra.cache import MB, MemoryLRU, RedisTier
 from selfrag.infra.settings import load_settings
 from selfrag.runtime.answering import query_key
 from selfrag.schemas.answer import AnswerResponse, Usage
