@@ -35,6 +35,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from selfrag.pipeline.calibration import sigmoid
+
 ANSWERABILITY_FORMAT = 1
 FEATURES = ("s_sup", "s_rel", "copy", "echo", "qcover", "length", "gain")
 # Probe features by the prompt they read: the support prompt, or the relevance prompt.
@@ -92,13 +94,6 @@ def probe_site(name: str) -> tuple[str, int] | None:
         if name.startswith(prefix):
             return site, int(name[len(prefix) :])
     return None
-
-
-def sigmoid(z: float) -> float:
-    if z >= 0:
-        return 1.0 / (1.0 + math.exp(-z))
-    e = math.exp(z)
-    return e / (1.0 + e)
 
 
 @dataclass(frozen=True)

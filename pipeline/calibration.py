@@ -31,7 +31,7 @@ def fit_logistic(
         ga, gb = -l2 * n * a, 0.0
         haa, hab, hbb = l2 * n, 0.0, 0.0
         for x, y in zip(xs, ys, strict=True):
-            p = _sigmoid(a * x + b)
+            p = sigmoid(a * x + b)
             r = float(bool(y)) - p
             w = p * (1.0 - p)
             ga += r * x
@@ -64,7 +64,8 @@ def auc(xs: Sequence[float], ys: Sequence[int | bool]) -> float | None:
     return wins / (len(pos) * len(neg))
 
 
-def _sigmoid(z: float) -> float:
+def sigmoid(z: float) -> float:
+    """1 / (1 + e^−z), without overflow for large |z|."""
     if z >= 0:
         return 1.0 / (1.0 + math.exp(-z))
     e = math.exp(z)
