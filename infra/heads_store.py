@@ -6,12 +6,15 @@ base64) and the training manifest (data, counts, seed, validation AUC per group)
 Answerability models (`pipeline.answerability`) sit beside them, one per model file and critique
 source: `$SELFRAG_HOME/answerability/<sha256>.<source>.json`, shipped as
 `shipped_heads/<sha256>.answerability.<source>.json`.
+Files trained at the read positions of an earlier selfrag (`READ_LAYOUT`) are passed over by
+the lookups, with a warning, and refused when named.
 """
 
 from __future__ import annotations
 
 import base64
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -19,10 +22,13 @@ import numpy as np
 
 from selfrag.infra.file_lock import write_atomic
 from selfrag.pipeline.answerability import AnswerabilityError, AnswerabilityModel
+from selfrag.pipeline.critics import READ_LAYOUT
 from selfrag.pipeline.heads import GROUP_LABELS, GroupHead, HeadsError, ReflectionHeads
 
 HEADS_FORMAT = 1
 SHIPPED_DIR = Path(__file__).with_name("shipped_heads")
+log = logging.getLogger(__name__)
+_warned: set[Path] = set()
 
 
 def heads_path(home: Path, model_sha256: str) -> Path:
@@ -31,9 +37,30 @@ def heads_path(home: Path, model_sha256: str) -> Path:
 
 def find_heads(home: Path, model_sha256: str) -> Path | None:
     """The heads file for a model file: trained here first, else shipped, else None."""
-    for path in (heads_path(home, model_sha256), SHIPPED_DIR / f"{model_sha256}.json"):
-        if path.is_file():
+    return _first_current((heads_path(home, model_sha256), SHIPPED_DIR / f"{model_sha256}.json"))
+
+
+def _first_current(paths: tuple[Path, ...]) -> Path | None:
+    """The first of `paths` that is a file, passing over (with a warning) one trained at the
+    read positions of an earlier selfrag."""
+    for path in paths:
+        if not path.is_file():
+            continue
+        try:
+            layout = read_manifest(path).get("layout")
+        except (OSError, ValueError):
+            return path  # unreadable: loading it says why
+        if layout == READ_LAYOUT:
             return path
+        if path not in _warned:
+            _warned.add(path)
+            log.warning(
+                "%s was trained at the read positions %r of an earlier selfrag, not %r: "
+                "ignored (train it again)",
+                path,
+                layout,
+                READ_LAYOUT,
+            )
     return None
 
 
@@ -43,7 +70,8 @@ def save_heads(
     weights: dict[str, np.ndarray],
     manifest: dict[str, Any],
 ) -> ReflectionHeads:
-    """Write heads (group → array of shape (labels, hidden)) atomically; returns them."""
+    """Write heads (group → array of shape (labels, hidden)) atomically, the manifest stamped
+    with the read positions they were trained at (`READ_LAYOUT`); returns them."""
     groups: dict[str, Any] = {}
     for name, labels in GROUP_LABELS.items():
         w = np.asarray(weights[name], dtype=np.float32)
@@ -58,7 +86,7 @@ def save_heads(
         "format": HEADS_FORMAT,
         "model_sha256": model_sha256,
         "groups": groups,
-        "manifest": manifest,
+        "manifest": {**manifest, "layout": READ_LAYOUT},
     }
     _write_json(path, doc)
     return load_heads(path)
@@ -70,6 +98,7 @@ def load_heads(path: Path) -> ReflectionHeads:
         doc = json.loads(path.read_text())
         if doc.get("format") != HEADS_FORMAT:
             raise HeadsError(f"format {doc.get('format')!r}, expected {HEADS_FORMAT}")
+        check_layout(doc.get("manifest", {}).get("layout"), HeadsError, "`selfrag train`")
         groups = {}
         for name, g in doc["groups"].items():
             rows, cols = (int(x) for x in g["shape"])
@@ -83,6 +112,15 @@ def load_heads(path: Path) -> ReflectionHeads:
         raise HeadsError(f"{path}: {exc}") from exc
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise HeadsError(f"{path} is not a reflection heads file ({exc})") from exc
+
+
+def check_layout(layout: object, error: type[ValueError], retrain: str) -> None:
+    """Refuse a file trained at read positions other than the critique's (`READ_LAYOUT`)."""
+    if layout != READ_LAYOUT:
+        raise error(
+            f"trained at the read positions {layout!r} of an earlier selfrag, not "
+            f"{READ_LAYOUT!r}; run {retrain} again"
+        )
 
 
 def read_manifest(path: Path) -> dict[str, Any]:
@@ -109,18 +147,20 @@ def shipped_answerability_path(model_sha256: str, source: str) -> Path:
 
 def find_answerability(home: Path, model_sha256: str, source: str) -> Path | None:
     """The answerability model of a model file and source: fitted here first, else shipped."""
-    for path in (
-        answerability_path(home, model_sha256, source),
-        shipped_answerability_path(model_sha256, source),
-    ):
-        if path.is_file():
-            return path
-    return None
+    return _first_current(
+        (
+            answerability_path(home, model_sha256, source),
+            shipped_answerability_path(model_sha256, source),
+        )
+    )
 
 
 def save_answerability(path: Path, model: AnswerabilityModel) -> AnswerabilityModel:
-    """Write an answerability model as JSON, atomically; returns it as read back."""
-    _write_json(path, model.to_json())
+    """Write an answerability model as JSON, atomically, stamped with `READ_LAYOUT` like the
+    heads; returns it as read back."""
+    doc = model.to_json()
+    doc["manifest"] = {**doc.get("manifest", {}), "layout": READ_LAYOUT}
+    _write_json(path, doc)
     return load_answerability(path)
 
 
@@ -133,7 +173,13 @@ def _write_json(path: Path, doc: object) -> None:
 def load_answerability(path: Path) -> AnswerabilityModel:
     """Read an answerability model; a malformed file is an `AnswerabilityError` naming it."""
     try:
-        return AnswerabilityModel.from_json(json.loads(path.read_text()))
+        doc = json.loads(path.read_text())
+        check_layout(
+            doc.get("manifest", {}).get("layout"),
+            AnswerabilityError,
+            "`selfrag train --answerability`",
+        )
+        return AnswerabilityModel.from_json(doc)
     except AnswerabilityError as exc:
         raise AnswerabilityError(f"{path}: {exc}") from exc
     except (OSError, ValueError) as exc:

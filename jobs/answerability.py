@@ -30,7 +30,12 @@ from selfrag.pipeline.answerability import (
     fit_answerability,
     probe_name,
 )
-from selfrag.pipeline.critics import Branch, read_relevance, read_support, source_critic
+from selfrag.pipeline.critics import (
+    Branch,
+    read_relevance,
+    read_support,
+    source_critic,
+)
 from selfrag.pipeline.metrics import contains_answer
 
 if TYPE_CHECKING:

@@ -2,7 +2,7 @@
 
 Examples come from `pipeline.reflection_data` (self-supervised from the index, plus labelled QA
 when given); each is turned into the prompt the learned critique reads at inference
-(`ChatCritic`'s layout) and the engine returns the final hidden state there. Each group is a
+(`SequenceCritic`'s layout) and the engine returns the final hidden state there. Each group is a
 multinomial logistic regression without bias (rows of the output matrix, `pipeline.heads`),
 balanced over the labels present, its L2 strength chosen on a validation split held out by
 passage or question.
@@ -26,7 +26,7 @@ from tqdm import tqdm
 
 from selfrag.jobs.evaluation import EvalQuestion
 from selfrag.pipeline.calibration import auc
-from selfrag.pipeline.critics import Branch, ChatCritic
+from selfrag.pipeline.critics import Branch, ChatCritic, SequenceCritic
 from selfrag.pipeline.heads import GROUP_LABELS
 from selfrag.pipeline.protocols import Generation, LanguageModel, Passage, TokenScoreRequest
 from selfrag.pipeline.reflection_data import (
@@ -363,7 +363,7 @@ def train(
     passages = list(passages) if passages is not None else list(rag.store.passages())
     if not passages:
         raise TrainingError("no passages to train on: run `selfrag index` (or pass --corpus) first")
-    critic = ChatCritic(engine)
+    critic = SequenceCritic(engine)
     examples = corpus_examples(passages, rag.store.search, plan, rng)
     if questions:
         examples += qa_examples(critic, questions, rag.store.search, plan, progress=progress)
@@ -373,7 +373,6 @@ def train(
     manifest = {
         "model_file": rag.model_path.name,
         "hidden_size": engine.hidden_size,
-        "layout": "chat",
         "seed": plan.seed,
         "plan": plan.__dict__,
         "data": {

@@ -220,7 +220,8 @@ def qa_draft_examples(
 ) -> list[Example]:
     """A draft with a gold answer: full support, utility 5; a draft without one (a wrong
     answer, or any answer to an unanswerable question): no support, utility 1. SQuAD answers
-    are spans, so a right draft that paraphrases away every gold span is rare."""
+    are spans, so a right draft that paraphrases away every gold span is rare. Utility is
+    labelled on the branch the draft was made on: the sequence layout reads it there."""
     if not draft.strip():
         return []
     evidence = Branch(question, "", passage)
@@ -228,15 +229,15 @@ def qa_draft_examples(
     if answerable and contains_answer(draft, answers):
         return [
             Example("support", "full", evidence, draft, "qa", qid),
-            Example("utility", "5", closed, draft, "qa", qid),
+            Example("utility", "5", evidence, draft, "qa", qid),
             Example("retrieve", "yes", closed, source="qa", key=qid),
         ]
     if not answerable:
         return [
             Example("support", "none", evidence, draft, "qa-unanswerable", qid),
-            Example("utility", "1", closed, draft, "qa-unanswerable", qid),
+            Example("utility", "1", evidence, draft, "qa-unanswerable", qid),
         ]
     return [
         Example("support", "none", evidence, draft, "qa-wrong", qid),
-        Example("utility", "1", closed, draft, "qa-wrong", qid),
+        Example("utility", "1", evidence, draft, "qa-wrong", qid),
     ]

@@ -11,6 +11,7 @@ import pytest
 
 import selfrag.infra.heads_store as heads_store
 from selfrag.infra.heads_store import find_heads, heads_path, load_heads, read_manifest, save_heads
+from selfrag.pipeline.critics import READ_LAYOUT
 from selfrag.pipeline.heads import GROUP_LABELS, GroupHead, HeadsError, ReflectionHeads
 
 SHA = "a" * 64
@@ -129,7 +130,7 @@ def test_save_and_load_round_trip_keeps_float32_rows_and_the_manifest(tmp_path: 
         np.testing.assert_array_equal(got, w[g].astype(np.float32).astype(np.float64))
         assert not np.array_equal(got, w[g])
         np.testing.assert_array_equal(heads_store.heads_matrix(loaded, g), w[g].astype(np.float32))
-    assert read_manifest(path) == manifest
+    assert read_manifest(path) == {**manifest, "layout": READ_LAYOUT}
     assert [p.name for p in path.parent.iterdir()] == [path.name]  # no temporary file left
 
 
@@ -197,4 +198,26 @@ def test_find_heads_prefers_trained_heads_over_shipped_ones(
     save_heads(heads_path(home, SHA), SHA, weights(3), {"from": "trained"})
     found = find_heads(home, SHA)
     assert found == home / "heads" / f"{SHA}.json"
-    assert read_manifest(found) == {"from": "trained"}
+    assert read_manifest(found)["from"] == "trained"
+
+
+def test_heads_of_an_earlier_read_layout_are_passed_over_and_refused_when_named(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    shipped = tmp_path / "shipped"
+    shipped.mkdir()
+    monkeypatch.setattr(heads_store, "SHIPPED_DIR", shipped)
+    home = tmp_path / "home"
+    save_heads(shipped / f"{SHA}.json", SHA, weights(3), {"from": "shipped"})
+    trained = save_heads(heads_path(home, SHA), SHA, weights(3), {})
+    assert trained.model_sha256 == SHA
+    doc = json.loads(heads_path(home, SHA).read_text())
+    doc["manifest"]["layout"] = "chat"  # what selfrag wrote before the one-sequence layout
+    heads_path(home, SHA).write_text(json.dumps(doc))
+    with caplog.at_level("WARNING"):
+        assert find_heads(home, SHA) == shipped / f"{SHA}.json"
+    assert "earlier selfrag" in caplog.text and "'chat'" in caplog.text
+    with pytest.raises(HeadsError, match=r"read positions 'chat'.*selfrag train"):
+        load_heads(heads_path(home, SHA))
+    (shipped / f"{SHA}.json").unlink()
+    assert find_heads(home, SHA) is None

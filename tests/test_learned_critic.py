@@ -122,31 +122,54 @@ def test_relevance_comes_from_the_head_on_the_hidden_state_after_passage_and_que
         assert prompt.endswith("<|im_start|>assistant\n")
 
 
-def test_support_reads_passage_and_draft_utility_reads_the_draft_without_the_passage() -> None:
+def test_a_branch_is_one_growing_sequence_and_support_and_utility_share_one_read() -> None:
     model = chat_model()
     heads = make_heads()
     critic = LearnedCritic(model, heads)
     branch = Branch(QUESTION, "", ROLLO)
+    critic.relevance([branch])
+    relevance_prompt = model.score_requests[-1].prompt
     draft = critic.draft([branch], 16)[0]
     assert draft.text == DRAFT
     draft_request = model.generate_requests[-1]
-    assert draft_request.reusable_prefix > 0
+    # Relevance is read where the branch drafts: the same tokens, the same reusable prefix.
+    assert list(draft_request.prompt) == list(relevance_prompt)
+    assert draft_request.reusable_prefix == model.score_requests[-1].reusable_prefix > 0
 
     sup = critic.support([branch], [draft])[0]
-    support_prompt = model.prompts[-1]
-    assert ROLLO.text in support_prompt and DRAFT in support_prompt
+    support_request = model.score_requests[-1]
+    # The support read extends the drafting sequence by the draft and one short cue.
+    assert list(support_request.prompt[: len(relevance_prompt)]) == list(relevance_prompt)
+    cue = model.detokenize(support_request.prompt[len(relevance_prompt) :])
+    assert cue.startswith(DRAFT) and cue.endswith("<|im_start|>assistant\n")
     assert sup.probs == pytest.approx(heads.groups["support"].probabilities([1, 0, 1, 1]))
     assert max(sup.probs, key=sup.probs.__getitem__) == "full"
 
+    reads = len(model.score_requests)
     use = critic.utility([branch], [draft])[0]
-    utility_prompt = model.prompts[-1]
-    assert DRAFT in utility_prompt and QUESTION in utility_prompt
-    assert ROLLO.text not in utility_prompt and "Passage:" not in utility_prompt
-    assert model.score_requests[-1].reusable_prefix == 0
-    # h = [0, 1, 1, 1]: rating 1 has logit -2, ratings 2-4 zero, rating 5 two.
+    assert len(model.score_requests) == reads  # the support read's hidden state serves
+    assert use.prefill_tokens == 0
+    # h = [1, 0, 1, 1]: rating 1 has logit -2, ratings 2-4 zero, rating 5 two.
     expected = softmax([-2, 0, 0, 0, 2])
     assert [use.probs[str(k)] for k in range(1, 6)] == pytest.approx(expected)
+    # A second utility read of the same prompt (nothing left to share) asks the engine.
+    again = critic.utility([branch], [draft])[0]
+    assert len(model.score_requests) == reads + 1
+    assert again.probs == pytest.approx(use.probs) and again.prefill_tokens > 0
     assert all(r.hidden_state for r in model.score_requests)
+
+
+def test_utility_of_a_closed_book_branch_reads_its_own_sequence() -> None:
+    model = chat_model()
+    critic = LearnedCritic(model, make_heads())
+    branch = Branch(QUESTION, "", None)
+    draft = critic.draft([branch], 16)[0]
+    critic.utility([branch], [draft])
+    prompt = model.prompts[-1]
+    assert "Passage:" not in prompt and DRAFT in prompt
+    assert list(model.score_requests[-1].prompt[: len(model.generate_requests[-1].prompt)]) == list(
+        model.generate_requests[-1].prompt
+    )
 
 
 def test_retrieval_reads_after_the_question_and_the_answer_so_far() -> None:

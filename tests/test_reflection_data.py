@@ -272,8 +272,8 @@ def test_qa_drafts_with_a_gold_answer_are_supported_and_useful() -> None:
     assert labels(examples) == [("support", "full"), ("utility", "5"), ("retrieve", "yes")]
     support, utility, retrieve = examples
     assert support.branch.passage == NORMANS and support.answer == "It was Rollo, a Viking."
-    assert utility.branch.passage is None and utility.answer == support.answer
-    assert retrieve.branch == utility.branch and retrieve.answer == ""
+    assert utility.branch == support.branch and utility.answer == support.answer
+    assert retrieve.branch == Branch(q, "", None) and retrieve.answer == ""
     assert {e.key for e in examples} == {"q1"}
 
 
@@ -286,7 +286,7 @@ def test_qa_wrong_and_unanswerable_drafts_are_unsupported_and_useless() -> None:
     trap = qa_draft_examples("q2", q, ["Rollo"], False, NORMANS, "It was Rollo.")
     assert labels(trap) == [("support", "none"), ("utility", "1")]
     assert {e.source for e in trap} == {"qa-unanswerable"}
-    assert trap[0].branch.passage == NORMANS and trap[1].branch.passage is None
+    assert trap[0].branch.passage == NORMANS and trap[1].branch == trap[0].branch
 
 
 def test_qa_empty_draft_gives_no_examples() -> None:

@@ -20,8 +20,10 @@ from selfrag.pipeline.critics.answerability import (
 )
 from selfrag.pipeline.critics.base import (
     NATIVE_CHAT_LAYOUT,
+    NATIVE_EARLIER_LAYOUTS,
     NATIVE_MARKUP,
     NATIVE_TOKENS,
+    READ_LAYOUT,
     RELEVANCE_LABELS,
     RESERVED_PIECES,
     RETRIEVE_LABELS,
@@ -34,7 +36,7 @@ from selfrag.pipeline.critics.base import (
     read_groups,
     read_requests,
 )
-from selfrag.pipeline.critics.chat import ChatCritic, PromptedQuestions
+from selfrag.pipeline.critics.chat import ChatCritic, PromptedQuestions, SequenceCritic
 from selfrag.pipeline.critics.factory import (
     CritiqueUnavailable,
     make_critic,
@@ -56,8 +58,10 @@ __all__ = [
     "CRITIQUE_FILTERS",
     "FILTERS_OFF",
     "NATIVE_CHAT_LAYOUT",
+    "NATIVE_EARLIER_LAYOUTS",
     "NATIVE_MARKUP",
     "NATIVE_TOKENS",
+    "READ_LAYOUT",
     "RELEVANCE_LABELS",
     "RESERVED_PIECES",
     "RETRIEVE_LABELS",
@@ -77,6 +81,7 @@ __all__ = [
     "PromptedCritic",
     "PromptedQuestions",
     "RelevanceReading",
+    "SequenceCritic",
     "first_token_labels",
     "make_critic",
     "native_token_ids",

@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 
 from selfrag.pipeline.answerability import AnswerabilityModel, draft_features, probe_name
 from selfrag.pipeline.critics.base import Branch, Critic, LabelProbs, read_requests
-from selfrag.pipeline.critics.chat import ChatCritic
+from selfrag.pipeline.critics.chat import ChatCritic, SequenceCritic
 from selfrag.pipeline.critics.learned import LearnedCritic
 from selfrag.pipeline.critics.likelihood import LikelihoodCritic, support_probs
 from selfrag.pipeline.protocols import (
@@ -73,7 +73,7 @@ def read_relevance(
     if not blocks:
         return [RelevanceReading(p, {}) for p in inner.relevance(branches)]
     last, middle = _split(model, blocks)
-    chat = inner if isinstance(inner, ChatCritic) else ChatCritic(model)
+    chat = inner if isinstance(inner, ChatCritic) else SequenceCritic(model)
     prompts = [chat.relevance_prompt(b) for b in branches]
     if isinstance(inner, LearnedCritic):
         reads = inner.read_with_layers(
@@ -112,7 +112,7 @@ def read_support(
     pairs = list(zip(branches, drafts, strict=True))
     grounded = [i for i, (b, d) in enumerate(pairs) if b.passage is not None and d.tokens]
     last, middle = _split(model, blocks)
-    chat = inner if isinstance(inner, ChatCritic) else ChatCritic(model)
+    chat = inner if isinstance(inner, ChatCritic) else SequenceCritic(model)
     gb = [branches[i] for i in grounded]
     gd = [drafts[i] for i in grounded]
     prompts = [chat.support_prompt(b, d) for b, d in zip(gb, gd, strict=True)]

@@ -119,10 +119,15 @@ NATIVE_TOKENS: dict[str, dict[str, str]] = {
     "utility": {str(i): f"[Utility:{i}]" for i in range(1, 6)},
 }
 NATIVE_MARKUP = ("<paragraph>", "</paragraph>")
+# The read positions reflection heads are trained at: the chat layout as one growing sequence
+# per branch (`SequenceCritic`). Heads and answerability models record it; others are refused.
+READ_LAYOUT = "chat-sequence"
 # A control token in the vocabulary of a model exported by `selfrag train --export-gguf`: its
-# reflection rows were trained at the positions of the chat layout (`ChatCritic`), not of the
-# Asai et al. prompt format.
-NATIVE_CHAT_LAYOUT = "<|reflection_layout:chat|>"
+# reflection rows were trained at the positions of `READ_LAYOUT`, not of the Asai et al.
+# prompt format.
+NATIVE_CHAT_LAYOUT = f"<|reflection_layout:{READ_LAYOUT}|>"
+# The marker of exports made for the read positions of selfrag before `READ_LAYOUT`.
+NATIVE_EARLIER_LAYOUTS = ("<|reflection_layout:chat|>",)
 # Pieces no untrusted text may spell in a prompt (`PromptBuilder(reserved=...)`).
 RESERVED_PIECES = tuple(p for group in NATIVE_TOKENS.values() for p in group.values())
 

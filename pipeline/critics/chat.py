@@ -41,6 +41,11 @@ class PromptedQuestions:
         "Rate how well your answer answers the question, from 1 (useless) to 5 (complete). "
         "Reply with one digit."
     )
+    critique: str = (
+        "Is every claim of your answer stated in the passage, and does it answer the question?"
+    )
+    """The one cue after a draft at which the sequence layout (`SequenceCritic`) reads both
+    support and utility."""
     label_words: dict[str, dict[str, tuple[str, ...]]] = field(
         default_factory=lambda: {
             "retrieve": {"yes": ("Yes", "yes"), "no": ("No", "no")},
@@ -168,3 +173,27 @@ class ChatCritic:
     def utility(self, branches: Sequence[Branch], drafts: Sequence[Generation]) -> list[LabelProbs]:
         built = [self.utility_prompt(b, d) for b, d in zip(branches, drafts, strict=True)]
         return self._read("utility", [p for p, _ in built], [n for _, n in built])
+
+
+class SequenceCritic(ChatCritic):
+    """The chat layout as one growing sequence per branch (the learned and native-chat
+    critique).
+
+    Every read position lies on the sequence the branch drafts on, [system, user(passage,
+    question, task), assistant(answer so far)]: p_ret at the end of the closed-book one (where
+    the no-retrieval branch goes on drafting), s_rel at the end of the branch's own, then the
+    segment, then one short cue after which s_sup and s_use are read from the same position.
+    Each prompt extends the one before, so the engine's slot keeps the branch's KV state and no
+    token is prefilled twice (`prompted` keeps a question per group: the slower layout)."""
+
+    def retrieval_prompt(self, b: Branch) -> list[int]:
+        return self.draft_prompt(replace(b, passage=None))[0]
+
+    def relevance_prompt(self, b: Branch) -> tuple[list[int], int]:
+        return self.draft_prompt(b)
+
+    def support_prompt(self, b: Branch, d: Generation) -> tuple[list[int], int]:
+        return self._follow_up(b, d, self._q.critique)
+
+    def utility_prompt(self, b: Branch, d: Generation) -> tuple[list[int], int]:
+        return self.support_prompt(b, d)

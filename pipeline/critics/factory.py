@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from selfrag.pipeline.answerability import AnswerabilityModel
 from selfrag.pipeline.critics.answerability import AnswerabilityCritic
-from selfrag.pipeline.critics.base import NATIVE_CHAT_LAYOUT, Critic
+from selfrag.pipeline.critics.base import NATIVE_CHAT_LAYOUT, NATIVE_EARLIER_LAYOUTS, Critic
 from selfrag.pipeline.critics.learned import LearnedCritic
 from selfrag.pipeline.critics.likelihood import LikelihoodCritic
 from selfrag.pipeline.critics.native import (
@@ -88,6 +88,11 @@ def source_critic(
     if groups is not None:
         if model.special_token_id(NATIVE_CHAT_LAYOUT) is not None:
             return NativeChatCritic(model, groups)
+        if any(model.special_token_id(t) is not None for t in NATIVE_EARLIER_LAYOUTS):
+            raise CritiqueUnavailable(
+                "this model's reflection tokens were exported for the read positions of an "
+                "earlier selfrag; export it again with `selfrag train --export-gguf`"
+            )
         return NativeCritic(model, groups)
     if source == "native":
         raise CritiqueUnavailable(

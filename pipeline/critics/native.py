@@ -13,7 +13,7 @@ from selfrag.pipeline.critics.base import (
     LabelTokens,
     read_groups,
 )
-from selfrag.pipeline.critics.chat import ChatCritic
+from selfrag.pipeline.critics.chat import SequenceCritic
 from selfrag.pipeline.prompts import Part, PromptBuilder, Tokens, Trusted, Untrusted, passage_text
 from selfrag.pipeline.protocols import Generation, GenerationRequest, LanguageModel
 
@@ -99,9 +99,10 @@ class NativeCritic:
         return read_groups(self._model, prompts, self._groups["utility"])
 
 
-class NativeChatCritic(ChatCritic):
+class NativeChatCritic(SequenceCritic):
     """Reflection tokens of a model exported by `selfrag train --export-gguf`: the chat layout
-    (declared by the vocabulary token `NATIVE_CHAT_LAYOUT`), read through the output matrix."""
+    as one sequence per branch (declared by the vocabulary token `NATIVE_CHAT_LAYOUT`), read
+    through the output matrix."""
 
     name = "native"
 
