@@ -9,8 +9,10 @@ import pytest
 
 from selfrag.pipeline.critics import (
     NATIVE_CHAT_LAYOUT,
+    NATIVE_EARLIER_LAYOUTS,
     NATIVE_TOKENS,
     Branch,
+    CritiqueUnavailable,
     LearnedCritic,
     NativeChatCritic,
     NativeCritic,
@@ -221,6 +223,12 @@ def test_auto_prefers_the_native_reflection_tokens_over_heads() -> None:
     chat_native = chat_model(specials=[*CHAT_SPECIALS, *NATIVE_PIECES, NATIVE_CHAT_LAYOUT])
     assert isinstance(make_critic(chat_native, "auto", heads=heads), NativeChatCritic)
     assert isinstance(make_critic(chat_native, "native"), NativeChatCritic)
+
+
+def test_an_export_for_the_read_positions_of_an_earlier_selfrag_is_refused() -> None:
+    earlier = chat_model(specials=[*CHAT_SPECIALS, *NATIVE_PIECES, *NATIVE_EARLIER_LAYOUTS])
+    with pytest.raises(CritiqueUnavailable, match="export it again"):
+        make_critic(earlier, "auto", heads=make_heads())
 
 
 def test_native_chat_reads_reflection_tokens_in_the_chat_layout() -> None:

@@ -28,7 +28,7 @@ from selfrag.infra.model_presets import (
     verify_preset,
 )
 from selfrag.infra.settings import SettingsError, load_settings
-from selfrag.pipeline.critics import CritiqueUnavailable, LikelihoodCritic
+from selfrag.pipeline.critics import READ_LAYOUT, CritiqueUnavailable, LikelihoodCritic
 from selfrag.runtime.system import SelfRAGSystem
 from selfrag.schemas.settings import DEFAULT_PRESET, ModelPresetName, ModelSettings, Settings
 from tests.fakes import WordModel
@@ -186,7 +186,9 @@ def test_selfrag_models_lists_presets_heads_and_what_is_missing(
     monkeypatch.setattr(model_presets, "PRESETS", {"split": split, "absent": absent})
     home = tmp_path / "home"
     (home / "heads").mkdir(parents=True)
-    (home / "heads" / f"{split.sha256}.json").write_text("{}")
+    (home / "heads" / f"{split.sha256}.json").write_text(
+        json.dumps({"manifest": {"layout": READ_LAYOUT}})
+    )
     settings = ModelSettings.model_construct(
         **{**ModelSettings().model_dump(), "preset": "split", "weights": "original"}
     )
