@@ -263,15 +263,20 @@ class Retriever:
         return store
 
     def search_many(self, queries: list[str], k: int) -> list[list[Passage]]:
-        """A step's searches in one call (one per live hypothesis that retrieves)."""
-        return [self.search(q, k) for q in queries]
+        """A step's searches in one call (one per live hypothesis that retrieves), embedded
+        and sent to the store as one batch."""
+        return self._searching(lambda store: store.search_many(queries, k))
 
     def search(self, query: str, k: int) -> list[Passage]:
+        return self._searching(lambda store: store.search(query, k))
+
+    def _searching(self, search: Callable[[QdrantStore], _T]) -> _T:
+        """`search` on the open store, its failures mapped to the errors clients see."""
         from selfrag.infra.qdrant_store import StoreMisconfigured
 
         store = self._store()
         try:
-            return store.search(query, k)
+            return search(store)
         except ValueError:
             raise
         except StoreMisconfigured as exc:  # a collection that appeared since, and does not fit

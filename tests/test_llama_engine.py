@@ -269,6 +269,38 @@ def test_follow_up_call_reuses_generation_from_cache(engine: LlamaEngine) -> Non
     assert_close(follow_up.logprobs, cold.logprobs)
 
 
+def test_a_learned_branch_decodes_each_token_of_its_sequence_once(engine: LlamaEngine) -> None:
+    """Relevance read, draft, then support and utility on the one-sequence layout: after the
+    relevance read only the draft's first step and the cue are new (`SequenceCritic`)."""
+    from selfrag.pipeline.critics import Branch, LearnedCritic
+    from selfrag.pipeline.heads import GROUP_LABELS, GroupHead, ReflectionHeads
+    from selfrag.pipeline.protocols import Passage
+
+    assert engine.hidden_size is not None
+    rows = tuple(0.01 * ((i % 7) - 3) for i in range(engine.hidden_size))
+    heads = ReflectionHeads(
+        "0" * 64,
+        {g: GroupHead(labels, (rows,) * len(labels)) for g, labels in GROUP_LABELS.items()},
+    )
+    critic = LearnedCritic(engine, heads)
+    branch = Branch("Where was the author born?", "", Passage("p", PASSAGES[0], "The author"))
+    with configured(engine, prefix_cache=True, share_prefix=True):
+        before = engine.stats.prefill_tokens
+        (rel,) = critic.relevance([branch])
+        (draft,) = critic.draft([branch], 24)
+        (sup,) = critic.support([branch], [draft])
+        (use,) = critic.utility([branch], [draft])
+        decoded = engine.stats.prefill_tokens - before
+    sequence, _ = critic.support_prompt(branch, draft)
+    assert rel.prefill_tokens == len(critic.relevance_prompt(branch)[0])
+    assert use.prefill_tokens == 0 and set(use.probs) == set(GROUP_LABELS["utility"])
+    # Every token of the branch's sequence once, but the draft's tokens (generated, not
+    # prefilled), plus the relevance read's last token again as the draft's first step and at
+    # most the draft's last token (chosen, never decoded) at the support read.
+    assert len(sequence) - len(draft.tokens) + 1 <= decoded <= len(sequence) - len(draft.tokens) + 2
+    assert sup.prefill_tokens <= decoded
+
+
 def test_concurrent_calls_are_serialised(engine: LlamaEngine) -> None:
     all_prompts = prompts(engine)
     candidates = [11, 12, 13]

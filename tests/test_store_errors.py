@@ -96,7 +96,11 @@ def test_the_retriever_answers_500_misconfigured_for_an_index_of_another_size(
     retriever = Retriever.func_or_class(settings)
     try:
         assert retriever.ready() is False
-        for call in (lambda: retriever.search("Who ruled Normandy?", 2), retriever.index_version):
+        for call in (
+            lambda: retriever.search("Who ruled Normandy?", 2),
+            lambda: retriever.search_many(["Who ruled Normandy?"], 2),
+            retriever.index_version,
+        ):
             with pytest.raises(Misconfigured, match="vectors of size 8, but the embedder") as err:
                 call()
             assert (err.value.status, err.value.kind) == (500, "misconfigured")
@@ -152,6 +156,8 @@ def test_a_retriever_started_on_an_empty_home_serves_an_index_built_by_another_p
             assert time.monotonic() < deadline, "the index built meanwhile is not served"
             time.sleep(0.1)
         assert len(retriever.search("Who ruled Normandy?", 2)) == 2
+        one, two = retriever.search_many(["Who ruled Normandy?", "Passage 1"], 2)
+        assert one == retriever.search("Who ruled Normandy?", 2) and len(two) == 2
         assert retriever.index_version() != "empty"
     finally:
         retriever._rag.close()
