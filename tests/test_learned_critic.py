@@ -7,6 +7,7 @@ from collections.abc import Sequence
 
 import pytest
 
+from selfrag.infra.kv_slots import common_prefix
 from selfrag.pipeline.critics import (
     NATIVE_CHAT_LAYOUT,
     NATIVE_EARLIER_LAYOUTS,
@@ -124,25 +125,27 @@ def test_relevance_comes_from_the_head_on_the_hidden_state_after_passage_and_que
         assert prompt.endswith("<|im_start|>assistant\n")
 
 
-def test_a_branch_is_one_growing_sequence_and_support_and_utility_share_one_read() -> None:
+def test_a_branch_grows_one_sequence_relevance_forks_and_support_and_utility_share_a_read() -> None:
     model = chat_model()
     heads = make_heads()
     critic = LearnedCritic(model, heads)
     branch = Branch(QUESTION, "", ROLLO)
     critic.relevance([branch])
-    relevance_prompt = model.score_requests[-1].prompt
+    relevance_request = model.score_requests[-1]
     draft = critic.draft([branch], 16)[0]
     assert draft.text == DRAFT
     draft_request = model.generate_requests[-1]
-    # Relevance is read where the branch drafts: the same tokens, the same reusable prefix.
-    assert list(draft_request.prompt) == list(relevance_prompt)
-    assert draft_request.reusable_prefix == model.score_requests[-1].reusable_prefix > 0
+    drafting = list(draft_request.prompt)
+    # Relevance forks from the drafting sequence after passage and question.
+    shared = common_prefix(relevance_request.prompt, drafting, len(drafting))
+    assert model.detokenize(list(draft_request.prompt[:shared])).rstrip().endswith(QUESTION)
+    assert draft_request.reusable_prefix == relevance_request.reusable_prefix > 0
 
     sup = critic.support([branch], [draft])[0]
     support_request = model.score_requests[-1]
     # The support read extends the drafting sequence by the draft and one short cue.
-    assert list(support_request.prompt[: len(relevance_prompt)]) == list(relevance_prompt)
-    cue = model.detokenize(support_request.prompt[len(relevance_prompt) :])
+    assert list(support_request.prompt[: len(drafting)]) == drafting
+    cue = model.detokenize(support_request.prompt[len(drafting) :])
     assert cue.startswith(DRAFT) and cue.endswith("<|im_start|>assistant\n")
     assert sup.probs == pytest.approx(heads.groups["support"].probabilities([1, 0, 1, 1]))
     assert max(sup.probs, key=sup.probs.__getitem__) == "full"

@@ -270,8 +270,10 @@ def test_follow_up_call_reuses_generation_from_cache(engine: LlamaEngine) -> Non
 
 
 def test_a_learned_branch_decodes_each_token_of_its_sequence_once(engine: LlamaEngine) -> None:
-    """Relevance read, draft, then support and utility on the one-sequence layout: after the
-    relevance read only the draft's first step and the cue are new (`SequenceCritic`)."""
+    """Relevance read, draft, then support and utility on the one-sequence layout: the draft
+    decodes only its task after the shared passage and question, the support read only the cue
+    (`SequenceCritic`)."""
+    from selfrag.infra.kv_slots import common_prefix
     from selfrag.pipeline.critics import Branch, LearnedCritic
     from selfrag.pipeline.heads import GROUP_LABELS, GroupHead, ReflectionHeads
     from selfrag.pipeline.protocols import Passage
@@ -291,13 +293,17 @@ def test_a_learned_branch_decodes_each_token_of_its_sequence_once(engine: LlamaE
         (sup,) = critic.support([branch], [draft])
         (use,) = critic.utility([branch], [draft])
         decoded = engine.stats.prefill_tokens - before
+    relevance, _ = critic.relevance_prompt(branch)
+    drafting, _ = critic.draft_prompt(branch)
     sequence, _ = critic.support_prompt(branch, draft)
-    assert rel.prefill_tokens == len(critic.relevance_prompt(branch)[0])
+    shared = common_prefix(relevance, drafting, len(drafting))
+    assert rel.prefill_tokens == len(relevance)
     assert use.prefill_tokens == 0 and set(use.probs) == set(GROUP_LABELS["utility"])
-    # Every token of the branch's sequence once, but the draft's tokens (generated, not
-    # prefilled), plus the relevance read's last token again as the draft's first step and at
-    # most the draft's last token (chosen, never decoded) at the support read.
-    assert len(sequence) - len(draft.tokens) + 1 <= decoded <= len(sequence) - len(draft.tokens) + 2
+    # The relevance prompt, then the drafting sequence's tokens past the shared prefix (the
+    # draft's own tokens are generated, not prefilled), and at most the draft's last token
+    # (chosen, never decoded) again at the support read.
+    once = len(relevance) + len(sequence) - shared - len(draft.tokens)
+    assert once <= decoded <= once + 1
     assert sup.prefill_tokens <= decoded
 
 

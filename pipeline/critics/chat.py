@@ -179,18 +179,19 @@ class SequenceCritic(ChatCritic):
     """The chat layout as one growing sequence per branch (the learned and native-chat
     critique).
 
-    Every read position lies on the sequence the branch drafts on, [system, user(passage,
-    question, task), assistant(answer so far)]: p_ret at the end of the closed-book one (where
-    the no-retrieval branch goes on drafting), s_rel at the end of the branch's own, then the
-    segment, then one short cue after which s_sup and s_use are read from the same position.
-    Each prompt extends the one before, so the engine's slot keeps the branch's KV state and no
-    token is prefilled twice (`prompted` keeps a question per group: the slower layout)."""
+    A branch's reads lie on the sequence it drafts on, [system, user(passage, question, task),
+    assistant(answer so far)], or fork from it: p_ret at the end of the closed-book one (where
+    the no-retrieval branch goes on drafting); s_rel after its own short question, on a fork
+    that shares "template + passage + question" with the drafting sequence (read where the
+    segment starts, s_rel separated relevant from irrelevant passages far worse: validation AUC
+    0.74 against 0.91 with Qwen2.5-Coder-0.5B, 0.66 against 0.82 with SmolLM2); then the
+    segment; then one short cue after which s_sup and s_use are read from the same position.
+    Each prompt extends what the engine's slots already hold, so no token is prefilled twice
+    (`prompted` keeps a question per group and utility without the passage: the slower
+    layout)."""
 
     def retrieval_prompt(self, b: Branch) -> list[int]:
         return self.draft_prompt(replace(b, passage=None))[0]
-
-    def relevance_prompt(self, b: Branch) -> tuple[list[int], int]:
-        return self.draft_prompt(b)
 
     def support_prompt(self, b: Branch, d: Generation) -> tuple[list[int], int]:
         return self._follow_up(b, d, self._q.critique)
