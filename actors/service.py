@@ -29,7 +29,6 @@ from selfrag.actors.metrics import Metrics
 from selfrag.pipeline.branching import StepWork
 from selfrag.pipeline.critics import Branch, LabelProbs
 from selfrag.pipeline.decoder import SelfRAGDecoder, StepListener
-from selfrag.pipeline.protocols import Passage
 from selfrag.pipeline.ranking import Candidate, Drafted, Hypothesis, StepRanking
 from selfrag.runtime.answering import (
     Answer,
@@ -38,6 +37,7 @@ from selfrag.runtime.answering import (
     Deadline,
     QueryCache,
 )
+from selfrag.runtime.remote_retriever import POLL_S, RemoteRetriever
 from selfrag.schemas.answer import AnswerRequest, AnswerResponse
 from selfrag.schemas.decoding import DecodingConfig
 from selfrag.schemas.errors import (
@@ -50,10 +50,6 @@ from selfrag.schemas.errors import (
 log = logging.getLogger("selfrag.service")
 
 READY_PROBE_KEY = "selfrag:readyz-probe"
-
-
-REMOTE_POLL_S = 0.2
-"""How often a decoder thread blocked on a remote call looks at its cancel flag."""
 
 
 def _cancel_call(response: DeploymentResponse[Any]) -> None:
@@ -99,8 +95,8 @@ class _Remote:
             remaining = self._deadline.remaining()
             if remaining > 0:
                 try:
-                    # Short slices, so a cancelled request stops waiting within REMOTE_POLL_S.
-                    return response.result(timeout_s=min(remaining, REMOTE_POLL_S))
+                    # Short slices, so a cancelled request stops waiting within POLL_S.
+                    return response.result(timeout_s=min(remaining, POLL_S))
                 except TimeoutError as exc:
                     if isinstance(exc, RayTaskError):  # the remote code's own TimeoutError
                         raise
@@ -141,20 +137,6 @@ class PoolCritique:
         return self._remote.call(
             self._pool, "expand", self._source, list(candidates), cfg, self._deadline.remaining()
         )
-
-
-class RemoteRetriever:
-    """`pipeline.protocols.Retriever` through the `Retriever` deployment."""
-
-    def __init__(self, remote: _Remote, handle: DeploymentHandle) -> None:
-        self._remote = remote
-        self._handle = handle
-
-    def search(self, query: str, k: int) -> list[Passage]:
-        return self._remote.call(self._handle, "search", query, k)
-
-    def search_many(self, queries: Sequence[str], k: int) -> list[list[Passage]]:
-        return self._remote.call(self._handle, "search_many", list(queries), k)
 
 
 class RemoteRanker:
@@ -379,7 +361,7 @@ class ServeAnswerService:
             decider = decider.options(session_id=session)
         decoder = SelfRAGDecoder(
             lambda source: PoolCritique(remote, pool, decider, source, critic_name, deadline),
-            RemoteRetriever(remote, self._retriever),
+            RemoteRetriever(functools.partial(remote.call, self._retriever)),
             model_id,
             ranker=RemoteRanker(remote, self._ranker),
             calibrated=lambda _: calibrated,

@@ -15,7 +15,7 @@
 * Ray Data runs `BatchAnswerer`, a pool of actors each owning one llama.cpp engine. An actor
   decodes a batch of questions in threads; `CallMerger` turns their per-step critique calls
   into one multi-sequence engine call, the way `BranchPool` merges concurrent HTTP requests.
-* Embedded Qdrant allows one client per folder, so with it a single `RetrieverActor` owns the
+* Embedded Qdrant allows one client per folder, so with it a single `PassageService` owns the
   store (and the embedder) and the engine actors search through it; with `qdrant_url` set each
   actor opens its own client.
 * The driver appends one JSON line per record and flushes it as results stream back, so a
@@ -49,7 +49,7 @@ from pydantic import ValidationError
 from tqdm import tqdm
 
 from selfrag.infra.engine_threads import ray_runtime_env
-from selfrag.jobs.batch_actors import BatchAnswerer, RetrieverActor
+from selfrag.jobs.batch_actors import BatchAnswerer
 from selfrag.jobs.batch_inputs import BatchQuestion, InputProblem, read_questions, select
 from selfrag.jobs.batch_records import (
     BatchSummary,
@@ -73,6 +73,7 @@ from selfrag.jobs.ray_pool import (
 from selfrag.runtime.answering import (
     query_key,
 )
+from selfrag.runtime.passage_service import PassageService
 from selfrag.schemas.answer import AnswerRequest, AnswerResponse
 from selfrag.schemas.decoding import DecodingConfig
 from selfrag.schemas.settings import Settings
@@ -150,7 +151,7 @@ def stream_answers(
 
         here = ray.get_runtime_context().get_node_id()
         retriever = (
-            ray.remote(RetrieverActor)
+            ray.remote(PassageService)
             .options(
                 num_cpus=RETRIEVER_CPUS,
                 scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=False),

@@ -1,15 +1,15 @@
-"""The Ray actors of `selfrag batch` and `selfrag eval --ray`: the one owner of an embedded
-store, and the engine actors that answer a batch of questions in threads."""
+"""The engine actors of `selfrag batch` and `selfrag eval --ray`, which answer a batch of
+questions in threads; with the embedded store they search through the one store actor (a
+`runtime.passage_service.PassageService`)."""
 
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from selfrag.pipeline.decoder import SelfRAGDecoder, StepListener
-from selfrag.pipeline.protocols import Passage
+from selfrag.pipeline.protocols import Retriever
 from selfrag.runtime.answering import (
     AnswerPath,
     CacheIdentity,
@@ -17,6 +17,7 @@ from selfrag.runtime.answering import (
     query_cache_scope,
 )
 from selfrag.runtime.merging import CallMerger, MergedCritic
+from selfrag.runtime.remote_retriever import RemoteRetriever, actor_call
 from selfrag.schemas.answer import AnswerResponse
 from selfrag.schemas.decoding import DecodingConfig
 from selfrag.schemas.errors import AnswerError
@@ -26,54 +27,8 @@ from selfrag.schemas.settings import Settings
 # alone. The threads' searches queue at one retriever (~0.1 s each on a loaded 2-core box),
 # while a merged engine call takes seconds, so waiting for stragglers pays.
 MERGE_WAIT_S = 0.3
-
-
-class RetrieverActor:
-    """The one owner of an embedded Qdrant folder (and its embedder) for all engine actors."""
-
-    def __init__(self, settings: Settings) -> None:
-        from selfrag.runtime.system import SelfRAGSystem
-
-        self._rag = SelfRAGSystem(settings)
-        self._store = self._rag.store
-        self._store.search("warm up", 1)  # load the embedder now, not on the first question
-
-    def search(self, query: str, k: int) -> list[Passage]:
-        return self._store.search(query, k)
-
-    def search_many(self, queries: list[str], k: int) -> list[list[Passage]]:
-        return self._store.search_many(queries, k)
-
-    def index_version(self) -> str:
-        return self._store.index_version()
-
-    def count(self) -> int:
-        return self._store.count()
-
-    def close(self) -> None:
-        self._rag.close()
-
-
-class _RemoteStore:
-    """`pipeline.protocols.Retriever` through a `RetrieverActor` handle."""
-
-    def __init__(self, handle: Any) -> None:
-        self._handle = handle
-
-    def search(self, query: str, k: int) -> list[Passage]:
-        import ray
-
-        return ray.get(self._handle.search.remote(query, k))  # type: ignore[no-any-return]
-
-    def search_many(self, queries: Sequence[str], k: int) -> list[list[Passage]]:
-        import ray
-
-        return ray.get(self._handle.search_many.remote(list(queries), k))  # type: ignore[no-any-return]
-
-    def index_version(self) -> str:
-        import ray
-
-        return ray.get(self._handle.index_version.remote())  # type: ignore[no-any-return]
+# Seconds the store actor has to say which index it serves when an engine actor starts.
+STORE_TIMEOUT_S = 120.0
 
 
 class BatchAnswerer:
@@ -89,8 +44,12 @@ class BatchAnswerer:
         self._settings = settings
         self._rag = SelfRAGSystem(settings)
         self._model_id = self._rag.engine.model_id  # load now, in this actor's process
-        self._store: Any = _RemoteStore(retriever) if retriever is not None else self._rag.store
-        self._index_version = self._store.index_version()
+        self._retriever = retriever
+        self._index_version = (
+            RemoteRetriever(actor_call(retriever, Deadline(STORE_TIMEOUT_S))).index_version()
+            if retriever is not None
+            else self._rag.store.index_version()
+        )
         # The key the online endpoint uses too: a Redis shared with it serves both.
         self._path = AnswerPath(
             settings.decoding,
@@ -131,9 +90,12 @@ class BatchAnswerer:
     ) -> AnswerResponse:
         critic = self._rag.critic(config.critique)  # validates the source up front
         name = critic.name
+        store: Retriever = self._rag.store
+        if self._retriever is not None:
+            store = RemoteRetriever(actor_call(self._retriever, deadline))
         decoder = SelfRAGDecoder(
             lambda source: MergedCritic(self._merger, source, name, deadline),
-            self._store,
+            store,
             self._model_id,
             calibrated=self._rag.calibrated_filters,
         )

@@ -524,9 +524,11 @@ def test_a_question_past_its_timeout_gets_an_error_record():
     # The actor without its engine: the decoding path of one question around a slow critic.
     actor = object.__new__(BatchAnswerer)
     actor._rag = SimpleNamespace(  # type: ignore[attr-defined]
-        critic=lambda source: critic, calibrated_filters=lambda name: {}
+        critic=lambda source: critic,
+        calibrated_filters=lambda name: {},
+        store=ListRetriever([Passage("p1", "Rollo founded Normandy.")]),
     )
-    actor._store = ListRetriever([Passage("p1", "Rollo founded Normandy.")])  # type: ignore[attr-defined]
+    actor._retriever = None  # type: ignore[attr-defined]
     actor._index_version, actor._model_id = "v", "m"  # type: ignore[attr-defined]
     actor._path = AnswerPath(DecodingConfig())  # type: ignore[attr-defined]
     actor._merger = CallMerger(lambda source: critic, max_wait_s=0.01)  # type: ignore[attr-defined]
@@ -556,8 +558,9 @@ def test_batch_caches_answers_under_the_online_endpoints_key():
         critic=lambda source: critic,
         calibrated_filters=lambda name: {},
         answer_fingerprint=lambda: "m sha256:abc",
+        store=ListRetriever([Passage("p1", "Rollo founded Normandy.")]),
     )
-    actor._store = ListRetriever([Passage("p1", "Rollo founded Normandy.")])  # type: ignore[attr-defined]
+    actor._retriever = None  # type: ignore[attr-defined]
     actor._index_version, actor._model_id = "v", "m"  # type: ignore[attr-defined]
     cache = DictCache()
     scope = {"calibration": {"a": 1}}
@@ -595,6 +598,42 @@ def ray_local() -> Iterator[None]:
     finally:
         if started:
             ray.shutdown()
+
+
+@pytest.mark.real
+def test_actor_calls_keep_to_the_answers_deadline_and_bring_store_errors_back(
+    ray_local: None,
+) -> None:
+    import time
+
+    import ray
+
+    from selfrag.runtime.answering import Deadline
+    from selfrag.runtime.remote_retriever import RemoteRetriever, actor_call
+    from selfrag.schemas.errors import DeadlineExceeded, DependencyDown
+
+    @ray.remote
+    class Store:
+        def search_many(self, queries: list[str], k: int) -> list[list[str]]:
+            return [[f"{q}:{i}" for i in range(k)] for q in queries]
+
+        def search(self, query: str, k: int) -> list[str]:
+            time.sleep(5)
+            return []
+
+        def index_version(self) -> str:
+            raise DependencyDown("the passage store does not answer")
+
+    handle = Store.remote()  # type: ignore[attr-defined]
+    remote = RemoteRetriever(actor_call(handle, Deadline(30)))
+    assert remote.search_many(["a", "b"], 2) == [["a:0", "a:1"], ["b:0", "b:1"]]
+    with pytest.raises(DependencyDown, match="does not answer"):
+        remote.index_version()
+    started = time.monotonic()
+    with pytest.raises(DeadlineExceeded):
+        RemoteRetriever(actor_call(handle, Deadline(0.5))).search("slow", 1)
+    assert time.monotonic() - started < 2.0
+    ray.kill(handle)
 
 
 @pytest.fixture(scope="module")

@@ -339,7 +339,7 @@ def test_batch_on_two_nodes_places_engine_actors_on_both_and_a_rerun_completes(
     seen = _actors(cluster)
     new = [a for a in seen["actors"] if a[0] not in before]
     engines = {node for _, cls, node in new if "BatchAnswerer" in cls}
-    retrievers = [node for _, cls, node in new if cls == "RetrieverActor"]
+    retrievers = [node for _, cls, node in new if cls == "PassageService"]
     assert engines == set(seen["nodes"]), new  # one engine actor per node
     # The embedded store is the driver's folder: its one owner runs on the driver's node
     # (the head's here: the driver joins through the head's raylet).

@@ -237,7 +237,7 @@ def test_ask_with_an_index_of_another_size_is_a_message_not_a_traceback(
 
 
 def test_a_reason_that_names_a_folder_or_server_is_not_shown(tmp_path: Path):
-    from selfrag.actors.deployments import public_reason
+    from selfrag.runtime.passage_service import public_reason
 
     kept = "collection 'c' holds vectors of size 8, but the embedder org/model-v1 gives 16"
     assert public_reason(StoreMisconfigured(kept)) == kept
