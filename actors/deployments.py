@@ -39,7 +39,8 @@ from selfrag.pipeline.branching import StepWork, expand
 from selfrag.pipeline.critics import Branch, Critic, CritiqueUnavailable, LabelProbs
 from selfrag.pipeline.ranking import Candidate, Drafted, Hypothesis, StepRanking, rank_step
 from selfrag.runtime.answering import Deadline, query_cache_scope
-from selfrag.runtime.merging import CallMerger, MergedCritic
+from selfrag.runtime.engine_worker import EngineWorker
+from selfrag.runtime.merging import MergedCritic
 from selfrag.runtime.passage_service import PassageService
 from selfrag.schemas.decoding import DecodingConfig
 from selfrag.schemas.errors import Unprocessable
@@ -82,39 +83,34 @@ def requested_critic(rag: SelfRAGSystem, source: str) -> Critic:
 
 
 class _EngineWorker:
-    """One engine in this replica, and the merger (`runtime.merging.CallMerger`) that turns
-    the critique calls of its concurrent requests into multi-sequence engine calls. Each
-    request runs in a thread of its own; its calls stop at the request's deadline. Every
-    engine call's batch size goes to Ray's metrics export, and so do the passage KV-state
-    store's tier counters after each request."""
+    """The replica's `runtime.engine_worker.EngineWorker`, run from the event loop: each
+    request in a thread of its own, a critique source it cannot run a 422, every engine call's
+    batch size and, after each request, the passage KV-state store's tier counters sent to
+    Ray's metrics export."""
 
     def __init__(self, settings: Settings, max_threads: int) -> None:
-        from selfrag.runtime.system import SelfRAGSystem
-
         adopt_serve_logging(settings.serve.log_level)
-        self.rag = SelfRAGSystem(settings)
-        self.engine = self.rag.engine  # load now, in this process; never fork after this
         self.metrics = EngineMetrics([RaySink()])
-        self._merger = CallMerger(
-            self.rag.critic,
-            settings.serve.batch_wait_ms / 1000,
+        self._worker = EngineWorker(
+            settings,
+            merge_wait_s=settings.serve.batch_wait_ms / 1000,
             max_calls=settings.serve.max_batch_size,
             on_batch=self.metrics.record_batch,
         )
+        self.rag = self._worker.rag
+        self.engine = self._worker.engine
         # A thread per ongoing request: the default executor has only cpu+4 threads.
         self._executor = ThreadPoolExecutor(max_threads, thread_name_prefix="selfrag-engine")
 
     async def run(self, source: str, timeout_s: float, work: Callable[[MergedCritic], _T]) -> _T:
         """`work` on a critic whose calls merge with the other requests' ones."""
-        name = requested_critic(self.rag, source).name  # checked before any engine work
+        requested_critic(self.rag, source)  # a 422 before any engine work
         deadline = Deadline(timeout_s)
 
         def call() -> _T:
-            self._merger.enter()
             try:
-                return work(MergedCritic(self._merger, source, name, deadline))
+                return self._worker.run(source, deadline, work)
             finally:
-                self._merger.leave()
                 self.metrics.sync_kv_store(self.rag.kv_store_counters())
 
         return await asyncio.get_running_loop().run_in_executor(self._executor, call)

@@ -16,7 +16,7 @@ from selfrag.runtime.answering import (
     Deadline,
     query_cache_scope,
 )
-from selfrag.runtime.merging import CallMerger, MergedCritic
+from selfrag.runtime.merging import MergedCritic
 from selfrag.runtime.remote_retriever import RemoteRetriever, actor_call
 from selfrag.schemas.answer import AnswerResponse
 from selfrag.schemas.decoding import DecodingConfig
@@ -36,14 +36,15 @@ class BatchAnswerer:
 
     def __init__(self, settings: Settings, retriever: Any | None, n_threads: int) -> None:
         from selfrag.infra.answer_cache import open_query_cache
-        from selfrag.runtime.system import SelfRAGSystem
+        from selfrag.runtime.engine_worker import EngineWorker
 
         if n_threads and not settings.model.n_threads:
             model = settings.model.model_copy(update={"n_threads": n_threads})
             settings = settings.model_copy(update={"model": model})
         self._settings = settings
-        self._rag = SelfRAGSystem(settings)
-        self._model_id = self._rag.engine.model_id  # load now, in this actor's process
+        self._worker = EngineWorker(settings, merge_wait_s=MERGE_WAIT_S)
+        self._rag = self._worker.rag
+        self._model_id = self._worker.engine.model_id
         self._retriever = retriever
         self._index_version = (
             RemoteRetriever(actor_call(retriever, Deadline(STORE_TIMEOUT_S))).index_version()
@@ -56,7 +57,6 @@ class BatchAnswerer:
             cache=open_query_cache(settings),
             cache_scope=query_cache_scope(settings),
         )
-        self._merger = CallMerger(self._rag.critic, MERGE_WAIT_S)
 
     def __call__(self, batch: dict[str, Any]) -> dict[str, list[str]]:
         keys = [str(k) for k in batch["key"]]
@@ -88,22 +88,20 @@ class BatchAnswerer:
         deadline: Deadline,
         on_step: StepListener | None,
     ) -> AnswerResponse:
-        critic = self._rag.critic(config.critique)  # validates the source up front
-        name = critic.name
         store: Retriever = self._rag.store
         if self._retriever is not None:
             store = RemoteRetriever(actor_call(self._retriever, deadline))
-        decoder = SelfRAGDecoder(
-            lambda source: MergedCritic(self._merger, source, name, deadline),
-            store,
-            self._model_id,
-            calibrated=self._rag.calibrated_filters,
-        )
-        self._merger.enter()
-        try:
+
+        def answer(critic: MergedCritic) -> AnswerResponse:
+            decoder = SelfRAGDecoder(
+                lambda _source: critic,
+                store,
+                self._model_id,
+                calibrated=self._rag.calibrated_filters,
+            )
             return decoder.answer(question, config, on_step)
-        finally:
-            self._merger.leave()
+
+        return self._worker.run(config.critique, deadline, answer)
 
 
 def _ok(response: AnswerResponse, cache: str) -> str:

@@ -507,6 +507,16 @@ def test_merger_isolates_a_failing_call():
     assert outcome == {"good": 1, "bad": "model error"}
 
 
+def _worker_without_engine(rag: Any, critic: Any) -> Any:
+    """An `EngineWorker` around a scripted critic: its merger, no model loaded."""
+    from selfrag.runtime.engine_worker import EngineWorker
+
+    worker = object.__new__(EngineWorker)
+    worker.rag = rag
+    worker._merger = CallMerger(lambda source: critic, max_wait_s=0.01)
+    return worker
+
+
 def test_a_question_past_its_timeout_gets_an_error_record():
     import time
     from types import SimpleNamespace
@@ -531,7 +541,7 @@ def test_a_question_past_its_timeout_gets_an_error_record():
     actor._retriever = None  # type: ignore[attr-defined]
     actor._index_version, actor._model_id = "v", "m"  # type: ignore[attr-defined]
     actor._path = AnswerPath(DecodingConfig())  # type: ignore[attr-defined]
-    actor._merger = CallMerger(lambda source: critic, max_wait_s=0.01)  # type: ignore[attr-defined]
+    actor._worker = _worker_without_engine(actor._rag, critic)  # type: ignore[attr-defined]
     config = DecodingConfig(mode="always", timeout_s=0.1)
     outcome = json.loads(actor._answer_one("Who founded Normandy?", config))
     assert outcome["status"] == "error" and outcome["error"]["type"] == "deadline_exceeded"
@@ -567,7 +577,7 @@ def test_batch_caches_answers_under_the_online_endpoints_key():
     actor._path = AnswerPath(  # type: ignore[attr-defined]
         DecodingConfig(), cache=cache, cache_scope=scope
     )
-    actor._merger = CallMerger(lambda source: critic, max_wait_s=0.01)  # type: ignore[attr-defined]
+    actor._worker = _worker_without_engine(actor._rag, critic)  # type: ignore[attr-defined]
     config = DecodingConfig(mode="always")
     assert json.loads(actor._answer_one("Who founded Normandy?", config))["cache"] == "miss"
     assert list(cache) == [query_key("Who founded Normandy?", config, "v", "m sha256:abc", scope)]
