@@ -33,12 +33,11 @@ from ray.serve.handle import DeploymentHandle
 from selfrag.actors.http import build_http_app, parse_api_keys
 from selfrag.actors.metrics import EngineMetrics, Metrics, PrometheusSink, RaySink
 from selfrag.actors.service import ServeAnswerService
-from selfrag.infra.answer_cache import open_query_cache
 from selfrag.infra.settings import API_KEYS_ENV
 from selfrag.pipeline.branching import StepWork, expand
 from selfrag.pipeline.critics import Branch, Critic, CritiqueUnavailable, LabelProbs
 from selfrag.pipeline.ranking import Candidate, Drafted, Hypothesis, StepRanking, rank_step
-from selfrag.runtime.answering import Deadline, query_cache_scope
+from selfrag.runtime.answering import AnswerPath, Deadline
 from selfrag.runtime.engine_worker import EngineWorker
 from selfrag.runtime.merging import MergedCritic
 from selfrag.runtime.passage_service import PassageService
@@ -240,12 +239,11 @@ class SelfRAGIngress:
             decider=decider,
             retriever=retriever,
             ranker=ranker,
-            defaults=settings.decoding,
+            path=AnswerPath.for_settings(
+                settings, max_timeout_s=settings.serve.max_timeout_s, events=self._metrics
+            ),
             max_inflight=settings.serve.max_inflight,
             metrics=self._metrics,
-            cache_scope=query_cache_scope(settings),
-            cache=open_query_cache(settings),
-            max_timeout_s=settings.serve.max_timeout_s,
             index_version_ttl_s=settings.serve.index_version_ttl_s,
             affinity=settings.serve.affinity,
         )

@@ -16,7 +16,7 @@ import logging
 import pickle
 import time
 import uuid
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Any
@@ -35,7 +35,6 @@ from selfrag.runtime.answering import (
     AnswerPath,
     CacheIdentity,
     Deadline,
-    QueryCache,
 )
 from selfrag.runtime.remote_retriever import POLL_S, RemoteRetriever
 from selfrag.schemas.answer import AnswerRequest, AnswerResponse
@@ -233,31 +232,22 @@ class ServeAnswerService:
         decider: DeploymentHandle,
         retriever: DeploymentHandle,
         ranker: DeploymentHandle,
-        defaults: DecodingConfig,
+        path: AnswerPath,
         max_inflight: int,
         metrics: Metrics,
-        cache_scope: Mapping[str, Any],
-        cache: QueryCache | None = None,
-        max_timeout_s: float | None = None,
         index_version_ttl_s: float = 0.0,
         affinity: bool = True,
     ) -> None:
-        """`cache_scope` is `query_cache_scope(settings)`: what besides the request decides
-        an answer, so the query cache keys on it. With `affinity` every call of one answer
-        carries the same session id (the pool and decider route by it)."""
+        """`path` is the deployment's `AnswerPath.for_settings` (its events: `metrics`). With
+        `affinity` every call of one answer carries the same session id (the pool and decider
+        route by it)."""
         self._affinity = affinity
         self._pool = pool
         self._decider = decider
         self._retriever = retriever
         self._ranker = ranker
-        self._path = AnswerPath(
-            defaults,
-            cache=cache,
-            cache_scope=cache_scope,
-            max_timeout_s=max_timeout_s,
-            events=metrics,
-        )
-        self._cache = cache
+        self._path = path
+        self._cache = path.cache
         self._max_inflight = max_inflight
         self._inflight = 0
         self._metrics = metrics

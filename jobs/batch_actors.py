@@ -14,7 +14,6 @@ from selfrag.runtime.answering import (
     AnswerPath,
     CacheIdentity,
     Deadline,
-    query_cache_scope,
 )
 from selfrag.runtime.merging import MergedCritic
 from selfrag.runtime.remote_retriever import RemoteRetriever, actor_call
@@ -35,7 +34,6 @@ class BatchAnswerer:
     """A Ray Data actor: one llama.cpp engine, and a thread per question of a batch."""
 
     def __init__(self, settings: Settings, retriever: Any | None, n_threads: int) -> None:
-        from selfrag.infra.answer_cache import open_query_cache
         from selfrag.runtime.engine_worker import EngineWorker
 
         if n_threads and not settings.model.n_threads:
@@ -52,11 +50,7 @@ class BatchAnswerer:
             else self._rag.store.index_version()
         )
         # The key the online endpoint uses too: a Redis shared with it serves both.
-        self._path = AnswerPath(
-            settings.decoding,
-            cache=open_query_cache(settings),
-            cache_scope=query_cache_scope(settings),
-        )
+        self._path = AnswerPath.for_settings(settings)
 
     def __call__(self, batch: dict[str, Any]) -> dict[str, list[str]]:
         keys = [str(k) for k in batch["key"]]

@@ -198,6 +198,27 @@ class AnswerPath:
         self._max_timeout_s = max_timeout_s
         self._events = events
 
+    @classmethod
+    def for_settings(
+        cls,
+        settings: Settings,
+        *,
+        max_timeout_s: float | None = None,
+        events: AnswerEvents | None = None,
+    ) -> AnswerPath:
+        """The answer path of a deployment: its configured defaults, and the query cache (none
+        when `cache.query` is off) keyed with the deployment's scope (`query_cache_scope`). The
+        CLI and Python API, the Serve ingress and the batch actors all answer through one."""
+        from selfrag.infra.answer_cache import open_query_cache
+
+        return cls(
+            settings.decoding,
+            cache=open_query_cache(settings),
+            cache_scope=query_cache_scope(settings),
+            max_timeout_s=max_timeout_s,
+            events=events,
+        )
+
     def config(self, request: AnswerRequest) -> DecodingConfig:
         """The request's dials over the defaults; refused when past the server's limits."""
         config = request.config.apply_to(self.defaults)

@@ -30,7 +30,6 @@ from selfrag.runtime.answering import (
     AnswerPath,
     CacheIdentity,
     Deadline,
-    query_cache_scope,
 )
 from selfrag.runtime.calibrated import CalibratedDefaults
 from selfrag.schemas.answer import AnswerRequest, AnswerResponse
@@ -261,15 +260,8 @@ class SelfRAGSystem(Closeable):
 
     @cached_property
     def answer_path(self) -> AnswerPath:
-        """The answer path of this process: configured defaults, the query cache (none when
-        `cache.query` is off), deadline and error kinds."""
-        from selfrag.infra.answer_cache import open_query_cache
-
-        return AnswerPath(
-            self.settings.decoding,
-            cache=open_query_cache(self.settings),
-            cache_scope=query_cache_scope(self.settings),
-        )
+        """The answer path of this process (`AnswerPath.for_settings`)."""
+        return AnswerPath.for_settings(self.settings)
 
     def cache_identity(self) -> CacheIdentity:
         return CacheIdentity(self.store.index_version(), self.answer_fingerprint())

@@ -22,7 +22,7 @@ from selfrag.actors.service import ServeAnswerService
 from selfrag.pipeline.branching import expand
 from selfrag.pipeline.protocols import Passage
 from selfrag.pipeline.ranking import rank_step
-from selfrag.runtime.answering import query_cache_scope
+from selfrag.runtime.answering import AnswerPath, query_cache_scope
 from selfrag.schemas.answer import AnswerResponse
 from selfrag.schemas.decoding import DecodingConfig
 from selfrag.schemas.errors import Unprocessable
@@ -242,12 +242,15 @@ def make_service(
         decider=Handle(decider or Decider(pool.critic)),  # type: ignore[arg-type]
         retriever=store_handle,  # type: ignore[arg-type]
         ranker=Handle(Ranker()),  # type: ignore[arg-type]
-        defaults=DecodingConfig(max_segments=1),
+        path=AnswerPath(
+            DecodingConfig(max_segments=1),
+            cache=cache,
+            cache_scope=query_cache_scope(settings or Settings(home=Path("/nonexistent"))),
+            max_timeout_s=max_timeout_s,
+            events=metrics,
+        ),
         max_inflight=max_inflight,
         metrics=metrics,
-        cache_scope=query_cache_scope(settings or Settings(home=Path("/nonexistent"))),
-        cache=cache,
-        max_timeout_s=max_timeout_s,
         index_version_ttl_s=index_version_ttl_s,
         affinity=affinity,
     )
