@@ -196,6 +196,46 @@ class SlotPlanner:
         trimmed. Then slots not used by this group are evicted, least recently used first,
         until the group's new cells fit. Returns None when they do not fit even so.
         """
+        sources, cached, root = self._sources(group_jobs, shared)
+        dests = self._destinations(sources, cached)
+        n = len(group_jobs)
+        taken = {d.seq_id for d in dests}
+
+        # Copy first: a later trim may shorten a slot that another job copies from.
+        for k in range(n):
+            src, dest = sources[k], dests[k]
+            if src is not None and src is not dest:
+                self.copy_prefix(src, dest, cached[k])
+                src.last_used = self.clock
+        for k in range(n):
+            dest = dests[k]
+            self.trim(dest, cached[k])
+            dest.last_used = self.clock
+            group_jobs[k].slot = dest
+
+        copies: list[int] = []
+        if shared:
+            copies = [k for k in range(n) if k != root and cached[k] < shared]
+        starts = [shared if k in copies else cached[k] for k in range(n)]
+        if copies:
+            starts[root] = max(cached[root], shared)
+        else:
+            root = -1
+        new_cells = sum(
+            len(j.tokens) - start + j.reserve for j, start in zip(group_jobs, starts, strict=True)
+        )
+        if root >= 0:
+            new_cells += max(shared - cached[root], 0)
+        if not self.make_room(taken, new_cells):
+            return None
+        return Plan(root=root, copies=copies, cached=cached, starts=starts, new_cells=new_cells)
+
+    def _sources(
+        self, group_jobs: list[KVJob], shared: int
+    ) -> tuple[list[Slot | None], list[int], int]:
+        """Per job, the slot holding its longest usable cached prefix (ties: the most recently
+        used) and that length; and the job that will decode the shared prefix (the root, -1
+        without one), whose copies make shorter caches of the others useless."""
         n = len(group_jobs)
         sources: list[Slot | None] = [None] * n
         cached = [0] * n
@@ -215,7 +255,13 @@ class SlotPlanner:
                 # The root will hold the shared prefix and copy it: a shorter cache is useless.
                 if k != root and cached[k] <= shared:
                     sources[k], cached[k] = None, 0
+        return sources, cached, root
 
+    def _destinations(self, sources: list[Slot | None], cached: list[int]) -> list[Slot]:
+        """Each job's own slot: its source when the job extends all of it, else an empty or
+        least recently used slot no job copies from, else (none left) its source, trimmed, or
+        any slot not taken (its cache then unused: `sources` and `cached` are updated)."""
+        n = len(sources)
         dests: list[Slot | None] = [None] * n
         taken: set[int] = set()
         order = sorted(range(n), key=lambda k: -cached[k])
@@ -244,37 +290,8 @@ class SlotPlanner:
                 dests[k] = next(s for s in self.slots if s.seq_id not in taken)
                 sources[k], cached[k] = None, 0
             taken.add(dests[k].seq_id)
-
-        # Copy first: a later trim may shorten a slot that another job copies from.
-        for k in range(n):
-            src, dest = sources[k], dests[k]
-            assert dest is not None
-            if src is not None and src is not dest:
-                self.copy_prefix(src, dest, cached[k])
-                src.last_used = self.clock
-        for k in range(n):
-            dest = dests[k]
-            assert dest is not None
-            self.trim(dest, cached[k])
-            dest.last_used = self.clock
-            group_jobs[k].slot = dest
-
-        copies: list[int] = []
-        if shared:
-            copies = [k for k in range(n) if k != root and cached[k] < shared]
-        starts = [shared if k in copies else cached[k] for k in range(n)]
-        if copies:
-            starts[root] = max(cached[root], shared)
-        else:
-            root = -1
-        new_cells = sum(
-            len(j.tokens) - start + j.reserve for j, start in zip(group_jobs, starts, strict=True)
-        )
-        if root >= 0:
-            new_cells += max(shared - cached[root], 0)
-        if not self.make_room(taken, new_cells):
-            return None
-        return Plan(root=root, copies=copies, cached=cached, starts=starts, new_cells=new_cells)
+        assert all(d is not None for d in dests)
+        return dests  # type: ignore[return-value]
 
     def make_room(self, keep: set[int], new_cells: int) -> bool:
         """Evict slots not in `keep` (least recently used first) until `new_cells` cells are free.
