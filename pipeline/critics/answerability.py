@@ -120,29 +120,9 @@ def read_support(
     states: list[dict[int, tuple[float, ...]]] = [{} for _ in grounded]
 
     # The source's own support (and, for likelihood, its gain), over all branches.
-    gains: list[float | None] = [None] * len(grounded)
-    support: list[LabelProbs | None] = [None] * len(pairs)
-    read_states = bool(blocks)
-    if isinstance(inner, LikelihoodCritic):
-        signals = inner.support_signals(branches, drafts)
-        support = list(inner.support_from_signals(signals))
-        gains = [signals[i].value for i in grounded]
-    elif isinstance(inner, LearnedCritic):
-        # The heads' read and the blocks' output come from one engine request.
-        reads = inner.read_with_layers(
-            "support", [p for p, _ in prompts], [n for _, n in prompts], middle
-        )
-        for k, (probs, scores) in enumerate(reads):
-            support[grounded[k]] = probs
-            states[k] = block_states(scores, blocks, last)
-        rest = [i for i in range(len(pairs)) if support[i] is None]
-        rest_probs = inner.support([branches[i] for i in rest], [drafts[i] for i in rest])
-        for i, probs in zip(rest, rest_probs, strict=True):
-            support[i] = probs
-        read_states = False
-    else:
-        support = list(inner.support(branches, drafts))
-
+    support, gains, read_states = _source_support(
+        inner, model, branches, drafts, grounded, prompts, blocks, states
+    )
     if read_states and prompts:
         requests = read_requests(
             [p for p, _ in prompts], [n for _, n in prompts], hidden=last in blocks, layers=middle
@@ -152,15 +132,9 @@ def read_support(
             extra[k] += r.prefill_tokens
 
     # The draft's log-probability without its passage, in the layout it was drafted in.
-    missing = [k for k, g in enumerate(gains) if g is None] if gain else []
-    if missing:
-        requests_c = [
-            ContinuationRequest(chat.draft_prompt(replace(gb[k], passage=None))[0], gd[k].tokens)
-            for k in missing
-        ]
-        for k, s in zip(missing, model.continuation_logprobs(requests_c), strict=True):
-            gains[k] = (sum(gd[k].logprobs) - sum(s.logprobs)) / len(gd[k].tokens)
-            extra[k] += s.prefill_tokens
+    if gain:
+        for k, cost in _closed_book_gains(chat, model, gb, gd, gains).items():
+            extra[k] += cost
 
     # Relevance where the caller does not know it.
     rel = [relevance[i] for i in grounded]
@@ -188,6 +162,68 @@ def read_support(
         named.update({probe_name(block, "relevance"): v for block, v in r.states.items()})
         out[i] = SupportReading(done[i], values, named, extra[k])
     return out
+
+
+def _source_support(
+    inner: Critic,
+    model: LanguageModel,
+    branches: Sequence[Branch],
+    drafts: Sequence[Generation],
+    grounded: Sequence[int],
+    prompts: Sequence[tuple[list[int], int]],
+    blocks: Sequence[int],
+    states: list[dict[int, tuple[float, ...]]],
+) -> tuple[list[LabelProbs | None], list[float | None], bool]:
+    """The source's own support of every branch, the likelihood source's gain of the grounded
+    ones (None elsewhere), and whether the blocks' states still need a request of their own
+    (the learned source reads them with its heads' request, filling `states`)."""
+    gains: list[float | None] = [None] * len(grounded)
+    support: list[LabelProbs | None] = [None] * len(branches)
+    if isinstance(inner, LikelihoodCritic):
+        signals = inner.support_signals(branches, drafts)
+        support = list(inner.support_from_signals(signals))
+        gains = [signals[i].value for i in grounded]
+        return support, gains, bool(blocks)
+    if not isinstance(inner, LearnedCritic):
+        return list(inner.support(branches, drafts)), gains, bool(blocks)
+    # The heads' read and the blocks' output come from one engine request.
+    last, middle = _split(model, blocks)
+    reads = inner.read_with_layers(
+        "support", [p for p, _ in prompts], [n for _, n in prompts], middle
+    )
+    for k, (probs, scores) in enumerate(reads):
+        support[grounded[k]] = probs
+        states[k] = block_states(scores, blocks, last)
+    rest = [i for i in range(len(branches)) if support[i] is None]
+    rest_probs = inner.support([branches[i] for i in rest], [drafts[i] for i in rest])
+    for i, probs in zip(rest, rest_probs, strict=True):
+        support[i] = probs
+    return support, gains, False
+
+
+def _closed_book_gains(
+    chat: ChatCritic,
+    model: LanguageModel,
+    branches: Sequence[Branch],
+    drafts: Sequence[Generation],
+    gains: list[float | None],
+) -> dict[int, int]:
+    """Fill the missing `gains`: each draft's mean per-token log-probability with its passage
+    minus without it (one continuation request each); returns the prompt tokens each cost."""
+    missing = [k for k, g in enumerate(gains) if g is None]
+    if not missing:
+        return {}
+    requests = [
+        ContinuationRequest(
+            chat.draft_prompt(replace(branches[k], passage=None))[0], drafts[k].tokens
+        )
+        for k in missing
+    ]
+    cost: dict[int, int] = {}
+    for k, s in zip(missing, model.continuation_logprobs(requests), strict=True):
+        gains[k] = (sum(drafts[k].logprobs) - sum(s.logprobs)) / len(drafts[k].tokens)
+        cost[k] = s.prefill_tokens
+    return cost
 
 
 def block_states(
