@@ -71,6 +71,39 @@ class _LlamaMemory:
         llama_cpp.llama_memory_clear(self._mem, False)
 
 
+def check_sizes(*, n_ctx: int, n_seq_max: int, n_batch: int, n_threads: int) -> None:
+    """Refuse sizes llama.cpp cannot run with, naming the setting."""
+    if n_seq_max < 1:
+        raise ValueError(f"n_seq_max must be at least 1, got {n_seq_max}")
+    if n_batch < 1 or n_ctx < 1:
+        raise ValueError(f"n_ctx and n_batch must be positive, got {n_ctx} and {n_batch}")
+    if n_threads < 0:
+        raise ValueError(f"n_threads must be 0 (all cores) or positive, got {n_threads}")
+
+
+def context_params(
+    *, n_ctx: int, n_batch: int, n_seq_max: int, threads: int
+) -> llama_cpp.llama_context_params:
+    """The engine's llama.cpp context: one unified KV cache for all sequences, no pooling,
+    hidden states off until a decode call reads them."""
+    ctx_params = llama_cpp.llama_context_default_params()
+    ctx_params.n_ctx = n_ctx
+    ctx_params.n_batch = n_batch
+    ctx_params.n_ubatch = min(n_batch, 512)
+    ctx_params.n_seq_max = n_seq_max
+    ctx_params.n_threads = threads
+    ctx_params.n_threads_batch = threads
+    # One cache for all sequences: seq_cp only tags cells, and a long prompt may use more
+    # than n_ctx / n_seq_max cells.
+    ctx_params.kv_unified = True
+    ctx_params.no_perf = True
+    # Hidden states are switched on only for the decode calls that read them: with
+    # embeddings on, llama.cpp computes logits for every token of the batch.
+    ctx_params.embeddings = False
+    ctx_params.pooling_type = llama_cpp.LLAMA_POOLING_TYPE_NONE
+    return ctx_params
+
+
 class LlamaEngine(Closeable):
     """A llama.cpp model with batched scoring, batched greedy generation and a prefix cache.
 
@@ -94,12 +127,7 @@ class LlamaEngine(Closeable):
         prefix_min_tokens: int = 32,
         layer_tap: bool = False,
     ) -> None:
-        if n_seq_max < 1:
-            raise ValueError(f"n_seq_max must be at least 1, got {n_seq_max}")
-        if n_batch < 1 or n_ctx < 1:
-            raise ValueError(f"n_ctx and n_batch must be positive, got {n_ctx} and {n_batch}")
-        if n_threads < 0:
-            raise ValueError(f"n_threads must be 0 (all cores) or positive, got {n_threads}")
+        check_sizes(n_ctx=n_ctx, n_seq_max=n_seq_max, n_batch=n_batch, n_threads=n_threads)
         check_gguf(model_path)
         threads = n_threads or os.cpu_count() or 1
         # Probes the model in a child process first: an unusable CPU feature must not kill us.
@@ -123,21 +151,9 @@ class LlamaEngine(Closeable):
         self._n_vocab = self._vocab.n_tokens
         self._n_embd = int(llama_cpp.llama_model_n_embd(self._model))
 
-        ctx_params = llama_cpp.llama_context_default_params()
-        ctx_params.n_ctx = n_ctx
-        ctx_params.n_batch = n_batch
-        ctx_params.n_ubatch = min(n_batch, 512)
-        ctx_params.n_seq_max = n_seq_max
-        ctx_params.n_threads = threads
-        ctx_params.n_threads_batch = threads
-        # One cache for all sequences: seq_cp only tags cells, and a long prompt may use more
-        # than n_ctx / n_seq_max cells.
-        ctx_params.kv_unified = True
-        ctx_params.no_perf = True
-        # Hidden states are switched on only for the decode calls that read them: with
-        # embeddings on, llama.cpp computes logits for every token of the batch.
-        ctx_params.embeddings = False
-        ctx_params.pooling_type = llama_cpp.LLAMA_POOLING_TYPE_NONE
+        ctx_params = context_params(
+            n_ctx=n_ctx, n_batch=n_batch, n_seq_max=n_seq_max, threads=threads
+        )
         self._n_layers = int(llama_cpp.llama_model_n_layer(self._model))
         # The eval callback is asked about every graph node of every decode, so it is only
         # installed for an engine whose critique reads a middle layer.
@@ -157,18 +173,26 @@ class LlamaEngine(Closeable):
         self.n_batch = int(llama_cpp.llama_n_batch(self._ctx))
         self.n_seq_max = n_seq_max
         self.n_threads = threads
+        self._chat_template = self._meta_str("tokenizer.chat_template")
+        self._attach_batching(ctx_params, prefix_cache=prefix_cache, share_prefix=share_prefix)
+        if prefix_store is not None and model_sha256 is None:
+            self._model_sha256 = file_sha256(model_path)
+
+    def _attach_batching(
+        self, ctx_params: llama_cpp.llama_context_params, *, prefix_cache: bool, share_prefix: bool
+    ) -> None:
+        """The slot planner, the batch decoder and the prefix stager of the new context."""
         self._planner = SlotPlanner(
             _LlamaMemory(self._mem),
             n_ctx=self.n_ctx,
-            n_seq_max=n_seq_max,
+            n_seq_max=self.n_seq_max,
             prefix_cache=prefix_cache,
             share_prefix=share_prefix,
         )
         self._stats = EngineStats()
-        self._chat_template = self._meta_str("tokenizer.chat_template")
         self.layout = ContextLayout(
             n_ctx=self.n_ctx,
-            n_seq_max=n_seq_max,
+            n_seq_max=self.n_seq_max,
             kv_unified=bool(ctx_params.kv_unified),
             type_k=int(ctx_params.type_k),
             type_v=int(ctx_params.type_v),
@@ -191,8 +215,6 @@ class LlamaEngine(Closeable):
             stats=self._stats,
             layout=self.layout,
         )
-        if prefix_store is not None and model_sha256 is None:
-            self._model_sha256 = file_sha256(model_path)
 
     @property
     def slots(self) -> Sequence[Slot]:
