@@ -321,6 +321,34 @@ def build_http_app(
     posted = [*authed, Depends(require_json)]
     readiness = SharedReadiness(service.readiness, readiness_ttl_s)
 
+    _add_answer_routes(app, service, metrics, failures, log_answer, posted, keepalive_s)
+    _add_probe_routes(app, service, metrics, failures, readiness, authed)
+    add_openai_routes(
+        app,
+        service,
+        metrics,
+        model_name=model_name,
+        authed=authed,
+        posted=posted,
+        log_answer=log_answer,
+        keepalive_s=keepalive_s,
+        retry_after_s=retry_after_s,
+    )
+    add_playground(app)
+    return app
+
+
+def _add_answer_routes(
+    app: FastAPI,
+    service: AnswerService,
+    metrics: Metrics,
+    failures: _Failures,
+    log_answer: AnswerLog,
+    posted: list[Any],
+    keepalive_s: float,
+) -> None:
+    """`POST /v1/answer` and `POST /v1/answer/stream`."""
+
     @app.post(
         "/v1/answer", response_model=AnswerResponse, dependencies=posted, responses=ERROR_RESPONSES
     )
@@ -361,6 +389,17 @@ def build_http_app(
         )
         return await stream.respond()
 
+
+def _add_probe_routes(
+    app: FastAPI,
+    service: AnswerService,
+    metrics: Metrics,
+    failures: _Failures,
+    readiness: SharedReadiness,
+    authed: list[Any],
+) -> None:
+    """`/healthz`, `/readyz` and `/metrics`."""
+
     @app.get("/healthz")
     async def healthz() -> dict[str, str]:
         """Liveness: the process serves HTTP."""
@@ -395,17 +434,3 @@ def build_http_app(
         except Exception as exc:
             log.warning("service metrics unavailable: %s", exc)
         return Response(metrics.render(), media_type=PROMETHEUS_CONTENT_TYPE)
-
-    add_openai_routes(
-        app,
-        service,
-        metrics,
-        model_name=model_name,
-        authed=authed,
-        posted=posted,
-        log_answer=log_answer,
-        keepalive_s=keepalive_s,
-        retry_after_s=retry_after_s,
-    )
-    add_playground(app)
-    return app
