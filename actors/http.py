@@ -32,7 +32,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from selfrag.actors.guards import HostCheck, SharedReadiness, require_json
 from selfrag.actors.metrics import Metrics
-from selfrag.actors.openai_api import OpenAIError, add_openai_routes, is_openai_path
+from selfrag.actors.openai_api import add_openai_routes, is_openai_path
+from selfrag.actors.openai_format import OpenAIError
 from selfrag.actors.playground import add_playground
 from selfrag.actors.streaming import (
     KEEPALIVE_S,

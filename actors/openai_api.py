@@ -30,91 +30,39 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 
-from selfrag.actors.citations import AnswerText, annotations, cited_urls
+from selfrag.actors.citations import annotations, cited_urls
 from selfrag.actors.metrics import Metrics
-from selfrag.actors.streaming import AnswerLog, AnswerService, AnswerStream, request_id, sse
-from selfrag.schemas.answer import MAX_QUESTION_CHARS, AnswerRequest, AnswerResponse, SegmentOut
+from selfrag.actors.openai_format import (
+    OpenAIError,
+    OpenAIStreamFormat,
+    finish_reason,
+    from_answer_error,
+    usage_of,
+)
+from selfrag.actors.streaming import AnswerLog, AnswerService, AnswerStream, request_id
+from selfrag.schemas.answer import MAX_QUESTION_CHARS, AnswerRequest, AnswerResponse
 from selfrag.schemas.errors import AnswerError
-from selfrag.schemas.events import SegmentEvent
 from selfrag.schemas.openai import (
     AssistantMessage,
     ChatChoice,
-    ChatChunkChoice,
     ChatCompletion,
-    ChatCompletionChunk,
     ChatCompletionRequest,
     ChatMessage,
-    ChunkDelta,
     Completion,
     CompletionRequest,
     CompletionUsage,
-    DeltaAnnotation,
-    FinishReason,
     ModelCard,
     ModelList,
-    OpenAIErrorBody,
-    OpenAIErrorDetail,
-    StreamedSegment,
     TextChoice,
 )
 
 OPENAI_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/models")
-DONE = b"data: [DONE]\n\n"
 _TURN = {"user": "User", "assistant": "Assistant"}
 
 
 def is_openai_path(path: str) -> bool:
     """Whether errors on `path` use OpenAI's envelope."""
     return any(path == p or path.startswith(p + "/") for p in OPENAI_PATHS)
-
-
-class OpenAIError(Exception):
-    """A failure on an OpenAI route, in OpenAI's terms."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        *,
-        code: str | None = None,
-        param: str | None = None,
-        headers: dict[str, str] | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status = status
-        self.body = OpenAIErrorBody(
-            error=OpenAIErrorDetail(
-                message=message, type=error_type(status), param=param, code=code
-            )
-        )
-        self.headers = headers
-
-    def response(self) -> JSONResponse:
-        return JSONResponse(
-            self.body.model_dump(mode="json"), status_code=self.status, headers=self.headers
-        )
-
-
-def error_type(status: int) -> str:
-    """OpenAI's error `type` for a status."""
-    if status == 401:
-        return "authentication_error"
-    if status == 404:
-        return "not_found_error"
-    if status == 429:
-        return "rate_limit_error"
-    return "invalid_request_error" if status < 500 else "server_error"
-
-
-def from_answer_error(exc: AnswerError, rid: str, retry_after_s: int) -> OpenAIError:
-    """An answer-path failure: a request the system cannot answer is a 400 here (OpenAI
-    has no 422); an internal error says only where to look in the log."""
-    status = 400 if exc.status == 422 else exc.status
-    message = str(exc.detail)
-    if exc.status == 500 and exc.kind == "internal_error":
-        message = f"internal error; request id {rid}"
-    headers = {"Retry-After": str(retry_after_s)} if status == 503 else None
-    return OpenAIError(status, message, code=exc.kind, headers=headers)
 
 
 Loc = tuple[int | str, ...]
@@ -165,131 +113,6 @@ def conversation_question(messages: Sequence[ChatMessage]) -> str:
     return head + "\n".join(kept) + tail if kept else question
 
 
-def finish_reason(response: AnswerResponse) -> FinishReason:
-    """`length` when a budget ended the answer or it used every token it was allowed."""
-    cfg, segments = response.config, response.segments
-    if response.usage.stopped_by is not None:
-        return "length"
-    full = len(segments) == cfg.max_segments and segments[-1].n_tokens >= cfg.max_segment_tokens
-    return "length" if full else "stop"
-
-
-def usage_of(response: AnswerResponse) -> CompletionUsage:
-    u = response.usage
-    return CompletionUsage(
-        prompt_tokens=u.prefill_tokens,
-        completion_tokens=u.decode_tokens,
-        total_tokens=u.prefill_tokens + u.decode_tokens,
-    )
-
-
-class OpenAIStreamFormat:
-    """Chunks of a chat or text completion: one per segment as it is decoded (segments only
-    ever append: with beam > 1 they wait for the answer), the answer's closing chunk, an
-    optional usage chunk, then `[DONE]`."""
-
-    def __init__(
-        self,
-        kind: Literal["chat", "text"],
-        *,
-        completion_id: str,
-        created: int,
-        model: str,
-        hold: bool,
-        include_usage: bool,
-        retry_after_s: int,
-    ) -> None:
-        self._kind = kind
-        self._id, self._created, self._model = completion_id, created, model
-        self._hold = hold
-        self._include_usage = include_usage
-        self._retry_after_s = retry_after_s
-        self._sent = 0  # segments streamed
-        self._text = AnswerText()  # what they joined into, for the annotations' indexes
-        self._annotated = 0  # annotations streamed
-        self._began = False
-
-    def _chunk(
-        self,
-        text: str | None,
-        *,
-        finish: FinishReason | None = None,
-        selfrag: StreamedSegment | AnswerResponse | None = None,
-        usage: CompletionUsage | None = None,
-        no_choice: bool = False,
-        annotation: DeltaAnnotation | None = None,
-        citations: list[str] | None = None,
-    ) -> bytes:
-        model: BaseModel
-        if self._kind == "chat":
-            delta = ChunkDelta(content=text, annotations=[annotation] if annotation else None)
-            if not self._began:
-                delta.role, self._began = "assistant", True
-            choices = [ChatChunkChoice(index=0, delta=delta, finish_reason=finish, selfrag=selfrag)]
-            model = ChatCompletionChunk(
-                id=self._id,
-                created=self._created,
-                model=self._model,
-                choices=[] if no_choice else choices,
-                usage=usage,
-                citations=citations,
-            )
-        else:
-            choice = TextChoice(index=0, text=text or "", finish_reason=finish, selfrag=selfrag)
-            model = Completion(
-                id=self._id,
-                created=self._created,
-                model=self._model,
-                choices=[] if no_choice else [choice],
-                usage=usage,
-            )
-        return sse(None, model.model_dump(mode="json"))
-
-    def _segment(self, index: int, segment: SegmentOut) -> bytes:
-        """The chunk of a segment that is final: its text and, in a chat, its annotation."""
-        text, found = self._text.append(segment)
-        self._sent += 1
-        annotation = None
-        if found is not None and self._kind == "chat":
-            annotation = DeltaAnnotation(index=self._annotated, url_citation=found.url_citation)
-            self._annotated += 1
-        return self._chunk(
-            text, selfrag=StreamedSegment(index=index, segment=segment), annotation=annotation
-        )
-
-    def segment(self, event: SegmentEvent) -> bytes:
-        # A replaced segment (index below what was sent) cannot be taken back: hold it.
-        if self._hold or event.index != self._sent:
-            return b""
-        return self._segment(event.index, event.segment)
-
-    def answer(self, response: AnswerResponse) -> bytes:
-        out = []
-        if response.abstained:
-            text = response.answer if self._sent == 0 else "\n\n" + response.answer
-            out.append(self._chunk(text))
-        else:
-            for i in range(self._sent, len(response.segments)):
-                out.append(self._segment(i, response.segments[i]))
-        citations = cited_urls(response) if self._kind == "chat" else None
-        out.append(
-            self._chunk(None, finish=finish_reason(response), selfrag=response, citations=citations)
-        )
-        if self._include_usage:
-            out.append(self._chunk(None, usage=usage_of(response), no_choice=True))
-        return b"".join(out)
-
-    def error(self, exc: AnswerError, rid: str) -> bytes:
-        failure = from_answer_error(exc, rid, self._retry_after_s)
-        return sse(None, failure.body.model_dump(mode="json"))
-
-    def end(self) -> bytes:
-        return DONE
-
-    def error_response(self, exc: AnswerError, rid: str) -> Response:
-        return from_answer_error(exc, rid, self._retry_after_s).response()
-
-
 Body = TypeVar("Body", bound=BaseModel)
 
 
@@ -336,113 +159,90 @@ def _answer_request(
         raise invalid(exc, field) from exc
 
 
-def add_openai_routes(
-    app: FastAPI,
-    service: AnswerService,
-    metrics: Metrics,
-    *,
-    model_name: str,
-    authed: Sequence[Any],
-    posted: Sequence[Any],
-    log_answer: AnswerLog,
-    keepalive_s: float,
-    retry_after_s: int,
-) -> None:
-    """Register the OpenAI-compatible routes on `app`: GETs behind `authed`, POSTs behind
-    `posted` (the key and the JSON content type)."""
-    created = int(time.time())
-    card = ModelCard(id=model_name, created=created)
+class _Routes:
+    """What the OpenAI-compatible routes share: the service, the served model's card, the
+    answer log and the stream settings."""
 
-    @app.exception_handler(OpenAIError)
-    async def openai_error(_: Request, exc: OpenAIError) -> JSONResponse:
-        return exc.response()
+    def __init__(
+        self,
+        service: AnswerService,
+        metrics: Metrics,
+        *,
+        model_name: str,
+        log_answer: AnswerLog,
+        keepalive_s: float,
+        retry_after_s: int,
+    ) -> None:
+        self.service = service
+        self.metrics = metrics
+        self.model_name = model_name
+        self.card = ModelCard(id=model_name, created=int(time.time()))
+        self.log_answer = log_answer
+        self.keepalive_s = keepalive_s
+        self.retry_after_s = retry_after_s
 
-    def check_model(name: str) -> None:
-        if name != model_name:
+    def check_model(self, name: str) -> None:
+        if name != self.model_name:
             raise OpenAIError(
                 404,
-                f"the model {name!r} does not exist; this server serves {model_name!r}",
+                f"the model {name!r} does not exist; this server serves {self.model_name!r}",
                 code="model_not_found",
                 param="model",
             )
 
-    async def answer_one(request: Request, body: AnswerRequest) -> AnswerResponse:
+    async def answer_one(self, request: Request, body: AnswerRequest) -> AnswerResponse:
         started, rid = time.perf_counter(), request_id(request)
         try:
-            result = await service.answer(body)
+            result = await self.service.answer(body)
         except AnswerError as exc:
-            log_answer(body.question, exc.status, started, rid)
-            raise from_answer_error(exc, rid, retry_after_s) from exc
-        log_answer(body.question, 200, started, rid)
+            self.log_answer(body.question, exc.status, started, rid)
+            raise from_answer_error(exc, rid, self.retry_after_s) from exc
+        self.log_answer(body.question, 200, started, rid)
         return result.response
 
-    def stream(
+    async def stream(
+        self,
         request: Request,
         body: AnswerRequest,
         kind: Literal["chat", "text"],
         options: ChatCompletionRequest | CompletionRequest,
         completion_id: str,
-    ) -> Any:
+    ) -> Response:
         try:
-            beam = service.config(body).beam
+            beam = self.service.config(body).beam
         except AnswerError as exc:
-            raise from_answer_error(exc, request_id(request), retry_after_s) from exc
+            raise from_answer_error(exc, request_id(request), self.retry_after_s) from exc
         fmt = OpenAIStreamFormat(
             kind,
             completion_id=completion_id,
             created=int(time.time()),
-            model=model_name,
+            model=self.model_name,
             hold=beam > 1,
             include_usage=bool(options.stream_options and options.stream_options.include_usage),
-            retry_after_s=retry_after_s,
+            retry_after_s=self.retry_after_s,
         )
-        return AnswerStream(
-            service,
+        return await AnswerStream(
+            self.service,
             body,
             request,
             fmt,
-            log_answer=log_answer,
-            metrics=metrics,
-            keepalive_s=keepalive_s,
+            log_answer=self.log_answer,
+            metrics=self.metrics,
+            keepalive_s=self.keepalive_s,
         ).respond()
 
-    @app.get("/v1/models", dependencies=authed, response_model=ModelList)
-    async def list_models() -> ModelList:
-        """The one model this server serves (`serve.model_name`)."""
-        return ModelList(data=[card])
-
-    @app.get("/v1/models/{model}", dependencies=authed, response_model=ModelCard)
-    async def get_model(model: str) -> ModelCard:
-        check_model(model)
-        return card
-
-    @app.post(
-        "/v1/chat/completions",
-        dependencies=posted,
-        response_model=ChatCompletion,
-        responses={200: {"content": {"text/event-stream": {}}}},
-        openapi_extra={
-            "requestBody": {
-                "content": {
-                    "application/json": {"schema": ChatCompletionRequest.model_json_schema()}
-                },
-                "required": True,
-            }
-        },
-    )
-    async def chat_completions(request: Request) -> Response:
-        """OpenAI chat completions: the last user message is the question."""
+    async def chat_completions(self, request: Request) -> Response:
         body = await _parse(request, ChatCompletionRequest)
-        check_model(body.model)
+        self.check_model(body.model)
         answer_request = _answer_request(conversation_question(body.messages), body, "messages")
         completion_id = f"chatcmpl-{request_id(request)}"
         if body.stream:
-            return await stream(request, answer_request, "chat", body, completion_id)
-        response = await answer_one(request, answer_request)
+            return await self.stream(request, answer_request, "chat", body, completion_id)
+        response = await self.answer_one(request, answer_request)
         completion = ChatCompletion(
             id=completion_id,
             created=int(time.time()),
-            model=model_name,
+            model=self.model_name,
             choices=[
                 ChatChoice(
                     index=0,
@@ -458,22 +258,9 @@ def add_openai_routes(
         )
         return JSONResponse(completion.model_dump(mode="json"))
 
-    @app.post(
-        "/v1/completions",
-        dependencies=posted,
-        response_model=Completion,
-        responses={200: {"content": {"text/event-stream": {}}}},
-        openapi_extra={
-            "requestBody": {
-                "content": {"application/json": {"schema": CompletionRequest.model_json_schema()}},
-                "required": True,
-            }
-        },
-    )
-    async def completions(request: Request) -> Response:
-        """OpenAI (legacy) completions: each prompt is a question, answered concurrently."""
+    async def completions(self, request: Request) -> Response:
         body = await _parse(request, CompletionRequest)
-        check_model(body.model)
+        self.check_model(body.model)
         single = isinstance(body.prompt, str)
         requests = [
             _answer_request(p, body, "prompt" if single else f"prompt.{i}")
@@ -485,10 +272,10 @@ def add_openai_routes(
                 raise OpenAIError(
                     400, "stream needs a single prompt", code="invalid_request", param="prompt"
                 )
-            return await stream(request, requests[0], "text", body, completion_id)
+            return await self.stream(request, requests[0], "text", body, completion_id)
         try:
             async with asyncio.TaskGroup() as group:  # one failure cancels the other prompts
-                tasks = [group.create_task(answer_one(request, r)) for r in requests]
+                tasks = [group.create_task(self.answer_one(request, r)) for r in requests]
         except* OpenAIError as failures:
             raise failures.exceptions[0] from None
         responses = [t.result() for t in tasks]
@@ -501,7 +288,7 @@ def add_openai_routes(
         completion = Completion(
             id=completion_id,
             created=int(time.time()),
-            model=model_name,
+            model=self.model_name,
             choices=[
                 TextChoice(index=i, text=r.answer, finish_reason=finish_reason(r), selfrag=r)
                 for i, r in enumerate(responses)
@@ -509,3 +296,75 @@ def add_openai_routes(
             usage=total,
         )
         return JSONResponse(completion.model_dump(mode="json"))
+
+
+def _json_body(schema: type[BaseModel]) -> dict[str, Any]:
+    """The OpenAPI request body of a route that parses its JSON itself (`_parse`)."""
+    return {
+        "requestBody": {
+            "content": {"application/json": {"schema": schema.model_json_schema()}},
+            "required": True,
+        }
+    }
+
+
+def add_openai_routes(
+    app: FastAPI,
+    service: AnswerService,
+    metrics: Metrics,
+    *,
+    model_name: str,
+    authed: Sequence[Any],
+    posted: Sequence[Any],
+    log_answer: AnswerLog,
+    keepalive_s: float,
+    retry_after_s: int,
+) -> None:
+    """Register the OpenAI-compatible routes on `app`: GETs behind `authed`, POSTs behind
+    `posted` (the key and the JSON content type)."""
+    routes = _Routes(
+        service,
+        metrics,
+        model_name=model_name,
+        log_answer=log_answer,
+        keepalive_s=keepalive_s,
+        retry_after_s=retry_after_s,
+    )
+
+    @app.exception_handler(OpenAIError)
+    async def openai_error(_: Request, exc: OpenAIError) -> JSONResponse:
+        return exc.response()
+
+    @app.get("/v1/models", dependencies=authed, response_model=ModelList)
+    async def list_models() -> ModelList:
+        """The one model this server serves (`serve.model_name`)."""
+        return ModelList(data=[routes.card])
+
+    @app.get("/v1/models/{model}", dependencies=authed, response_model=ModelCard)
+    async def get_model(model: str) -> ModelCard:
+        routes.check_model(model)
+        return routes.card
+
+    streams = {200: {"content": {"text/event-stream": {}}}}
+
+    @app.post(
+        "/v1/chat/completions",
+        dependencies=posted,
+        response_model=ChatCompletion,
+        responses=streams,
+        openapi_extra=_json_body(ChatCompletionRequest),
+    )
+    async def chat_completions(request: Request) -> Response:
+        """OpenAI chat completions: the last user message is the question."""
+        return await routes.chat_completions(request)
+
+    @app.post(
+        "/v1/completions",
+        dependencies=posted,
+        response_model=Completion,
+        responses=streams,
+        openapi_extra=_json_body(CompletionRequest),
+    )
+    async def completions(request: Request) -> Response:
+        """OpenAI (legacy) completions: each prompt is a question, answered concurrently."""
+        return await routes.completions(request)
