@@ -184,6 +184,13 @@ def _dataset_args(p: argparse.ArgumentParser, optional: bool = False) -> None:
 
 
 def _eval_parsers(sub: Any) -> None:
+    """`eval`, `calibrate` and `train`."""
+    _eval_parser(sub)
+    _calibrate_parser(sub)
+    _train_parser(sub)
+
+
+def _eval_parser(sub: Any) -> None:
     from selfrag.schemas.records import DEFAULT_SYSTEMS, SYSTEMS  # not jobs.evaluation: --help
 
     p_eval = sub.add_parser("eval", help="Run QA systems on a dataset and write a report.")
@@ -211,6 +218,8 @@ def _eval_parsers(sub: Any) -> None:
     p_eval.add_argument("--actors", type=int, help="With --ray: engine actors.")
     _decoding_flags(p_eval)
 
+
+def _calibrate_parser(sub: Any) -> None:
     p_cal = sub.add_parser(
         "calibrate",
         help="Without a dataset: fit the support threshold (min_support_score) on the index, "
@@ -247,6 +256,8 @@ def _eval_parsers(sub: Any) -> None:
     p_cal.add_argument("--samples", type=Path, help="Also write the raw samples (JSONL) here.")
     p_cal.add_argument("--dry-run", action="store_true", help="Fit and print; write nothing.")
 
+
+def _train_parser(sub: Any) -> None:
     p_train = sub.add_parser(
         "train",
         help="Fit the reflection heads of the model file (the learned critique) on the index, "
