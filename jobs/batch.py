@@ -143,22 +143,7 @@ def stream_answers(
     )
     # Settings travel pickled: their secrets (qdrant_api_key, redis_url) stay secret types,
     # masked in any repr or log; a JSON dump would replace them by the mask for good.
-    retriever = None
-    if embedded:
-        # The embedded store is a folder on the driver's machine, owned by one process: on a
-        # cluster the retriever must run on the driver's node, never elsewhere.
-        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-        here = ray.get_runtime_context().get_node_id()
-        retriever = (
-            ray.remote(PassageService)
-            .options(
-                num_cpus=RETRIEVER_CPUS,
-                scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=False),
-                **ray_runtime_env(settings.model),
-            )
-            .remote(settings)
-        )
+    retriever = _store_actor(settings) if embedded else None
     by_key = {j.key: j for j in jobs}
     from ray.data import DataContext
 
@@ -203,6 +188,25 @@ def stream_answers(
                 ray.get(retriever.close.remote(), timeout=30)
             finally:
                 ray.kill(retriever)
+
+
+def _store_actor(settings: Settings) -> Any:
+    """The one `PassageService` actor that owns the embedded store: the store is a folder on
+    the driver's machine, owned by one process, so on a cluster it runs on the driver's node,
+    never elsewhere."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    here = ray.get_runtime_context().get_node_id()
+    return (
+        ray.remote(PassageService)
+        .options(
+            num_cpus=RETRIEVER_CPUS,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=False),
+            **ray_runtime_env(settings.model),
+        )
+        .remote(settings)
+    )
 
 
 def run_batch(
