@@ -145,19 +145,7 @@ def calibrate_support(
 
     started = time.monotonic()
     source = critique or rag.settings.decoding.critique
-    rng = random.Random(plan.seed)
-    groups = sample_by_collection(rag.store.passages(), 4 * plan.questions, rng)
-    per = plan.questions
-    if len(groups) > 1:
-        per = max(MIN_QUESTIONS_PER_COLLECTION, math.ceil(plan.questions / len(groups)))
-    by_collection = [
-        # Sorted, so the draw does not depend on the order the store lists its points in.
-        synthetic_pairs(
-            sorted(groups[c], key=lambda p: p.id), rag.store.search, per, rng, plan.style
-        )
-        for c in sorted(groups)
-    ]
-    pairs = _interleaved(by_collection)
+    pairs = draw_pairs(rag, plan)
     _enough(sum(1 for p in pairs if p.answerable))  # before any model work
     scores = score_pairs(rag, source, pairs, plan, progress=progress)
     answerable = [s.s_sup for s in scores if s.pair.answerable and s.s_sup is not None]
@@ -181,11 +169,7 @@ def calibrate_support(
         min_support_score=round(choice.threshold, 6),
         max_answerable_abstain=plan.max_answerable_abstain,
         answerable_abstain=round(choice.answerable_abstain, 4),
-        unanswerable_abstain=(
-            round(choice.unanswerable_abstain, 4)
-            if choice.unanswerable_abstain is not None
-            else None
-        ),
+        unanswerable_abstain=_rounded(choice.unanswerable_abstain),
         auroc=_auroc(answerable, unanswerable),
         questions=sum(1 for s in scores if s.pair.answerable),
         answerable=summary(answerable),
@@ -198,9 +182,7 @@ def calibrate_support(
             c: {
                 "threshold": round(t.threshold, 6),
                 "answerable_abstain": round(t.answerable_abstain, 4),
-                "unanswerable_abstain": (
-                    None if t.unanswerable_abstain is None else round(t.unanswerable_abstain, 4)
-                ),
+                "unanswerable_abstain": _rounded(t.unanswerable_abstain),
             }
             for c, t in per_collection.items()
         },
@@ -215,6 +197,28 @@ def calibrate_support(
     path = save_calibration(rag.settings.home, cal)
     rag.calibrated.forget()
     return cal, path
+
+
+def draw_pairs(rag: SelfRAGSystem, plan: CorpusCalibrationPlan) -> list[SyntheticPair]:
+    """The calibration's question/passage pairs: drawn per collection of the index (each at
+    least MIN_QUESTIONS_PER_COLLECTION questions when there are several), interleaved."""
+    rng = random.Random(plan.seed)
+    groups = sample_by_collection(rag.store.passages(), 4 * plan.questions, rng)
+    per = plan.questions
+    if len(groups) > 1:
+        per = max(MIN_QUESTIONS_PER_COLLECTION, math.ceil(plan.questions / len(groups)))
+    by_collection = [
+        # Sorted, so the draw does not depend on the order the store lists its points in.
+        synthetic_pairs(
+            sorted(groups[c], key=lambda p: p.id), rag.store.search, per, rng, plan.style
+        )
+        for c in sorted(groups)
+    ]
+    return _interleaved(by_collection)
+
+
+def _rounded(share: float | None) -> float | None:
+    return None if share is None else round(share, 4)
 
 
 def _interleaved(groups: list[list[SyntheticPair]]) -> list[SyntheticPair]:
