@@ -17,7 +17,6 @@ A build without variants (one built-in CPU backend) is probed the same way: a cr
 
 from __future__ import annotations
 
-import argparse
 import ctypes
 import functools
 import hashlib
@@ -34,6 +33,8 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from importlib import metadata
 from pathlib import Path
+
+from selfrag.infra.llama_init import init_llama, route_llama_log
 
 logger = logging.getLogger(__name__)
 
@@ -174,7 +175,7 @@ def _child_env() -> dict[str, str]:
 
 def _run_child(args: Sequence[str], timeout_s: float) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "selfrag.infra.llama_backend", *args],
+        [sys.executable, "-m", "selfrag.infra.llama_probe", *args],
         capture_output=True,
         text=True,
         timeout=timeout_s,
@@ -433,118 +434,3 @@ def load_variant(path: Path) -> None:
     load.restype = ctypes.c_void_p
     if not load(str(path).encode()):
         raise BackendError(f"ggml could not load the CPU backend {path}")
-
-
-_init_lock = threading.Lock()
-_initialised = False
-_GGML_LOG_ERROR = 4
-_GGML_LOG_CONT = 5
-_last_log_level = 0
-
-
-def _route_log(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
-    # llama.cpp reports every tensor it loads at INFO level; only errors are worth showing.
-    global _last_log_level
-    if level != _GGML_LOG_CONT:
-        _last_log_level = level
-    if _last_log_level == _GGML_LOG_ERROR:
-        logger.error("llama.cpp: %s", text.decode("utf-8", errors="replace").rstrip())
-
-
-_log_callback = None
-
-
-def route_llama_log() -> None:
-    """Send llama.cpp's and ggml's log to `logging` (errors only) from now on."""
-    global _log_callback
-    import llama_cpp
-
-    if _log_callback is None:
-        _log_callback = llama_cpp.llama_log_callback(_route_log)
-        llama_cpp.llama_log_set(_log_callback, ctypes.c_void_p(0))
-
-
-def init_llama() -> None:
-    """`llama_backend_init` once per process, with llama.cpp's log sent to `logging`."""
-    global _initialised
-    import llama_cpp
-
-    with _init_lock:
-        if _initialised:
-            return
-        route_llama_log()
-        llama_cpp.llama_backend_init()
-        _initialised = True
-
-
-# --- the child process -------------------------------------------------------------------------
-
-
-def _score(path: str) -> int:
-    # The variant needs libggml-base by its soname; the one already loaded satisfies that.
-    ctypes.CDLL(str(library_dir() / "libggml-base.so"), mode=ctypes.RTLD_GLOBAL)
-    lib = ctypes.CDLL(path)
-    try:
-        fn = lib.ggml_backend_score
-    except AttributeError:
-        print(0)
-        return 0
-    fn.restype = ctypes.c_int
-    print(int(fn()))
-    return 0
-
-
-def _probe_main(model: str, variant: str | None, n_threads: int) -> int:
-    import llama_cpp
-
-    route_llama_log()  # keeps its callback alive: a collected one is a dangling pointer
-    if variant is not None:
-        load_variant(Path(variant))
-    llama_cpp.llama_backend_init()
-    params = llama_cpp.llama_model_default_params()
-    handle = llama_cpp.llama_model_load_from_file(model.encode(), params)
-    if not handle:
-        print(f"llama.cpp could not load {model}", file=sys.stderr)
-        return 3
-    ctx_params = llama_cpp.llama_context_default_params()
-    ctx_params.n_ctx = 256
-    ctx_params.n_batch = 128
-    ctx_params.n_threads = ctx_params.n_threads_batch = max(n_threads, 1)
-    ctx = llama_cpp.llama_init_from_model(handle, ctx_params)
-    if not ctx:
-        print("llama.cpp could not create a context", file=sys.stderr)
-        return 3
-    vocab = llama_cpp.llama_model_get_vocab(handle)
-    data = PROBE_PROMPT.encode()
-    buf = (llama_cpp.llama_token * 256)()
-    n = llama_cpp.llama_tokenize(vocab, data, len(data), buf, 256, True, False)
-    tokens = list(buf[: max(n, 0)]) or [0]
-    # A prompt batch (the matmul kernels) and then single-token steps (the vector kernels).
-    steps = [tokens, [tokens[-1]], [tokens[0]]]
-    for step in steps:
-        arr = (llama_cpp.llama_token * len(step))(*step)
-        if llama_cpp.llama_decode(ctx, llama_cpp.llama_batch_get_one(arr, len(step))) != 0:
-            print("llama_decode failed", file=sys.stderr)
-            return 4
-    llama_cpp.llama_free(ctx)
-    llama_cpp.llama_model_free(handle)
-    return 0
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m infra.llama_backend")
-    sub = parser.add_subparsers(dest="command", required=True)
-    p_score = sub.add_parser("score", help="print a CPU backend library's ggml score")
-    p_score.add_argument("path")
-    p_probe = sub.add_parser("probe", help="load a model with one backend and decode")
-    p_probe.add_argument("model")
-    p_probe.add_argument("--variant")
-    p_probe.add_argument("--threads", type=int, default=1)
-    args = parser.parse_args(argv)
-    if args.command == "score":
-        return _score(args.path)
-    return _probe_main(args.model, args.variant, args.threads)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -448,7 +448,7 @@ def _quantize(src: Path, target: Path, ftype: int) -> None:
     """Convert `src` into `target` with llama.cpp's `llama_model_quantize` (requantizing)."""
     import llama_cpp
 
-    from selfrag.infra.llama_backend import init_llama
+    from selfrag.infra.llama_init import init_llama
 
     init_llama()  # also routes llama.cpp's per-tensor progress log away from stdout
     params = llama_cpp.llama_model_quantize_default_params()
