@@ -50,13 +50,13 @@ def cmd_index(args: argparse.Namespace) -> int:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
+    from selfrag.jobs.eval_plots import write_plots
     from selfrag.jobs.evaluation import (
         ensure_indexed,
         load_questions,
         parse_systems,
         render_table,
         run_evaluation,
-        write_plots,
     )
     from selfrag.runtime.system import SelfRAGSystem
 

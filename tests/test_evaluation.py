@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from selfrag.cli import main
+from selfrag.jobs.eval_plots import threshold_curve
 from selfrag.jobs.evaluation import (
     REPORT_COLUMNS,
     EvalError,
@@ -15,7 +16,6 @@ from selfrag.jobs.evaluation import (
     parse_systems,
     read_records,
     run_evaluation,
-    threshold_curve,
 )
 from selfrag.pipeline.decoder import SelfRAGDecoder
 from selfrag.pipeline.protocols import Passage
