@@ -82,9 +82,13 @@ class BatchAnswerer:
         deadline: Deadline,
         on_step: StepListener | None,
     ) -> AnswerResponse:
-        store: Retriever = self._rag.store
-        if self._retriever is not None:
-            store = RemoteRetriever(actor_call(self._retriever, deadline))
+        # With the store actor, this actor never opens the store itself (an embedded folder
+        # takes one process).
+        store: Retriever = (
+            RemoteRetriever(actor_call(self._retriever, deadline))
+            if self._retriever is not None
+            else self._rag.store
+        )
 
         def answer(critic: MergedCritic) -> AnswerResponse:
             decoder = SelfRAGDecoder(
