@@ -179,7 +179,7 @@ class OpenAIStreamFormat:
             return b""
         return self._segment(event.index, event.segment)
 
-    def answer(self, response: AnswerResponse) -> bytes:
+    def final(self, response: AnswerResponse) -> bytes:
         out = []
         if response.abstained:
             text = response.answer if self._sent == 0 else "\n\n" + response.answer

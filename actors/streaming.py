@@ -106,7 +106,7 @@ class StreamFormat(Protocol):
         """A segment of the leader (index i replaces those ≥ i); b"" sends nothing yet."""
         ...
 
-    def answer(self, response: AnswerResponse) -> bytes:
+    def final(self, response: AnswerResponse) -> bytes:
         """The finished answer: the stream's last event."""
         ...
 
@@ -133,7 +133,7 @@ class NativeFormat:
     def segment(self, event: SegmentEvent) -> bytes:
         return sse("segment", event.model_dump(mode="json"))
 
-    def answer(self, response: AnswerResponse) -> bytes:
+    def final(self, response: AnswerResponse) -> bytes:
         return sse("answer", response.model_dump(mode="json"))
 
     def error(self, exc: AnswerError, rid: str) -> bytes:
@@ -210,7 +210,7 @@ class AnswerStream:
         if kind == "segment":
             return self._fmt.segment(data)
         if kind == "answer":
-            return self._fmt.answer(data)
+            return self._fmt.final(data)
         return self._fmt.error(data, self._rid)
 
     async def respond(self) -> Response:
