@@ -6,10 +6,9 @@ from __future__ import annotations
 
 import json
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from selfrag.pipeline.decoder import SelfRAGDecoder, StepListener
-from selfrag.pipeline.protocols import Retriever
 from selfrag.runtime.answering import (
     AnswerPath,
     CacheIdentity,
@@ -21,6 +20,9 @@ from selfrag.schemas.answer import AnswerResponse
 from selfrag.schemas.decoding import DecodingConfig
 from selfrag.schemas.errors import AnswerError
 from selfrag.schemas.settings import Settings
+
+if TYPE_CHECKING:
+    from selfrag.infra.qdrant_store import QdrantStore
 
 # Seconds a critique call waits for the other decoder threads of its actor before it runs
 # alone. The threads' searches queue at one retriever (~0.1 s each on a loaded 2-core box),
@@ -39,16 +41,11 @@ class BatchAnswerer:
         if n_threads and not settings.model.n_threads:
             model = settings.model.model_copy(update={"n_threads": n_threads})
             settings = settings.model_copy(update={"model": model})
-        self._settings = settings
         self._worker = EngineWorker(settings, merge_wait_s=MERGE_WAIT_S)
         self._rag = self._worker.rag
         self._model_id = self._worker.engine.model_id
         self._retriever = retriever
-        self._index_version = (
-            RemoteRetriever(actor_call(retriever, Deadline(STORE_TIMEOUT_S))).index_version()
-            if retriever is not None
-            else self._rag.store.index_version()
-        )
+        self._index_version = self._store(Deadline(STORE_TIMEOUT_S)).index_version()
         # The key the online endpoint uses too: a Redis shared with it serves both.
         self._path = AnswerPath.for_settings(settings)
 
@@ -71,6 +68,14 @@ class BatchAnswerer:
             return _error("internal_error", f"{type(exc).__name__}: {exc}")
         return _ok(answer.response, answer.cache)
 
+    def _store(self, deadline: Deadline) -> RemoteRetriever | QdrantStore:
+        """The passages: through the store actor within `deadline` when there is one (this
+        actor then never opens the store itself: an embedded folder takes one process), else
+        this actor's own store."""
+        if self._retriever is not None:
+            return RemoteRetriever(actor_call(self._retriever, deadline))
+        return self._rag.store
+
     def _identity(self) -> CacheIdentity:
         # Hashes the model file once per actor, and only when answers are cached.
         return CacheIdentity(self._index_version, self._rag.answer_fingerprint())
@@ -82,13 +87,7 @@ class BatchAnswerer:
         deadline: Deadline,
         on_step: StepListener | None,
     ) -> AnswerResponse:
-        # With the store actor, this actor never opens the store itself (an embedded folder
-        # takes one process).
-        store: Retriever = (
-            RemoteRetriever(actor_call(self._retriever, deadline))
-            if self._retriever is not None
-            else self._rag.store
-        )
+        store = self._store(deadline)
 
         def answer(critic: MergedCritic) -> AnswerResponse:
             decoder = SelfRAGDecoder(

@@ -41,7 +41,8 @@ class LearnedCritic(SequenceCritic):
     def _read(
         self, group: str, prompts: Sequence[list[int]], reusable: Sequence[int]
     ) -> list[LabelProbs]:
-        found = [self._take_shared(p) for p in prompts]
+        # Only utility is read where another group (support) already was.
+        found = [self._take_shared(p) if group == "utility" else None for p in prompts]
         todo = [i for i, h in enumerate(found) if h is None]
         read = self.hidden_states([prompts[i] for i in todo], [reusable[i] for i in todo])
         out = [LabelProbs({}, 0)] * len(prompts)
