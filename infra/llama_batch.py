@@ -9,6 +9,7 @@ asked for. Outputs are read as views right after the call that made them (`on_lo
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -19,6 +20,7 @@ import numpy.typing as npt
 from selfrag.infra.engine_stats import EngineStats
 from selfrag.infra.kv_slots import Slot, SlotPlanner
 from selfrag.infra.llama_layers import LayerTap
+from selfrag.infra.llama_threads import ThreadChooser
 
 
 class EngineError(RuntimeError):
@@ -53,6 +55,7 @@ class BatchDecoder:
         planner: SlotPlanner,
         stats: EngineStats,
         tap: LayerTap | None,
+        threads: ThreadChooser,
     ) -> None:
         self._ctx = ctx
         self.n_batch = n_batch
@@ -62,6 +65,8 @@ class BatchDecoder:
         self._stats = stats
         self._tap = tap
         self._embeddings_on = False
+        self.threads = threads
+        self._threads_now = threads.threads
         self.layer_rows: dict[int, npt.NDArray[np.float32]] = {}
         """The captured block outputs of the last decode call, indexed like its batch."""
         self._batch: llama_cpp.llama_batch | None = llama_cpp.llama_batch_init(n_batch, 0, 1)
@@ -109,10 +114,13 @@ class BatchDecoder:
             self.layer_rows = {}
             if tap is not None:
                 tap.arm(layers)
+            n_threads = self._set_threads(len(chunk))
+            started = time.perf_counter()
             try:
                 status = llama_cpp.llama_decode(self._ctx, self._batch)
             finally:
                 captured = tap.disarm() if tap is not None else {}
+            self.threads.record(len(chunk), n_threads, time.perf_counter() - started)
             self._stats.decode_calls += 1
             self._stats.batch_sizes[len(seqs)] += 1
             if status != 0:
@@ -130,6 +138,13 @@ class BatchDecoder:
             for feed, pos, b in outputs:
                 assert feed.on_logits is not None
                 feed.on_logits(pos, b)
+
+    def _set_threads(self, n_tokens: int) -> int:
+        n = self.threads.choose(n_tokens)
+        if n != self._threads_now:
+            llama_cpp.llama_set_n_threads(self._ctx, n, n)
+            self._threads_now = n
+        return n
 
     def _set_embeddings(self, on: bool) -> None:
         if on != self._embeddings_on:

@@ -38,6 +38,7 @@ from selfrag.infra.lifecycle import Closeable
 from selfrag.infra.llama_backend import ensure_backend
 from selfrag.infra.llama_batch import BatchDecoder, EngineError, Feed, greedy_logprob
 from selfrag.infra.llama_layers import LayerTap
+from selfrag.infra.llama_threads import ThreadChooser
 from selfrag.infra.llama_vocab import LlamaVocab
 from selfrag.infra.model_files import check_gguf, file_sha256
 from selfrag.pipeline.protocols import (
@@ -126,7 +127,10 @@ class LlamaEngine(Closeable):
         model_sha256: str | None = None,
         prefix_min_tokens: int = 32,
         layer_tap: bool = False,
+        adaptive_threads: bool = True,
     ) -> None:
+        """`adaptive_threads`: run small decode calls on one thread where that measures
+        faster (`infra.llama_threads`); False: every call on all `n_threads`."""
         check_sizes(n_ctx=n_ctx, n_seq_max=n_seq_max, n_batch=n_batch, n_threads=n_threads)
         check_gguf(model_path)
         threads = n_threads or os.cpu_count() or 1
@@ -174,12 +178,22 @@ class LlamaEngine(Closeable):
         self.n_seq_max = n_seq_max
         self.n_threads = threads
         self._chat_template = self._meta_str("tokenizer.chat_template")
-        self._attach_batching(ctx_params, prefix_cache=prefix_cache, share_prefix=share_prefix)
+        self._attach_batching(
+            ctx_params,
+            prefix_cache=prefix_cache,
+            share_prefix=share_prefix,
+            threads=ThreadChooser(threads, adaptive=adaptive_threads),
+        )
         if prefix_store is not None and model_sha256 is None:
             self._model_sha256 = file_sha256(model_path)
 
     def _attach_batching(
-        self, ctx_params: llama_cpp.llama_context_params, *, prefix_cache: bool, share_prefix: bool
+        self,
+        ctx_params: llama_cpp.llama_context_params,
+        *,
+        prefix_cache: bool,
+        share_prefix: bool,
+        threads: ThreadChooser,
     ) -> None:
         """The slot planner, the batch decoder and the prefix stager of the new context."""
         self._planner = SlotPlanner(
@@ -207,6 +221,7 @@ class LlamaEngine(Closeable):
             planner=self._planner,
             stats=self._stats,
             tap=self._tap,
+            threads=threads,
         )
         self._stager = PrefixStager(
             self._ctx,
@@ -313,6 +328,11 @@ class LlamaEngine(Closeable):
     def reset_stats(self) -> None:
         with self._lock:
             self._stats.reset()
+
+    def thread_choice(self) -> dict[int, int]:
+        """The threads small decode calls run on now, by call size (`ThreadChooser.chosen`)."""
+        with self._lock:
+            return self._decoder.threads.chosen()
 
     def clear_cache(self) -> None:
         """Forget every cached sequence (the next call starts from an empty KV cache)."""

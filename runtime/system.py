@@ -134,6 +134,7 @@ class SelfRAGSystem(Closeable):
             prefix_store=self.prefix_store,
             prefix_min_tokens=self.settings.cache.kv_min_tokens,
             layer_tap=self._layer_tap if self._layer_tap is not None else self.reads_layers,
+            adaptive_threads=m.adaptive_threads,
         )
 
     @cached_property

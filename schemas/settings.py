@@ -110,6 +110,12 @@ class ModelSettings(BaseModel):
         ge=0,
         description="llama.cpp threads per engine process; 0: all available cores (os.cpu_count).",
     )
+    adaptive_threads: bool = Field(
+        True,
+        description="Run small decode calls (generation steps) on one thread when that measures "
+        "faster for calls of their size, as it does for small models with passive waiting "
+        "(infra/llama_threads.py); false: every call on n_threads.",
+    )
     omp_wait_policy: WaitPolicy = Field(
         "passive",
         description="How llama.cpp's OpenMP threads wait (OMP_WAIT_POLICY, set in every engine "

@@ -681,3 +681,30 @@ def test_close_waits_for_the_call_in_progress(weights: Path) -> None:
     assert len(out) == 2 and out[0].tokens
     with pytest.raises(EngineError, match="closed"):
         eng.generate([request])
+
+
+def test_adaptive_threads_change_speed_not_outputs(weights: Path) -> None:
+    """Small calls may run on one thread (`infra.llama_threads`); ggml splits rows between
+    threads, so every token and log-probability is the same as on all threads."""
+    outputs = []
+    for adaptive in (True, False):
+        with LlamaEngine(
+            weights,
+            n_ctx=2048,
+            n_seq_max=8,
+            n_threads=2,
+            n_batch=512,
+            model_id="smollm2",
+            adaptive_threads=adaptive,
+        ) as eng:
+            requests = [
+                GenerationRequest(p, max_tokens=16, stop_at_sentence_end=False)
+                for p in prompts(eng)[:3]
+            ]
+            outputs.append(eng.generate(requests))
+            choice = eng.thread_choice()
+            # Steps of three sequences: both thread counts measured (adaptive), or none chosen.
+            assert (3 in choice) if adaptive else choice == {}
+    for a, b in zip(*outputs, strict=True):
+        assert a.tokens == b.tokens
+        assert a.logprobs == b.logprobs

@@ -1,0 +1,102 @@
+"""How many threads each `llama_decode` call runs on, chosen by measuring calls of its size.
+
+A small call (a generation step of a few sequences, a short prompt extension) is often faster
+on one thread than on all of them: ggml meets its threads at a barrier after every operation,
+several hundred times per call, and with OpenMP's passive wait each meeting wakes a sleeping
+thread. On the 2-core development VM (docs/benchmarks.md) a one-token step of SmolLM2-135M
+took 13 ms on one thread against 34 ms on two, a three-token step 28 against 59, while a
+200-token prompt went 1.6x faster on two. Qwen2.5-Coder-0.5B gained from one thread only at
+one token. Where the crossing lies depends on the model, the CPU and the load from other
+processes, so it is measured here, per call size, while the engine works: the outputs do not
+depend on the thread count (ggml splits rows between threads, not sums).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+CHOSEN_MAX_TOKENS = 64
+"""Calls of more tokens always run on all threads (prompt prefill, where all threads win)."""
+
+
+def size_class(n_tokens: int) -> int:
+    """Calls of up to 8 tokens are classed by their exact size, longer ones by powers of 2."""
+    return n_tokens if n_tokens <= 8 else 8 + (n_tokens - 1).bit_length() - 3
+
+
+@dataclass
+class _Estimate:
+    seconds: float = 0.0
+    samples: int = 0
+
+    def add(self, seconds: float, weight: float) -> None:
+        self.seconds = (
+            seconds if self.samples == 0 else self.seconds + weight * (seconds - self.seconds)
+        )
+        self.samples += 1
+
+
+@dataclass
+class ThreadChooser:
+    """The thread count of each call: all `threads`, or one where one thread has measured
+    faster for calls of that size.
+
+    Each size class keeps a moving average of seconds per call for each candidate. Until
+    every candidate has `warmup` samples the least sampled one runs; after that the faster
+    one, except that every `recheck`-th call of a class runs the other, so a change of load
+    (another process taking a core) is noticed within a few dozen calls.
+    """
+
+    threads: int
+    adaptive: bool = True
+    """False: every call runs on all `threads`."""
+    warmup: int = 3
+    recheck: int = 32
+    weight: float = 0.25
+    _estimates: dict[tuple[int, int], _Estimate] = field(default_factory=dict)
+    _calls: dict[int, int] = field(default_factory=dict)
+
+    @property
+    def candidates(self) -> tuple[int, ...]:
+        return (1, self.threads) if self._chooses else (self.threads,)
+
+    @property
+    def _chooses(self) -> bool:
+        return self.adaptive and self.threads > 1
+
+    def choose(self, n_tokens: int) -> int:
+        """The thread count for a call of `n_tokens` tokens."""
+        if not self._chooses or n_tokens > CHOSEN_MAX_TOKENS:
+            return self.threads
+        cls = size_class(n_tokens)
+        calls = self._calls.get(cls, 0)
+        self._calls[cls] = calls + 1
+        estimates = [self._estimates.get((cls, t), _Estimate()) for t in self.candidates]
+        least = min(range(len(estimates)), key=lambda i: estimates[i].samples)
+        if estimates[least].samples < self.warmup:
+            return self.candidates[least]
+        best = min(range(len(estimates)), key=lambda i: estimates[i].seconds)
+        if calls % self.recheck == self.recheck - 1:
+            return self.candidates[1 - best]
+        return self.candidates[best]
+
+    def record(self, n_tokens: int, threads: int, seconds: float) -> None:
+        """What a call of `n_tokens` tokens on `threads` threads took."""
+        if not self._chooses or n_tokens > CHOSEN_MAX_TOKENS:
+            return
+        key = (size_class(n_tokens), threads)
+        self._estimates.setdefault(key, _Estimate()).add(seconds, self.weight)
+
+    def chosen(self) -> dict[int, int]:
+        """The thread count each measured size class runs on now (smallest size of the
+        class → threads), for stats and benchmarks."""
+        out: dict[int, int] = {}
+        for cls in sorted({c for c, _ in self._estimates}):
+            est = {t: self._estimates.get((cls, t)) for t in self.candidates}
+            if all(e is not None and e.samples >= self.warmup for e in est.values()):
+                out[_smallest(cls)] = min(est, key=lambda t: est[t].seconds)  # type: ignore[union-attr]
+        return out
+
+
+def _smallest(cls: int) -> int:
+    return cls if cls <= 8 else 2 ** (cls - 8 + 2) + 1
