@@ -41,6 +41,8 @@ POLICIES: dict[str, tuple[dict[str, Any], bool]] = {
     "m0.2": ({"min_relevance": 0.0, "relevance_margin": 0.2}, False),
     "rel0.5+m0.2": ({"min_relevance": 0.5, "relevance_margin": 0.2}, True),
     "rel0.5+m0.05": ({"min_relevance": 0.5, "relevance_margin": 0.05}, True),
+    "drafts2": ({"max_drafts": 2}, True),
+    "drafts1": ({"max_drafts": 1}, True),
 }
 
 

@@ -329,6 +329,16 @@ class LlamaEngine(Closeable):
         with self._lock:
             self._stats.reset()
 
+    @property
+    def adaptive_threads(self) -> bool:
+        """Whether small decode calls may run on one thread (`infra.llama_threads`)."""
+        return self._decoder.threads.adaptive
+
+    @adaptive_threads.setter
+    def adaptive_threads(self, on: bool) -> None:
+        with self._lock:
+            self._decoder.threads.adaptive = on
+
     def thread_choice(self) -> dict[int, int]:
         """The threads small decode calls run on now, by call size (`ThreadChooser.chosen`)."""
         with self._lock:

@@ -13,6 +13,8 @@ depend on the thread count (ggml splits rows between threads, not sums).
 
 from __future__ import annotations
 
+import statistics
+from collections import deque
 from dataclasses import dataclass, field
 
 CHOSEN_MAX_TOKENS = 64
@@ -26,14 +28,22 @@ def size_class(n_tokens: int) -> int:
 
 @dataclass
 class _Estimate:
-    seconds: float = 0.0
+    """The median of the last `keep` calls: one slow call (a page fault, a neighbour's burst,
+    the first call after the thread count changed) does not decide."""
+
+    keep: int
+    recent: deque[float] = field(default_factory=deque)
     samples: int = 0
 
-    def add(self, seconds: float, weight: float) -> None:
-        self.seconds = (
-            seconds if self.samples == 0 else self.seconds + weight * (seconds - self.seconds)
-        )
+    def add(self, seconds: float) -> None:
+        self.recent.append(seconds)
+        if len(self.recent) > self.keep:
+            self.recent.popleft()
         self.samples += 1
+
+    @property
+    def seconds(self) -> float:
+        return statistics.median(self.recent) if self.recent else 0.0
 
 
 @dataclass
@@ -41,7 +51,7 @@ class ThreadChooser:
     """The thread count of each call: all `threads`, or one where one thread has measured
     faster for calls of that size.
 
-    Each size class keeps a moving average of seconds per call for each candidate. Until
+    Each size class keeps the median seconds of the last `keep` calls of each candidate. Until
     every candidate has `warmup` samples the least sampled one runs; after that the faster
     one, except that every `recheck`-th call of a class runs the other, so a change of load
     (another process taking a core) is noticed within a few dozen calls.
@@ -52,7 +62,7 @@ class ThreadChooser:
     """False: every call runs on all `threads`."""
     warmup: int = 3
     recheck: int = 32
-    weight: float = 0.25
+    keep: int = 5
     _estimates: dict[tuple[int, int], _Estimate] = field(default_factory=dict)
     _calls: dict[int, int] = field(default_factory=dict)
 
@@ -71,7 +81,7 @@ class ThreadChooser:
         cls = size_class(n_tokens)
         calls = self._calls.get(cls, 0)
         self._calls[cls] = calls + 1
-        estimates = [self._estimates.get((cls, t), _Estimate()) for t in self.candidates]
+        estimates = [self._estimates.get((cls, t), _Estimate(self.keep)) for t in self.candidates]
         least = min(range(len(estimates)), key=lambda i: estimates[i].samples)
         if estimates[least].samples < self.warmup:
             return self.candidates[least]
@@ -85,7 +95,7 @@ class ThreadChooser:
         if not self._chooses or n_tokens > CHOSEN_MAX_TOKENS:
             return
         key = (size_class(n_tokens), threads)
-        self._estimates.setdefault(key, _Estimate()).add(seconds, self.weight)
+        self._estimates.setdefault(key, _Estimate(self.keep)).add(seconds)
 
     def chosen(self) -> dict[int, int]:
         """The thread count each measured size class runs on now (smallest size of the

@@ -2,16 +2,17 @@
 
 This is what the branch-generation pool does for a step, in one call: every evidence branch is
 read for relevance and pruned under `min_relevance` (or `relevance_margin` below the best
-passage of its hypothesis) before it drafts; a branch the hard filters would reject whatever it
-drafts is skipped; the rest draft a segment (a no-retrieval branch reuses the closed-book draft
-its retrieval decision was read from, when there is one); drafts are critiqued for support
-(evidence branches) and utility. What comes back is small: `Drafted` scores for the ranker, and
-the step's token counts.
+passage of its hypothesis, or past the `max_drafts` most relevant) before it drafts; a branch
+the hard filters would reject whatever it drafts is skipped; the rest draft a segment (a
+no-retrieval branch reuses the closed-book draft its retrieval decision was read from, when
+there is one); drafts are critiqued for support (evidence branches) and utility. What comes
+back is small: `Drafted` scores for the ranker, and the step's token counts.
 """
 
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
@@ -70,6 +71,25 @@ def pruned_by_relevance(c: Candidate, best: dict[int, float], cfg: DecodingConfi
     return cfg.relevance_margin is not None and s_rel < best[c.parent] - cfg.relevance_margin
 
 
+def within_draft_budget(
+    kept: Sequence[Candidate], cfg: DecodingConfig
+) -> tuple[list[Candidate], int]:
+    """`kept` with at most `cfg.max_drafts` evidence branches per hypothesis, the most
+    relevant first (no-retrieval branches are not counted), and how many were left out."""
+    if cfg.max_drafts is None:
+        return list(kept), 0
+    evidence = [c for c in kept if c.rel is not None]
+    evidence.sort(key=lambda c: relevance_score(c.rel.probs), reverse=True)  # type: ignore[union-attr]
+    budget = Counter[int]()
+    allowed: set[int] = set()
+    for c in evidence:
+        if budget[c.parent] < cfg.max_drafts:
+            budget[c.parent] += 1
+            allowed.add(id(c))
+    out = [c for c in kept if c.rel is None or id(c) in allowed]
+    return out, len(kept) - len(out)
+
+
 def expand(
     critic: Critic,
     candidates: Sequence[Candidate],
@@ -101,6 +121,8 @@ def expand(
             work.filtered += 1
         else:
             kept.append(c)
+    kept, over_budget = within_draft_budget(kept, cfg)
+    work.pruned += over_budget
 
     t = clock()
     todo = [c for c in kept if c.draft is None]

@@ -63,6 +63,14 @@ class DecodingConfig(BaseModel):
         "hypothesis are pruned before drafting (0: only the best drafts). None: the critique "
         "source's default (pipeline.critique.CRITIQUE_FILTERS; off when it has none).",
     )
+    max_drafts: int | None = Field(
+        None,
+        ge=1,
+        le=50,
+        description="Evidence branches drafted per hypothesis and step, the most relevant first, "
+        "after min_relevance and relevance_margin; None: every branch they keep. Each draft "
+        "fewer is a sequence fewer in every decode step (docs/benchmarks.md).",
+    )
     min_support: SupportLevel | None = Field(
         None,
         description="Hard filter: the most likely IsSup label must reach this level. None: the "
@@ -124,6 +132,7 @@ class DecodingOverrides(BaseModel):
     length_normalize: bool | None = None
     min_relevance: float | None = Field(None, ge=0.0, le=1.0)
     relevance_margin: float | None = Field(None, ge=0.0, le=1.0)
+    max_drafts: int | None = Field(None, ge=1, le=50)
     min_support: SupportLevel | None = None
     min_support_score: float | None = Field(None, ge=0.0, le=1.0)
     require_relevant: bool | None = None

@@ -84,6 +84,19 @@ def test_relevance_margin_drafts_only_passages_near_the_best():
     assert out.segments[0].citation.passage_id == "p1"
 
 
+def test_max_drafts_drafts_the_most_relevant_passages_only():
+    critic = ScriptedCritic(relevance_of={"p1": 0.7, "p2": 0.9, "p3": 0.8})
+    decoder, _ = make(critic)
+    out = decoder.answer("q", cfg(max_drafts=2))
+    assert out.usage.branches_pruned == 1  # p1, the least relevant of three
+    assert "draft:3" in critic.calls  # p2, p3 and the no-retrieval branch
+    critic.calls.clear()
+    out = decoder.answer("q", cfg(max_drafts=1, relevance_margin=0.05))
+    assert out.usage.branches_pruned == 2  # p1 by the margin, p3 by the budget
+    assert "draft:2" in critic.calls
+    assert out.segments[0].citation.passage_id == "p2"
+
+
 def test_margin_is_measured_within_each_hypothesis():
     # Two hypotheses after step 1 (beam 2); each keeps its own best passage at step 2.
     critic = ScriptedCritic(relevance_of={"p1": 0.9, "p2": 0.2})

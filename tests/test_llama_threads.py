@@ -34,12 +34,21 @@ def test_measures_both_then_keeps_the_faster() -> None:
 
 
 def test_rechecks_the_other_and_follows_a_change_of_load() -> None:
-    chooser = ThreadChooser(2, warmup=2, recheck=8, weight=0.5)
+    chooser = ThreadChooser(2, warmup=2, recheck=8, keep=3)
     run(chooser, 2, {1: 0.010, 2: 0.030}, calls=10)
     # Another process takes a core: one thread is now slower than two.
     chosen = run(chooser, 2, {1: 0.060, 2: 0.030}, calls=40)
     assert chosen[-16:].count(2) == 14  # one recheck of one thread in every 8 calls
     assert chooser.chosen() == {2: 2}
+
+
+def test_one_slow_call_does_not_decide() -> None:
+    chooser = ThreadChooser(2, warmup=3)
+    for seconds in (0.010, 0.500, 0.010):  # the second one-thread call hit a stall
+        chooser.record(1, 1, seconds)
+    for _ in range(3):
+        chooser.record(1, 2, 0.020)
+    assert chooser.choose(1) == 1
 
 
 def test_large_calls_and_single_thread_or_fixed_engines_never_choose() -> None:

@@ -1,0 +1,116 @@
+"""Threads per llama.cpp call (`model.adaptive_threads`): warm Self-RAG and vanilla RAG answers
+with every call on all threads against small calls on one thread where that measured faster,
+in one process, taking turns question by question so that load hits both alike.
+
+The held-out questions are answered once first (the passage states are then warm in memory),
+then each is answered four ways, each from an empty KV cache (Self-RAG restores its passage
+states, vanilla RAG computes its prompt): Self-RAG and vanilla RAG (`pipeline.baselines`, the same
+engine), each with adaptive threads off and on. Reported per way: p50 and mean seconds, and the
+seconds inside `llama_decode` by kind of call (prefill, generation steps by number of
+sequences), next to the thread count the engine chose for each call size. The outputs do not
+depend on the thread count, so the accuracies of the two settings agree. Last line: name=value.
+
+    SELFRAG_MODEL__PRESET=smollm2 .venv/bin/python -m bench.decode_threads --home /tmp/h
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import llama_cpp
+
+from bench.vs_vanilla import MAX_TOKENS, SELFRAG_CONFIG, K, held_out_questions
+from selfrag.api import SelfRAG
+from selfrag.pipeline.baselines import BaselineAnswerer
+from selfrag.pipeline.metrics import contains_answer
+from selfrag.schemas.decoding import DecodingConfig
+
+WAYS = ("selfrag fixed", "selfrag adaptive", "vanilla fixed", "vanilla adaptive")
+
+
+class DecodeClock:
+    """Seconds inside `llama_decode` by kind of call, for the way now running."""
+
+    def __init__(self) -> None:
+        self.way = WAYS[0]
+        self.seconds: dict[str, collections.Counter[str]] = {w: collections.Counter() for w in WAYS}
+        self._decode = llama_cpp.llama_decode
+
+    def install(self) -> None:
+        def timed(ctx: Any, batch: Any) -> int:
+            n = batch.n_tokens
+            seqs = len({batch.seq_id[i][0] for i in range(n)})
+            kind = f"step x{seqs}" if n == seqs else "prefill"
+            started = time.perf_counter()
+            try:
+                return int(self._decode(ctx, batch))
+            finally:
+                self.seconds[self.way][kind] += time.perf_counter() - started
+
+        llama_cpp.llama_decode = timed
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--home", required=True)
+    ap.add_argument("--data", default="../shared/data")
+    ap.add_argument("--questions", type=int, default=20)
+    args = ap.parse_args()
+
+    questions = held_out_questions(Path(args.data), args.questions)
+    clock = DecodeClock()
+    clock.install()
+    walls: dict[str, list[float]] = {w: [] for w in WAYS}
+    right: collections.Counter[str] = collections.Counter()
+    with SelfRAG.open(args.home, cache={"query": False}) as rag:
+        engine = rag.system.engine
+        vanilla = BaselineAnswerer(engine, rag.system.store)
+        vcfg = DecodingConfig(top_k=K, max_segments=1, max_segment_tokens=MAX_TOKENS)
+        print(f"model {engine.model_id}, {engine.n_threads} threads", flush=True)
+        for question, _ in questions:  # warm the passage states and the thread choice
+            rag.answer(question, **SELFRAG_CONFIG)
+        clock.seconds = {w: collections.Counter() for w in WAYS}
+        for question, golds in questions:
+            for way in WAYS:
+                clock.way = way
+                engine.adaptive_threads = way.endswith("adaptive")
+                # Each way starts from an empty KV cache: Self-RAG restores its passage states
+                # from the memory tier, and no way reuses the prompt the way before it computed.
+                engine.clear_cache()
+                started = time.perf_counter()
+                if way.startswith("selfrag"):
+                    r = rag.answer(question, **SELFRAG_CONFIG)
+                    ok = not r.abstained and contains_answer(r.answer, golds)
+                else:
+                    v = vanilla.answer(question, vcfg, retrieve=True)
+                    ok = contains_answer(v.answer, golds)
+                walls[way].append(time.perf_counter() - started)
+                right[way] += ok
+        choice = engine.thread_choice()
+    n = len(questions)
+    print("| way | p50 s | mean s | accuracy | llama_decode s per answer by call |")
+    print("| --- | ---: | ---: | ---: | --- |")
+    for way in WAYS:
+        split = ", ".join(f"{k} {v / n:.3f}" for k, v in sorted(clock.seconds[way].items()))
+        print(
+            f"| {way} | {statistics.median(walls[way]):.2f} | {statistics.mean(walls[way]):.2f} "
+            f"| {right[way] / n:.3f} | {split} |"
+        )
+    print("threads chosen by call size (tokens: threads):", choice)
+    p50 = {w: statistics.median(walls[w]) for w in WAYS}
+    print(
+        f"selfrag_adaptive_over_fixed={p50['selfrag adaptive'] / p50['selfrag fixed']:.2f} "
+        f"vanilla_adaptive_over_fixed={p50['vanilla adaptive'] / p50['vanilla fixed']:.2f} "
+        f"selfrag_over_vanilla_fixed={p50['selfrag fixed'] / p50['vanilla fixed']:.2f} "
+        f"selfrag_over_vanilla_adaptive={p50['selfrag adaptive'] / p50['vanilla adaptive']:.2f} "
+        f"same_accuracy={int(right['selfrag fixed'] == right['selfrag adaptive'])}"
+    )
+
+
+if __name__ == "__main__":
+    main()
