@@ -197,11 +197,11 @@ def ask_baseline(url: str, route: str, question: str, golds: Sequence[str]) -> R
     )
 
 
-def ask_selfrag(url: str, question: str, golds: Sequence[str]) -> Result:
+def ask_selfrag(
+    url: str, question: str, golds: Sequence[str], config: dict[str, Any] = SELFRAG_CONFIG
+) -> Result:
     started = time.perf_counter()
-    r = httpx.post(
-        url + "/v1/answer", json={"question": question, "config": SELFRAG_CONFIG}, timeout=600
-    )
+    r = httpx.post(url + "/v1/answer", json={"question": question, "config": config}, timeout=600)
     r.raise_for_status()
     body = r.json()
     correct = not body["abstained"] and contains_answer(body["answer"], golds)
@@ -240,6 +240,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         type=int,
         help="Run the pack (b) on the first N questions only (default: all; it is ~10x slower).",
     )
+    p.add_argument(
+        "--max-drafts",
+        type=int,
+        help="Self-RAG's draft budget per step (`max_drafts`; default: unset, every branch the "
+        "relevance filters keep drafts).",
+    )
     p.add_argument("--port", type=int, default=8771)
     p.add_argument("--serve-baselines", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -253,8 +259,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     os.environ["SELFRAG_CACHE__QUERY"] = "false"  # every answer computed
     out: dict[str, dict[int, dict[str, float]]] = {}
     warm_q = ("What is the capital of France?", ())
+    config = dict(SELFRAG_CONFIG)
+    if args.max_drafts is not None:
+        config["max_drafts"] = args.max_drafts
 
-    print(f"{len(qs)} held-out questions, K={K}, {MAX_TOKENS} answer tokens", flush=True)
+    def ask(url: str) -> Any:
+        return lambda q, g: ask_selfrag(url, q, g, config)
+
+    print(
+        f"{len(qs)} held-out questions, K={K}, {MAX_TOKENS} answer tokens, "
+        f"max_drafts={args.max_drafts}",
+        flush=True,
+    )
     with baselines(home, args.port) as url:
         reference = httpx.get(url + "/reference", timeout=600).json()
         for system, route, some in (
@@ -271,10 +287,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     for c in LEVELS:
         shutil.rmtree(kv, ignore_errors=True)  # an empty disk tier, and a fresh process
         with served(home, args.port, None) as (url, _):
-            out["cold"][c] = level(lambda q, g: ask_selfrag(url, q, g), qs, c)
+            out["cold"][c] = level(ask(url), qs, c)
         print(f"  selfrag cold, {c} client(s): done", flush=True)
     with served(home, args.port, None) as (url, _):  # restarted: only the disk tier is warm
-        out["warm"] = {c: level(lambda q, g: ask_selfrag(url, q, g), qs, c) for c in LEVELS}
+        out["warm"] = {c: level(ask(url), qs, c) for c in LEVELS}
     print("  selfrag warm: done\n", flush=True)
 
     print(
