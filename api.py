@@ -25,7 +25,7 @@ from selfrag.jobs.indexing import IndexReport, index_corpus
 from selfrag.pipeline.decoder import StepListener
 from selfrag.pipeline.ranking import Hypothesis
 from selfrag.runtime.answering import Answer, LeaderSegments
-from selfrag.runtime.system import KVPrecompute, SelfRAGSystem
+from selfrag.runtime.system import KVPrecompute, LocalRuntime
 from selfrag.schemas.answer import AnswerRequest, AnswerResponse
 from selfrag.schemas.errors import Cancelled
 from selfrag.schemas.events import SegmentEvent
@@ -44,7 +44,7 @@ class SelfRAG:
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
-        self.system = SelfRAGSystem(settings)
+        self.system = LocalRuntime(settings)
         self._runs: weakref.WeakSet[_Run] = weakref.WeakSet()
 
     @classmethod

@@ -46,7 +46,7 @@ from selfrag.schemas.errors import Unprocessable
 from selfrag.schemas.settings import Settings
 
 if TYPE_CHECKING:
-    from selfrag.runtime.system import SelfRAGSystem
+    from selfrag.runtime.system import LocalRuntime
 
 log = logging.getLogger("selfrag.actors")
 _T = TypeVar("_T")
@@ -71,7 +71,7 @@ def adopt_serve_logging(
     return True
 
 
-def requested_critic(rag: SelfRAGSystem, source: str) -> Critic:
+def requested_critic(rag: LocalRuntime, source: str) -> Critic:
     """The critic a request's `critique` names. A source this model cannot run is the
     request's choice: a 422 saying so (`Unprocessable`); any other failure to build it is the
     deployment's, and stays a 500."""
@@ -153,13 +153,13 @@ class BranchPool:
         return self._worker.engine.model_id
 
     def model_fingerprint(self) -> str:
-        """`SelfRAGSystem.answer_fingerprint`: the model's identity in query-cache keys, with
+        """`LocalRuntime.answer_fingerprint`: the model's identity in query-cache keys, with
         the support thresholds calibrated for it."""
         return self._rag.answer_fingerprint()
 
     def calibrated_filters(self, critic_name: str) -> dict[str, object]:
         """The filter defaults calibrated on the served corpus for the source `critic_name`
-        (`SelfRAGSystem.calibrated_filters`)."""
+        (`LocalRuntime.calibrated_filters`)."""
         return self._rag.calibrated_filters(critic_name)
 
     def critic_name(self, source: str) -> str:
@@ -220,7 +220,7 @@ class Ranker:
 @serve.deployment(ray_actor_options={"num_cpus": 0.25}, max_ongoing_requests=256)
 @serve.ingress()
 class SelfRAGIngress:
-    """The HTTP API. Runs the same `SelfRAGDecoder` as the CLI, its calls going to the
+    """The HTTP API. Runs the same `BeamDecoder` as the CLI, its calls going to the
     other deployments."""
 
     def __init__(

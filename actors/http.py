@@ -359,7 +359,7 @@ def _add_answer_routes(
         started = time.perf_counter()
         rid = request_id(request)
         try:
-            result = await service.answer(body)
+            result = await service.run(body)
         except AnswerError as exc:
             log_answer(body.question, exc.status, started, rid)
             raise

@@ -193,7 +193,7 @@ class _Routes:
     async def answer_one(self, request: Request, body: AnswerRequest) -> AnswerResponse:
         started, rid = time.perf_counter(), request_id(request)
         try:
-            result = await self.service.answer(body)
+            result = await self.service.run(body)
         except AnswerError as exc:
             self.log_answer(body.question, exc.status, started, rid)
             raise from_answer_error(exc, rid, self.retry_after_s) from exc

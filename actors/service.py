@@ -1,4 +1,4 @@
-"""The answer service of the HTTP ingress: the CLI's `SelfRAGDecoder`, reaching the other
+"""The answer service of the HTTP ingress: the CLI's `BeamDecoder`, reaching the other
 deployments through proxies.
 
 The decoder is synchronous, so each answer runs in a worker thread; the proxies block on
@@ -28,7 +28,7 @@ from ray.serve.handle import DeploymentHandle, DeploymentResponse
 from selfrag.actors.metrics import Metrics
 from selfrag.pipeline.branching import StepWork
 from selfrag.pipeline.critics import Branch, LabelProbs
-from selfrag.pipeline.decoder import SelfRAGDecoder, StepListener
+from selfrag.pipeline.decoder import StepListener
 from selfrag.pipeline.ranking import Candidate, Drafted, Hypothesis, StepRanking
 from selfrag.runtime.answering import (
     Answer,
@@ -36,6 +36,7 @@ from selfrag.runtime.answering import (
     CacheIdentity,
     Deadline,
 )
+from selfrag.runtime.assembly import DecoderParts
 from selfrag.runtime.remote_retriever import POLL_S, RemoteRetriever
 from selfrag.schemas.answer import AnswerRequest, AnswerResponse
 from selfrag.schemas.decoding import DecodingConfig
@@ -104,8 +105,8 @@ class _Remote:
                 self._deadline.check()
 
 
-class PoolCritique:
-    """The decoder's `StepCritique` in the ingress: the retrieval decision goes to the
+class PoolBranchWorker:
+    """The decoder's `BranchWorker` in the ingress: the retrieval decision goes to the
     `RetrievalDecider`, a step's branch work to the `BranchPool`, one call each per step,
     each with what is left of the request's deadline."""
 
@@ -272,7 +273,7 @@ class ServeAnswerService:
         """The effective config of `request` (`AnswerPath.config`)."""
         return self._path.config(request)
 
-    async def answer(self, request: AnswerRequest, on_step: StepListener | None = None) -> Answer:
+    async def run(self, request: AnswerRequest, on_step: StepListener | None = None) -> Answer:
         if self._inflight >= self._max_inflight:
             self._metrics.count_overload()
             raise Overloaded(f"{self._max_inflight} answers in progress; retry later")
@@ -308,7 +309,7 @@ class ServeAnswerService:
                     )
                 decode = functools.partial(self._decode, model_id, critic_name, calibrated)
                 future = self._executor.submit(
-                    self._path.answer,
+                    self._path.run,
                     request.question,
                     config,
                     decode,
@@ -349,15 +350,15 @@ class ServeAnswerService:
             session = uuid.uuid4().hex
             pool = pool.options(session_id=session)
             decider = decider.options(session_id=session)
-        decoder = SelfRAGDecoder(
-            lambda source: PoolCritique(remote, pool, decider, source, critic_name, deadline),
+        parts = DecoderParts(
+            lambda source: PoolBranchWorker(remote, pool, decider, source, critic_name, deadline),
             RemoteRetriever(functools.partial(remote.call, self._retriever)),
             model_id,
-            ranker=RemoteRanker(remote, self._ranker),
             calibrated=lambda _: calibrated,
+            ranker=RemoteRanker(remote, self._ranker),
         )
         with service_errors():
-            return decoder.answer(question, config, on_step)
+            return parts.decode(question, config, on_step)
 
     async def _get_model_id(self) -> str:
         if self._model_id is None:

@@ -39,8 +39,8 @@ REQUEST_ID_SCOPE_KEY = "selfrag.request_id"
 class AnswerService(Protocol):
     """What the HTTP layer needs from the system behind it."""
 
-    async def answer(self, request: AnswerRequest, on_step: StepListener | None = None) -> Answer:
-        """Answer one request; `on_step` may be called from any thread."""
+    async def run(self, request: AnswerRequest, on_step: StepListener | None = None) -> Answer:
+        """Answer one request along the answer path; `on_step` may be called from any thread."""
         ...
 
     def config(self, request: AnswerRequest) -> DecodingConfig:
@@ -190,7 +190,7 @@ class AnswerStream:
         body, rid = self._body, self._rid
         started = time.perf_counter()
         try:
-            result = await self._service.answer(body, self._on_step)
+            result = await self._service.run(body, self._on_step)
             item: tuple[str, Any] = ("answer", result.response)
             self._log_answer(body.question, "200 stream", started, rid)
         except asyncio.CancelledError:

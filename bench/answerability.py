@@ -44,7 +44,7 @@ def collect(path: Path, model: str | None, home: Path | None, limit: int | None)
     from selfrag.infra.settings import load_settings
     from selfrag.jobs.answerability import collect_table, save_table
     from selfrag.jobs.evaluation import load_questions
-    from selfrag.runtime.system import SelfRAGSystem
+    from selfrag.runtime.system import LocalRuntime
 
     overrides: dict[str, object] = {"model": {"preset": model}} if model else {}
     if home is not None:
@@ -53,7 +53,7 @@ def collect(path: Path, model: str | None, home: Path | None, limit: int | None)
     questions = load_questions(SQUAD, article="Normans")
     if limit is not None and limit < len(questions):
         questions = questions[:: len(questions) // limit][:limit]
-    with SelfRAGSystem(settings, layer_tap=True) as rag:
+    with LocalRuntime(settings, layer_tap=True) as rag:
         table, meta = collect_table(rag, questions, "auto")
     save_table(path, table, meta)
 

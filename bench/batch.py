@@ -1,4 +1,4 @@
-"""Questions per second: one question at a time (the CLI path, `SelfRAGSystem.answer` in a loop) vs
+"""Questions per second: one question at a time (the CLI path, `LocalRuntime.answer` in a loop) vs
 `selfrag batch` (`selfrag.jobs.batch.run_batch`) with 1 and 2 engine actors, in one run.
 
 Every request is `{"mode": "always", "top_k": 2, "max_segments": 1, "max_segment_tokens": 16}`
@@ -30,7 +30,7 @@ from typing import Any
 from selfrag.infra.settings import load_settings
 from selfrag.jobs.batch import run_batch
 from selfrag.jobs.ray_pool import ensure_ray
-from selfrag.runtime.system import SelfRAGSystem
+from selfrag.runtime.system import LocalRuntime
 from selfrag.schemas.answer import AnswerRequest
 
 SMALL = {"mode": "always", "top_k": 2, "max_segments": 1, "max_segment_tokens": 16}
@@ -46,7 +46,7 @@ def squad_questions(n: int) -> list[str]:
 
 def one_at_a_time(home: Path, questions: list[str]) -> float:
     settings = load_settings(overrides={"home": str(home)})
-    with SelfRAGSystem(settings) as rag:
+    with LocalRuntime(settings) as rag:
         rag.answer(AnswerRequest.model_validate({"question": questions[0], "config": SMALL}))
         started = time.perf_counter()
         for q in questions[1:]:
@@ -148,7 +148,7 @@ def main() -> None:
     n = len(questions) - 1
     seconds = one_at_a_time(args.home, questions)
     figures: dict[str, Any] = {"questions": n, "qps_single": n / seconds}
-    rows = [("one at a time (SelfRAGSystem.answer loop)", n / seconds, None, seconds)]
+    rows = [("one at a time (LocalRuntime.answer loop)", n / seconds, None, seconds)]
     ensure_ray(None)  # one Ray instance for every batch run
     for actors in (int(a) for a in args.actors.split(",")):
         r = batch(args.home, questions, actors, args.per_actor)

@@ -133,11 +133,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     from selfrag.infra.settings import load_settings
-    from selfrag.runtime.system import SelfRAGSystem
+    from selfrag.runtime.system import LocalRuntime
 
     settings = load_settings(environ={**os.environ, "SELFRAG_HOME": str(args.home)})
     qs = [q for q, _ in held_out_questions(args.data, args.questions)]
-    with SelfRAGSystem(settings) as rag:
+    with LocalRuntime(settings) as rag:
         engine = rag.engine
         assert engine.hidden_size is not None
         heads = random_heads(engine.hidden_size)

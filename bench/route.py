@@ -23,10 +23,10 @@ import statistics
 from collections.abc import Sequence
 
 from bench.serve_load import SMALL_CONFIG, questions
-from selfrag.pipeline.branching import LocalCritique, StepWork
+from selfrag.pipeline.branching import LocalBranchWorker, StepWork
 from selfrag.pipeline.critics import Branch, LabelProbs
-from selfrag.pipeline.decoder import SelfRAGDecoder
 from selfrag.pipeline.ranking import Candidate, Hypothesis, StepRanking, rank_step
+from selfrag.runtime.assembly import DecoderParts
 from selfrag.schemas.decoding import DecodingConfig
 
 
@@ -37,7 +37,7 @@ def size(*objects: object) -> int:
 class Recorder:
     """Wraps the local critique, ranker and retriever and adds up both routes' payloads."""
 
-    def __init__(self, critique: LocalCritique, source: str) -> None:
+    def __init__(self, critique: LocalBranchWorker, source: str) -> None:
         self.critique = critique
         self.name = critique.name
         self.source = source
@@ -118,20 +118,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.home:
         os.environ["SELFRAG_HOME"] = args.home
     from selfrag.infra.settings import load_settings
-    from selfrag.runtime.system import SelfRAGSystem
+    from selfrag.runtime.system import LocalRuntime
 
     config = DecodingConfig(**{**SMALL_CONFIG, "mode": "adaptive", "max_segments": 2})
     config = config.model_copy(update={"critique": args.critique})
-    with SelfRAGSystem(load_settings()) as rag:
-        recorder = Recorder(LocalCritique(rag.critic(args.critique)), args.critique)
-        decoder = SelfRAGDecoder(
+    with LocalRuntime(load_settings()) as rag:
+        recorder = Recorder(LocalBranchWorker(rag.critic(args.critique)), args.critique)
+        parts = DecoderParts(
             lambda _: recorder,  # type: ignore[arg-type,return-value]
             RecordingRetriever(rag.store, recorder),  # type: ignore[arg-type]
             rag.engine.model_id,
             ranker=recorder.rank,  # type: ignore[arg-type]
         )
         for q in questions()[: args.questions]:
-            decoder.answer(q, config)
+            parts.decode(q, config)
     steps = recorder.steps
     figures: dict[str, str] = {"steps": str(len(steps))}
     print(f"{len(steps)} steps of {args.questions} questions, critique {recorder.name}")

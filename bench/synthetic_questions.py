@@ -31,7 +31,7 @@ from selfrag.pipeline.synthetic_qa import (
     summary,
     synthetic_pairs,
 )
-from selfrag.runtime.system import SelfRAGSystem
+from selfrag.runtime.system import LocalRuntime
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "squad_v2_small.json"
 
@@ -62,7 +62,7 @@ def main() -> None:
     plan = CorpusCalibrationPlan()
     prefix = f"squad:{args.article}:"
     results: dict[str, float | None] = {}
-    with SelfRAGSystem(settings) as rag:
+    with LocalRuntime(settings) as rag:
         passages = sorted(
             (p for p in rag.store.passages() if p.id.startswith(prefix)), key=lambda p: p.id
         )

@@ -76,11 +76,11 @@ def serve_baselines(home: str, port: int) -> None:
 
     from selfrag.infra.settings import load_settings
     from selfrag.pipeline.baselines import BaselineAnswerer
-    from selfrag.runtime.system import SelfRAGSystem
+    from selfrag.runtime.system import LocalRuntime
     from selfrag.schemas.decoding import DecodingConfig
 
     settings = load_settings(environ={**os.environ, "SELFRAG_HOME": home})
-    rag = SelfRAGSystem(settings)
+    rag = LocalRuntime(settings)
     vanilla = BaselineAnswerer(rag.engine, rag.store)
     config = DecodingConfig(top_k=K, max_segments=1, max_segment_tokens=MAX_TOKENS)
     # The pack's engine: llama-cpp-python's high-level Llama with every logit kept.

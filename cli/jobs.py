@@ -58,14 +58,14 @@ def cmd_eval(args: argparse.Namespace) -> int:
         render_table,
         run_evaluation,
     )
-    from selfrag.runtime.system import SelfRAGSystem
+    from selfrag.runtime.system import LocalRuntime
 
     systems = parse_systems(args.systems)
     questions = load_questions(args.dataset, article=args.article, limit=question_limit(args))
     chosen = {n: getattr(args, n) for n in DecodingOverrides.model_fields}
     overrides = DecodingOverrides.model_validate({n: v for n, v in chosen.items() if v is not None})
     settings = settings_from_args(args)
-    with SelfRAGSystem(settings) as rag:
+    with LocalRuntime(settings) as rag:
         ensure_indexed(rag, args.corpus, progress=not args.no_progress)
         config = overrides.apply_to(settings.decoding)
         if args.ray:
@@ -111,7 +111,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         write_calibration,
     )
     from selfrag.jobs.evaluation import ensure_indexed, load_questions
-    from selfrag.runtime.system import SelfRAGSystem
+    from selfrag.runtime.system import LocalRuntime
 
     if args.dataset is None:
         return _calibrate_corpus(args)
@@ -122,7 +122,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         )
     settings = settings_from_args(args)
     tokens = args.max_segment_tokens or settings.decoding.max_segment_tokens
-    with SelfRAGSystem(settings) as rag:
+    with LocalRuntime(settings) as rag:
         ensure_indexed(rag, args.corpus, progress=not args.no_progress)
         samples = collect_samples(rag, questions, args.top_k, tokens, progress=not args.no_progress)
     if args.samples is not None:
@@ -138,7 +138,7 @@ def _calibrate_corpus(args: argparse.Namespace) -> int:
     """`selfrag calibrate` without a dataset: the support threshold, fitted on the index."""
     from selfrag.jobs.evaluation import ensure_indexed
     from selfrag.jobs.support_calibration import corpus_plan, run_calibration
-    from selfrag.runtime.system import SelfRAGSystem
+    from selfrag.runtime.system import LocalRuntime
 
     plan = corpus_plan(
         questions=args.questions,
@@ -146,7 +146,7 @@ def _calibrate_corpus(args: argparse.Namespace) -> int:
         max_answerable_abstain=args.max_answerable_abstain,
         time_limit_s=args.time_limit,
     )
-    with SelfRAGSystem(settings_from_args(args)) as rag:
+    with LocalRuntime(settings_from_args(args)) as rag:
         ensure_indexed(rag, args.corpus, progress=not args.no_progress)
         if rag.store.count() == 0:
             raise CLIError(f"the index in {rag.settings.home} is empty: run `selfrag index` first")
@@ -190,7 +190,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     from selfrag.jobs.evaluation import ensure_indexed, load_questions
     from selfrag.jobs.indexing import corpus_passages
     from selfrag.jobs.training import TrainingPlan, describe, train
-    from selfrag.runtime.system import SelfRAGSystem
+    from selfrag.runtime.system import LocalRuntime
 
     if args.answerability:
         return train_answerability(args)
@@ -219,7 +219,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         # Checked before training: a refusal after it would throw minutes of work away.
         protected = engine_model_files(settings.model, settings.home)
         check_export_target(args.export_gguf, protected)
-    with SelfRAGSystem(settings) as rag:
+    with LocalRuntime(settings) as rag:
         sha = file_sha256(rag.model_path)
         out = args.out or heads_path(settings.home, sha)
         if args.reuse:
@@ -267,13 +267,13 @@ def train_answerability(args: argparse.Namespace) -> int:
         save_table,
     )
     from selfrag.jobs.evaluation import ensure_indexed, load_questions
-    from selfrag.runtime.system import SelfRAGSystem
+    from selfrag.runtime.system import LocalRuntime
 
     if args.export_gguf is not None:
         raise CLIError(
             "--export-gguf exports the heads only: the answerability model is not exportable"
         )
-    with SelfRAGSystem(settings_from_args(args), layer_tap=True) as rag:
+    with LocalRuntime(settings_from_args(args), layer_tap=True) as rag:
         sha = file_sha256(rag.model_path)
         if args.features is not None and args.features.is_file():
             table, meta = load_table(args.features)

@@ -32,11 +32,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     # Loud and early, before the model check and Ray: an open port without keys answers anyone.
     warn_if_open(host)
     if settings.model.backend == "llama_cpp":
-        from selfrag.runtime.system import SelfRAGSystem
+        from selfrag.runtime.system import LocalRuntime
 
         # Fail here, naming the file, before Ray starts: a missing or corrupt model, or one no
         # CPU backend can run, would otherwise surface as a replica that keeps failing to start.
-        _check_model_runs(SelfRAGSystem(settings).model_path, settings.model.n_threads)
+        _check_model_runs(LocalRuntime(settings).model_path, settings.model.n_threads)
     from ray import serve
 
     from selfrag.actors.app import APP_NAME, build_app, serve_logging

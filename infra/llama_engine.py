@@ -14,8 +14,10 @@ state into a slot instead of decoding the prefix, and saves the state after comp
 The parts with a job of their own live beside it: the ctypes batch and the reads of its outputs
 (`infra.llama_batch`), prefix staging from the store (`infra.kv_staging`), slot planning
 (`infra.kv_slots`), the vocabulary (`infra.llama_vocab`) and the counters
-(`infra.engine_stats`). What stays here (~670 lines) is what shares the engine's lock and
-its slots: the three batched calls, group prefill and greedy generation, and input checks.
+(`infra.engine_stats`), and the thread count of each call (`infra.llama_threads`). What stays
+here (~700 lines) is what shares the engine's lock and its slots: the three batched calls,
+group prefill and greedy generation, and input checks; split further, each part would reach
+into the others' slot bookkeeping.
 """
 
 from __future__ import annotations

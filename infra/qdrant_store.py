@@ -43,7 +43,7 @@ __all__ = [
 
 
 class QdrantStore(Closeable):
-    """A `Retriever` over one Qdrant collection, plus the writes indexing needs."""
+    """A `PassageSearch` over one Qdrant collection, plus the writes indexing needs."""
 
     def __init__(self, engine: Engine, settings: RetrievalSettings, embedder: Embedder) -> None:
         self._engine = engine

@@ -39,7 +39,7 @@ from selfrag.pipeline.critics import (
 from selfrag.pipeline.metrics import contains_answer
 
 if TYPE_CHECKING:
-    from selfrag.runtime.system import SelfRAGSystem
+    from selfrag.runtime.system import LocalRuntime
 
 # Candidate layers as shares of the model's depth (counted from 1, as the probing literature
 # does): for SmolLM2's 30 layers these are 6, 9, 12, 15, 19, 22 and 26; plus the last.
@@ -67,7 +67,7 @@ def default_features(n_layers: int) -> tuple[str, ...]:
 
 
 def collect_table(
-    rag: SelfRAGSystem,
+    rag: LocalRuntime,
     questions: Sequence[EvalQuestion],
     source: str,
     *,

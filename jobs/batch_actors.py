@@ -8,12 +8,13 @@ import json
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
-from selfrag.pipeline.decoder import SelfRAGDecoder, StepListener
+from selfrag.pipeline.decoder import StepListener
 from selfrag.runtime.answering import (
     AnswerPath,
     CacheIdentity,
     Deadline,
 )
+from selfrag.runtime.assembly import DecoderParts
 from selfrag.runtime.merging import MergedCritic
 from selfrag.runtime.remote_retriever import RemoteRetriever, actor_call
 from selfrag.schemas.answer import AnswerResponse
@@ -61,7 +62,7 @@ class BatchAnswerer:
         """The outcome of one question as JSON: {status: ok, response, cache} or
         {status: error, error: {type, message}}."""
         try:
-            answer = self._path.answer(question, config, self._decode, identity=self._identity)
+            answer = self._path.run(question, config, self._decode, identity=self._identity)
         except AnswerError as exc:
             return _error(exc.kind, exc.detail)
         except Exception as exc:  # any failure is this question's record, not the run's end
@@ -89,16 +90,13 @@ class BatchAnswerer:
     ) -> AnswerResponse:
         store = self._store(deadline)
 
-        def answer(critic: MergedCritic) -> AnswerResponse:
-            decoder = SelfRAGDecoder(
-                lambda _source: critic,
-                store,
-                self._model_id,
-                calibrated=self._rag.calibrated_filters,
+        def decode(critic: MergedCritic) -> AnswerResponse:
+            parts = DecoderParts(
+                lambda _source: critic, store, self._model_id, self._rag.calibrated_filters
             )
-            return decoder.answer(question, config, on_step)
+            return parts.decode(question, config, on_step)
 
-        return self._worker.run(config.critique, deadline, answer)
+        return self._worker.run(config.critique, deadline, decode)
 
 
 def _ok(response: AnswerResponse, cache: str) -> str:

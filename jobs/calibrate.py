@@ -32,14 +32,14 @@ from selfrag.pipeline.protocols import Passage
 from selfrag.schemas.calibration import CalibrationSettings
 
 if TYPE_CHECKING:
-    from selfrag.runtime.system import SelfRAGSystem
+    from selfrag.runtime.system import LocalRuntime
 
 SIGNALS = ("relevance", "support", "retrieval", "utility")
 SAMPLES_FILE = "calibration_samples.jsonl"
 
 
 def collect_samples(
-    rag: SelfRAGSystem,
+    rag: LocalRuntime,
     questions: Sequence[EvalQuestion],
     top_k: int,
     max_tokens: int,

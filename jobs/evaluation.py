@@ -33,7 +33,7 @@ from selfrag.schemas.decoding import DecodingConfig
 from selfrag.schemas.records import SYSTEMS, EvalRecord
 
 if TYPE_CHECKING:
-    from selfrag.runtime.system import SelfRAGSystem
+    from selfrag.runtime.system import LocalRuntime
 
 RECORDS_FILE = "records.jsonl"
 # A SQuAD file nests 9 levels (data, article, paragraphs, qas, answers): far past this is not a
@@ -153,7 +153,7 @@ def _read_jsonl_questions(path: Path) -> Iterable[EvalQuestion]:
 # --- corpus -----------------------------------------------------------------------------------
 
 
-def corpus_indexed(rag: SelfRAGSystem, corpus: Path) -> bool:
+def corpus_indexed(rag: LocalRuntime, corpus: Path) -> bool:
     """True when the first and last passages of `corpus` are found in the index by their own
     text (a cheap check through the public search API; re-indexing is idempotent anyway)."""
     from selfrag.infra.corpus import CorpusError, read_documents, split_passages
@@ -174,7 +174,7 @@ def corpus_indexed(rag: SelfRAGSystem, corpus: Path) -> bool:
     return True
 
 
-def ensure_indexed(rag: SelfRAGSystem, corpora: Sequence[Path] | None, progress: bool) -> None:
+def ensure_indexed(rag: LocalRuntime, corpora: Sequence[Path] | None, progress: bool) -> None:
     """Index every corpus the store does not hold yet. Without corpora the existing index is
     used as it is, and must not be empty."""
     from selfrag.jobs.indexing import index_corpus
@@ -207,7 +207,7 @@ def ensure_indexed(rag: SelfRAGSystem, corpora: Sequence[Path] | None, progress:
 # --- running systems --------------------------------------------------------------------------
 
 
-def parse_systems(spec: str, rag: SelfRAGSystem | None = None) -> list[str]:
+def parse_systems(spec: str, rag: LocalRuntime | None = None) -> list[str]:
     names = [s.strip() for s in spec.split(",") if s.strip()]
     if not names:
         raise EvalError("--systems names no system")
@@ -218,7 +218,7 @@ def parse_systems(spec: str, rag: SelfRAGSystem | None = None) -> list[str]:
 
 
 def runner_for(
-    rag: SelfRAGSystem, system: str, config: DecodingConfig, probe_p_ret: bool
+    rag: LocalRuntime, system: str, config: DecodingConfig, probe_p_ret: bool
 ) -> Callable[[EvalQuestion], tuple[AnswerResponse, float | None, int]]:
     """A function answering one question with `system`: (response, first-step p_ret, extra
     prefill tokens spent on a p_ret probe)."""
@@ -315,7 +315,7 @@ def read_records(path: Path) -> list[dict[str, Any]]:
 
 
 def run_evaluation(
-    rag: SelfRAGSystem,
+    rag: LocalRuntime,
     questions: Sequence[EvalQuestion],
     systems: Sequence[str],
     out: Path,

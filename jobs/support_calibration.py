@@ -5,7 +5,7 @@ sentence, with its own passage or with a near neighbour lacking its answer) the 
 critique does what the decoder does for a first-step evidence branch, `Branch(question, "",
 passage)`: relevance, then a draft of `max_segment_tokens`, then support, and s_sup is
 `pipeline.scoring.support_score` of that. The critic is the one the system serves
-(`SelfRAGSystem.critic`: heads, answerability model and all). The threshold is
+(`LocalRuntime.critic`: heads, answerability model and all). The threshold is
 `choose_threshold` of the two s_sup lists: the highest that abstains on at most
 `max_answerable_abstain` of the answerable pairs. An index of several collections (corpus
 files) is sampled and thresholded per collection, and the lowest collection's threshold is
@@ -45,7 +45,7 @@ from selfrag.pipeline.synthetic_qa import (
 from selfrag.schemas.calibration import SupportCalibration
 
 if TYPE_CHECKING:
-    from selfrag.runtime.system import SelfRAGSystem
+    from selfrag.runtime.system import LocalRuntime
 
 MIN_ANSWERABLE = 8
 """Fewer answerable pairs than this (a tiny corpus, or a time limit hit early) calibrate
@@ -88,7 +88,7 @@ class PairScore:
 
 
 def score_pairs(
-    rag: SelfRAGSystem,
+    rag: LocalRuntime,
     critique: str,
     pairs: list[SyntheticPair],
     plan: CorpusCalibrationPlan,
@@ -132,7 +132,7 @@ def score_pairs(
 
 
 def calibrate_support(
-    rag: SelfRAGSystem,
+    rag: LocalRuntime,
     plan: CorpusCalibrationPlan,
     *,
     critique: str | None = None,
@@ -199,7 +199,7 @@ def calibrate_support(
     return cal, path
 
 
-def draw_pairs(rag: SelfRAGSystem, plan: CorpusCalibrationPlan) -> list[SyntheticPair]:
+def draw_pairs(rag: LocalRuntime, plan: CorpusCalibrationPlan) -> list[SyntheticPair]:
     """The calibration's question/passage pairs: drawn per collection of the index (each at
     least MIN_QUESTIONS_PER_COLLECTION questions when there are several), interleaved."""
     rng = random.Random(plan.seed)
@@ -316,7 +316,7 @@ def corpus_plan(**overrides: object) -> CorpusCalibrationPlan:
 
 
 def run_calibration(
-    rag: SelfRAGSystem, plan: CorpusCalibrationPlan, *, progress: bool = True
+    rag: LocalRuntime, plan: CorpusCalibrationPlan, *, progress: bool = True
 ) -> tuple[bool, str]:
     """`calibrate_support` for a command: (whether a threshold was written, what to print).
     A corpus too small to calibrate on, or the vLLM backend (no model file to key it by),

@@ -47,7 +47,7 @@ from selfrag.pipeline.scoring import (
 )
 
 if TYPE_CHECKING:
-    from selfrag.runtime.system import SelfRAGSystem
+    from selfrag.runtime.system import LocalRuntime
 
 # The fewest examples, and of each group's two contrasted labels, a group trains on.
 MIN_EXAMPLES = 20
@@ -344,7 +344,7 @@ def fit_heads(
 
 
 def train(
-    rag: SelfRAGSystem,
+    rag: LocalRuntime,
     questions: Sequence[EvalQuestion],
     plan: TrainingPlan,
     *,

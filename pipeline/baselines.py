@@ -21,7 +21,12 @@ from selfrag.pipeline.prompts import (
     passage_part,
     system_head,
 )
-from selfrag.pipeline.protocols import GenerationRequest, LanguageModel, Passage, Retriever
+from selfrag.pipeline.protocols import (
+    GenerationRequest,
+    LanguageModel,
+    Passage,
+    PassageSearch,
+)
 from selfrag.schemas.answer import AnswerResponse, PassageOut, SegmentOut, Usage
 from selfrag.schemas.decoding import DecodingConfig
 
@@ -56,7 +61,7 @@ class BaselineAnswerer:
     def __init__(
         self,
         model: LanguageModel,
-        retriever: Retriever | None,
+        retriever: PassageSearch | None,
         *,
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:

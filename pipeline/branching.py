@@ -38,10 +38,11 @@ class StepWork:
 
 
 @runtime_checkable
-class StepCritique(Protocol):
-    """What the decoder asks of a critique source per step: the retrieval decision for the
-    live hypotheses, and the branch work (`expand`). `LocalCritique` runs both on a `Critic`
-    in this process; the Serve ingress sends them to the decider and the pool."""
+class BranchWorker(Protocol):
+    """Where a step's critique work runs, as the decoder asks for it: the retrieval decision
+    for the live hypotheses, and the branch work (`expand`). `LocalBranchWorker` runs both on
+    a `Critic` of this process; the Serve ingress's `PoolBranchWorker` sends them to the
+    decider and the pool."""
 
     name: str
 
@@ -150,8 +151,8 @@ def expand(
     return work
 
 
-class LocalCritique:
-    """`StepCritique` on a `Critic` of this process (CLI, batch actors, the pool itself)."""
+class LocalBranchWorker:
+    """`BranchWorker` on a `Critic` of this process (CLI, batch actors, the pool itself)."""
 
     def __init__(self, critic: Critic, *, clock: Callable[[], float] = time.perf_counter) -> None:
         self.critic = critic
@@ -165,8 +166,8 @@ class LocalCritique:
         return expand(self.critic, candidates, cfg, clock=self._clock)
 
 
-def step_critique(
-    source: Critic | StepCritique, *, clock: Callable[[], float] = time.perf_counter
-) -> StepCritique:
-    """`source` itself when it does the branch work, else a `LocalCritique` around it."""
-    return source if isinstance(source, StepCritique) else LocalCritique(source, clock=clock)
+def branch_worker(
+    source: Critic | BranchWorker, *, clock: Callable[[], float] = time.perf_counter
+) -> BranchWorker:
+    """`source` itself when it does the branch work, else a `LocalBranchWorker` around it."""
+    return source if isinstance(source, BranchWorker) else LocalBranchWorker(source, clock=clock)

@@ -6,10 +6,10 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from selfrag.pipeline.branching import StepCritique, reusable_draft, step_critique
+from selfrag.pipeline.branching import BranchWorker, branch_worker, reusable_draft
 from selfrag.pipeline.critics import Branch, Critic
 from selfrag.pipeline.critics.filters import resolve_filters
-from selfrag.pipeline.protocols import Generation, Passage, Retriever
+from selfrag.pipeline.protocols import Generation, Passage, PassageSearch
 from selfrag.pipeline.ranking import (
     Candidate,
     Drafted,
@@ -57,18 +57,18 @@ class _Run:
         return None
 
 
-class SelfRAGDecoder:
+class BeamDecoder:
     """Runs segment-level beam search over retrieval branches for one question at a time.
 
     Engines, retrievers and critique come in through protocols; this class is pure logic.
     Per step: the retrieval decision for the live hypotheses, one search per hypothesis that
-    retrieves, the branch work of all branches (`StepCritique.expand`), then the ranker.
+    retrieves, the branch work of all branches (`BranchWorker.expand`), then the ranker.
     """
 
     def __init__(
         self,
-        critic_for: Callable[[str], Critic | StepCritique],
-        retriever: Retriever,
+        critic_for: Callable[[str], Critic | BranchWorker],
+        retriever: PassageSearch,
         model_id: str,
         *,
         ranker: Ranker = rank_step,
@@ -88,9 +88,9 @@ class SelfRAGDecoder:
         self, question: str, config: DecodingConfig, on_step: StepListener | None = None
     ) -> AnswerResponse:
         """Answer `question`. `on_step` sees the leading hypothesis after every step."""
-        critic = step_critique(self._critic_for(config.critique), clock=self._clock)
-        fitted = self._calibrated(critic.name) if self._calibrated is not None else None
-        config = resolve_filters(config, critic.name, fitted)
+        worker = branch_worker(self._critic_for(config.critique), clock=self._clock)
+        fitted = self._calibrated(worker.name) if self._calibrated is not None else None
+        config = resolve_filters(config, worker.name, fitted)
         run = _Run(config=config, clock=self._clock, started=self._clock())
         beam: list[Hypothesis] = [Hypothesis()]
         for _ in range(config.max_segments):
@@ -102,12 +102,12 @@ class SelfRAGDecoder:
                 run.usage.stopped_by = stopped_by
                 break
             run.usage.steps += 1
-            beam = self._step(question, beam, live, critic, run)
+            beam = self._step(question, beam, live, worker, run)
             if on_step is not None and beam:
                 on_step(beam[0])
         best = max(beam, key=lambda h: h.score) if beam else Hypothesis()
         run.timings["total"] = (self._clock() - run.started) * 1e3
-        return self._response(question, best, critic.name, run)
+        return self._response(question, best, worker.name, run)
 
     # --- one step -------------------------------------------------------------------------------
 
@@ -116,12 +116,12 @@ class SelfRAGDecoder:
         question: str,
         beam: list[Hypothesis],
         live: list[Hypothesis],
-        critic: StepCritique,
+        worker: BranchWorker,
         run: _Run,
     ) -> list[Hypothesis]:
         cfg = run.config
-        candidates = self._open_branches(question, live, critic, run)
-        work = critic.expand(candidates, cfg)
+        candidates = self._open_branches(question, live, worker, run)
+        work = worker.expand(candidates, cfg)
         run.usage.prefill_tokens += work.prefill_tokens
         run.usage.decode_tokens += work.decode_tokens
         run.usage.branches_pruned += work.pruned
@@ -138,14 +138,14 @@ class SelfRAGDecoder:
         return ranking.beam
 
     def _open_branches(
-        self, question: str, live: list[Hypothesis], critic: StepCritique, run: _Run
+        self, question: str, live: list[Hypothesis], worker: BranchWorker, run: _Run
     ) -> list[Candidate]:
         cfg = run.config
         p_rets: list[float | None] = [None] * len(live)
         closed: list[Generation | None] = [None] * len(live)
         if cfg.mode == "adaptive":
             t = run.clock()
-            decisions = critic.retrieval([Branch(question, h.text, None) for h in live])
+            decisions = worker.retrieval([Branch(question, h.text, None) for h in live])
             run.timed("retrieval_decision", t)
             for i, d in enumerate(decisions):
                 p_rets[i] = retrieval_probability(d.probs)

@@ -157,7 +157,9 @@ file or folder), when the index recorded it."""
 
 
 @runtime_checkable
-class Retriever(Protocol):
+class PassageSearch(Protocol):
+    """Searches passages for a query: the store in this process, or one behind an actor."""
+
     def search(self, query: str, k: int) -> list[Passage]: ...
 
     def search_many(self, queries: Sequence[str], k: int) -> list[list[Passage]]:

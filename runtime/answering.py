@@ -258,7 +258,7 @@ class AnswerPath:
             return "error"
         return "miss"
 
-    def answer(
+    def run(
         self,
         question: str,
         config: DecodingConfig,

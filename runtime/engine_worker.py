@@ -8,14 +8,14 @@ from typing import TypeVar
 
 from selfrag.runtime.answering import Deadline
 from selfrag.runtime.merging import CallMerger, MergedCritic
-from selfrag.runtime.system import SelfRAGSystem
+from selfrag.runtime.system import LocalRuntime
 from selfrag.schemas.settings import Settings
 
 _T = TypeVar("_T")
 
 
 class EngineWorker:
-    """The process's `SelfRAGSystem` (its engine loaded now: never fork after this) and one
+    """The process's `LocalRuntime` (its engine loaded now: never fork after this) and one
     `CallMerger`. Each answer runs `run` in a thread of its own; its critique calls merge with
     the other threads' into multi-sequence engine calls and stop at the answer's deadline."""
 
@@ -27,7 +27,7 @@ class EngineWorker:
         max_calls: int | None = None,
         on_batch: Callable[[str, int, int], None] | None = None,
     ) -> None:
-        self.rag = SelfRAGSystem(settings)
+        self.rag = LocalRuntime(settings)
         self.engine = self.rag.engine
         self._merger = CallMerger(
             self.rag.critic, merge_wait_s, max_calls=max_calls, on_batch=on_batch

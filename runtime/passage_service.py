@@ -40,9 +40,9 @@ class PassageService:
     RECHECK_S = 10.0
 
     def __init__(self, settings: Settings) -> None:
-        from selfrag.runtime.system import SelfRAGSystem
+        from selfrag.runtime.system import LocalRuntime
 
-        self._rag = SelfRAGSystem(settings)
+        self._rag = LocalRuntime(settings)
         self._refused: tuple[float, str] | None = None  # (until when, the 500's detail)
         self._down = False
         try:

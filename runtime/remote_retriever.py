@@ -1,4 +1,4 @@
-"""`pipeline.protocols.Retriever` through a remote `PassageService`: Serve's `Retriever`
+"""`pipeline.protocols.PassageSearch` through a remote `PassageService`: Serve's `Retriever`
 deployment (the ingress) or the batch jobs' store actor. One adapter over one bounded call: the
 caller supplies `call(method, *args)`, which waits within the answer's `Deadline`."""
 

@@ -23,7 +23,7 @@ from selfrag.pipeline.critics import (
     make_critic,
     with_answerability,
 )
-from selfrag.pipeline.decoder import SelfRAGDecoder, StepListener
+from selfrag.pipeline.decoder import StepListener
 from selfrag.pipeline.heads import ReflectionHeads
 from selfrag.runtime.answering import (
     Answer,
@@ -31,6 +31,7 @@ from selfrag.runtime.answering import (
     CacheIdentity,
     Deadline,
 )
+from selfrag.runtime.assembly import DecoderParts
 from selfrag.runtime.calibrated import CalibratedDefaults
 from selfrag.schemas.answer import AnswerRequest, AnswerResponse
 from selfrag.schemas.decoding import DecodingConfig
@@ -49,8 +50,9 @@ if TYPE_CHECKING:  # heavy modules (llama.cpp, Qdrant) load only when a componen
     from selfrag.infra.vllm_engine import VLLMEngine
 
 
-class SelfRAGSystem(Closeable):
-    """One process's Self-RAG system. Thread-safe; the engine serialises its own calls."""
+class LocalRuntime(Closeable):
+    """The parts of Self-RAG in this process (engine, store, critics, decoder parts, answer path),
+    built lazily from the settings. Thread-safe; the engine serialises its own calls."""
 
     def __init__(self, settings: Settings, *, layer_tap: bool | None = None) -> None:
         """`layer_tap`: whether the engine can read middle layers; None: when an answerability
@@ -158,8 +160,9 @@ class SelfRAGSystem(Closeable):
         return store.counters() if store is not None else {}
 
     @cached_property
-    def decoder(self) -> SelfRAGDecoder:
-        return SelfRAGDecoder(
+    def parts(self) -> DecoderParts:
+        """This process's decoder parts: its critique sources, store and engine."""
+        return DecoderParts(
             self.critic, self.store, self.engine.model_id, calibrated=self.calibrated_filters
         )
 
@@ -275,13 +278,13 @@ class SelfRAGSystem(Closeable):
         on_step: StepListener | None = None,
     ) -> AnswerResponse:
         """Decode in this process (the decoder keeps to `config.timeout_s` itself)."""
-        return self.decoder.answer(question, config, on_step)
+        return self.parts.decode(question, config, on_step)
 
     def answer_config(
         self, question: str, config: DecodingConfig, on_step: StepListener | None = None
     ) -> Answer:
         """Answer with an effective config, through the answer path."""
-        return self.answer_path.answer(
+        return self.answer_path.run(
             question, config, self.decode, identity=self.cache_identity, on_step=on_step
         )
 
@@ -353,7 +356,7 @@ KV_WARM_QUESTION = "What does this passage say?"
 
 @dataclass(frozen=True)
 class KVPrecompute:
-    """What `SelfRAGSystem.precompute_kv` did."""
+    """What `LocalRuntime.precompute_kv` did."""
 
     passages: int
     computed: int

@@ -87,7 +87,7 @@ class FakeService:
         config = request.config.apply_to(DecodingConfig())
         return config if request.max_tokens is None else config.within_tokens(request.max_tokens)
 
-    async def answer(self, request: AnswerRequest, on_step: StepListener | None = None) -> Answer:
+    async def run(self, request: AnswerRequest, on_step: StepListener | None = None) -> Answer:
         self.seen.append(request)
         await asyncio.sleep(self.delay_s)
         if self.fail is not None:

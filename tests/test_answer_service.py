@@ -49,7 +49,7 @@ REQUEST = AnswerRequest(question="Who founded Normandy?", config={"mode": "alway
 
 def test_answers_through_the_handles_with_the_pipeline_decoder():
     service, metrics = _service()
-    answer = asyncio.run(service.answer(REQUEST))
+    answer = asyncio.run(service.run(REQUEST))
     assert answer.cache == "off"
     r = answer.response
     assert r.model_id == "scripted-model" and r.critique == "scripted"
@@ -63,7 +63,7 @@ def test_each_step_makes_one_call_to_each_deployment_with_no_token_lists():
         question="Who founded Normandy?",
         config={"mode": "adaptive", "threshold": 0.0, "max_segments": 2},
     )
-    r = asyncio.run(service.answer(adaptive)).response
+    r = asyncio.run(service.run(adaptive)).response
     steps = r.usage.steps
     assert steps >= 1
     text = metrics.render()
@@ -79,7 +79,7 @@ def test_each_step_makes_one_call_to_each_deployment_with_no_token_lists():
 @pytest.mark.parametrize("affinity", [True, False])
 def test_an_answers_pool_calls_share_one_session_id_unless_affinity_is_off(affinity: bool):
     rig = make_service(affinity=affinity)
-    asyncio.run(rig.service.answer(REQUEST))
+    asyncio.run(rig.service.run(REQUEST))
     seen = getattr(rig.pool_handle, "__dict__", {}).get("options_seen")
     if affinity:
         assert seen is not None and len(seen["session_id"]) == 32
@@ -92,7 +92,7 @@ def test_repeated_query_is_a_cache_hit_and_the_key_covers_config():
     service, metrics = _service(cache=cache)
 
     async def twice() -> tuple:
-        return await service.answer(REQUEST), await service.answer(REQUEST)
+        return await service.run(REQUEST), await service.run(REQUEST)
 
     first, second = asyncio.run(twice())
     assert (first.cache, second.cache) == ("miss", "hit")
@@ -156,7 +156,7 @@ def test_a_new_model_file_or_calibration_is_not_served_from_the_cache():
         pool = Pool(ScriptedCritic())
         pool.fingerprint = fingerprint
         rig = make_service(pool=pool, cache=cache, settings=settings)
-        return asyncio.run(rig.service.answer(req)).cache
+        return asyncio.run(rig.service.run(req)).cache
 
     assert first_answer("m.gguf sha256:aa", _settings()) == "miss"
     assert first_answer("m.gguf sha256:aa", _settings()) == "hit"
@@ -171,7 +171,7 @@ def test_the_index_version_is_asked_again_only_after_its_ttl(ttl_s: float, calls
     service, _ = _service(cache=DictCache(), store=store, index_version_ttl_s=ttl_s)
 
     async def thrice() -> list[str]:
-        return [(await service.answer(REQUEST)).cache for _ in range(3)]
+        return [(await service.run(REQUEST)).cache for _ in range(3)]
 
     assert asyncio.run(thrice()) == ["miss", "hit", "hit"]
     assert store.version_calls == calls
@@ -186,7 +186,7 @@ def test_the_deadline_covers_the_calls_before_decoding():
     async def run() -> float:
         t0 = time.perf_counter()
         with pytest.raises(DeadlineExceeded):
-            await service.answer(slow)
+            await service.run(slow)
         return time.perf_counter() - t0
 
     assert asyncio.run(run()) < 0.9
@@ -195,7 +195,7 @@ def test_the_deadline_covers_the_calls_before_decoding():
 
 def test_a_broken_cache_is_bypassed_and_counted():
     service, metrics = _service(cache=DictCache(broken=True))
-    answer = asyncio.run(service.answer(REQUEST))
+    answer = asyncio.run(service.run(REQUEST))
     assert answer.cache == "error" and answer.response.answer
     assert 'selfrag_query_cache_total{outcome="error"} 2' in metrics.render()
     assert asyncio.run(service.readiness())["cache"] is False
@@ -210,14 +210,14 @@ def test_past_the_deadline_is_504_and_frees_its_slot_when_the_thread_ends():
 
     async def run() -> None:
         with pytest.raises(DeadlineExceeded):
-            await service.answer(slow, busy_listener)
+            await service.run(slow, busy_listener)
         # The decoder thread still runs: the slot stays taken until it ends.
         with pytest.raises(Overloaded):
-            await service.answer(slow)
+            await service.run(slow)
         assert service.inflight == 1
         await asyncio.sleep(0.8)
         assert service.inflight == 0
-        assert (await service.answer(AnswerRequest(question="q"))).response.answer
+        assert (await service.run(AnswerRequest(question="q"))).response.answer
 
     asyncio.run(run())
     assert 'selfrag_rejected_total{reason="deadline"} 1' in metrics.render()
@@ -243,7 +243,7 @@ def test_a_hung_pool_call_frees_its_slot_at_the_deadline():
     async def run() -> None:
         t0 = time.perf_counter()
         with pytest.raises(DeadlineExceeded):
-            await rig.service.answer(req)
+            await rig.service.run(req)
         assert time.perf_counter() - t0 < 0.6
         await _until_idle(rig.service, 0.5)
         assert rig.pool.drafts_started == 1 and not hang.is_set()  # the call still hangs
@@ -266,7 +266,7 @@ def test_an_abandoned_request_stops_its_decoder_at_once():
     req = AnswerRequest(question="q", config={"mode": "never", "timeout_s": 30})
 
     async def run() -> None:
-        task = asyncio.create_task(rig.service.answer(req))
+        task = asyncio.create_task(rig.service.run(req))
         while rig.pool.drafts_started == 0:
             await asyncio.sleep(0.01)
         assert rig.service.inflight == 1
@@ -289,7 +289,7 @@ def test_lookups_before_decoding_are_cancelled_at_the_deadline():
 
     async def run() -> None:
         with pytest.raises(DeadlineExceeded):
-            await rig.service.answer(slow)
+            await rig.service.run(slow)
 
     asyncio.run(run())
     assert rig.service.inflight == 0
@@ -302,9 +302,7 @@ def test_over_the_inflight_limit_is_503():
     req = AnswerRequest(question="q", config={"mode": "never"})
 
     async def run() -> list[Any]:
-        return await asyncio.gather(
-            service.answer(req), service.answer(req), return_exceptions=True
-        )
+        return await asyncio.gather(service.run(req), service.run(req), return_exceptions=True)
 
     first, second = asyncio.run(run())
     assert first.response.answer
@@ -314,7 +312,7 @@ def test_over_the_inflight_limit_is_503():
 def test_an_unusable_critique_source_is_422():
     service, _ = _service()
     with pytest.raises(Unprocessable, match="native"):
-        asyncio.run(service.answer(AnswerRequest(question="q", config={"critique": "native"})))
+        asyncio.run(service.run(AnswerRequest(question="q", config={"critique": "native"})))
 
 
 def test_only_a_critique_source_the_model_lacks_is_the_requests_fault():
@@ -363,11 +361,11 @@ def test_store_down_is_503_and_not_ready_then_recovers():
     async def run() -> None:
         store.down = True
         with pytest.raises(DependencyDown, match="passage store"):
-            await service.answer(REQUEST)
+            await service.run(REQUEST)
         assert (await service.readiness())["store"] is False
         store.down = False
         assert (await service.readiness())["store"] is True
-        assert (await service.answer(REQUEST)).response.segments[0].citation is not None
+        assert (await service.run(REQUEST)).response.segments[0].citation is not None
 
     asyncio.run(run())
 
@@ -398,5 +396,5 @@ def test_a_full_deployment_queue_is_503_overloaded():
 def test_timeout_above_the_server_maximum_is_422():
     service = make_service(store=Store([]), max_timeout_s=30.0).service
     with pytest.raises(Unprocessable, match="max_timeout_s"):
-        asyncio.run(service.answer(AnswerRequest(question="q", config={"timeout_s": 60})))
-    assert asyncio.run(service.answer(AnswerRequest(question="q", config={"timeout_s": 30})))
+        asyncio.run(service.run(AnswerRequest(question="q", config={"timeout_s": 60})))
+    assert asyncio.run(service.run(AnswerRequest(question="q", config={"timeout_s": 30})))

@@ -296,7 +296,7 @@ def test_a_model_reading_middle_layers_needs_an_engine_that_returns_them() -> No
 def test_the_system_finds_the_model_of_its_model_file_and_refuses_another(tmp_path: Path) -> None:
     from selfrag.infra.model_files import file_sha256
     from selfrag.infra.settings import load_settings
-    from selfrag.runtime.system import SelfRAGSystem
+    from selfrag.runtime.system import LocalRuntime
 
     weights = tmp_path / "model.gguf"
     weights.write_bytes(b"not really a model")
@@ -304,8 +304,8 @@ def test_the_system_finds_the_model_of_its_model_file_and_refuses_another(tmp_pa
     home = tmp_path / "home"
     save_answerability(answerability_path(home, sha, "learned"), combiner(sha=sha))
 
-    def system(**model: object) -> SelfRAGSystem:
-        rag = SelfRAGSystem(load_settings(environ={}, overrides={"home": home, "model": model}))
+    def system(**model: object) -> LocalRuntime:
+        rag = LocalRuntime(load_settings(environ={}, overrides={"home": home, "model": model}))
         rag.__dict__["model_path"] = weights  # no llama.cpp: the file only needs a SHA-256
         return rag
 

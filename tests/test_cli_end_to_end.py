@@ -9,7 +9,7 @@ import pytest
 
 from selfrag.cli import main
 from selfrag.infra.settings import load_settings
-from selfrag.runtime.system import SelfRAGSystem
+from selfrag.runtime.system import LocalRuntime
 from tests.suite import SUITE_ENV
 
 pytestmark = pytest.mark.real
@@ -75,9 +75,9 @@ def test_the_readme_example_is_right_or_abstains_or_shows_low_support(
 
 def test_reindexing_does_not_duplicate(indexed_home: Path, normans_squad: Path):
     settings = load_settings(environ={"SELFRAG_HOME": str(indexed_home), **SUITE_ENV})
-    with SelfRAGSystem(settings) as system:
+    with LocalRuntime(settings) as system:
         before = system.store.count()
     index = ["--home", str(indexed_home), "index", "--no-progress", "--no-calibrate"]
     assert main([*index, str(normans_squad)]) == 0
-    with SelfRAGSystem(settings) as system:
+    with LocalRuntime(settings) as system:
         assert system.store.count() == before

@@ -150,8 +150,8 @@ def test_status_of_an_index_another_process_holds_is_a_clear_error(
             "-c",
             "import sys\n"
             "from selfrag.infra.settings import load_settings\n"
-            "from selfrag.runtime.system import SelfRAGSystem\n"
-            f"rag = SelfRAGSystem(load_settings(overrides={{'home': {str(indexed_home)!r}}}))\n"
+            "from selfrag.runtime.system import LocalRuntime\n"
+            f"rag = LocalRuntime(load_settings(overrides={{'home': {str(indexed_home)!r}}}))\n"
             "rag.store.count()\n"
             "print('open', flush=True)\n"
             "sys.stdin.read()\n",

@@ -1,6 +1,6 @@
 import pytest
 
-from selfrag.pipeline.decoder import ABSTAIN_MESSAGE, SelfRAGDecoder
+from selfrag.pipeline.decoder import ABSTAIN_MESSAGE, BeamDecoder
 from selfrag.pipeline.protocols import Passage
 from selfrag.schemas.decoding import DecodingConfig
 from tests.fakes import ListRetriever, ScriptedCritic
@@ -15,7 +15,7 @@ PASSAGES = [
 def make(critic: ScriptedCritic, passages=PASSAGES, clock=None):
     retriever = ListRetriever(list(passages))
     kwargs = {"clock": clock} if clock else {}
-    return SelfRAGDecoder(lambda _: critic, retriever, "test-model", **kwargs), retriever
+    return BeamDecoder(lambda _: critic, retriever, "test-model", **kwargs), retriever
 
 
 def cfg(**kw) -> DecodingConfig:

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from selfrag.infra.settings import load_settings
-from selfrag.runtime.system import SelfRAGSystem
+from selfrag.runtime.system import LocalRuntime
 from selfrag.schemas.answer import AnswerRequest, AnswerResponse
 from tests.suite import SUITE_ENV
 
@@ -17,7 +17,7 @@ pytestmark = pytest.mark.real
 @pytest.fixture(scope="module")
 def rag(indexed_home: Path):
     settings = load_settings(environ={"SELFRAG_HOME": str(indexed_home), **SUITE_ENV})
-    with SelfRAGSystem(settings) as system:
+    with LocalRuntime(settings) as system:
         yield system
 
 
@@ -30,7 +30,7 @@ def _check_ranges(r: AnswerResponse) -> None:
         assert seg.logprob <= 0.0
 
 
-def test_ask_always_retrieves_and_cites(rag: SelfRAGSystem):
+def test_ask_always_retrieves_and_cites(rag: LocalRuntime):
     r = rag.answer(
         AnswerRequest(
             question="Who was the Norse leader who founded Normandy?",
@@ -56,7 +56,7 @@ def test_ask_always_retrieves_and_cites(rag: SelfRAGSystem):
     assert r.critique == "learned"
 
 
-def test_never_mode_answers_closed_book(rag: SelfRAGSystem):
+def test_never_mode_answers_closed_book(rag: LocalRuntime):
     r = rag.answer(
         AnswerRequest(
             question="What is the capital of France?", config={"mode": "never", "max_segments": 1}
@@ -67,7 +67,7 @@ def test_never_mode_answers_closed_book(rag: SelfRAGSystem):
     assert all(s.citation is None for s in r.segments)
 
 
-def test_strict_support_filter_never_returns_an_empty_answer(rag: SelfRAGSystem):
+def test_strict_support_filter_never_returns_an_empty_answer(rag: LocalRuntime):
     r = rag.answer(
         AnswerRequest(
             question="What colour is the planet Neptune's third moon's ocean?",

@@ -17,7 +17,7 @@ from selfrag.jobs.evaluation import (
     read_records,
     run_evaluation,
 )
-from selfrag.pipeline.decoder import SelfRAGDecoder
+from selfrag.pipeline.decoder import BeamDecoder
 from selfrag.pipeline.protocols import Passage
 from selfrag.runtime.answering import Answer, AnswerPath
 from selfrag.schemas.decoding import DecodingConfig
@@ -75,20 +75,20 @@ SQUAD = {
 
 
 class FakeRag:
-    """What the evaluation uses of `SelfRAGSystem`: engine, store, critic(), answer_config()."""
+    """What the evaluation uses of `LocalRuntime`: engine, store, critic(), answer_config()."""
 
     def __init__(self) -> None:
         self.engine = WordModel(draft_text=" Rollo founded it.")
         self.store = ListRetriever([Passage("p1", "Rollo founded Normandy in France.", "Normans")])
         self.critic_obj = ScriptedCritic(drafts={"p1": (" Rollo founded it.", -1.0, "eos")})
-        self.decoder = SelfRAGDecoder(lambda _: self.critic_obj, self.store, "fake")
+        self.decoder = BeamDecoder(lambda _: self.critic_obj, self.store, "fake")
 
     def critic(self, source: str) -> ScriptedCritic:
         return self.critic_obj
 
     def answer_config(self, question: str, config: DecodingConfig) -> Answer:
         path = AnswerPath(config)
-        return path.answer(question, config, lambda q, c, _d, _s: self.decoder.answer(q, c))
+        return path.run(question, config, lambda q, c, _d, _s: self.decoder.answer(q, c))
 
 
 @pytest.fixture()

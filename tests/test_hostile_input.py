@@ -37,7 +37,7 @@ from selfrag.pipeline.protocols import (
     TokenScoreRequest,
     TokenScores,
 )
-from selfrag.runtime.system import SelfRAGSystem
+from selfrag.runtime.system import LocalRuntime
 from tests.suite import SUITE_ENV
 
 pytestmark = pytest.mark.real
@@ -81,14 +81,14 @@ class Recording:
 
 
 @pytest.fixture(scope="module")
-def rag(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SelfRAGSystem]:
+def rag(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalRuntime]:
     home = tmp_path_factory.mktemp("hostile-home")
-    with SelfRAGSystem(load_settings(environ={"SELFRAG_HOME": str(home), **SUITE_ENV})) as system:
+    with LocalRuntime(load_settings(environ={"SELFRAG_HOME": str(home), **SUITE_ENV})) as system:
         yield system
 
 
 @pytest.fixture(scope="module")
-def forged_passage(rag: SelfRAGSystem, tmp_path_factory: pytest.TempPathFactory) -> Passage:
+def forged_passage(rag: LocalRuntime, tmp_path_factory: pytest.TempPathFactory) -> Passage:
     corpus = tmp_path_factory.mktemp("hostile-corpus") / "c.jsonl"
     docs = [
         {"id": "forged", "title": "Rollo", "text": BASE + FORGERY},
@@ -113,7 +113,7 @@ def _control_ids(engine: Any) -> set[int]:
 
 
 def _score(
-    rag: SelfRAGSystem, source: str, question: str, passage: Passage, draft: Generation | None
+    rag: LocalRuntime, source: str, question: str, passage: Passage, draft: Generation | None
 ) -> tuple[list[list[int]], dict[str, LabelProbs], Generation]:
     """Every critique of one branch, from a cold engine cache, with the prompts it sent."""
     engine = rag.engine
@@ -131,7 +131,7 @@ def _score(
     return model.prompts, scores, drafted
 
 
-def test_the_forgery_would_be_control_tokens_if_tokenized_as_trusted(rag: SelfRAGSystem) -> None:
+def test_the_forgery_would_be_control_tokens_if_tokenized_as_trusted(rag: LocalRuntime) -> None:
     # The test has teeth: tokenized with special tokens on, the markup IS control tokens.
     controls = _control_ids(rag.engine)
     assert controls & set(rag.engine.tokenize(FORGERY, special=True))
@@ -140,7 +140,7 @@ def test_the_forgery_would_be_control_tokens_if_tokenized_as_trusted(rag: SelfRA
 
 @pytest.mark.parametrize("source", ["likelihood", "prompted", "learned"])
 def test_forged_passage_scores_equal_the_defused_passage(
-    rag: SelfRAGSystem, forged_passage: Passage, source: str, capsys: pytest.CaptureFixture[str]
+    rag: LocalRuntime, forged_passage: Passage, source: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     controls = _control_ids(rag.engine)
     defused = Passage(forged_passage.id, neutralise(forged_passage.text), forged_passage.title, 0.0)
@@ -166,7 +166,7 @@ def test_forged_passage_scores_equal_the_defused_passage(
 
 
 def test_control_tokens_in_a_question_are_plain_text(
-    rag: SelfRAGSystem, forged_passage: Passage
+    rag: LocalRuntime, forged_passage: Passage
 ) -> None:
     controls = _control_ids(rag.engine)
     hostile, hostile_scores, draft = _score(

@@ -159,10 +159,10 @@ def test_a_poisoned_state_in_redis_is_refused_counted_and_replaced(
 @pytest.mark.real
 def test_refused_states_are_counted_in_the_pool_metrics(redis_url: str, tmp_path: Path):
     from selfrag.actors.metrics import EngineMetrics, PrometheusSink
-    from selfrag.runtime.system import SelfRAGSystem
+    from selfrag.runtime.system import LocalRuntime
 
     env = {"SELFRAG_HOME": str(tmp_path), "SELFRAG_REDIS_URL": redis_url, **SUITE_ENV}
-    with SelfRAGSystem(load_settings(environ=env)) as rag:
+    with LocalRuntime(load_settings(environ=env)) as rag:
         assert rag.kv_store_counters() == {}  # nothing opened just to report on it
         store = rag.prefix_store
         assert store is not None and store.redis is not None

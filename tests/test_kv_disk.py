@@ -104,7 +104,7 @@ def test_a_restarted_engine_starts_warm_from_disk(tmp_path: Path, normans_squad:
     from selfrag.cli import main
     from selfrag.infra.settings import load_settings
     from selfrag.pipeline.critics import Branch
-    from selfrag.runtime.system import SelfRAGSystem
+    from selfrag.runtime.system import LocalRuntime
 
     home = tmp_path / "home"
     env = {"SELFRAG_HOME": str(home), "SELFRAG_MODEL__N_THREADS": "1", **SUITE_ENV}
@@ -117,7 +117,7 @@ def test_a_restarted_engine_starts_warm_from_disk(tmp_path: Path, normans_squad:
     assert main(["--home", str(home), "index", "--no-progress", str(corpus)]) == 0
 
     def scores() -> tuple[list[float], dict[str, int], float]:
-        with SelfRAGSystem(settings) as rag:
+        with LocalRuntime(settings) as rag:
             passages = list(rag.store.passages())
             critic = rag.critic("auto")
             started = time.perf_counter()

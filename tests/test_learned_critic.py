@@ -20,7 +20,7 @@ from selfrag.pipeline.critics import (
     make_critic,
 )
 from selfrag.pipeline.critics.likelihood import LikelihoodCritic
-from selfrag.pipeline.decoder import ABSTAIN_MESSAGE, SelfRAGDecoder
+from selfrag.pipeline.decoder import ABSTAIN_MESSAGE, BeamDecoder
 from selfrag.pipeline.heads import GROUP_LABELS, GroupHead, HeadsError, ReflectionHeads
 from selfrag.pipeline.protocols import GenerationRequest, Passage, TokenScoreRequest
 from selfrag.schemas.answer import AnswerResponse
@@ -279,7 +279,7 @@ def test_learned_refuses_heads_of_another_hidden_size() -> None:
 def decode(heads: ReflectionHeads, **config: object) -> tuple[AnswerResponse, RecordingModel]:
     model = chat_model()
     critic = LearnedCritic(model, heads)
-    decoder = SelfRAGDecoder(lambda _: critic, ListRetriever([ROLLO, PARIS]), "word-model")
+    decoder = BeamDecoder(lambda _: critic, ListRetriever([ROLLO, PARIS]), "word-model")
     cfg = DecodingConfig(**{"mode": "always", "top_k": 2, "max_segments": 1, **config})
     return decoder.answer(QUESTION, cfg), model
 

@@ -6,7 +6,7 @@ import pytest
 
 from selfrag.pipeline.critics import Branch, make_critic
 from selfrag.pipeline.critics.likelihood import LikelihoodCritic, support_probs
-from selfrag.pipeline.decoder import SelfRAGDecoder
+from selfrag.pipeline.decoder import BeamDecoder
 from selfrag.pipeline.protocols import ContinuationScores, Passage
 from selfrag.pipeline.scoring import (
     relevance_score,
@@ -88,7 +88,7 @@ def test_closed_book_probe_is_reused_as_the_no_retrieval_draft():
         return generate(requests)
 
     fresh.generate = recording  # type: ignore[method-assign]
-    decoder = SelfRAGDecoder(
+    decoder = BeamDecoder(
         lambda _: LikelihoodCritic(fresh, probe_tokens=48), ListRetriever([GOOD]), "toy"
     )
     cfg = DecodingConfig(mode="adaptive", threshold=0.0, max_segments=1, max_segment_tokens=48)
@@ -122,7 +122,7 @@ def test_make_critic_and_the_decoder_accept_the_likelihood_source():
     model = CopyModel(draft_text=" Rollo founded Normandy.")
     critic = make_critic(model, "likelihood")
     assert critic.name == "likelihood"
-    decoder = SelfRAGDecoder(lambda _: critic, ListRetriever([GOOD, BAD]), "toy")
+    decoder = BeamDecoder(lambda _: critic, ListRetriever([GOOD, BAD]), "toy")
     cfg = DecodingConfig(critique="likelihood", mode="adaptive", threshold=0.0, max_segments=1)
     response = decoder.answer(QUESTION, cfg)
     assert response.critique == "likelihood"

@@ -29,7 +29,7 @@ from selfrag.infra.model_presets import (
 )
 from selfrag.infra.settings import SettingsError, load_settings
 from selfrag.pipeline.critics import READ_LAYOUT, CritiqueUnavailable, LikelihoodCritic
-from selfrag.runtime.system import SelfRAGSystem
+from selfrag.runtime.system import LocalRuntime
 from selfrag.schemas.settings import DEFAULT_PRESET, ModelPresetName, ModelSettings, Settings
 from tests.fakes import WordModel
 
@@ -238,9 +238,9 @@ def test_selfrag_models_on_the_command_line(
 # --- the critique on a model file without reflection heads ------------------------------------
 
 
-def _system_without_heads(tmp_path: Path) -> SelfRAGSystem:
+def _system_without_heads(tmp_path: Path) -> LocalRuntime:
     # No answerability model either: looking one up needs the (absent) model file's SHA-256.
-    system = SelfRAGSystem(Settings(home=tmp_path, model=ModelSettings(answerability=False)))
+    system = LocalRuntime(Settings(home=tmp_path, model=ModelSettings(answerability=False)))
     # The components the critique needs, without loading a model: a toy engine, no heads.
     system.__dict__.update(
         engine=WordModel(), model_path=tmp_path / f"m-{uuid.uuid4().hex}.gguf", heads=None

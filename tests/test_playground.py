@@ -92,8 +92,8 @@ HOSTILE = '<img src=x onerror="window.pwned = 1"> Rollo founded Normandy.'
 class HostilePassageService(FakeService):
     """The scripted answer, its passage's text HTML that must show as text."""
 
-    async def answer(self, request: AnswerRequest, on_step: StepListener | None = None) -> Answer:
-        result = await super().answer(request, on_step)
+    async def run(self, request: AnswerRequest, on_step: StepListener | None = None) -> Answer:
+        result = await super().run(request, on_step)
         result.response.passages[0].text = HOSTILE
         return result
 

@@ -21,7 +21,7 @@ import pytest
 from selfrag.infra.embedder import SentenceEmbedder
 from selfrag.infra.qdrant_store import QdrantStore, StoreError, point_id
 from selfrag.jobs.indexing import index_corpus
-from selfrag.pipeline.protocols import Passage, Retriever
+from selfrag.pipeline.protocols import Passage, PassageSearch
 from selfrag.schemas.settings import RetrievalSettings
 from tests.fakes import HashEmbedder
 
@@ -119,7 +119,7 @@ def test_embedder_is_thread_safe(embedder: SentenceEmbedder) -> None:
 
 
 def test_empty_store_answers_without_crashing(store: QdrantStore) -> None:
-    assert isinstance(store, Retriever)
+    assert isinstance(store, PassageSearch)
     assert store.ready()
     assert store.search("anything", 3) == []
     assert store.count() == 0

@@ -23,7 +23,7 @@ from selfrag.infra.support_calibration import (
 )
 from selfrag.pipeline.critics import Branch, LabelProbs
 from selfrag.pipeline.critics.filters import resolve_filters
-from selfrag.pipeline.decoder import SelfRAGDecoder
+from selfrag.pipeline.decoder import BeamDecoder
 from selfrag.pipeline.metrics import contains_answer
 from selfrag.pipeline.protocols import Generation, Passage
 from selfrag.pipeline.synthetic_qa import (
@@ -231,9 +231,9 @@ def test_uncalibrated_constant_warns_once(
     assert caplog.text.count("was not calibrated on this corpus") == 1
 
 
-def _decoder(critic: ScriptedCritic, calibrated: dict[str, object] | None) -> SelfRAGDecoder:
+def _decoder(critic: ScriptedCritic, calibrated: dict[str, object] | None) -> BeamDecoder:
     retriever = ListRetriever([Passage("p1", "Rollo led the Normans.", "Normans")])
-    return SelfRAGDecoder(
+    return BeamDecoder(
         lambda _: critic,
         retriever,
         "fake",
@@ -460,8 +460,8 @@ def test_serve_decodes_with_the_pools_calibrated_threshold() -> None:
     )
     request = AnswerRequest(question="Who founded Normandy?", config={"mode": "always"})
     plain = make_service(pool=Pool(critic))
-    assert not asyncio.run(plain.service.answer(request)).response.abstained
+    assert not asyncio.run(plain.service.run(request)).response.abstained
     pool = Pool(critic)
     pool.calibrated = {"min_support_score": 0.52}
-    response = asyncio.run(make_service(pool=pool).service.answer(request)).response
+    response = asyncio.run(make_service(pool=pool).service.run(request)).response
     assert response.abstained and response.config.min_support_score == 0.52

@@ -12,7 +12,7 @@ from selfrag.infra.heads_store import load_heads, read_manifest
 from selfrag.infra.model_files import file_sha256
 from selfrag.infra.settings import load_settings
 from selfrag.pipeline.heads import GROUP_LABELS
-from selfrag.runtime.system import SelfRAGSystem
+from selfrag.runtime.system import LocalRuntime
 
 pytestmark = pytest.mark.real
 
@@ -33,7 +33,7 @@ def test_train_small_corpus_then_answer_with_the_heads(
     assert set(manifest["groups"]) == set(GROUP_LABELS)
     assert manifest["seed"] == 3 and manifest["data"]["qa_questions"] == 0
     assert all(g["examples"] >= 20 for g in manifest["groups"].values())
-    with SelfRAGSystem(load_settings(overrides={"home": str(indexed_home)})) as rag:
+    with LocalRuntime(load_settings(overrides={"home": str(indexed_home)})) as rag:
         assert heads.model_sha256 == file_sha256(rag.model_path)
 
     monkeypatch.setenv("SELFRAG_MODEL__HEADS", str(out))
@@ -77,6 +77,6 @@ def test_ask_refuses_heads_of_another_model_file(
     code = main(["--home", str(indexed_home), "ask", "Who founded Normandy?", "--mode", "never"])
     assert code == 2
     err = capsys.readouterr().err
-    with SelfRAGSystem(load_settings(overrides={"home": str(indexed_home)})) as rag:
+    with LocalRuntime(load_settings(overrides={"home": str(indexed_home)})) as rag:
         mine = file_sha256(rag.model_path)
     assert other in err and mine in err

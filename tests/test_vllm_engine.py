@@ -256,14 +256,14 @@ def test_server_errors_are_vllm_errors(server: str):
 
 def test_settings_select_the_vllm_backend(server: str, tmp_path: Path):
     from selfrag.infra.settings import load_settings
-    from selfrag.runtime.system import SelfRAGSystem
+    from selfrag.runtime.system import LocalRuntime
 
     env = {
         "SELFRAG_HOME": str(tmp_path),
         "SELFRAG_MODEL__BACKEND": "vllm",
         "SELFRAG_MODEL__VLLM_URL": server,
     }
-    with SelfRAGSystem(load_settings(environ=env)) as rag:
+    with LocalRuntime(load_settings(environ=env)) as rag:
         assert isinstance(rag.engine, VLLMEngine)
         assert rag.critic("auto").name == "likelihood"  # no reflection tokens in the fake
 
