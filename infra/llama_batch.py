@@ -114,13 +114,15 @@ class BatchDecoder:
             self.layer_rows = {}
             if tap is not None:
                 tap.arm(layers)
-            n_threads = self._set_threads(len(chunk))
+            reads = self._embeddings_on or tap is not None
+            n_threads = self._set_threads(len(chunk), reads)
             started = time.perf_counter()
             try:
                 status = llama_cpp.llama_decode(self._ctx, self._batch)
             finally:
                 captured = tap.disarm() if tap is not None else {}
-            self.threads.record(len(chunk), n_threads, time.perf_counter() - started)
+            seconds = time.perf_counter() - started
+            self.threads.record(len(chunk), n_threads, seconds, reads=reads)
             self._stats.decode_calls += 1
             self._stats.batch_sizes[len(seqs)] += 1
             if status != 0:
@@ -139,8 +141,8 @@ class BatchDecoder:
                 assert feed.on_logits is not None
                 feed.on_logits(pos, b)
 
-    def _set_threads(self, n_tokens: int) -> int:
-        n = self.threads.choose(n_tokens)
+    def _set_threads(self, n_tokens: int, reads: bool) -> int:
+        n = self.threads.choose(n_tokens, reads=reads)
         if n != self._threads_now:
             llama_cpp.llama_set_n_threads(self._ctx, n, n)
             self._threads_now = n

@@ -63,8 +63,8 @@ class ThreadChooser:
     warmup: int = 3
     recheck: int = 32
     keep: int = 5
-    _estimates: dict[tuple[int, int], _Estimate] = field(default_factory=dict)
-    _calls: dict[int, int] = field(default_factory=dict)
+    _estimates: dict[tuple[tuple[int, bool], int], _Estimate] = field(default_factory=dict)
+    _calls: dict[tuple[int, bool], int] = field(default_factory=dict)
 
     @property
     def candidates(self) -> tuple[int, ...]:
@@ -74,11 +74,12 @@ class ThreadChooser:
     def _chooses(self) -> bool:
         return self.adaptive and self.threads > 1
 
-    def choose(self, n_tokens: int) -> int:
-        """The thread count for a call of `n_tokens` tokens."""
+    def choose(self, n_tokens: int, *, reads: bool = False) -> int:
+        """The thread count for a call of `n_tokens` tokens; `reads`: it also outputs hidden
+        states or middle blocks, which costs more, so such calls are classed apart."""
         if not self._chooses or n_tokens > CHOSEN_MAX_TOKENS:
             return self.threads
-        cls = size_class(n_tokens)
+        cls = (size_class(n_tokens), reads)
         calls = self._calls.get(cls, 0)
         self._calls[cls] = calls + 1
         estimates = [self._estimates.get((cls, t), _Estimate(self.keep)) for t in self.candidates]
@@ -90,21 +91,21 @@ class ThreadChooser:
             return self.candidates[1 - best]
         return self.candidates[best]
 
-    def record(self, n_tokens: int, threads: int, seconds: float) -> None:
+    def record(self, n_tokens: int, threads: int, seconds: float, *, reads: bool = False) -> None:
         """What a call of `n_tokens` tokens on `threads` threads took."""
         if not self._chooses or n_tokens > CHOSEN_MAX_TOKENS:
             return
-        key = (size_class(n_tokens), threads)
+        key = ((size_class(n_tokens), reads), threads)
         self._estimates.setdefault(key, _Estimate(self.keep)).add(seconds)
 
     def chosen(self) -> dict[int, int]:
-        """The thread count each measured size class runs on now (smallest size of the
-        class → threads), for stats and benchmarks."""
+        """The thread count each measured size class of plain calls (no hidden states) runs
+        on now (smallest size of the class → threads), for stats and benchmarks."""
         out: dict[int, int] = {}
-        for cls in sorted({c for c, _ in self._estimates}):
+        for cls in sorted({c for c, _ in self._estimates if not c[1]}):
             est = {t: self._estimates.get((cls, t)) for t in self.candidates}
             if all(e is not None and e.samples >= self.warmup for e in est.values()):
-                out[_smallest(cls)] = min(est, key=lambda t: est[t].seconds)  # type: ignore[union-attr]
+                out[_smallest(cls[0])] = min(est, key=lambda t: est[t].seconds)  # type: ignore[union-attr]
         return out
 
 

@@ -59,3 +59,16 @@ def test_large_calls_and_single_thread_or_fixed_engines_never_choose() -> None:
     fixed = ThreadChooser(2, adaptive=False)
     assert run(fixed, 1, {2: 1.0}, calls=10) == [2] * 10
     assert fixed.candidates == (2,)
+
+
+def test_calls_that_read_hidden_states_are_classed_apart() -> None:
+    chooser = ThreadChooser(2, warmup=2)
+    for _ in range(4):  # plain steps: one thread is faster
+        t = chooser.choose(3)
+        chooser.record(3, t, {1: 0.010, 2: 0.030}[t])
+    for _ in range(4):  # the same size with hidden states out: two threads are faster
+        t = chooser.choose(3, reads=True)
+        chooser.record(3, t, {1: 0.090, 2: 0.040}[t], reads=True)
+    assert chooser.choose(3) == 1
+    assert chooser.choose(3, reads=True) == 2
+    assert chooser.chosen() == {3: 1}
