@@ -7,8 +7,9 @@ then each is answered four ways, each from an empty KV cache (Self-RAG restores 
 states, vanilla RAG computes its prompt): Self-RAG and vanilla RAG (`pipeline.baselines`, the same
 engine), each with adaptive threads off and on. Reported per way: p50 and mean seconds, and the
 seconds inside `llama_decode` by kind of call (prefill, generation steps by number of
-sequences), next to the thread count the engine chose for each call size. The outputs do not
-depend on the thread count, so the accuracies of the two settings agree. Last line: name=value.
+sequences), next to the thread count the engine chose for each call size. The thread count
+changes at most the last digits of a score, so the accuracies of the two settings agree but for
+a greedy near-tie. Last line: name=value.
 
     SELFRAG_MODEL__PRESET=smollm2 .venv/bin/python -m bench.decode_threads --home /tmp/h
 """

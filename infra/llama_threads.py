@@ -7,8 +7,9 @@ thread. On the 2-core development VM (docs/benchmarks.md) a one-token step of Sm
 took 13 ms on one thread against 34 ms on two, a three-token step 28 against 59, while a
 200-token prompt went 1.6x faster on two. Qwen2.5-Coder-0.5B gained from one thread only at
 one token. Where the crossing lies depends on the model, the CPU and the load from other
-processes, so it is measured here, per call size, while the engine works: the outputs do not
-depend on the thread count (ggml splits rows between threads, not sums).
+processes, so it is measured here, per call size, while the engine works. The thread count
+can change the last digits of a score (llama.cpp splits some sums by thread), as the batch
+shape already does.
 """
 
 from __future__ import annotations

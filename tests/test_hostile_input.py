@@ -131,6 +131,23 @@ def _score(
     return model.prompts, scores, drafted
 
 
+# Identical prompts score alike up to the last bits: the engine may run a call on another
+# thread count (model.adaptive_threads), which changes how llama.cpp splits its sums. A forgery
+# that reached the model as control tokens would move these scores by far more (see the prints).
+SCORE_TOL = 1e-3
+LOGPROB_TOL = 0.05  # per draft token, as tests/test_llama_engine.py allows across batch shapes
+
+
+def assert_same_scores(a: LabelProbs, b: LabelProbs, name: str) -> None:
+    assert a.probs.keys() == b.probs.keys(), name
+    for label in a.probs:
+        assert a.probs[label] == pytest.approx(b.probs[label], abs=SCORE_TOL), (name, label)
+    assert (a.draft is None) == (b.draft is None), name
+    if a.draft is not None and b.draft is not None:
+        assert a.draft.tokens == b.draft.tokens, name
+        assert a.draft.logprobs == pytest.approx(b.draft.logprobs, abs=LOGPROB_TOL), name
+
+
 def test_the_forgery_would_be_control_tokens_if_tokenized_as_trusted(rag: LocalRuntime) -> None:
     # The test has teeth: tokenized with special tokens on, the markup IS control tokens.
     controls = _control_ids(rag.engine)
@@ -152,7 +169,7 @@ def test_forged_passage_scores_equal_the_defused_passage(
 
     assert forged_prompts == defused_prompts
     for name in forged_scores:
-        assert forged_scores[name].probs == defused_scores[name].probs, name
+        assert_same_scores(forged_scores[name], defused_scores[name], name)
     # Control tokens come from our templates only: as many as without the markup.
     count = [sum(t in controls for t in p) for p in forged_prompts]
     assert count == [sum(t in controls for t in p) for p in plain_prompts]
@@ -177,7 +194,9 @@ def test_control_tokens_in_a_question_are_plain_text(
     )
     plain, _, _ = _score(rag, "likelihood", QUESTION, forged_passage, draft)
     assert hostile == defused
-    assert hostile_scores == defused_scores
+    assert hostile_scores.keys() == defused_scores.keys()
+    for name in hostile_scores:
+        assert_same_scores(hostile_scores[name], defused_scores[name], name)
     assert [sum(t in controls for t in p) for p in hostile] == [
         sum(t in controls for t in p) for p in plain
     ]
