@@ -58,10 +58,12 @@ class SeparateLayout(LearnedCritic):
 
 @dataclass
 class DecodeClock:
-    """Seconds inside `llama_decode`, by kind of call, while installed."""
+    """Seconds inside `llama_decode`, by kind of call, while installed; with `by_sequences`,
+    generation steps are told apart by their number of sequences ("step x3")."""
 
     seconds: dict[str, float] = field(default_factory=dict)
     embeddings: bool = False
+    by_sequences: bool = False
 
     def install(self) -> Callable[[], None]:
         decode, set_embeddings = llama_cpp.llama_decode, llama_cpp.llama_set_embeddings
@@ -69,7 +71,8 @@ class DecodeClock:
         def timed_decode(ctx: Any, batch: Any) -> int:
             n = batch.n_tokens
             seqs = {batch.seq_id[i][0] for i in range(n)}
-            kind = "hidden" if self.embeddings else ("decode" if n == len(seqs) else "prefill")
+            step = f"step x{len(seqs)}" if self.by_sequences else "decode"
+            kind = "hidden" if self.embeddings else (step if n == len(seqs) else "prefill")
             started = time.perf_counter()
             try:
                 return int(decode(ctx, batch))

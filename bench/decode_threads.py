@@ -6,10 +6,10 @@ The held-out questions are answered once first (the passage states are then warm
 then each is answered four ways, each from an empty KV cache (Self-RAG restores its passage
 states, vanilla RAG computes its prompt): Self-RAG and vanilla RAG (`pipeline.baselines`, the same
 engine), each with adaptive threads off and on. Reported per way: p50 and mean seconds, and the
-seconds inside `llama_decode` by kind of call (prefill, generation steps by number of
-sequences), next to the thread count the engine chose for each call size. The thread count
-changes at most the last digits of a score, so the accuracies of the two settings agree but for
-a greedy near-tie. Last line: name=value.
+seconds inside `llama_decode` by kind of call (prefill, hidden-state reads, generation steps
+by number of sequences; `bench.branch_step.DecodeClock`), next to the thread count the engine
+chose for each call size. The thread count changes at most the last digits of a score, so the
+accuracies of the two settings agree but for a greedy near-tie. Last line: name=value.
 
     SELFRAG_MODEL__PRESET=smollm2 .venv/bin/python -m bench.decode_threads --home /tmp/h
 """
@@ -21,10 +21,8 @@ import collections
 import statistics
 import time
 from pathlib import Path
-from typing import Any
 
-import llama_cpp
-
+from bench.branch_step import DecodeClock
 from bench.vs_vanilla import MAX_TOKENS, SELFRAG_CONFIG, K, held_out_questions
 from selfrag.api import SelfRAG
 from selfrag.pipeline.baselines import BaselineAnswerer
@@ -32,28 +30,6 @@ from selfrag.pipeline.metrics import contains_answer
 from selfrag.schemas.decoding import DecodingConfig
 
 WAYS = ("selfrag fixed", "selfrag adaptive", "vanilla fixed", "vanilla adaptive")
-
-
-class DecodeClock:
-    """Seconds inside `llama_decode` by kind of call, for the way now running."""
-
-    def __init__(self) -> None:
-        self.way = WAYS[0]
-        self.seconds: dict[str, collections.Counter[str]] = {w: collections.Counter() for w in WAYS}
-        self._decode = llama_cpp.llama_decode
-
-    def install(self) -> None:
-        def timed(ctx: Any, batch: Any) -> int:
-            n = batch.n_tokens
-            seqs = len({batch.seq_id[i][0] for i in range(n)})
-            kind = f"step x{seqs}" if n == seqs else "prefill"
-            started = time.perf_counter()
-            try:
-                return int(self._decode(ctx, batch))
-            finally:
-                self.seconds[self.way][kind] += time.perf_counter() - started
-
-        llama_cpp.llama_decode = timed
 
 
 def main() -> None:
@@ -64,8 +40,9 @@ def main() -> None:
     args = ap.parse_args()
 
     questions = held_out_questions(Path(args.data), args.questions)
-    clock = DecodeClock()
+    clock = DecodeClock(by_sequences=True)
     clock.install()
+    seconds: dict[str, dict[str, float]] = {}
     walls: dict[str, list[float]] = {w: [] for w in WAYS}
     right: collections.Counter[str] = collections.Counter()
     with SelfRAG.open(args.home, cache={"query": False}) as rag:
@@ -75,10 +52,10 @@ def main() -> None:
         print(f"model {engine.model_id}, {engine.n_threads} threads", flush=True)
         for question, _ in questions:  # warm the passage states and the thread choice
             rag.answer(question, **SELFRAG_CONFIG)
-        clock.seconds = {w: collections.Counter() for w in WAYS}
+        seconds = {w: {} for w in WAYS}  # the warm-up is not counted
         for question, golds in questions:
             for way in WAYS:
-                clock.way = way
+                clock.seconds = seconds[way]
                 engine.adaptive_threads = way.endswith("adaptive")
                 # Each way starts from an empty KV cache: Self-RAG restores its passage states
                 # from the memory tier, and no way reuses the prompt the way before it computed.
@@ -97,7 +74,7 @@ def main() -> None:
     print("| way | p50 s | mean s | accuracy | llama_decode s per answer by call |")
     print("| --- | ---: | ---: | ---: | --- |")
     for way in WAYS:
-        split = ", ".join(f"{k} {v / n:.3f}" for k, v in sorted(clock.seconds[way].items()))
+        split = ", ".join(f"{k} {v / n:.3f}" for k, v in sorted(seconds[way].items()))
         print(
             f"| {way} | {statistics.median(walls[way]):.2f} | {statistics.mean(walls[way]):.2f} "
             f"| {right[way] / n:.3f} | {split} |"
