@@ -66,7 +66,6 @@ class BatchDecoder:
         self._tap = tap
         self._embeddings_on = False
         self.threads = threads
-        self._threads_now = threads.threads
         self.layer_rows: dict[int, npt.NDArray[np.float32]] = {}
         """The captured block outputs of the last decode call, indexed like its batch."""
         self._batch: llama_cpp.llama_batch | None = llama_cpp.llama_batch_init(n_batch, 0, 1)
@@ -143,9 +142,8 @@ class BatchDecoder:
 
     def _set_threads(self, n_tokens: int, reads: bool) -> int:
         n = self.threads.choose(n_tokens, reads=reads)
-        if n != self._threads_now:
+        if n != llama_cpp.llama_n_threads(self._ctx):
             llama_cpp.llama_set_n_threads(self._ctx, n, n)
-            self._threads_now = n
         return n
 
     def _set_embeddings(self, on: bool) -> None:
