@@ -13,11 +13,12 @@ state into a slot instead of decoding the prefix, and saves the state after comp
 
 The parts with a job of their own live beside it: the ctypes batch and the reads of its outputs
 (`infra.llama_batch`), prefix staging from the store (`infra.kv_staging`), slot planning
-(`infra.kv_slots`), the vocabulary (`infra.llama_vocab`) and the counters
-(`infra.engine_stats`), and the thread count of each call (`infra.llama_threads`). What stays
-here (~700 lines) is what shares the engine's lock and its slots: the three batched calls,
-group prefill and greedy generation, and input checks; split further, each part would reach
-into the others' slot bookkeeping.
+(`infra.kv_slots`), the vocabulary (`infra.llama_vocab`), the counters
+(`infra.engine_stats`), the thread count of each call (`infra.llama_threads`), and the
+context's parameters and KV-memory handle (`infra.llama_context`). What stays here (~650
+lines) is what shares the engine's lock and its slots: the three batched calls, group prefill
+and greedy generation, and input checks; split further, each part would reach into the others'
+slot bookkeeping.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from selfrag.infra.kv_staging import PrefixStager
 from selfrag.infra.lifecycle import Closeable
 from selfrag.infra.llama_backend import ensure_backend
 from selfrag.infra.llama_batch import BatchDecoder, EngineError, Feed, greedy_logprob
+from selfrag.infra.llama_context import LlamaMemory, check_sizes, context_params
 from selfrag.infra.llama_layers import LayerTap
 from selfrag.infra.llama_threads import ThreadChooser
 from selfrag.infra.llama_vocab import LlamaVocab
@@ -55,56 +57,6 @@ from selfrag.pipeline.protocols import (
 from selfrag.pipeline.segmenting import ends_sentence
 
 logger = logging.getLogger(__name__)
-
-
-class _LlamaMemory:
-    """`KVMemory` on a llama.cpp context's memory."""
-
-    def __init__(self, memory: llama_cpp.llama_memory_t) -> None:
-        self._mem = memory
-
-    def seq_cp(self, src: int, dest: int, length: int) -> None:
-        llama_cpp.llama_memory_seq_cp(self._mem, src, dest, 0, length)
-
-    def seq_rm(self, seq: int, n_keep: int) -> None:
-        if not llama_cpp.llama_memory_seq_rm(self._mem, seq, n_keep, -1):
-            raise EngineError(f"llama.cpp could not trim sequence {seq} to {n_keep}")
-
-    def clear(self) -> None:
-        llama_cpp.llama_memory_clear(self._mem, False)
-
-
-def check_sizes(*, n_ctx: int, n_seq_max: int, n_batch: int, n_threads: int) -> None:
-    """Refuse sizes llama.cpp cannot run with, naming the setting."""
-    if n_seq_max < 1:
-        raise ValueError(f"n_seq_max must be at least 1, got {n_seq_max}")
-    if n_batch < 1 or n_ctx < 1:
-        raise ValueError(f"n_ctx and n_batch must be positive, got {n_ctx} and {n_batch}")
-    if n_threads < 0:
-        raise ValueError(f"n_threads must be 0 (all cores) or positive, got {n_threads}")
-
-
-def context_params(
-    *, n_ctx: int, n_batch: int, n_seq_max: int, threads: int
-) -> llama_cpp.llama_context_params:
-    """The engine's llama.cpp context: one unified KV cache for all sequences, no pooling,
-    hidden states off until a decode call reads them."""
-    ctx_params = llama_cpp.llama_context_default_params()
-    ctx_params.n_ctx = n_ctx
-    ctx_params.n_batch = n_batch
-    ctx_params.n_ubatch = min(n_batch, 512)
-    ctx_params.n_seq_max = n_seq_max
-    ctx_params.n_threads = threads
-    ctx_params.n_threads_batch = threads
-    # One cache for all sequences: seq_cp only tags cells, and a long prompt may use more
-    # than n_ctx / n_seq_max cells.
-    ctx_params.kv_unified = True
-    ctx_params.no_perf = True
-    # Hidden states are switched on only for the decode calls that read them: with
-    # embeddings on, llama.cpp computes logits for every token of the batch.
-    ctx_params.embeddings = False
-    ctx_params.pooling_type = llama_cpp.LLAMA_POOLING_TYPE_NONE
-    return ctx_params
 
 
 class LlamaEngine(Closeable):
@@ -199,7 +151,7 @@ class LlamaEngine(Closeable):
     ) -> None:
         """The slot planner, the batch decoder and the prefix stager of the new context."""
         self._planner = SlotPlanner(
-            _LlamaMemory(self._mem),
+            LlamaMemory(self._mem),
             n_ctx=self.n_ctx,
             n_seq_max=self.n_seq_max,
             prefix_cache=prefix_cache,
