@@ -7,7 +7,10 @@ thread. On the 2-core development VM (docs/benchmarks.md) a one-token step of Sm
 took 13 ms on one thread against 34 ms on two, a three-token step 28 against 59, while a
 200-token prompt went 1.6x faster on two. Qwen2.5-Coder-0.5B gained from one thread only at
 one token. Where the crossing lies depends on the model, the CPU and the load from other
-processes, so it is measured here, per call size, while the engine works. The thread count
+processes, so it is measured here, per call size, while the engine works. Only where the
+crossing may lie is measured: a class larger than one that all threads won, or smaller than one
+that one thread won, follows it unmeasured (more tokens per call only favour more threads), so
+a rare long call is never tried on one thread for ~10x its cost. The thread count
 can change the last digits of a score (llama.cpp splits some sums by thread), as the batch
 shape already does.
 """
@@ -55,7 +58,9 @@ class ThreadChooser:
     Each size class keeps the median seconds of the last `keep` calls of each candidate. Until
     every candidate has `warmup` samples the least sampled one runs; after that the faster
     one, except that every `recheck`-th call of a class runs the other, so a change of load
-    (another process taking a core) is noticed within a few dozen calls.
+    (another process taking a core) is noticed within a few dozen calls. A class not yet
+    measured on both follows a smaller measured class that all threads won, or a larger one
+    that one thread won.
     """
 
     threads: int
@@ -81,16 +86,38 @@ class ThreadChooser:
         if not self._chooses or n_tokens > CHOSEN_MAX_TOKENS:
             return self.threads
         cls = (size_class(n_tokens), reads)
+        own = self._settled(cls)
+        if own is None:
+            bound = self._bound(cls)
+            if bound is not None:
+                return bound
         calls = self._calls.get(cls, 0)
         self._calls[cls] = calls + 1
         estimates = [self._estimates.get((cls, t), _Estimate(self.keep)) for t in self.candidates]
         least = min(range(len(estimates)), key=lambda i: estimates[i].samples)
-        if estimates[least].samples < self.warmup:
+        if own is None:
             return self.candidates[least]
-        best = min(range(len(estimates)), key=lambda i: estimates[i].seconds)
         if calls % self.recheck == self.recheck - 1:
-            return self.candidates[1 - best]
-        return self.candidates[best]
+            return self.threads if own == 1 else 1
+        return own
+
+    def _settled(self, cls: tuple[int, bool]) -> int | None:
+        """The faster thread count of `cls` once each candidate has `warmup` samples."""
+        est = [self._estimates.get((cls, t)) for t in self.candidates]
+        if any(e is None or e.samples < self.warmup for e in est):
+            return None
+        return self.candidates[min(range(len(est)), key=lambda i: est[i].seconds)]  # type: ignore[union-attr]
+
+    def _bound(self, cls: tuple[int, bool]) -> int | None:
+        """All threads where a smaller class of the same kind settled on them, one where a
+        larger one settled on one; None where no measured class says, or two disagree."""
+        size, reads = cls
+        says: set[int] = set()
+        for other in {c for c, _ in self._estimates if c[1] == reads and c[0] != size}:
+            won = self._settled(other)
+            if (won == self.threads and other[0] < size) or (won == 1 and other[0] > size):
+                says.add(won)
+        return says.pop() if len(says) == 1 else None
 
     def record(self, n_tokens: int, threads: int, seconds: float, *, reads: bool = False) -> None:
         """What a call of `n_tokens` tokens on `threads` threads took."""
@@ -104,9 +131,9 @@ class ThreadChooser:
         on now (smallest size of the class → threads), for stats and benchmarks."""
         out: dict[int, int] = {}
         for cls in sorted({c for c, _ in self._estimates if not c[1]}):
-            est = {t: self._estimates.get((cls, t)) for t in self.candidates}
-            if all(e is not None and e.samples >= self.warmup for e in est.values()):
-                out[_smallest(cls[0])] = min(est, key=lambda t: est[t].seconds)  # type: ignore[union-attr]
+            won = self._settled(cls)
+            if won is not None:
+                out[_smallest(cls[0])] = won
         return out
 
 
