@@ -10,8 +10,10 @@ HTTP endpoint, on the same questions, model, index and K = 3, at 1 and 4 concurr
 (d) selfrag with the disk tier warm (filled by (c)), after a restart.
 
 (a) and (b) run in a child process serving both over HTTP (`--serve-baselines`); (c) and (d) are
-`selfrag serve`. Only one holds the embedded index at a time. The query cache is off, so every
-answer is computed. Reported per system and level: p50/p95 latency, answers/s, prefill and
+`selfrag serve`. Only one holds the embedded index at a time. The query cache is off, and the
+baselines' KV cache is emptied before each level (the levels ask the same questions; a whole
+prompt left from the level before would be a query-cache hit), so every answer is computed.
+Reported per system and level: p50/p95 latency, answers/s, prefill and
 decode tokens per answer and accuracy (the answer contains a gold answer, held-out questions),
 and as the physical reference the engine's prefill tokens/s and decode ms/token on this CPU.
 Last line: name=value.
@@ -134,6 +136,15 @@ def serve_baselines(home: str, port: int) -> None:
     def pack_answer(body: dict[str, str]) -> dict[str, Any]:
         return pack(body["question"])
 
+    @app.post("/reset")
+    def reset() -> dict[str, bool]:
+        """Forget earlier prompts: each level asks the same questions again, and a prompt
+        still in the KV cache would be a query-cache hit (selfrag's query cache is off)."""
+        with engine_lock:
+            rag.engine.clear_cache()
+            llm.reset()
+        return {"reset": True}
+
     @app.get("/reference")
     def reference() -> dict[str, float]:
         with engine_lock:
@@ -243,8 +254,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument(
         "--max-drafts",
         type=int,
-        help="Self-RAG's draft budget per step (`max_drafts`; default: unset, every branch the "
-        "relevance filters keep drafts).",
+        help="Self-RAG's draft budget per step (`max_drafts`; default: the product's; 50: no "
+        "budget, every branch the relevance filters keep drafts).",
     )
     p.add_argument("--port", type=int, default=8771)
     p.add_argument("--serve-baselines", action="store_true", help=argparse.SUPPRESS)
@@ -268,7 +279,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     print(
         f"{len(qs)} held-out questions, K={K}, {MAX_TOKENS} answer tokens, "
-        f"max_drafts={args.max_drafts}",
+        f"max_drafts={config.get('max_drafts', 'default')}",
         flush=True,
     )
     with baselines(home, args.port) as url:
@@ -278,9 +289,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             ("pack", "pack", qs[: args.pack_questions or len(qs)]),
         ):
             ask_baseline(url, route, *warm_q)
-            out[system] = {
-                c: level(lambda q, g, r=route: ask_baseline(url, r, q, g), some, c) for c in LEVELS
-            }
+            out[system] = {}
+            for c in LEVELS:
+                httpx.post(url + "/reset", timeout=60).raise_for_status()
+                out[system][c] = level(lambda q, g, r=route: ask_baseline(url, r, q, g), some, c)
             print(f"  {system}: done", flush=True)
     kv = Path(home) / "kv"
     out["cold"] = {}
