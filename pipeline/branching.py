@@ -77,9 +77,8 @@ def within_draft_budget(
 ) -> tuple[list[Candidate], int]:
     """`kept` with at most `cfg.max_drafts` evidence branches per hypothesis, the most
     relevant first (no-retrieval branches are not counted), and how many were left out."""
-    if cfg.max_drafts is None:
-        return list(kept), 0
     evidence = [c for c in kept if c.rel is not None]
+    # A stable sort: equal s_rel (a saturated read) leaves the retriever's order.
     evidence.sort(key=lambda c: relevance_score(c.rel.probs), reverse=True)  # type: ignore[union-attr]
     budget = Counter[int]()
     allowed: set[int] = set()

@@ -63,13 +63,17 @@ class DecodingConfig(BaseModel):
         "hypothesis are pruned before drafting (0: only the best drafts). None: the critique "
         "source's default (pipeline.critique.CRITIQUE_FILTERS; off when it has none).",
     )
-    max_drafts: int | None = Field(
-        None,
+    # 1, measured (docs/evaluation.md, docs/benchmarks.md): on Normans the same accuracy and
+    # abstention as no budget with both models, and on held-out text, where s_rel keeps most
+    # passages, it is what brings Self-RAG to vanilla RAG's price.
+    max_drafts: int = Field(
+        1,
         ge=1,
         le=50,
         description="Evidence branches drafted per hypothesis and step, the most relevant first, "
-        "after min_relevance and relevance_margin; None: every branch they keep. Each draft "
-        "fewer is a sequence fewer in every decode step (docs/benchmarks.md).",
+        "after min_relevance and relevance_margin (measured); 50, top_k's bound: every branch "
+        "they keep. Each draft fewer is a sequence fewer in every decode step "
+        "(docs/benchmarks.md).",
     )
     min_support: SupportLevel | None = Field(
         None,

@@ -19,8 +19,15 @@ def make(critic: ScriptedCritic, passages=PASSAGES, clock=None):
 
 
 def cfg(**kw) -> DecodingConfig:
-    # Pin the scoring dials these tests compute by hand (their defaults are tuned elsewhere).
-    base = {"max_segments": 1, "top_k": 3, "w_rel": 1.0, "length_normalize": False}
+    # Pin the scoring dials these tests compute by hand (their defaults are tuned elsewhere),
+    # and draft every branch the filters keep: these tests rank several drafts.
+    base = {
+        "max_segments": 1,
+        "top_k": 3,
+        "w_rel": 1.0,
+        "length_normalize": False,
+        "max_drafts": 50,
+    }
     return DecodingConfig(**{**base, **kw})
 
 
@@ -94,6 +101,15 @@ def test_max_drafts_drafts_the_most_relevant_passages_only():
     out = decoder.answer("q", cfg(max_drafts=1, relevance_margin=0.05))
     assert out.usage.branches_pruned == 2  # p1 by the margin, p3 by the budget
     assert "draft:2" in critic.calls
+    assert out.segments[0].citation.passage_id == "p2"
+
+
+def test_by_default_only_the_most_relevant_passage_drafts():
+    critic = ScriptedCritic(relevance_of={"p1": 0.8, "p2": 0.9, "p3": 0.85})
+    decoder, _ = make(critic)
+    out = decoder.answer("q", DecodingConfig(mode="always", max_segments=1, relevance_margin=1.0))
+    assert out.usage.branches_pruned == 2  # p1 and p3: the budget, not the filters
+    assert "draft:2" in critic.calls  # p2 and the no-retrieval branch
     assert out.segments[0].citation.passage_id == "p2"
 
 

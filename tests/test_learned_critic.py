@@ -301,7 +301,7 @@ def test_min_relevance_prunes_the_passage_the_head_calls_irrelevant() -> None:
     assert seg.is_sup == "full"
 
     # Without the threshold and the margin both passages are drafted.
-    unpruned, model = decode(make_heads(), min_relevance=0.0, relevance_margin=1.0)
+    unpruned, model = decode(make_heads(), min_relevance=0.0, relevance_margin=1.0, max_drafts=50)
     assert unpruned.usage.branches_pruned == 0
     assert len(model.generate_requests) == 2
     # The learned margin alone prunes Paris too: it is far below Rollo.
@@ -315,6 +315,7 @@ def test_min_support_abstains_when_the_support_head_says_none_for_every_branch()
         min_support="partial",
         min_relevance=0.0,
         relevance_margin=1.0,
+        max_drafts=50,
     )
     assert out.abstained
     assert out.answer == ABSTAIN_MESSAGE
