@@ -46,6 +46,8 @@ POLICIES: dict[str, tuple[dict[str, Any], bool]] = {
     "rel0.5+m0.05": ({"min_relevance": 0.5, "relevance_margin": 0.05, **ALL}, True),
     "drafts2": ({"max_drafts": 2}, True),
     "drafts1": ({"max_drafts": 1}, True),
+    # The budget where it binds: no relevance filter, the most relevant of the K drafts alone.
+    "open1": ({"min_relevance": 0.0, "relevance_margin": 1.0, "max_drafts": 1}, True),
 }
 
 
