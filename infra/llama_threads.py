@@ -10,7 +10,7 @@ one token. Where the crossing lies depends on the model, the CPU and the load fr
 processes, so it is measured here, per call size, while the engine works. Only where the
 crossing may lie is measured: a class larger than one that all threads won, or smaller than one
 that one thread won, follows it unmeasured (more tokens per call only favour more threads), so
-a rare long call is never tried on one thread for ~10x its cost. The thread count
+a rare long call is not tried on one thread at up to twice its cost. The thread count
 can change the last digits of a score (llama.cpp splits some sums by thread), as the batch
 shape already does.
 """

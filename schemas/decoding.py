@@ -63,9 +63,11 @@ class DecodingConfig(BaseModel):
         "hypothesis are pruned before drafting (0: only the best drafts). None: the critique "
         "source's default (pipeline.critique.CRITIQUE_FILTERS; off when it has none).",
     )
-    # 1, measured (docs/evaluation.md, docs/benchmarks.md): on Normans the same accuracy and
-    # abstention as no budget with both models, and on held-out text, where s_rel keeps most
-    # passages, it is what brings Self-RAG to vanilla RAG's price.
+    # 1, measured (docs/benchmarks.md, "A draft budget"): on Normans within one answer of no
+    # budget (SmolLM2: the same answers), decoding a fifth to a quarter fewer tokens; on
+    # held-out text, where s_rel keeps most passages, it is what brings Self-RAG to vanilla
+    # RAG's price (docs/evaluation.md has what it costs there: nothing of Qwen's accuracy, 4 of
+    # 49 answers of SmolLM2's).
     max_drafts: int = Field(
         1,
         ge=1,
