@@ -11,14 +11,14 @@ With a `PrefixStateStore` the engine also keeps the KV state of each request's r
 (template + passage, `reusable_prefix`) across contexts and processes: it restores a saved
 state into a slot instead of decoding the prefix, and saves the state after computing it.
 
-The parts with a job of their own live beside it: the ctypes batch and the reads of its outputs
+The parts with a job of their own live beside it: running a planned group of jobs, prefill
+and greedy generation (`infra.llama_groups`), the ctypes batch and the reads of its outputs
 (`infra.llama_batch`), prefix staging from the store (`infra.kv_staging`), slot planning
-(`infra.kv_slots`), the vocabulary (`infra.llama_vocab`), the counters
+(`infra.kv_slots`), the vocabulary and token-id checks (`infra.llama_vocab`), the counters
 (`infra.engine_stats`), the thread count of each call (`infra.llama_threads`), and the
-context's parameters and KV-memory handle (`infra.llama_context`). What stays here (~650
-lines) is what shares the engine's lock and its slots: the three batched calls, group prefill
-and greedy generation, and input checks; split further, each part would reach into the others'
-slot bookkeeping.
+context's parameters and KV-memory handle (`infra.llama_context`). What stays here is the
+public API: loading, the lock, the three batched calls turning requests into jobs, and the
+model's facts.
 """
 
 from __future__ import annotations
@@ -27,20 +27,19 @@ import ctypes
 import logging
 import os
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import llama_cpp
-import numpy as np
 
 from selfrag.infra.engine_stats import EngineStats
 from selfrag.infra.kv_cache import ContextLayout, PrefixStateStore
 from selfrag.infra.kv_slots import KVJob, Slot, SlotPlanner
-from selfrag.infra.kv_staging import PrefixStager
 from selfrag.infra.lifecycle import Closeable
 from selfrag.infra.llama_backend import ensure_backend
-from selfrag.infra.llama_batch import BatchDecoder, EngineError, Feed, greedy_logprob
+from selfrag.infra.llama_batch import BatchDecoder, EngineError
 from selfrag.infra.llama_context import LlamaMemory, check_sizes, context_params
+from selfrag.infra.llama_groups import GroupRunner
 from selfrag.infra.llama_layers import LayerTap
 from selfrag.infra.llama_threads import ThreadChooser
 from selfrag.infra.llama_vocab import LlamaVocab
@@ -48,13 +47,11 @@ from selfrag.infra.model_files import check_gguf, file_sha256
 from selfrag.pipeline.protocols import (
     ContinuationRequest,
     ContinuationScores,
-    FinishReason,
     Generation,
     GenerationRequest,
     TokenScoreRequest,
     TokenScores,
 )
-from selfrag.pipeline.segmenting import ends_sentence
 
 logger = logging.getLogger(__name__)
 
@@ -92,9 +89,6 @@ class LlamaEngine(Closeable):
         ensure_backend(model_path, n_threads=threads)
         self._model_id = model_id
         self.model_path = model_path
-        self.prefix_store = prefix_store
-        self.prefix_min_tokens = max(prefix_min_tokens, 1)
-        self._model_sha256 = model_sha256
         self._lock = threading.Lock()
         self._pid = os.getpid()
         self._ctx: llama_cpp.llama_context_p | None = None
@@ -138,8 +132,17 @@ class LlamaEngine(Closeable):
             share_prefix=share_prefix,
             threads=ThreadChooser(threads, adaptive=adaptive_threads),
         )
-        if prefix_store is not None and model_sha256 is None:
-            self._model_sha256 = file_sha256(model_path)
+        self._groups = GroupRunner(
+            self._ctx,
+            planner=self._planner,
+            decoder=self._decoder,
+            stats=self._stats,
+            vocab=self._vocab,
+            layout=self.layout,
+            model_sha256=model_sha256,
+            prefix_min_tokens=prefix_min_tokens,
+        )
+        self.prefix_store = prefix_store
 
     def _attach_batching(
         self,
@@ -149,7 +152,7 @@ class LlamaEngine(Closeable):
         share_prefix: bool,
         threads: ThreadChooser,
     ) -> None:
-        """The slot planner, the batch decoder and the prefix stager of the new context."""
+        """The slot planner and the batch decoder of the new context."""
         self._planner = SlotPlanner(
             LlamaMemory(self._mem),
             n_ctx=self.n_ctx,
@@ -176,13 +179,6 @@ class LlamaEngine(Closeable):
             stats=self._stats,
             tap=self._tap,
             threads=threads,
-        )
-        self._stager = PrefixStager(
-            self._ctx,
-            planner=self._planner,
-            decoder=self._decoder,
-            stats=self._stats,
-            layout=self.layout,
         )
 
     @property
@@ -253,7 +249,24 @@ class LlamaEngine(Closeable):
     @property
     def model_sha256(self) -> str | None:
         """SHA-256 of the model file, part of every prefix-state key (None without a store)."""
-        return self._model_sha256
+        return self._groups.model_sha256
+
+    @property
+    def prefix_store(self) -> PrefixStateStore | None:
+        """Where reusable prefixes' KV states are restored from and saved to."""
+        return self._groups.prefix_store
+
+    @prefix_store.setter
+    def prefix_store(self, store: PrefixStateStore | None) -> None:
+        with self._lock:
+            if store is not None and self._groups.model_sha256 is None:
+                self._groups.model_sha256 = file_sha256(self.model_path)
+            self._groups.prefix_store = store
+
+    @property
+    def prefix_min_tokens(self) -> int:
+        """The shortest reusable prefix whose state is saved and restored."""
+        return self._groups.prefix_min_tokens
 
     @property
     def chat_template(self) -> str | None:
@@ -325,7 +338,7 @@ class LlamaEngine(Closeable):
     def detokenize(self, tokens: Sequence[int]) -> str:
         """The text of `tokens`, special tokens written out as their text."""
         self._require_open()
-        return self._vocab.detokenize(self._check_tokens(tokens, "tokens"))
+        return self._vocab.detokenize(self._vocab.check_tokens(tokens, "tokens"))
 
     def special_token_id(self, piece: str) -> int | None:
         """The id of `piece` when the vocabulary holds it as one control/user-defined token."""
@@ -347,8 +360,8 @@ class LlamaEngine(Closeable):
         """Log-probabilities of each request's candidates as the token after its prompt."""
         jobs: list[KVJob] = []
         for i, req in enumerate(requests):
-            prompt = self._prompt(req.prompt, f"requests[{i}].prompt")
-            self._check_tokens(req.candidates, f"requests[{i}].candidates")
+            prompt = self._vocab.check_prompt(req.prompt, f"requests[{i}].prompt")
+            self._vocab.check_tokens(req.candidates, f"requests[{i}].candidates")
             self._check_layers(req.hidden_layers, f"requests[{i}].hidden_layers")
             n = len(prompt)
             jobs.append(
@@ -377,9 +390,9 @@ class LlamaEngine(Closeable):
 
         with self._lock:
             self._require_open()
-            self._check_fits(jobs)
+            self._groups.check_fits(jobs)
             for group in self._planner.groups(list(range(len(jobs))), jobs):
-                self._prefill(jobs, group, on_logits)
+                self._groups.prefill(jobs, group, on_logits)
         return [
             TokenScores(
                 logprobs=results[i],
@@ -397,8 +410,8 @@ class LlamaEngine(Closeable):
         jobs: list[KVJob] = []
         active: list[int] = []
         for i, req in enumerate(requests):
-            prompt = self._prompt(req.prompt, f"requests[{i}].prompt")
-            continuation = self._check_tokens(req.continuation, f"requests[{i}].continuation")
+            prompt = self._vocab.check_prompt(req.prompt, f"requests[{i}].prompt")
+            continuation = self._vocab.check_tokens(req.continuation, f"requests[{i}].continuation")
             n = len(prompt)
             # The last continuation token is only a target: it needs no KV entry of its own.
             jobs.append(
@@ -421,9 +434,9 @@ class LlamaEngine(Closeable):
 
         with self._lock:
             self._require_open()
-            self._check_fits([jobs[i] for i in active])
+            self._groups.check_fits([jobs[i] for i in active])
             for group in self._planner.groups(active, jobs):
-                self._prefill(jobs, group, on_logits)
+                self._groups.prefill(jobs, group, on_logits)
         return [
             ContinuationScores(logprobs=results[i], prefill_tokens=jobs[i].prefill)
             for i in range(len(jobs))
@@ -434,10 +447,10 @@ class LlamaEngine(Closeable):
         jobs: list[KVJob] = []
         active: list[int] = []
         for i, req in enumerate(requests):
-            prompt = self._prompt(req.prompt, f"requests[{i}].prompt")
+            prompt = self._vocab.check_prompt(req.prompt, f"requests[{i}].prompt")
             if req.max_tokens < 0:
                 raise ValueError(f"requests[{i}].max_tokens must not be negative")
-            self._check_tokens(sorted(req.stop_token_ids), f"requests[{i}].stop_token_ids")
+            self._vocab.check_tokens(sorted(req.stop_token_ids), f"requests[{i}].stop_token_ids")
             n = len(prompt)
             # A job holds at most max_tokens - 1 generated tokens in the KV cache: the last
             # chosen token is never decoded.
@@ -461,159 +474,13 @@ class LlamaEngine(Closeable):
                 )
         with self._lock:
             self._require_open()
-            self._check_fits([jobs[i] for i in active])
+            self._groups.check_fits([jobs[i] for i in active])
             for group in self._planner.groups(active, jobs):
-                for i, gen in zip(group, self._generate_group(jobs, group, requests), strict=True):
+                for i, gen in zip(group, self._groups.generate(jobs, group, requests), strict=True):
                     outputs[i] = gen
         return [g for g in outputs if g is not None]
 
-    # ----------------------------------------------------------------- generation
-
-    def _generate_group(
-        self, jobs: list[KVJob], group: list[int], requests: Sequence[GenerationRequest]
-    ) -> list[Generation]:
-        tokens: dict[int, list[int]] = {i: [] for i in group}
-        logprobs: dict[int, list[float]] = {i: [] for i in group}
-        finish: dict[int, tuple[FinishReason, int | None]] = {}
-        pending: dict[int, tuple[int, float]] = {}
-
-        def choose(job: int, pos: int, batch_index: int) -> None:
-            logits = self._decoder.logits_view(batch_index)
-            token = int(np.argmax(logits))
-            pending[job] = (token, greedy_logprob(logits, token))
-
-        self._prefill(jobs, group, choose)
-        while True:
-            live: list[int] = []
-            for i in group:
-                if i in finish:
-                    continue
-                token, logprob = pending.pop(i)
-                req = requests[i]
-                self._stats.generated_tokens += 1
-                if token in req.stop_token_ids:
-                    finish[i] = ("stop_token", token)
-                    continue
-                if self.is_eog(token):
-                    finish[i] = ("eos", None)
-                    continue
-                tokens[i].append(token)
-                logprobs[i].append(logprob)
-                if req.stop_at_sentence_end and ends_sentence(self.detokenize(tokens[i])):
-                    finish[i] = ("sentence", None)
-                elif len(tokens[i]) >= req.max_tokens:
-                    finish[i] = ("length", None)
-                else:
-                    live.append(i)
-            if not live:
-                break
-            feeds = [
-                Feed(
-                    slot=self._slot_of(jobs[i]),
-                    tokens=[tokens[i][-1]],
-                    out_from=len(self._slot_of(jobs[i]).tokens),
-                    on_logits=(lambda pos, bi, job=i: choose(job, pos, bi)),
-                )
-                for i in live
-            ]
-            self._stats.decode_steps += 1
-            self._decoder.decode(feeds)
-        return [
-            Generation(
-                tokens=tokens[i],
-                text=self.detokenize(tokens[i]),
-                logprobs=logprobs[i],
-                finish_reason=finish[i][0],
-                prefill_tokens=jobs[i].prefill,
-                stop_token=finish[i][1],
-            )
-            for i in group
-        ]
-
-    # ----------------------------------------------------------------- planning
-
-    def _check_fits(self, jobs: Sequence[KVJob]) -> None:
-        for job in jobs:
-            need = len(job.tokens) + job.reserve
-            if need > self.n_ctx:
-                extra = f" plus {job.reserve} tokens to generate" if job.reserve else ""
-                raise ValueError(
-                    f"a prompt of {len(job.tokens)} tokens{extra} needs {need} KV cells, "
-                    f"more than the context holds (n_ctx={self.n_ctx})"
-                )
-
-    def _prefill(
-        self, jobs: list[KVJob], group: list[int], on_logits: Callable[[int, int, int], None]
-    ) -> None:
-        """Bring every job of `group` into a slot, decode what is missing, report its logits."""
-        self._planner.tick()
-        if not self.prefix_cache:
-            self._planner.clear()
-        group_jobs = [jobs[i] for i in group]
-        if self.prefix_store is not None and self.prefix_cache:
-            assert self._model_sha256 is not None
-            self._stager.stage(
-                group_jobs, self.prefix_store, self._model_sha256, self.prefix_min_tokens
-            )
-        shared = self._planner.shared_prefix(group_jobs)
-        plan = self._planner.place(group_jobs, shared)
-        if plan is None:
-            # Cached prefixes held in cells of their own can leave too little room; an empty
-            # cache always fits, as `_groups` sized the group for it.
-            self._planner.clear()
-            plan = self._planner.place(group_jobs, shared)
-            if plan is None:
-                raise EngineError(
-                    f"{len(group_jobs)} sequences do not fit the KV cache (n_ctx={self.n_ctx})"
-                )
-        # Staged tokens were counted as restored or prefilled already.
-        self._stats.cached_tokens += sum(
-            c - min(c, j.staged) for c, j in zip(plan.cached, group_jobs, strict=True)
-        )
-
-        if plan.root >= 0:
-            root_job = group_jobs[plan.root]
-            root_slot = self._slot_of(root_job)
-            if plan.cached[plan.root] < shared:
-                missing = root_job.tokens[plan.cached[plan.root] : shared]
-                root_job.prefill += len(missing)
-                self._stats.prefill_tokens += len(missing)
-                self._decoder.decode([Feed(root_slot, missing, shared, None)])
-            for k in plan.copies:
-                self._planner.copy_prefix(root_slot, self._slot_of(group_jobs[k]), shared)
-                self._stats.shared_tokens += shared
-
-        feeds: list[Feed] = []
-        tails: list[Feed] = []
-        for k, (i, job) in enumerate(zip(group, group_jobs, strict=True)):
-            suffix = job.tokens[plan.starts[k] :]
-            job.prefill += len(suffix)
-            self._stats.prefill_tokens += len(suffix)
-            feed = Feed(
-                slot=self._slot_of(job),
-                tokens=suffix,
-                out_from=job.out_from,
-                on_logits=(lambda pos, bi, job_index=i: on_logits(job_index, pos, bi)),
-                hidden=job.hidden,
-                layers=job.layers,
-            )
-            if job.last_alone and len(suffix) > 1:
-                # With hidden states on, llama.cpp outputs every token of a decode call: only
-                # the last token, whose output is read, goes into that call.
-                feeds.append(Feed(feed.slot, suffix[:-1], job.out_from, None))
-                feed.tokens = suffix[-1:]
-                tails.append(feed)
-            else:
-                feeds.append(feed)
-        self._decoder.decode(feeds)
-        if tails:
-            self._decoder.decode(tails)
-
     # ----------------------------------------------------------------- validation
-
-    def _slot_of(self, job: KVJob) -> Slot:
-        assert job.slot is not None
-        return job.slot
 
     def _require_open(self) -> None:
         if self._ctx is None or self._model is None:
@@ -633,21 +500,3 @@ class LlamaEngine(Closeable):
                 f"{what}: blocks {bad} out of range; a middle block is 0..{self._n_layers - 2} "
                 "(the last block's output is the hidden state)"
             )
-
-    def _check_tokens(self, tokens: Sequence[int], what: str) -> list[int]:
-        try:
-            out = [int(t) for t in tokens]
-        except (TypeError, ValueError) as exc:
-            raise ValueError(f"{what}: token ids must be integers ({exc})") from exc
-        for t in out:
-            if not 0 <= t < self._n_vocab:
-                raise ValueError(
-                    f"{what}: token id {t} is outside the vocabulary (0..{self._n_vocab - 1})"
-                )
-        return out
-
-    def _prompt(self, prompt: Sequence[int], what: str) -> list[int]:
-        tokens = self._check_tokens(prompt, what)
-        if not tokens:
-            raise ValueError(f"{what} is empty: at least one token (e.g. BOS) is needed")
-        return tokens

@@ -1,4 +1,5 @@
-"""A llama.cpp model's vocabulary: tokenize, detokenize, and the special tokens."""
+"""A llama.cpp model's vocabulary: tokenize, detokenize, the special tokens, and the checks
+that request token ids lie in it."""
 
 from __future__ import annotations
 
@@ -64,3 +65,23 @@ class LlamaVocab:
     def is_eog(self, token: int) -> bool:
         """True for end-of-generation tokens (EOS, end-of-turn, ...)."""
         return bool(llama_cpp.llama_vocab_is_eog(self._vocab, token))
+
+    def check_tokens(self, tokens: Sequence[int], what: str) -> list[int]:
+        """`tokens` as ints; a ValueError naming `what` for one outside the vocabulary."""
+        try:
+            out = [int(t) for t in tokens]
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"{what}: token ids must be integers ({exc})") from exc
+        for t in out:
+            if not 0 <= t < self.n_tokens:
+                raise ValueError(
+                    f"{what}: token id {t} is outside the vocabulary (0..{self.n_tokens - 1})"
+                )
+        return out
+
+    def check_prompt(self, prompt: Sequence[int], what: str) -> list[int]:
+        """`check_tokens`, and a prompt must have at least one token."""
+        tokens = self.check_tokens(prompt, what)
+        if not tokens:
+            raise ValueError(f"{what} is empty: at least one token (e.g. BOS) is needed")
+        return tokens
