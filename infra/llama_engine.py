@@ -11,8 +11,9 @@ With a `PrefixStateStore` the engine also keeps the KV state of each request's r
 (template + passage, `reusable_prefix`) across contexts and processes: it restores a saved
 state into a slot instead of decoding the prefix, and saves the state after computing it.
 
-The parts with a job of their own live beside it: running a planned group of jobs, prefill
-and greedy generation (`infra.llama_groups`), the ctypes batch and the reads of its outputs
+The parts with a job of their own live beside it: the context's slot planner, batch decoder and
+prefix stager, and the prefill and greedy generation of the groups of jobs the planner sizes
+(`infra.llama_groups`), the ctypes batch and the reads of its outputs
 (`infra.llama_batch`), prefix staging from the store (`infra.kv_staging`), slot planning
 (`infra.kv_slots`), the vocabulary and token-id checks (`infra.llama_vocab`), the counters
 (`infra.engine_stats`), the thread count of each call (`infra.llama_threads`), and the
@@ -34,11 +35,11 @@ import llama_cpp
 
 from selfrag.infra.engine_stats import EngineStats
 from selfrag.infra.kv_cache import ContextLayout, PrefixStateStore
-from selfrag.infra.kv_slots import KVJob, Slot, SlotPlanner
+from selfrag.infra.kv_slots import KVJob, Slot
 from selfrag.infra.lifecycle import Closeable
 from selfrag.infra.llama_backend import ensure_backend
-from selfrag.infra.llama_batch import BatchDecoder, EngineError
-from selfrag.infra.llama_context import LlamaMemory, check_sizes, context_params
+from selfrag.infra.llama_batch import EngineError
+from selfrag.infra.llama_context import check_sizes, context_params
 from selfrag.infra.llama_groups import GroupRunner
 from selfrag.infra.llama_layers import LayerTap
 from selfrag.infra.llama_threads import ThreadChooser
@@ -100,7 +101,6 @@ class LlamaEngine(Closeable):
             self._model = None
             raise EngineError(f"llama.cpp could not load the model file {model_path}")
         self._vocab = LlamaVocab(llama_cpp.llama_model_get_vocab(self._model))
-        self._n_vocab = self._vocab.n_tokens
         self._n_embd = int(llama_cpp.llama_model_n_embd(self._model))
 
         ctx_params = context_params(
@@ -120,89 +120,47 @@ class LlamaEngine(Closeable):
                 f"llama.cpp could not create a context (n_ctx={n_ctx}, n_seq_max={n_seq_max}, "
                 f"n_batch={n_batch}) for {model_path}"
             )
-        self._mem = llama_cpp.llama_get_memory(self._ctx)
         self.n_ctx = int(llama_cpp.llama_n_ctx(self._ctx))
         self.n_batch = int(llama_cpp.llama_n_batch(self._ctx))
         self.n_seq_max = n_seq_max
         self.n_threads = threads
         self._chat_template = self._meta_str("tokenizer.chat_template")
-        self._attach_batching(
-            ctx_params,
-            prefix_cache=prefix_cache,
-            share_prefix=share_prefix,
-            threads=ThreadChooser(threads, adaptive=adaptive_threads),
-        )
         self._groups = GroupRunner(
             self._ctx,
-            planner=self._planner,
-            decoder=self._decoder,
-            stats=self._stats,
+            ctx_params,
             vocab=self._vocab,
-            layout=self.layout,
+            n_embd=self._n_embd,
+            tap=self._tap,
+            threads=ThreadChooser(threads, adaptive=adaptive_threads),
+            prefix_cache=prefix_cache,
+            share_prefix=share_prefix,
             model_sha256=model_sha256,
             prefix_min_tokens=prefix_min_tokens,
         )
         self.prefix_store = prefix_store
 
-    def _attach_batching(
-        self,
-        ctx_params: llama_cpp.llama_context_params,
-        *,
-        prefix_cache: bool,
-        share_prefix: bool,
-        threads: ThreadChooser,
-    ) -> None:
-        """The slot planner and the batch decoder of the new context."""
-        self._planner = SlotPlanner(
-            LlamaMemory(self._mem),
-            n_ctx=self.n_ctx,
-            n_seq_max=self.n_seq_max,
-            prefix_cache=prefix_cache,
-            share_prefix=share_prefix,
-        )
-        self._stats = EngineStats()
-        self.layout = ContextLayout(
-            n_ctx=self.n_ctx,
-            n_seq_max=self.n_seq_max,
-            kv_unified=bool(ctx_params.kv_unified),
-            type_k=int(ctx_params.type_k),
-            type_v=int(ctx_params.type_v),
-            llama_cpp_version=llama_cpp.__version__,
-        )
-        """What a saved sequence state of this context needs in order to restore elsewhere."""
-        self._decoder = BatchDecoder(
-            self._ctx,
-            n_batch=self.n_batch,
-            n_vocab=self._n_vocab,
-            n_embd=self._n_embd,
-            planner=self._planner,
-            stats=self._stats,
-            tap=self._tap,
-            threads=threads,
-        )
-
     @property
     def slots(self) -> Sequence[Slot]:
         """What each KV sequence holds now (for inspection; the planner owns them)."""
-        return self._planner.slots
+        return self._groups.planner.slots
 
     @property
     def prefix_cache(self) -> bool:
         """Whether slots keep their content across calls (off: every call starts empty)."""
-        return self._planner.prefix_cache
+        return self._groups.planner.prefix_cache
 
     @prefix_cache.setter
     def prefix_cache(self, on: bool) -> None:
-        self._planner.prefix_cache = on
+        self._groups.planner.prefix_cache = on
 
     @property
     def share_prefix(self) -> bool:
         """Whether a call's common prefix is decoded once and shared (`seq_cp`)."""
-        return self._planner.share_prefix
+        return self._groups.planner.share_prefix
 
     @share_prefix.setter
     def share_prefix(self, on: bool) -> None:
-        self._planner.share_prefix = on
+        self._groups.planner.share_prefix = on
 
     # ----------------------------------------------------------------- lifecycle
 
@@ -211,9 +169,9 @@ class LlamaEngine(Closeable):
         ended; later calls raise. Safe to call twice."""
         if getattr(self, "_pid", os.getpid()) != os.getpid():
             # In a forked child the native objects belong to the parent: just let go of them.
-            decoder = getattr(self, "_decoder", None)
-            if decoder is not None:
-                decoder.forget()
+            groups = getattr(self, "_groups", None)
+            if groups is not None:
+                groups.decoder.forget()
             self._ctx = self._model = None
             return
         lock = getattr(self, "_lock", None)  # absent when __init__ failed early
@@ -224,9 +182,9 @@ class LlamaEngine(Closeable):
             self._free()
 
     def _free(self) -> None:
-        decoder = getattr(self, "_decoder", None)
-        if decoder is not None:
-            decoder.free()
+        groups = getattr(self, "_groups", None)
+        if groups is not None:
+            groups.decoder.free()
         if getattr(self, "_ctx", None) is not None:
             llama_cpp.llama_free(self._ctx)
             self._ctx = None
@@ -252,6 +210,11 @@ class LlamaEngine(Closeable):
         return self._groups.model_sha256
 
     @property
+    def layout(self) -> ContextLayout:
+        """What a saved sequence state of this context needs in order to restore elsewhere."""
+        return self._groups.layout
+
+    @property
     def prefix_store(self) -> PrefixStateStore | None:
         """Where reusable prefixes' KV states are restored from and saved to."""
         return self._groups.prefix_store
@@ -274,7 +237,7 @@ class LlamaEngine(Closeable):
 
     @property
     def n_vocab(self) -> int:
-        return self._n_vocab
+        return self._vocab.n_tokens
 
     @property
     def hidden_size(self) -> int | None:
@@ -290,32 +253,32 @@ class LlamaEngine(Closeable):
     def stats(self) -> EngineStats:
         """A snapshot of the work counters."""
         with self._lock:
-            return self._stats.copy()
+            return self._groups.stats.copy()
 
     def reset_stats(self) -> None:
         with self._lock:
-            self._stats.reset()
+            self._groups.stats.reset()
 
     @property
     def adaptive_threads(self) -> bool:
         """Whether small decode calls may run on one thread (`infra.llama_threads`)."""
-        return self._decoder.threads.adaptive
+        return self._groups.decoder.threads.adaptive
 
     @adaptive_threads.setter
     def adaptive_threads(self, on: bool) -> None:
         with self._lock:
-            self._decoder.threads.adaptive = on
+            self._groups.decoder.threads.adaptive = on
 
     def thread_choice(self) -> dict[int, int]:
         """The threads small decode calls run on now, by call size (`ThreadChooser.chosen`)."""
         with self._lock:
-            return self._decoder.threads.chosen()
+            return self._groups.decoder.threads.chosen()
 
     def clear_cache(self) -> None:
         """Forget every cached sequence (the next call starts from an empty KV cache)."""
         with self._lock:
             self._require_open()
-            self._planner.clear()
+            self._groups.planner.clear()
 
     def _meta_str(self, key: str) -> str | None:
         size = 4096
@@ -380,18 +343,17 @@ class LlamaEngine(Closeable):
         layer_states: list[dict[int, tuple[float, ...]]] = [{} for _ in requests]
 
         def on_logits(job: int, pos: int, batch_index: int) -> None:
-            logprobs = self._decoder.log_softmax(batch_index)
+            logprobs = self._groups.decoder.log_softmax(batch_index)
             results[job] = [float(logprobs[c]) for c in requests[job].candidates]
             if jobs[job].hidden:
-                hidden[job] = tuple(self._decoder.hidden_view(batch_index).tolist())
+                hidden[job] = tuple(self._groups.decoder.hidden_view(batch_index).tolist())
             for layer in jobs[job].layers:
-                rows = self._decoder.layer_rows[layer]
+                rows = self._groups.decoder.layer_rows[layer]
                 layer_states[job][layer] = tuple(rows[batch_index].tolist())
 
         with self._lock:
             self._require_open()
-            self._groups.check_fits(jobs)
-            for group in self._planner.groups(list(range(len(jobs))), jobs):
+            for group in self._groups.plan(jobs, list(range(len(jobs)))):
                 self._groups.prefill(jobs, group, on_logits)
         return [
             TokenScores(
@@ -427,15 +389,14 @@ class LlamaEngine(Closeable):
         results: list[list[float]] = [[0.0] * len(r.continuation) for r in requests]
 
         def on_logits(job: int, pos: int, batch_index: int) -> None:
-            logprobs = self._decoder.log_softmax(batch_index)
+            logprobs = self._groups.decoder.log_softmax(batch_index)
             offset = pos - jobs[job].out_from
             target = requests[job].continuation[offset]
             results[job][offset] = float(logprobs[target])
 
         with self._lock:
             self._require_open()
-            self._groups.check_fits([jobs[i] for i in active])
-            for group in self._planner.groups(active, jobs):
+            for group in self._groups.plan(jobs, active):
                 self._groups.prefill(jobs, group, on_logits)
         return [
             ContinuationScores(logprobs=results[i], prefill_tokens=jobs[i].prefill)
@@ -474,8 +435,7 @@ class LlamaEngine(Closeable):
                 )
         with self._lock:
             self._require_open()
-            self._groups.check_fits([jobs[i] for i in active])
-            for group in self._planner.groups(active, jobs):
+            for group in self._groups.plan(jobs, active):
                 for i, gen in zip(group, self._groups.generate(jobs, group, requests), strict=True):
                     outputs[i] = gen
         return [g for g in outputs if g is not None]

@@ -1,8 +1,9 @@
-"""One group of KV jobs run on a llama.cpp context: each job brought into a slot (its prefix
-restored from the state store, shared with the group, or left from an earlier call) and the
-rest decoded, its logits reported; or greedily generated from, all sequences advancing by one
-`llama_decode` per step. `LlamaEngine` validates requests, builds the jobs, plans the groups
-and holds the lock; this runs them.
+"""A llama.cpp context's batching parts (slot planner, batch decoder, prefix stager) and the
+groups of KV jobs run on them: the jobs planned into groups that fit, each job brought into a
+slot (its prefix restored from the state store, shared with the group, or left from an earlier
+call) and the rest decoded, its logits reported; or greedily generated from, all sequences
+advancing by one `llama_decode` per step. `LlamaEngine` validates requests, builds the jobs and
+holds the lock; this plans and runs them.
 """
 
 from __future__ import annotations
@@ -17,38 +18,74 @@ from selfrag.infra.kv_cache import ContextLayout, PrefixStateStore
 from selfrag.infra.kv_slots import KVJob, Slot, SlotPlanner
 from selfrag.infra.kv_staging import PrefixStager
 from selfrag.infra.llama_batch import BatchDecoder, EngineError, Feed, greedy_logprob
+from selfrag.infra.llama_context import LlamaMemory
+from selfrag.infra.llama_layers import LayerTap
+from selfrag.infra.llama_threads import ThreadChooser
 from selfrag.infra.llama_vocab import LlamaVocab
 from selfrag.pipeline.protocols import FinishReason, Generation, GenerationRequest
 from selfrag.pipeline.segmenting import ends_sentence
 
 
 class GroupRunner:
-    """Prefill and greedy generation for groups of jobs the `SlotPlanner` sized to fit."""
+    """The slot planner, batch decoder and prefix stager of one context, and the running of
+    the groups of jobs the planner sizes to fit: prefill and greedy generation."""
 
     def __init__(
         self,
         ctx: llama_cpp.llama_context_p,
+        ctx_params: llama_cpp.llama_context_params,
         *,
-        planner: SlotPlanner,
-        decoder: BatchDecoder,
-        stats: EngineStats,
         vocab: LlamaVocab,
-        layout: ContextLayout,
+        n_embd: int,
+        tap: LayerTap | None,
+        threads: ThreadChooser,
+        prefix_cache: bool,
+        share_prefix: bool,
         model_sha256: str | None,
         prefix_min_tokens: int,
     ) -> None:
-        self._planner = planner
-        self._decoder = decoder
-        self._stats = stats
-        self._vocab = vocab
-        self._stager = PrefixStager(
-            ctx, planner=planner, decoder=decoder, stats=stats, layout=layout
+        self.n_ctx = int(llama_cpp.llama_n_ctx(ctx))
+        n_seq_max = int(ctx_params.n_seq_max)
+        self.planner = SlotPlanner(
+            LlamaMemory(llama_cpp.llama_get_memory(ctx)),
+            n_ctx=self.n_ctx,
+            n_seq_max=n_seq_max,
+            prefix_cache=prefix_cache,
+            share_prefix=share_prefix,
         )
-        self.n_ctx = planner.n_ctx
+        self.stats = EngineStats()
+        self.layout = ContextLayout(
+            n_ctx=self.n_ctx,
+            n_seq_max=n_seq_max,
+            kv_unified=bool(ctx_params.kv_unified),
+            type_k=int(ctx_params.type_k),
+            type_v=int(ctx_params.type_v),
+            llama_cpp_version=llama_cpp.__version__,
+        )
+        self.decoder = BatchDecoder(
+            ctx,
+            n_batch=int(llama_cpp.llama_n_batch(ctx)),
+            n_vocab=vocab.n_tokens,
+            n_embd=n_embd,
+            planner=self.planner,
+            stats=self.stats,
+            tap=tap,
+            threads=threads,
+        )
+        self._stager = PrefixStager(
+            ctx, planner=self.planner, decoder=self.decoder, stats=self.stats, layout=self.layout
+        )
+        self._vocab = vocab
         self.prefix_store: PrefixStateStore | None = None
         """Where reusable prefixes' states are restored from and saved to (None: nowhere)."""
         self.model_sha256 = model_sha256
         self.prefix_min_tokens = max(prefix_min_tokens, 1)
+
+    def plan(self, jobs: list[KVJob], indices: list[int]) -> list[list[int]]:
+        """The jobs at `indices` in groups that fit the context (`SlotPlanner.groups`); a
+        ValueError first for a job that cannot fit even alone."""
+        self._check_fits([jobs[i] for i in indices])
+        return self.planner.groups(indices, jobs)
 
     def generate(
         self, jobs: list[KVJob], group: list[int], requests: Sequence[GenerationRequest]
@@ -60,7 +97,7 @@ class GroupRunner:
         pending: dict[int, tuple[int, float]] = {}
 
         def choose(job: int, pos: int, batch_index: int) -> None:
-            logits = self._decoder.logits_view(batch_index)
+            logits = self.decoder.logits_view(batch_index)
             token = int(np.argmax(logits))
             pending[job] = (token, greedy_logprob(logits, token))
 
@@ -72,7 +109,7 @@ class GroupRunner:
                     continue
                 token, logprob = pending.pop(i)
                 req = requests[i]
-                self._stats.generated_tokens += 1
+                self.stats.generated_tokens += 1
                 if token in req.stop_token_ids:
                     finish[i] = ("stop_token", token)
                     continue
@@ -98,8 +135,8 @@ class GroupRunner:
                 )
                 for i in live
             ]
-            self._stats.decode_steps += 1
-            self._decoder.decode(feeds)
+            self.stats.decode_steps += 1
+            self.decoder.decode(feeds)
         return [
             Generation(
                 tokens=tokens[i],
@@ -112,7 +149,7 @@ class GroupRunner:
             for i in group
         ]
 
-    def check_fits(self, jobs: Sequence[KVJob]) -> None:
+    def _check_fits(self, jobs: Sequence[KVJob]) -> None:
         """A ValueError for a job that cannot fit the context even alone."""
         for job in jobs:
             need = len(job.tokens) + job.reserve
@@ -127,28 +164,28 @@ class GroupRunner:
         self, jobs: list[KVJob], group: list[int], on_logits: Callable[[int, int, int], None]
     ) -> None:
         """Bring every job of `group` into a slot, decode what is missing, report its logits."""
-        self._planner.tick()
-        if not self._planner.prefix_cache:
-            self._planner.clear()
+        self.planner.tick()
+        if not self.planner.prefix_cache:
+            self.planner.clear()
         group_jobs = [jobs[i] for i in group]
-        if self.prefix_store is not None and self._planner.prefix_cache:
+        if self.prefix_store is not None and self.planner.prefix_cache:
             assert self.model_sha256 is not None
             self._stager.stage(
                 group_jobs, self.prefix_store, self.model_sha256, self.prefix_min_tokens
             )
-        shared = self._planner.shared_prefix(group_jobs)
-        plan = self._planner.place(group_jobs, shared)
+        shared = self.planner.shared_prefix(group_jobs)
+        plan = self.planner.place(group_jobs, shared)
         if plan is None:
             # Cached prefixes held in cells of their own can leave too little room; an empty
             # cache always fits, as `_groups` sized the group for it.
-            self._planner.clear()
-            plan = self._planner.place(group_jobs, shared)
+            self.planner.clear()
+            plan = self.planner.place(group_jobs, shared)
             if plan is None:
                 raise EngineError(
                     f"{len(group_jobs)} sequences do not fit the KV cache (n_ctx={self.n_ctx})"
                 )
         # Staged tokens were counted as restored or prefilled already.
-        self._stats.cached_tokens += sum(
+        self.stats.cached_tokens += sum(
             c - min(c, j.staged) for c, j in zip(plan.cached, group_jobs, strict=True)
         )
 
@@ -158,18 +195,18 @@ class GroupRunner:
             if plan.cached[plan.root] < shared:
                 missing = root_job.tokens[plan.cached[plan.root] : shared]
                 root_job.prefill += len(missing)
-                self._stats.prefill_tokens += len(missing)
-                self._decoder.decode([Feed(root_slot, missing, shared, None)])
+                self.stats.prefill_tokens += len(missing)
+                self.decoder.decode([Feed(root_slot, missing, shared, None)])
             for k in plan.copies:
-                self._planner.copy_prefix(root_slot, self._slot_of(group_jobs[k]), shared)
-                self._stats.shared_tokens += shared
+                self.planner.copy_prefix(root_slot, self._slot_of(group_jobs[k]), shared)
+                self.stats.shared_tokens += shared
 
         feeds: list[Feed] = []
         tails: list[Feed] = []
         for k, (i, job) in enumerate(zip(group, group_jobs, strict=True)):
             suffix = job.tokens[plan.starts[k] :]
             job.prefill += len(suffix)
-            self._stats.prefill_tokens += len(suffix)
+            self.stats.prefill_tokens += len(suffix)
             feed = Feed(
                 slot=self._slot_of(job),
                 tokens=suffix,
@@ -186,9 +223,9 @@ class GroupRunner:
                 tails.append(feed)
             else:
                 feeds.append(feed)
-        self._decoder.decode(feeds)
+        self.decoder.decode(feeds)
         if tails:
-            self._decoder.decode(tails)
+            self.decoder.decode(tails)
 
     def _slot_of(self, job: KVJob) -> Slot:
         assert job.slot is not None
