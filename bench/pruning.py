@@ -31,19 +31,19 @@ DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "squad_v2_small
 # Every policy pins the pruning dials and the draft budget, so that a change of the defaults
 # changes only "default". "before": the learned defaults before relevance_margin and the skip
 # existed; "nobudget": the defaults before max_drafts was 1.
-ALL = {"max_drafts": 50}
+NO_BUDGET = {"max_drafts": 50}
 POLICIES: dict[str, tuple[dict[str, Any], bool]] = {
-    "none": ({"min_relevance": 0.0, "relevance_margin": 1.0, **ALL}, False),
-    "before": ({"min_relevance": 0.5, "relevance_margin": 1.0, **ALL}, False),
+    "none": ({"min_relevance": 0.0, "relevance_margin": 1.0, **NO_BUDGET}, False),
+    "before": ({"min_relevance": 0.5, "relevance_margin": 1.0, **NO_BUDGET}, False),
     "default": ({}, True),
-    "nobudget": (ALL, True),
-    "skip": ({"min_relevance": 0.0, "relevance_margin": 1.0, **ALL}, True),
-    "rel0.3": ({"min_relevance": 0.3, "relevance_margin": 1.0, **ALL}, True),
-    "rel0.5": ({"min_relevance": 0.5, "relevance_margin": 1.0, **ALL}, True),
-    "rel0.7": ({"min_relevance": 0.7, "relevance_margin": 1.0, **ALL}, True),
-    "m0.2": ({"min_relevance": 0.0, "relevance_margin": 0.2, **ALL}, False),
-    "rel0.5+m0.2": ({"min_relevance": 0.5, "relevance_margin": 0.2, **ALL}, True),
-    "rel0.5+m0.05": ({"min_relevance": 0.5, "relevance_margin": 0.05, **ALL}, True),
+    "nobudget": (NO_BUDGET, True),
+    "skip": ({"min_relevance": 0.0, "relevance_margin": 1.0, **NO_BUDGET}, True),
+    "rel0.3": ({"min_relevance": 0.3, "relevance_margin": 1.0, **NO_BUDGET}, True),
+    "rel0.5": ({"min_relevance": 0.5, "relevance_margin": 1.0, **NO_BUDGET}, True),
+    "rel0.7": ({"min_relevance": 0.7, "relevance_margin": 1.0, **NO_BUDGET}, True),
+    "m0.2": ({"min_relevance": 0.0, "relevance_margin": 0.2, **NO_BUDGET}, False),
+    "rel0.5+m0.2": ({"min_relevance": 0.5, "relevance_margin": 0.2, **NO_BUDGET}, True),
+    "rel0.5+m0.05": ({"min_relevance": 0.5, "relevance_margin": 0.05, **NO_BUDGET}, True),
     "drafts2": ({"max_drafts": 2}, True),
     "drafts1": ({"max_drafts": 1}, True),
     # The budget where it binds: no relevance filter, the most relevant of the K drafts alone.
