@@ -25,7 +25,7 @@ def _decoding_flags(parser: argparse.ArgumentParser) -> None:
             )
         elif typing.get_origin(kind) is typing.Literal:
             group.add_argument(flag, choices=typing.get_args(kind), default=None, help=help_text)
-        elif kind in (int, float):
+        elif kind in (int, float, str):
             group.add_argument(flag, type=kind, default=None, help=help_text)
         else:  # pragma: no cover - guards new field types
             raise TypeError(f"no CLI flag type for {name}: {kind}")

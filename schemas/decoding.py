@@ -19,6 +19,8 @@ MAX_SEGMENT_TOKENS = 512
 MAX_ANSWER_TOKENS = MAX_SEGMENTS * MAX_SEGMENT_TOKENS
 """The longest answer any request can get (`max_segments` × `max_segment_tokens` at their
 bounds): a larger token cap (`max_tokens`) would change nothing, so it is refused."""
+MAX_INSTRUCTIONS_CHARS = 4_000
+MAX_SEED = 2**63 - 1
 
 
 class DecodingConfig(BaseModel):
@@ -112,6 +114,29 @@ class DecodingConfig(BaseModel):
     timeout_s: float = Field(
         120.0, gt=0.0, le=3600.0, description="Wall-clock budget per question."
     )
+    temperature: float = Field(
+        0.0,
+        ge=0.0,
+        le=2.0,
+        description="Sampling temperature of the drafts (0: greedy). The critique's reads "
+        "are deterministic whatever it is.",
+    )
+    top_p: float = Field(
+        1.0, gt=0.0, le=1.0, description="Nucleus sampling of the drafts (with temperature > 0)."
+    )
+    seed: int | None = Field(
+        None,
+        ge=0,
+        le=MAX_SEED,
+        description="Seed of the drafts' sampling: the same seed, question and config give "
+        "the same answer. None: a fresh draw each time (with temperature > 0).",
+    )
+    instructions: str | None = Field(
+        None,
+        max_length=MAX_INSTRUCTIONS_CHARS,
+        description="Instructions the drafts follow (an OpenAI system message), such as the "
+        "answer's language or tone. Retrieval searches the question alone.",
+    )
 
     def within_tokens(self, max_tokens: int) -> DecodingConfig:
         """This config with an answer of at most `max_tokens` tokens: shorter segments first,
@@ -147,6 +172,10 @@ class DecodingOverrides(BaseModel):
     max_retrievals: int | None = Field(None, ge=0, le=64)
     max_prefill_tokens: int | None = Field(None, ge=1, le=MAX_PREFILL_TOKENS)
     timeout_s: float | None = Field(None, gt=0.0, le=3600.0)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    seed: int | None = Field(None, ge=0, le=MAX_SEED)
+    instructions: str | None = Field(None, max_length=MAX_INSTRUCTIONS_CHARS)
 
     def apply_to(self, base: DecodingConfig) -> DecodingConfig:
         changes = self.model_dump(exclude_none=True)
