@@ -3,7 +3,8 @@ train; one module per command group beside this one, which dispatches and sets u
 
 One logging setup for every command (`cli_logging`): selfrag's records go to stderr at INFO,
 DEBUG with `-v`, WARNING with `-q`; each skipped input record is logged once, by the job that
-skipped it, and never printed again here.
+skipped it, and never printed again here. Everything printed passes `cli.terminal`'s filter of
+terminal control characters (corpus titles and text, answers, file names can carry them).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from selfrag.cli.jobs import cmd_batch, cmd_calibrate, cmd_eval, cmd_index, cmd_
 from selfrag.cli.parser import build_parser
 from selfrag.cli.serving import cmd_serve
 from selfrag.cli.status import cmd_config, cmd_models, cmd_status
+from selfrag.cli.terminal import terminal_safe_output
 from selfrag.schemas.errors import AnswerError
 
 COMMANDS = {
@@ -80,10 +82,10 @@ def cli_logging(verbose: bool = False, quiet: bool = False) -> Iterator[None]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    with cli_logging(args.verbose, args.quiet):
-        return _run(args)
+    with terminal_safe_output():
+        args = build_parser().parse_args(argv)
+        with cli_logging(args.verbose, args.quiet):
+            return _run(args)
 
 
 def _run(args: argparse.Namespace) -> int:

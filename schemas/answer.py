@@ -12,6 +12,7 @@ from selfrag.schemas.decoding import (
     DecodingOverrides,
     SupportLevel,
 )
+from selfrag.schemas.text import has_visible_text
 
 StopReason = Literal["timeout_s", "max_prefill_tokens"]
 """The budget that ended a decode early."""
@@ -36,8 +37,11 @@ class AnswerRequest(BaseModel):
     @classmethod
     def _not_blank(cls, value: str) -> str:
         value = value.strip()
-        if not value:
-            raise ValueError("question must contain non-whitespace text")
+        if not has_visible_text(value):
+            raise ValueError(
+                "question must contain visible text (not only whitespace, control or "
+                "zero-width characters)"
+            )
         return value
 
 

@@ -23,6 +23,7 @@ from pydantic import (
 
 from selfrag.schemas.answer import AnswerResponse, SegmentOut
 from selfrag.schemas.decoding import MAX_ANSWER_TOKENS, DecodingOverrides
+from selfrag.schemas.text import has_visible_text
 
 MAX_MESSAGES = 64
 MAX_PROMPTS = 8
@@ -167,8 +168,8 @@ class ChatCompletionRequest(_CompletionFields):
     @field_validator("messages")
     @classmethod
     def _has_user_message(cls, v: list[ChatMessage]) -> list[ChatMessage]:
-        if not any(m.role == "user" and m.text.strip() for m in v):
-            raise ValueError("messages must contain a user message with text")
+        if not any(m.role == "user" and has_visible_text(m.text) for m in v):
+            raise ValueError("messages must contain a user message with visible text")
         return v
 
     @property

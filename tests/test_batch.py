@@ -842,3 +842,16 @@ def test_eval_ray_answers_selfrag_systems_on_the_batch_path(
     assert [r["system"] for r in records] == ["selfrag-likelihood"] * 2
     report = json.loads((out / "report.json").read_text())
     assert report["systems"]["selfrag-likelihood"]["questions"] == 2
+
+
+def test_a_question_of_only_control_or_zero_width_characters_is_an_invalid_record():
+    """Like an empty question: nothing visible to answer."""
+    questions = [
+        BatchQuestion("ok", "Who founded Normandy?", {}, 1),
+        BatchQuestion("blank", "\u200b\u200c\x07\x1b\ufeff", {}, 2),
+    ]
+    jobs, errors = plan_jobs(questions, DecodingConfig())
+    assert [j.ids for j in jobs] == [["ok"]]
+    assert [e["id"] for e in errors] == ["blank"]
+    assert errors[0]["error"]["type"] == "invalid"
+    assert "visible text" in errors[0]["error"]["message"]

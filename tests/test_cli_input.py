@@ -18,6 +18,7 @@ def _home(tmp_path, monkeypatch, no_selfrag_environment):
     [
         (["ask", ""], "question"),
         (["ask", "   "], "question"),
+        (["ask", "\u200b\u200d\x07\x1b\u2060\ufeff"], "question"),
         (["ask", "q", "--top-k", "0"], "top_k"),
         (["ask", "q", "--top-k", "51"], "top_k"),
         (["ask", "q", "--threshold", "1.5"], "threshold"),

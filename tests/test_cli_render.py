@@ -76,3 +76,40 @@ def test_each_citation_shows_the_sentence_that_supports_its_segment() -> None:
     # Without an evidence span only the source line shows.
     lines = render_answer(_response("full", 0.93)).splitlines()
     assert lines[lines.index("[1] Normans (p1)") + 1] == ""
+
+
+HOSTILE = "\x1b]0;PWNED TITLE\x07\x1b[2J\x1b]8;;https://evil.example/\x1b\\link\x1b]8;;\x1b\\\r\x9b2J\u202e"
+
+
+def test_terminal_control_characters_from_a_corpus_or_model_never_reach_the_terminal(
+    monkeypatch, capsys
+) -> None:
+    """Titles, passages and answers pass through `selfrag ask`'s output and its log lines; what
+    the terminal would obey (ESC and BEL sequences, C1 controls, carriage returns, bidi
+    overrides) is dropped, what it shows stays."""
+    import logging
+
+    import selfrag.cli as cli
+
+    hostile = _response("partial", 0.2)
+    seg = hostile.segments[0].model_copy(update={"text": f"Rollo{HOSTILE} founded it."})
+    hostile = hostile.model_copy(
+        update={
+            "segments": [seg],
+            "passages": [PassageOut(id="p1", title=f"Normans{HOSTILE}", text="x", score=0.5)],
+        }
+    )
+
+    def ask(args) -> int:
+        logging.getLogger("selfrag.cli").warning("skipped %s", f"file{HOSTILE}.txt")
+        print(render_answer(hostile))
+        return 0
+
+    monkeypatch.setitem(cli.COMMANDS, "ask", ask)
+    assert cli.main(["ask", "q"]) == 0
+    out, err = capsys.readouterr()
+    for text in (out, err):
+        assert not any(c in text for c in "\x1b\x07\x9b\r\u202e"), repr(text)
+    assert "Normans]0;PWNED TITLE[2J" in out
+    assert "Low support" in out
+    assert "skipped file]0;PWNED TITLE" in err

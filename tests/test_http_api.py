@@ -57,6 +57,7 @@ def test_answer_round_trip_uses_request_dials(client: TestClient, service: FakeS
         ({"question": "q", "config": {"top_k": 0}}, "config.top_k"),
         ({"question": "q", "config": {"beam_width": 2}}, "config.beam_width"),
         ({"question": "   "}, "question"),
+        ({"question": "\u200b\x00\u202e\x1b\u3164"}, "question"),
         ({}, "question"),
     ],
 )

@@ -164,6 +164,11 @@ def _error(exc: openai.APIStatusError) -> dict:
             "temperature",
         ),
         (
+            {"model": "selfrag", "messages": [{"role": "user", "content": "\u200b\x1b\ufeff"}]},
+            400,
+            "messages",
+        ),
+        (
             {"model": "selfrag", "messages": [{"role": "user", "content": "q"}], "n": 2},
             400,
             "n",
@@ -223,6 +228,7 @@ def test_bad_requests_get_openais_envelope_naming_the_field(url: str, body, stat
         ({"prompt": "x" * (MAX_QUESTION_CHARS + 1)}, "prompt"),
         ({"prompt": ["q", "x" * (MAX_QUESTION_CHARS + 1)]}, "prompt.1"),
         ({"prompt": "  "}, "prompt"),
+        ({"prompt": "\u200b\x1b\u2066"}, "prompt"),
         ({"prompt": "q", "max_tokens": MAX_ANSWER_TOKENS + 1}, "max_tokens"),
         ({"prompt": "q", "selfrag": {"beam": 9}}, "selfrag.beam"),
     ],

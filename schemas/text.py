@@ -1,0 +1,36 @@
+"""What counts as visible text, and text made safe for a terminal.
+
+Text from a corpus or a model can carry characters a terminal obeys instead of showing: C0 and
+C1 controls (ESC starts the sequences that retitle a window, clear the screen or plant an OSC 8
+link; a carriage return lets the next text overwrite a line) and the bidirectional overrides
+that reorder what is shown. Zero-width and format characters show nothing at all.
+"""
+
+from __future__ import annotations
+
+import re
+import unicodedata
+
+# Unicode's bidirectional embeddings, overrides and isolates, and the marks that steer them.
+_BIDI = "\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069"
+# Every C0 control but tab and newline, DEL, every C1 control, and the bidi controls.
+_TERMINAL_UNSAFE = re.compile(f"[\x00-\x08\x0b-\x1f\x7f-\x9f{_BIDI}]")
+# Categories that show nothing: controls, format (zero-width) characters, separators (spaces).
+_INVISIBLE_CATEGORIES = frozenset({"Cc", "Cf", "Zs", "Zl", "Zp"})
+# Fillers that render blank though Unicode classes them as letters or symbols.
+_BLANK_FILLERS = frozenset("\u115f\u1160\u3164\uffa0\u2800")
+
+
+def terminal_safe(text: str) -> str:
+    """`text` without the characters a terminal would act on rather than show (tab and
+    newline stay)."""
+    return _TERMINAL_UNSAFE.sub("", text)
+
+
+def has_visible_text(text: str) -> bool:
+    """Whether `text` shows anything: not only whitespace, control, zero-width or other
+    format characters."""
+    return any(
+        unicodedata.category(ch) not in _INVISIBLE_CATEGORIES and ch not in _BLANK_FILLERS
+        for ch in text
+    )
