@@ -18,6 +18,7 @@ from typing import Any, Literal
 
 import numpy as np
 
+from selfrag.infra.corpus import load_json
 from selfrag.infra.model_files import FTYPE_ALL_F32, FTYPE_MOSTLY_F16, ModelFileError
 
 BertFormat = Literal["f32", "f16"]
@@ -38,6 +39,8 @@ _SHAPE_KEYS = (
 _F32_ALWAYS = ("token_types.weight", "position_embd.weight")
 _POOLING = {"pooling_mode_mean_tokens": 1, "pooling_mode_cls_token": 2}  # gguf.PoolingType
 _SAFETENSORS_DTYPES = {"F32": np.float32, "F16": np.float16, "I64": np.int64}
+# The safetensors format's own bound on its JSON header.
+MAX_SAFETENSORS_HEADER = 100_000_000
 # The same leaf files the folder's identity hashes (`infra.embedder`), besides the weights.
 TOKENIZER_FILES = ("vocab.txt", "tokenizer_config.json", "special_tokens_map.json")
 
@@ -211,29 +214,63 @@ def read_safetensors(path: Path) -> dict[str, np.ndarray]:
     """The tensors of a `.safetensors` file as numpy arrays (memory-mapped, read-only).
 
     The format: an 8-byte little-endian header length, a JSON header naming each tensor's
-    dtype, shape and byte range in the data that follows.
+    dtype, shape and byte range in the data that follows. A header that does not describe
+    tensors lying within the file is a `ModelFileError` naming the file.
     """
     try:
+        size = path.stat().st_size
         with path.open("rb") as fh:
             (length,) = struct.unpack("<Q", fh.read(8))
-            header = json.loads(fh.read(length))
+            if length > min(size - 8, MAX_SAFETENSORS_HEADER):
+                raise ModelFileError(
+                    f"unreadable safetensors file {path}: a header of {length} bytes in a file "
+                    f"of {size}"
+                )
+            header = load_json(fh.read(length).decode("utf-8"), max_depth=8)
+        if not isinstance(header, dict):
+            raise ModelFileError(f"unreadable safetensors file {path}: the header is not an object")
         data = np.memmap(path, dtype=np.uint8, mode="r", offset=8 + length)
+    except ModelFileError:
+        raise
     except (OSError, ValueError, struct.error) as exc:
         raise ModelFileError(f"unreadable safetensors file {path}: {exc}") from exc
     out: dict[str, np.ndarray] = {}
     for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        dtype = _SAFETENSORS_DTYPES.get(info["dtype"])
-        if dtype is None:
-            raise ModelFileError(f"{path}: tensor {name} has unsupported dtype {info['dtype']}")
-        start, end = info["data_offsets"]
-        shape = tuple(info["shape"])
-        array = data[start:end].view(dtype)
-        if array.size != int(np.prod(shape)):
-            raise ModelFileError(f"{path}: tensor {name} has {array.size} values for {shape}")
-        out[name] = array.reshape(shape)
+        if name != "__metadata__":
+            out[name] = _tensor(path, name, info, data)
     return out
+
+
+def _tensor(path: Path, name: str, info: object, data: np.ndarray) -> np.ndarray:
+    """One tensor of a safetensors header, checked against the data it points into."""
+    if not isinstance(info, dict):
+        raise ModelFileError(f"{path}: tensor {name} is described by {type(info).__name__}")
+    dtype = _SAFETENSORS_DTYPES.get(info.get("dtype"))  # type: ignore[arg-type]
+    if dtype is None:
+        raise ModelFileError(f"{path}: tensor {name} has unsupported dtype {info.get('dtype')!r}")
+    offsets, shape = info.get("data_offsets"), info.get("shape")
+    if not _ints(offsets, 2) or not _ints(shape):
+        raise ModelFileError(
+            f"{path}: tensor {name} needs data_offsets [start, end] and a shape of "
+            f"non-negative integers, got {offsets!r} and {shape!r}"
+        )
+    start, end = offsets
+    count = int(np.prod(shape, dtype=object))
+    if not start <= end <= len(data) or end - start != count * np.dtype(dtype).itemsize:
+        raise ModelFileError(
+            f"{path}: tensor {name} of shape {tuple(shape)} ({info['dtype']}) at bytes "
+            f"{start}..{end} does not fit the {len(data)} bytes of data"
+        )
+    return data[start:end].view(dtype).reshape(shape)
+
+
+def _ints(value: object, length: int | None = None) -> bool:
+    """Whether `value` is a list of non-negative ints (of `length` items, when given)."""
+    return (
+        isinstance(value, list)
+        and (length is None or len(value) == length)
+        and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value)
+    )
 
 
 def _json(path: Path) -> Any:

@@ -20,12 +20,21 @@ from typing import Any
 
 import numpy as np
 
+from selfrag.infra.corpus import JSONInputError, load_json
 from selfrag.infra.file_lock import write_atomic
 from selfrag.pipeline.answerability import AnswerabilityError, AnswerabilityModel
 from selfrag.pipeline.critics import READ_LAYOUT
-from selfrag.pipeline.heads import GROUP_LABELS, GroupHead, HeadsError, ReflectionHeads
+from selfrag.pipeline.heads import (
+    GROUP_LABELS,
+    HALF_MAX,
+    GroupHead,
+    HeadsError,
+    ReflectionHeads,
+)
 
 HEADS_FORMAT = 1
+# Heads and answerability files nest four levels; anything far deeper is not one of them.
+MAX_JSON_DEPTH = 32
 SHIPPED_DIR = Path(__file__).with_name("shipped_heads")
 log = logging.getLogger(__name__)
 _warned: set[Path] = set()
@@ -95,7 +104,7 @@ def save_heads(
 def load_heads(path: Path) -> ReflectionHeads:
     """Read a heads file; a malformed one is a `HeadsError` naming the file."""
     try:
-        doc = json.loads(path.read_text())
+        doc = _read_json(path)
         if doc.get("format") != HEADS_FORMAT:
             raise HeadsError(f"format {doc.get('format')!r}, expected {HEADS_FORMAT}")
         check_layout(doc.get("manifest", {}).get("layout"), HeadsError, "`selfrag train`")
@@ -104,13 +113,17 @@ def load_heads(path: Path) -> ReflectionHeads:
             rows, cols = (int(x) for x in g["shape"])
             raw = base64.b64decode(g["float32_base64"], validate=True)
             w = np.frombuffer(raw, dtype=np.float32).reshape(rows, cols)
+            if not np.isfinite(w).all():
+                raise HeadsError(f"group {name!r} has weights that are not finite (inf or NaN)")
+            if np.abs(w).max(initial=0.0) > HALF_MAX:
+                raise HeadsError(f"group {name!r} has weights beyond float16's range")
             groups[name] = GroupHead(
                 tuple(g["labels"]), tuple(tuple(float(v) for v in row) for row in w)
             )
         return ReflectionHeads(model_sha256=str(doc["model_sha256"]), groups=groups)
     except HeadsError as exc:
         raise HeadsError(f"{path}: {exc}") from exc
-    except (OSError, ValueError, KeyError, TypeError) as exc:
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
         raise HeadsError(f"{path} is not a reflection heads file ({exc})") from exc
 
 
@@ -124,8 +137,22 @@ def check_layout(layout: object, error: type[ValueError], retrain: str) -> None:
 
 
 def read_manifest(path: Path) -> dict[str, Any]:
-    manifest = json.loads(path.read_text()).get("manifest", {})
+    """The training manifest of a heads or answerability file; ValueError naming the file when
+    it is not a JSON object (or nested deeper than such a file is)."""
+    doc = _read_json(path)
+    if not isinstance(doc, dict):
+        raise ValueError(f"{path} is not a JSON object")
+    manifest = doc.get("manifest", {})
     return manifest if isinstance(manifest, dict) else {}
+
+
+def _read_json(path: Path) -> Any:
+    """A learned artefact's JSON; deep nesting is a ValueError naming the file, never a
+    RecursionError (the files here nest a few levels)."""
+    try:
+        return load_json(path.read_text(encoding="utf-8"), MAX_JSON_DEPTH)
+    except JSONInputError as exc:
+        raise ValueError(f"{path}: {exc}") from None
 
 
 def heads_matrix(heads: ReflectionHeads, group: str) -> np.ndarray:
@@ -173,7 +200,7 @@ def _write_json(path: Path, doc: object) -> None:
 def load_answerability(path: Path) -> AnswerabilityModel:
     """Read an answerability model; a malformed file is an `AnswerabilityError` naming it."""
     try:
-        doc = json.loads(path.read_text())
+        doc = _read_json(path)
         check_layout(
             doc.get("manifest", {}).get("layout"),
             AnswerabilityError,
@@ -182,5 +209,5 @@ def load_answerability(path: Path) -> AnswerabilityModel:
         return AnswerabilityModel.from_json(doc)
     except AnswerabilityError as exc:
         raise AnswerabilityError(f"{path}: {exc}") from exc
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, AttributeError) as exc:
         raise AnswerabilityError(f"{path} is not an answerability model ({exc})") from exc

@@ -280,6 +280,19 @@ def gguf_file_type(path: Path) -> int | None:
     return value if isinstance(value, int) else None
 
 
+def gguf_hidden_size(path: Path) -> int | None:
+    """The model's hidden size (`<architecture>.embedding_length`) from a GGUF header, or None
+    when the header does not say."""
+    try:
+        arch = read_gguf_metadata(path, "general.architecture")
+        if not isinstance(arch, str):
+            return None
+        value = read_gguf_metadata(path, f"{arch}.embedding_length")
+    except ModelFileError:  # loading the model says what is wrong with its file
+        return None
+    return value if isinstance(value, int) else None
+
+
 # GGUF metadata value types: id -> struct format of a scalar (string=8 and array=9 aside).
 _GGUF_SCALARS = {
     0: "<B",

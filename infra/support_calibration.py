@@ -6,18 +6,20 @@ home served with another model file (or critique source) never reads this one's 
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 
 from pydantic import ValidationError
 
+from selfrag.infra.corpus import load_json
 from selfrag.infra.file_lock import write_atomic
 from selfrag.schemas.calibration import SupportCalibration
 
 log = logging.getLogger(__name__)
 
 CALIBRATION_DIR = "calibration"
+# A calibration nests three levels; a file far deeper is not one (and must not recurse).
+MAX_JSON_DEPTH = 32
 
 
 def calibration_path(home: Path, model_sha256: str, critique: str) -> Path:
@@ -39,8 +41,9 @@ def read_calibration(home: Path, model_sha256: str, critique: str) -> SupportCal
     if not path.is_file():
         return None
     try:
-        cal = SupportCalibration.model_validate(json.loads(path.read_text(encoding="utf-8")))
-    except (OSError, ValueError, ValidationError) as exc:
+        doc = load_json(path.read_text(encoding="utf-8"), MAX_JSON_DEPTH)
+        cal = SupportCalibration.model_validate(doc)
+    except (OSError, ValueError, ValidationError) as exc:  # JSONInputError: deep nesting too
         log.warning(
             "ignoring the unreadable calibration %s (%s): rerun `selfrag calibrate`", path, exc
         )

@@ -52,6 +52,11 @@ STOP_WORDS = frozenset(
 _WORD = re.compile(r"\w+", re.UNICODE)
 
 FloatArray = npt.NDArray[np.float64]
+# The largest weight or bias a loaded model may have: a fitted, L2-regularised logistic model on
+# standardised features stays far inside it, and a term this large alone settles the sigmoid.
+MAX_COEFFICIENT = 100.0
+# `fit_linear` replaces a scale below this by 1 (a constant column).
+MIN_SCALE = 1e-9
 
 
 class AnswerabilityError(ValueError):
@@ -124,13 +129,30 @@ class Linear:
         }
 
     @classmethod
-    def from_json(cls, doc: Mapping[str, Any]) -> Linear:
-        return cls(
+    def from_json(cls, doc: Mapping[str, Any], name: str = "the combiner") -> Linear:
+        """The model a `to_json` document describes, refused (`AnswerabilityError`, saying
+        which: `name`) unless it is one a fit can produce: finite values, positive scales
+        no smaller than the fit leaves them, and weights and bias within `MAX_COEFFICIENT`."""
+        model = cls(
             tuple(float(v) for v in doc["mean"]),
             tuple(float(v) for v in doc["scale"]),
             tuple(float(v) for v in doc["weights"]),
             float(doc["bias"]),
         )
+        values = (*model.mean, *model.scale, *model.weights, model.bias)
+        if not all(math.isfinite(v) for v in values):
+            raise AnswerabilityError(f"{name} has values that are not finite (inf or NaN)")
+        if any(v < MIN_SCALE for v in model.scale):
+            raise AnswerabilityError(
+                f"{name} has a scale below {MIN_SCALE:g} (zero or negative scales divide by "
+                "nothing or flip a feature)"
+            )
+        if any(abs(v) > MAX_COEFFICIENT for v in (*model.weights, model.bias)):
+            raise AnswerabilityError(
+                f"{name} has a weight or bias beyond ±{MAX_COEFFICIENT:g}: it would answer "
+                "the same for every input"
+            )
+        return model
 
 
 @dataclass(frozen=True)
@@ -170,8 +192,14 @@ class AnswerabilityModel:
             sorted({b for site in set(PROBE_SITES.values()) for b in self.blocks_at(site)})
         )
 
-    def check(self, model_sha256: str, source: str) -> None:
-        """Refuse a model fitted on another model file or critique source."""
+    def check(self, model_sha256: str, source: str, hidden_size: int | None = None) -> None:
+        """Refuse a model fitted on another model file or critique source, or whose probes
+        read block outputs of another width than the model's `hidden_size`."""
+        widths = {len(p.weights) for p in self.probes.values()}
+        if hidden_size is not None and widths - {hidden_size}:
+            raise AnswerabilityError(
+                f"probes of width {sorted(widths)} for a model of hidden size {hidden_size}"
+            )
         if model_sha256 != self.model_sha256:
             raise AnswerabilityError(
                 f"this answerability model was fitted for the model file sha256:"
@@ -217,14 +245,22 @@ class AnswerabilityModel:
                 raise AnswerabilityError(
                     f"format {doc.get('format')!r}, expected {ANSWERABILITY_FORMAT}"
                 )
-            return cls(
+            model = cls(
                 model_sha256=str(doc["model_sha256"]),
                 source=str(doc["source"]),
                 features=tuple(str(f) for f in doc["features"]),
                 combiner=Linear.from_json(doc["combiner"]),
-                probes={str(k): Linear.from_json(p) for k, p in doc.get("probes", {}).items()},
+                probes={
+                    str(k): Linear.from_json(p, f"the probe {k!r}")
+                    for k, p in doc.get("probes", {}).items()
+                },
                 manifest=dict(doc.get("manifest", {})),
             )
+            if not any(model.combiner.weights):
+                raise AnswerabilityError(
+                    "the combiner weighs no feature: it would answer the same for every input"
+                )
+            return model
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             if isinstance(exc, AnswerabilityError):
                 raise
@@ -250,7 +286,7 @@ def fit_linear(X: npt.ArrayLike, y: npt.ArrayLike, l2: float = 1.0) -> Linear:
         raise AnswerabilityError("the labels have one class only: nothing to separate")
     mean = X.mean(axis=0)
     scale = X.std(axis=0)
-    scale[scale < 1e-9] = 1.0
+    scale[scale < MIN_SCALE] = 1.0
     Z = np.hstack([(X - mean) / scale, np.ones((len(X), 1))])
     d = Z.shape[1]
     penalty = np.full(d, l2)

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 from selfrag.infra.engine_threads import apply_wait_policy
 from selfrag.infra.lifecycle import Closeable
-from selfrag.pipeline.answerability import AnswerabilityModel
+from selfrag.pipeline.answerability import AnswerabilityError, AnswerabilityModel
 from selfrag.pipeline.critics import (
     Critic,
     CritiqueUnavailable,
@@ -24,7 +24,7 @@ from selfrag.pipeline.critics import (
     with_answerability,
 )
 from selfrag.pipeline.decoder import StepListener
-from selfrag.pipeline.heads import ReflectionHeads
+from selfrag.pipeline.heads import HeadsError, ReflectionHeads
 from selfrag.runtime.answering import (
     Answer,
     AnswerPath,
@@ -210,10 +210,13 @@ class LocalRuntime(Closeable):
         if self.heads_file is None:
             return None
         from selfrag.infra.heads_store import load_heads
-        from selfrag.infra.model_files import file_sha256
+        from selfrag.infra.model_files import file_sha256, gguf_hidden_size
 
         heads = load_heads(self.heads_file)
-        heads.check_model(file_sha256(self.model_path), None)
+        try:
+            heads.check_model(file_sha256(self.model_path), gguf_hidden_size(self.model_path))
+        except HeadsError as exc:
+            raise HeadsError(f"{self.heads_file}: {exc}") from None
         return heads
 
     def answerability_file(self, source: str) -> Path | None:
@@ -233,10 +236,13 @@ class LocalRuntime(Closeable):
         if path is None:
             return None
         from selfrag.infra.heads_store import load_answerability
-        from selfrag.infra.model_files import file_sha256
+        from selfrag.infra.model_files import file_sha256, gguf_hidden_size
 
         model = load_answerability(path)
-        model.check(file_sha256(self.model_path), source)
+        try:
+            model.check(file_sha256(self.model_path), source, gguf_hidden_size(self.model_path))
+        except AnswerabilityError as exc:
+            raise AnswerabilityError(f"{path}: {exc}") from None
         return model
 
     def critic(self, source: str) -> Critic:

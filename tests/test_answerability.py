@@ -29,6 +29,7 @@ from selfrag.pipeline.answerability import (
 )
 from selfrag.pipeline.calibration import auc
 from selfrag.pipeline.critics import (
+    READ_LAYOUT,
     AnswerabilityCritic,
     Branch,
     LearnedCritic,
@@ -321,3 +322,51 @@ def test_the_system_finds_the_model_of_its_model_file_and_refuses_another(tmp_pa
     )
     with pytest.raises(AnswerabilityError, match="not for sha256"):
         rag.answerability("likelihood")
+
+
+@pytest.mark.parametrize(
+    ("part", "field", "value", "why"),
+    [
+        ("combiner", "scale", [0.0] * 7, "scale below"),
+        ("combiner", "scale", [-1.0] * 7, "scale below"),
+        ("combiner", "bias", 1e308, "beyond"),
+        ("combiner", "weights", [float("nan")] * 7, "not finite"),
+        ("combiner", "mean", [float("inf")] * 7, "not finite"),
+        ("combiner", "weights", [0.0] * 7, "weighs no feature"),
+        ("probe:1", "scale", [0.0, 1.0, 1.0], "probe 'probe:1'"),
+        ("probe:1", "weights", [1e9, 0.0, 0.0], "beyond"),
+    ],
+)
+def test_a_degenerate_answerability_file_is_refused_naming_the_file(
+    tmp_path: Path, part: str, field: str, value: object, why: str
+) -> None:
+    """A zero scale or a huge bias made support 1.0 for everything (abstention silently off)."""
+    doc = combiner().to_json()
+    doc["manifest"] = {"layout": READ_LAYOUT}
+    target = doc["combiner"] if part == "combiner" else doc["probes"][part]
+    target[field] = value
+    path = tmp_path / "model.answerability.learned.json"
+    path.write_text(json.dumps(doc))
+    with pytest.raises(AnswerabilityError, match=why) as err:
+        load_answerability(path)
+    assert str(path) in str(err.value)
+
+
+def test_probes_of_another_width_than_the_model_are_refused_naming_the_file(
+    tmp_path: Path,
+) -> None:
+    from selfrag.infra.model_files import default_model_path, file_sha256
+    from selfrag.infra.settings import load_settings
+    from selfrag.runtime.system import LocalRuntime
+
+    model = default_model_path()  # hidden size 576; the probe reads 3 values
+    sha = file_sha256(model)
+    path = save_answerability(answerability_path(tmp_path, sha, "learned"), combiner(sha=sha))
+    rag = LocalRuntime(load_settings(environ={}, overrides={"home": tmp_path}))
+    rag.__dict__["model_path"] = model
+    with pytest.raises(AnswerabilityError, match=r"width \[3\] for a model of hidden size 576"):
+        rag.answerability("learned")
+    with pytest.raises(AnswerabilityError) as err:
+        rag.answerability("learned")
+    assert str(answerability_path(tmp_path, sha, "learned")) in str(err.value)
+    assert path.blocks == (1,)

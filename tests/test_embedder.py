@@ -222,3 +222,47 @@ def test_a_local_mode_index_of_the_replaced_embedder_is_migrated_then_reused(
     assert "migrated 3 passages" in caplog.text and "reused, and recorded" in caplog.text
     facts = json.loads((tmp_path / "edge" / "passages" / "index.json").read_text())
     assert facts["embedding_model"] == embedder.model_id
+
+
+def _safetensors(path: Path, header: object, data: bytes = b"\0" * 16, length: int | None = None):
+    raw = json.dumps(header).encode() if not isinstance(header, bytes) else header
+    size = len(raw) if length is None else length
+    path.write_bytes(size.to_bytes(8, "little") + raw + data)
+    return path
+
+
+@pytest.mark.parametrize(
+    ("header", "length", "why"),
+    [
+        ({}, 2**63, "a header of 9223372036854775808 bytes"),
+        ({}, 2**64 - 1, "a header of"),
+        (["not", "an", "object"], None, "the header is not an object"),
+        ({"w": {"dtype": "F32", "shape": [4], "data_offsets": [8, 24]}}, None, "does not fit"),
+        ({"w": {"dtype": "F32", "shape": [5], "data_offsets": [0, 16]}}, None, "does not fit"),
+        ({"w": {"dtype": "F32", "shape": [-4], "data_offsets": [0, 16]}}, None, "shape of"),
+        ({"w": {"dtype": "F32", "shape": [4], "data_offsets": "0-16"}}, None, "data_offsets"),
+        ({"w": {"dtype": "F32", "shape": [4]}}, None, "data_offsets"),
+        ({"w": {"shape": [4], "data_offsets": [0, 16]}}, None, "unsupported dtype"),
+        ({"w": [1, 2]}, None, "described by list"),
+        (b"[" * 50_000 + b"]" * 50_000, None, "nested"),
+        (b"\xff\xfe{}", None, "unreadable safetensors"),
+    ],
+)
+def test_a_malformed_safetensors_header_is_an_error_naming_the_file(
+    tmp_path: Path, header: object, length: int | None, why: str
+) -> None:
+    """They raised OverflowError, AttributeError or a numpy message naming no file."""
+    path = _safetensors(tmp_path / "model.safetensors", header, length=length)
+    with pytest.raises(ModelFileError, match=why) as err:
+        read_safetensors(path)
+    assert str(path) in str(err.value)
+
+
+def test_a_well_formed_small_safetensors_file_reads(tmp_path: Path) -> None:
+    values = np.arange(4, dtype=np.float32)
+    header = {
+        "__metadata__": {"format": "pt"},
+        "w": {"dtype": "F32", "shape": [2, 2], "data_offsets": [0, 16]},
+    }
+    path = _safetensors(tmp_path / "model.safetensors", header, values.tobytes())
+    assert read_safetensors(path)["w"].tolist() == [[0.0, 1.0], [2.0, 3.0]]

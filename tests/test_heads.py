@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import json
 import math
 from pathlib import Path
@@ -221,3 +222,48 @@ def test_heads_of_an_earlier_read_layout_are_passed_over_and_refused_when_named(
         load_heads(heads_path(home, SHA))
     (shipped / f"{SHA}.json").unlink()
     assert find_heads(home, SHA) is None
+
+
+@pytest.mark.parametrize("bad", [np.inf, -np.inf, np.nan])
+def test_heads_with_non_finite_weights_are_refused_naming_the_file(tmp_path: Path, bad) -> None:
+    """±inf rows failed at answer time ("-inf + inf in fsum"), all-NaN rows made every
+    relevance 0.5: both are refused when the file is read."""
+    path = heads_path(tmp_path, SHA)
+    save_heads(path, SHA, weights(4), {})
+    doc = json.loads(path.read_text())
+    rows = np.full((2, 4), bad, dtype=np.float32)
+    doc["groups"]["relevance"]["float32_base64"] = base64.b64encode(rows.tobytes()).decode()
+    path.write_text(json.dumps(doc))
+    with pytest.raises(HeadsError, match="not finite") as err:
+        load_heads(path)
+    assert str(path) in str(err.value) and "'relevance'" in str(err.value)
+
+
+def test_a_deeply_nested_heads_file_is_an_error_naming_the_file(tmp_path: Path) -> None:
+    path = heads_path(tmp_path, SHA)
+    path.parent.mkdir(parents=True)
+    path.write_text('{"manifest": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    with pytest.raises(HeadsError, match="nested") as err:
+        load_heads(path)
+    assert str(path) in str(err.value)
+    with pytest.raises(ValueError, match="nested") as err:
+        read_manifest(path)
+    assert str(path) in str(err.value)
+    assert find_heads(tmp_path, SHA) == path  # found, so that loading it says why
+
+
+def test_heads_of_another_width_are_refused_when_loaded_naming_the_file(tmp_path: Path) -> None:
+    """Heads whose `model_sha256` was edited to the model file's passed the hash check and
+    failed only at answer time; the width is read from the GGUF header when they load."""
+    from selfrag.infra.model_files import default_model_path, file_sha256
+    from selfrag.infra.settings import load_settings
+    from selfrag.runtime.system import LocalRuntime
+
+    model = default_model_path()  # SmolLM2-135M: hidden size 576
+    path = heads_path(tmp_path, file_sha256(model))
+    save_heads(path, file_sha256(model), weights(896), {})
+    rag = LocalRuntime(load_settings(environ={}, overrides={"home": tmp_path}))
+    rag.__dict__["model_path"] = model
+    with pytest.raises(HeadsError, match="hidden size 896 for a model of hidden size 576") as e:
+        _ = rag.heads
+    assert str(path) in str(e.value)

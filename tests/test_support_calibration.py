@@ -465,3 +465,25 @@ def test_serve_decodes_with_the_pools_calibrated_threshold() -> None:
     pool.calibrated = {"min_support_score": 0.52}
     response = asyncio.run(make_service(pool=pool).service.run(request)).response
     assert response.abstained and response.config.min_support_score == 0.52
+
+
+def test_a_deeply_nested_calibration_is_ignored_naming_the_file_and_read_once(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """It raised RecursionError: the CLI blamed the question, and the server, reading it again
+    for every answer, answered 500 to all while /readyz said ready. Now it is one unreadable
+    file: the constant applies, with a warning naming the file, and it is not read again."""
+    path = calibration_path(tmp_path, "a" * 64, "learned")
+    path.parent.mkdir(parents=True)
+    path.write_text("[" * 200_000 + "]" * 200_000)
+    with caplog.at_level(logging.WARNING):
+        assert read_calibration(tmp_path, "a" * 64, "learned") is None
+    assert "unreadable calibration" in caplog.text and str(path) in caplog.text
+    reads = []
+    real = calibrated_module.read_calibration
+    monkeypatch.setattr(
+        calibrated_module, "read_calibration", lambda *a: reads.append(a) or real(*a)
+    )
+    defaults = CalibratedDefaults(tmp_path, lambda: "a" * 64, lambda: "model-fp")
+    assert defaults.filters("learned") == {} and defaults.filters("learned") == {}
+    assert len(reads) == 1
