@@ -4,8 +4,11 @@
 Each request becomes one `AnswerRequest` on the same answer service as `/v1/answer`:
 - the question is the last user message; earlier user and assistant turns are prefixed to
   it as the conversation so far (the most recent that fit in `MAX_QUESTION_CHARS`), so
-  retrieval and drafting both see them; system and developer messages are not used (the
-  prompt head is selfrag's own, shared by every branch so its KV state is reusable);
+  retrieval and drafting both see them; system and developer messages are instructions the
+  drafts follow (`DecodingConfig.instructions`: the answer's language, tone), while the
+  prompt head stays selfrag's own, shared by every branch so its KV state is reusable;
+- `temperature`, `top_p` and `seed` sample the drafts (greedy at 0, the default); the
+  critique's reads stay deterministic;
 - `max_tokens` / `max_completion_tokens` cap the answer (`DecodingConfig.within_tokens`);
 - the dials come in the `selfrag` extension object (`DecodingOverrides`).
 Each choice carries the `AnswerResponse` in `selfrag`; `usage` counts every token the engine
@@ -41,6 +44,7 @@ from selfrag.actors.openai_format import (
 )
 from selfrag.actors.streaming import AnswerLog, AnswerService, AnswerStream, request_id
 from selfrag.schemas.answer import MAX_QUESTION_CHARS, AnswerRequest, AnswerResponse
+from selfrag.schemas.decoding import MAX_INSTRUCTIONS_CHARS
 from selfrag.schemas.errors import AnswerError
 from selfrag.schemas.openai import (
     AssistantMessage,
@@ -113,6 +117,21 @@ def conversation_question(messages: Sequence[ChatMessage]) -> str:
     return head + "\n".join(kept) + tail if kept else question
 
 
+def system_instructions(messages: Sequence[ChatMessage]) -> str | None:
+    """The system and developer messages' text, one after another: what the drafts follow."""
+    texts = [m.text.strip() for m in messages if m.role in ("system", "developer")]
+    joined = "\n".join(t for t in texts if t)
+    if len(joined) > MAX_INSTRUCTIONS_CHARS:
+        raise OpenAIError(
+            400,
+            f"the system messages have {len(joined)} characters; "
+            f"the limit is {MAX_INSTRUCTIONS_CHARS}",
+            code="instructions_too_long",
+            param="messages",
+        )
+    return joined or None
+
+
 Body = TypeVar("Body", bound=BaseModel)
 
 
@@ -137,11 +156,15 @@ async def _parse(request: Request, model: type[Body]) -> Body:
 
 
 def _answer_request(
-    question: str, body: ChatCompletionRequest | CompletionRequest, question_param: str
+    question: str,
+    body: ChatCompletionRequest | CompletionRequest,
+    question_param: str,
+    instructions: str | None = None,
 ) -> AnswerRequest:
     """The answer path's request; a refusal names the field as the client sent it: the
     question as `question_param` (`prompt`, `prompt.1`, `messages`), the dials under
-    `selfrag`, the token cap as `max_tokens` or `max_completion_tokens`."""
+    `selfrag`, the token cap as `max_tokens` or `max_completion_tokens`. The sampling
+    parameters and `instructions` apply unless the `selfrag` object sets them itself."""
 
     def field(loc: Loc) -> str:
         head, rest = (loc[0], loc[1:]) if loc else ("", ())
@@ -154,7 +177,11 @@ def _answer_request(
         return dotted(loc)
 
     try:
-        return AnswerRequest(question=question, config=body.selfrag, max_tokens=body.token_cap)
+        config = body.sampling_overrides()
+        if instructions:
+            config["instructions"] = instructions
+        config.update(body.selfrag.model_dump(exclude_none=True))
+        return AnswerRequest(question=question, config=config, max_tokens=body.token_cap)
     except ValidationError as exc:
         raise invalid(exc, field) from exc
 
@@ -234,7 +261,12 @@ class _Routes:
     async def chat_completions(self, request: Request) -> Response:
         body = await _parse(request, ChatCompletionRequest)
         self.check_model(body.model)
-        answer_request = _answer_request(conversation_question(body.messages), body, "messages")
+        answer_request = _answer_request(
+            conversation_question(body.messages),
+            body,
+            "messages",
+            system_instructions(body.messages),
+        )
         completion_id = f"chatcmpl-{request_id(request)}"
         if body.stream:
             return await self.stream(request, answer_request, "chat", body, completion_id)

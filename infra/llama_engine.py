@@ -404,7 +404,8 @@ class LlamaEngine(Closeable):
         ]
 
     def generate(self, requests: Sequence[GenerationRequest]) -> list[Generation]:
-        """Greedy generation for all requests at once: one `llama_decode` per step for all."""
+        """Generation (greedy, or sampled as a request says) for all requests at once: one
+        `llama_decode` per step for all."""
         jobs: list[KVJob] = []
         active: list[int] = []
         for i, req in enumerate(requests):

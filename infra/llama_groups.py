@@ -11,17 +11,17 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 import llama_cpp
-import numpy as np
 
 from selfrag.infra.engine_stats import EngineStats
 from selfrag.infra.kv_cache import ContextLayout, PrefixStateStore
 from selfrag.infra.kv_slots import KVJob, Slot, SlotPlanner
 from selfrag.infra.kv_staging import PrefixStager
-from selfrag.infra.llama_batch import BatchDecoder, EngineError, Feed, greedy_logprob
+from selfrag.infra.llama_batch import BatchDecoder, EngineError, Feed
 from selfrag.infra.llama_context import LlamaMemory
 from selfrag.infra.llama_layers import LayerTap
 from selfrag.infra.llama_threads import ThreadChooser
 from selfrag.infra.llama_vocab import LlamaVocab
+from selfrag.infra.token_choice import TokenChooser
 from selfrag.pipeline.protocols import FinishReason, Generation, GenerationRequest
 from selfrag.pipeline.segmenting import ends_sentence
 
@@ -90,16 +90,16 @@ class GroupRunner:
     def generate(
         self, jobs: list[KVJob], group: list[int], requests: Sequence[GenerationRequest]
     ) -> list[Generation]:
-        """Greedy generation for the jobs of `group`: one decode call per step for all."""
+        """Generation for the jobs of `group` (greedy, or sampled as a request says): one
+        decode call per step for all."""
         tokens: dict[int, list[int]] = {i: [] for i in group}
         logprobs: dict[int, list[float]] = {i: [] for i in group}
         finish: dict[int, tuple[FinishReason, int | None]] = {}
         pending: dict[int, tuple[int, float]] = {}
+        choosers = {i: TokenChooser(requests[i].sampling, requests[i].prompt) for i in group}
 
         def choose(job: int, pos: int, batch_index: int) -> None:
-            logits = self.decoder.logits_view(batch_index)
-            token = int(np.argmax(logits))
-            pending[job] = (token, greedy_logprob(logits, token))
+            pending[job] = choosers[job].choose(self.decoder.logits_view(batch_index))
 
         self.prefill(jobs, group, choose)
         while True:

@@ -4,9 +4,10 @@ Endpoints used: `GET /v1/models`, `POST /tokenize`, `POST /detokenize` and
 `POST /v1/completions` with token-id prompts (a batch is one request with a list of prompts,
 which vLLM schedules together and whose common prefixes its prefix cache shares):
 
-* generation: `temperature=0`, `logprobs=0` (the chosen token's log-probability),
-  `return_tokens_as_token_ids`, `stop_token_ids`; sentence ends are cut client-side from the
-  tokens' `text_offset`, so the result equals stopping there (greedy prefixes do not change);
+* generation: `temperature=0` (or a request's `Sampling`: temperature, top_p, seed),
+  `logprobs=0` (the chosen token's log-probability), `return_tokens_as_token_ids`,
+  `stop_token_ids`; sentence ends are cut client-side from the tokens' `text_offset`, so the
+  result equals stopping there (a prefix does not depend on what follows it);
 * scoring: `echo=true` with `logprobs=0` returns the log-probability of every prompt token, so
   a continuation (or a candidate next token) is scored by appending it to the prompt.
 
@@ -32,6 +33,7 @@ from selfrag.pipeline.protocols import (
     FinishReason,
     Generation,
     GenerationRequest,
+    Sampling,
     TokenScoreRequest,
     TokenScores,
 )
@@ -279,9 +281,10 @@ class VLLMEngine(Closeable):
         return out
 
     def generate(self, requests: Sequence[GenerationRequest]) -> list[Generation]:
-        """Greedy continuations; requests with the same stop tokens and budget share a call."""
+        """Continuations (greedy, or sampled as a request says); requests with the same stop
+        tokens, budget and sampling share a call."""
         outputs: list[Generation | None] = [None] * len(requests)
-        groups: dict[tuple[frozenset[int], int], list[int]] = {}
+        groups: dict[tuple[frozenset[int], int, Sampling | None], list[int]] = {}
         for i, req in enumerate(requests):
             _prompt(req.prompt, f"requests[{i}].prompt")
             if req.max_tokens < 0:
@@ -289,8 +292,14 @@ class VLLMEngine(Closeable):
             if req.max_tokens == 0:
                 outputs[i] = Generation([], "", [], "length", 0)
             else:
-                groups.setdefault((req.stop_token_ids, req.max_tokens), []).append(i)
-        for (stops, max_tokens), members in groups.items():
+                sampling = req.sampling if req.sampling and req.sampling.temperature > 0 else None
+                groups.setdefault((req.stop_token_ids, req.max_tokens, sampling), []).append(i)
+        for (stops, max_tokens, sampling), members in groups.items():
+            drawn: dict[str, Any] = {}
+            if sampling is not None:
+                drawn = {"temperature": sampling.temperature, "top_p": sampling.top_p}
+                if sampling.seed is not None:
+                    drawn["seed"] = sampling.seed
             choices = self._completions(
                 [[int(t) for t in requests[i].prompt] for i in members],
                 max_tokens=max_tokens,
@@ -298,6 +307,7 @@ class VLLMEngine(Closeable):
                 return_tokens_as_token_ids=True,
                 stop_token_ids=sorted(stops),
                 skip_special_tokens=True,
+                **drawn,
             )
             for i, choice in zip(members, choices, strict=True):
                 outputs[i] = _generation(requests[i], choice)

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from selfrag.pipeline.branching import BranchWorker, branch_worker, reusable_draft
 from selfrag.pipeline.critics import Branch, Critic
 from selfrag.pipeline.critics.filters import resolve_filters
-from selfrag.pipeline.protocols import Generation, Passage, PassageSearch
+from selfrag.pipeline.protocols import Generation, Passage, PassageSearch, Sampling
 from selfrag.pipeline.ranking import (
     Candidate,
     Drafted,
@@ -45,6 +45,8 @@ class _Run:
     passages: dict[str, Passage] = field(default_factory=dict)
     support: float | None = None
     """`best_support` of the first step: what decides abstention (`AnswerResponse.support`)."""
+    asked: str = ""
+    """The question as its branches are prompted with: followed by the request's instructions."""
 
     def timed(self, stage: str, start: float) -> None:
         self.timings[stage] = self.timings.get(stage, 0.0) + (self.clock() - start) * 1e3
@@ -55,6 +57,20 @@ class _Run:
         if self.usage.prefill_tokens >= self.config.max_prefill_tokens:
             return "max_prefill_tokens"
         return None
+
+
+def draft_sampling(config: DecodingConfig) -> Sampling | None:
+    """How the drafts of `config` pick their tokens: None (greedy) at temperature 0."""
+    if config.temperature == 0:
+        return None
+    return Sampling(config.temperature, config.top_p, config.seed)
+
+
+def asked_question(question: str, config: DecodingConfig) -> str:
+    """The question as branches are prompted with it: followed by the request's instructions
+    (an OpenAI system message), which steer the drafts; retrieval searches `question` alone."""
+    instructions = (config.instructions or "").strip()
+    return f"{question}\n\n{instructions}" if instructions else question
 
 
 class BeamDecoder:
@@ -92,6 +108,7 @@ class BeamDecoder:
         fitted = self._calibrated(worker.name) if self._calibrated is not None else None
         config = resolve_filters(config, worker.name, fitted)
         run = _Run(config=config, clock=self._clock, started=self._clock())
+        run.asked = asked_question(question, config)
         beam: list[Hypothesis] = [Hypothesis()]
         for _ in range(config.max_segments):
             live = [h for h in beam if not h.done]
@@ -145,13 +162,15 @@ class BeamDecoder:
         closed: list[Generation | None] = [None] * len(live)
         if cfg.mode == "adaptive":
             t = run.clock()
-            decisions = worker.retrieval([Branch(question, h.text, None) for h in live])
+            decisions = worker.retrieval([Branch(run.asked, h.text, None) for h in live])
             run.timed("retrieval_decision", t)
             for i, d in enumerate(decisions):
                 p_rets[i] = retrieval_probability(d.probs)
                 # The closed-book draft the decision was read from is this hypothesis's
-                # no-retrieval draft: never generated twice.
-                closed[i] = reusable_draft(d.draft, cfg.max_segment_tokens)
+                # no-retrieval draft: never generated twice (a greedy one: a sampled
+                # answer draws its own).
+                if cfg.temperature == 0:
+                    closed[i] = reusable_draft(d.draft, cfg.max_segment_tokens)
                 run.usage.prefill_tokens += d.prefill_tokens
 
         retrieving: list[int] = []
@@ -176,18 +195,17 @@ class BeamDecoder:
                 for p in passages:
                     run.passages.setdefault(p.id, p)
 
+        sampling = draft_sampling(cfg)
         candidates: list[Candidate] = []
         for index, (h, p_ret) in enumerate(zip(live, p_rets, strict=True)):
             retrieve = index in found
             passages = found.get(index, [])
             run.usage.evidence_branches += len(passages)
             for p in passages:
-                candidates.append(Candidate(index, Branch(question, h.text, p), True, p_ret))
-            candidates.append(
-                Candidate(
-                    index, Branch(question, h.text, None), retrieve, p_ret, draft=closed[index]
-                )
-            )
+                branch = Branch(run.asked, h.text, p, sampling)
+                candidates.append(Candidate(index, branch, True, p_ret))
+            branch = Branch(run.asked, h.text, None, sampling)
+            candidates.append(Candidate(index, branch, retrieve, p_ret, draft=closed[index]))
         run.usage.branches_opened += len(candidates)
         return candidates
 

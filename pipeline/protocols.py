@@ -43,8 +43,22 @@ class TokenScores:
 
 
 @dataclass(frozen=True)
+class Sampling:
+    """How a generation picks its tokens when not greedily: the logits divided by
+    `temperature`, the smallest set of tokens holding `top_p` of the probability, one drawn.
+
+    With a `seed` the draws are a function of the seed and the prompt alone (not of the other
+    sequences of a batch), so the same request gives the same text; without one they differ."""
+
+    temperature: float
+    top_p: float = 1.0
+    seed: int | None = None
+
+
+@dataclass(frozen=True)
 class GenerationRequest:
-    """Greedy continuation of `prompt` for at most `max_tokens` tokens.
+    """Continuation of `prompt` for at most `max_tokens` tokens: greedy, or drawn as
+    `sampling` says.
 
     Generation stops at an end-of-generation token, at any token in `stop_token_ids`
     (kept out of the text, reported in `Generation.stop_token`), or, when
@@ -59,6 +73,9 @@ class GenerationRequest:
     """Leading prompt tokens that form a content-addressed reusable prefix (template + passage,
     the same for any question): an engine may save their KV state and restore it later instead
     of recomputing it. 0: no such prefix."""
+    sampling: Sampling | None = None
+    """None (or a temperature of 0): greedy. `Generation.logprobs` are the model's own
+    log-probabilities of the chosen tokens either way."""
 
 
 @dataclass(frozen=True)

@@ -273,7 +273,8 @@ class AnswerPath:
         deadline = deadline or Deadline(config.timeout_s)
         key: str | None = None
         try:
-            if self.cache is not None and identity is not None:
+            # An unseeded sampled answer is a fresh draw each time: never cached.
+            if self.cache is not None and identity is not None and config.repeatable:
                 key = self.key(question, config, identity())
                 hit = self.lookup(key)
                 if hit is not None:

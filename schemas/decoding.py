@@ -138,6 +138,11 @@ class DecodingConfig(BaseModel):
         "answer's language or tone. Retrieval searches the question alone.",
     )
 
+    @property
+    def repeatable(self) -> bool:
+        """Whether the same request gets the same answer: greedy, or sampled with a seed."""
+        return self.temperature == 0 or self.seed is not None
+
     def within_tokens(self, max_tokens: int) -> DecodingConfig:
         """This config with an answer of at most `max_tokens` tokens: shorter segments first,
         then fewer of them."""

@@ -84,33 +84,46 @@ class _CompletionFields(BaseModel):
         "max_segments × max_segment_tokens at their bounds, the longest answer there is).",
     )
     temperature: float | None = Field(
-        None, description="selfrag decodes greedily: only 0 (or leaving it out) is accepted."
+        None,
+        ge=0.0,
+        le=2.0,
+        description="Sampling temperature of the drafts (0, the default: greedy); the "
+        "critique's reads stay deterministic.",
     )
-    top_p: float | None = Field(None, description="Only 1 (or leaving it out) is accepted.")
+    top_p: float | None = Field(
+        None, gt=0.0, le=1.0, description="Nucleus sampling of the drafts (temperature > 0)."
+    )
     n: int | None = Field(None, description="One choice per prompt: only 1 is accepted.")
     stop: str | list[str] | None = Field(None, description="Not supported: segments end the text.")
     presence_penalty: float | None = Field(None, description="Only 0 is accepted.")
     frequency_penalty: float | None = Field(None, description="Only 0 is accepted.")
-    seed: int | None = Field(None, description="Accepted: greedy decoding is deterministic.")
+    seed: int | None = Field(
+        None,
+        ge=-(2**63),
+        lt=2**64,
+        description="The same seed and request give the same answer (with temperature > 0).",
+    )
     user: str | None = Field(None, max_length=256, description="Accepted and not used.")
     selfrag: DecodingOverrides = Field(
         default_factory=DecodingOverrides, description="Self-RAG dials for this request."
     )
 
-    @field_validator("temperature")
-    @classmethod
-    def _greedy(cls, v: float | None) -> float | None:
-        return _refuse(v, (None, 0), "selfrag decodes greedily; temperature must be 0 or omitted")
-
-    @field_validator("top_p")
-    @classmethod
-    def _top_p(cls, v: float | None) -> float | None:
-        return _refuse(v, (None, 1), "selfrag decodes greedily; top_p must be 1 or omitted")
-
     @field_validator("n")
     @classmethod
     def _one_choice(cls, v: int | None) -> int | None:
         return _refuse(v, (None, 1), "n must be 1: selfrag returns its best answer")
+
+    def sampling_overrides(self) -> dict[str, Any]:
+        """The sampling parameters the client set, as `DecodingOverrides` fields (a seed
+        folded into the non-negative range)."""
+        out: dict[str, Any] = {}
+        if self.temperature is not None:
+            out["temperature"] = self.temperature
+        if self.top_p is not None:
+            out["top_p"] = self.top_p
+        if self.seed is not None:
+            out["seed"] = self.seed % 2**63
+        return out
 
     @field_validator("stop")
     @classmethod

@@ -158,7 +158,7 @@ def _error(exc: openai.APIStatusError) -> dict:
             {
                 "model": "selfrag",
                 "messages": [{"role": "user", "content": "q"}],
-                "temperature": 0.7,
+                "temperature": 2.5,
             },
             400,
             "temperature",

@@ -8,7 +8,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from selfrag.pipeline.protocols import Generation, LanguageModel, Passage, TokenScoreRequest
+from selfrag.pipeline.protocols import (
+    Generation,
+    LanguageModel,
+    Passage,
+    Sampling,
+    TokenScoreRequest,
+)
 
 RETRIEVE_LABELS = ("yes", "no", "continue")
 RELEVANCE_LABELS = ("relevant", "irrelevant")
@@ -23,6 +29,8 @@ class Branch:
     question: str
     prefix: str
     passage: Passage | None
+    sampling: Sampling | None = None
+    """How the branch's draft picks its tokens (None: greedily); critique reads ignore it."""
 
 
 @dataclass(frozen=True)

@@ -162,7 +162,13 @@ class ChatCritic:
         for b in branches:
             prompt, reusable = self.draft_prompt(b)
             requests.append(
-                GenerationRequest(prompt, max_tokens, self._stop_tokens(), reusable_prefix=reusable)
+                GenerationRequest(
+                    prompt,
+                    max_tokens,
+                    self._stop_tokens(),
+                    reusable_prefix=reusable,
+                    sampling=b.sampling,
+                )
             )
         return self._model.generate(requests) if requests else []
 

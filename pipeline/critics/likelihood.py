@@ -221,7 +221,9 @@ class LikelihoodCritic:
         requests = []
         for b in branches:
             prompt, reusable = self._answer_split(b.question, b.prefix, b.passage)
-            requests.append(GenerationRequest(prompt, max_tokens, reusable_prefix=reusable))
+            requests.append(
+                GenerationRequest(prompt, max_tokens, reusable_prefix=reusable, sampling=b.sampling)
+            )
         return self._model.generate(requests) if requests else []
 
     def support(self, branches: Sequence[Branch], drafts: Sequence[Generation]) -> list[LabelProbs]:

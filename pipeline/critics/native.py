@@ -76,7 +76,12 @@ class NativeCritic:
 
     def draft(self, branches: Sequence[Branch], max_tokens: int) -> list[Generation]:
         requests = [
-            GenerationRequest(self._builder.build(self._draft_parts(b)), max_tokens, self._stops)
+            GenerationRequest(
+                self._builder.build(self._draft_parts(b)),
+                max_tokens,
+                self._stops,
+                sampling=b.sampling,
+            )
             for b in branches
         ]
         return self._model.generate(requests) if requests else []
