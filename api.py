@@ -21,12 +21,13 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from selfrag.jobs.indexing import IndexReport, index_corpus
+from selfrag.jobs.indexing import IndexReport, index_corpus, remove_documents
 from selfrag.pipeline.decoder import StepListener
 from selfrag.pipeline.ranking import Hypothesis
 from selfrag.runtime.answering import Answer, LeaderSegments
 from selfrag.runtime.system import KVPrecompute, LocalRuntime
 from selfrag.schemas.answer import AnswerRequest, AnswerResponse
+from selfrag.schemas.documents import DocumentInfo, Removal
 from selfrag.schemas.errors import Cancelled
 from selfrag.schemas.events import SegmentEvent
 from selfrag.schemas.settings import Settings
@@ -68,22 +69,24 @@ class SelfRAG:
 
     # --- the index -------------------------------------------------------------------------------
 
-    def index(self, *paths: str | Path, progress: bool = False) -> list[IndexReport]:
-        """Index JSONL, SQuAD JSON or folders of .txt/.md into this home; one report per path
-        (its bad records are in `errors`, the rest is indexed). A missing path raises
-        FileNotFoundError before anything is written."""
+    def index(
+        self, *paths: str | Path, progress: bool = False, follow_links: bool = False
+    ) -> list[IndexReport]:
+        """Index JSONL, SQuAD JSON, .txt/.md/.pdf/.html files or folders of them into this
+        home; one report per path (its bad records and the files it did not read are in
+        `errors`, the rest is indexed; the documents gone from it since it was last indexed
+        are removed: `removed`). Symbolic links out of a folder are followed only with
+        `follow_links`. A missing path raises FileNotFoundError before anything is written."""
         for path in paths:
             if not Path(path).exists():
                 raise FileNotFoundError(f"no such file or folder: {path}")
-        r = self.settings.retrieval
         return [
             index_corpus(
                 path,
                 self.system.store,
                 progress=progress,
-                passage_words=r.passage_words,
-                overlap=r.passage_overlap_words,
-                max_document_bytes=r.max_document_bytes,
+                retrieval=self.settings.retrieval,
+                follow_links=follow_links,
             )
             for path in paths
         ]
@@ -91,6 +94,16 @@ class SelfRAG:
     def count(self) -> int:
         """Passages in the index."""
         return self.system.store.count()
+
+    def documents(self) -> list[DocumentInfo]:
+        """The indexed documents: id, source file, title, passages, when indexed."""
+        return self.system.store.documents()
+
+    def remove(self, *refs: str | Path) -> Removal:
+        """Take documents out of the index: each ref a document id, or the file or folder
+        they were indexed from. Their passages leave every search and no cached answer that
+        cites them is served again (the index version changes)."""
+        return remove_documents(self.system.store, [str(r) for r in refs])
 
     def precompute_kv(self, progress: bool = False) -> KVPrecompute:
         """Save every indexed passage's KV state to the disk tier (`HOME/kv`), so answers

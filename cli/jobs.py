@@ -230,11 +230,10 @@ def cmd_train(args: argparse.Namespace) -> int:
             ensure_indexed(rag, args.corpus, progress=not args.no_progress)
             passages = None
             if args.corpus:
-                r = settings.retrieval
                 passages = [
                     p
                     for c in args.corpus
-                    for p in corpus_passages(c, r.passage_words, r.passage_overlap_words)
+                    for p in corpus_passages(c, settings.retrieval, rag.embedder)
                 ]
             data = {
                 "qa": [str(p) for p in args.qa],

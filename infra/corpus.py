@@ -9,7 +9,10 @@ Supported inputs:
 - SQuAD-format JSON: every paragraph is a document, id `squad:{article title}:{paragraph index}`.
   The file is parsed whole, so a file over `MAX_JSON_FILE_BYTES` is refused (convert it to JSONL,
   which is read line by line).
-- A folder of `.txt` / `.md` files (or one such file): id = `source_id(file)`.
+- A folder of `.txt`, `.md`, `.pdf` and `.html` files (or one such file): id =
+  `source_id(file)`; PDF and HTML through infra.corpus_formats. Every file of a folder that is
+  not read is reported with its reason (another format, a special file, a symbolic link out of
+  the folder), never passed over in silence.
 
 Bad records never stop a read: each becomes a `CorpusError` in the stream and reading goes on.
 """
@@ -18,14 +21,31 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
+import stat
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
-from urllib.parse import urlsplit
 
+from selfrag.infra.corpus_formats import (
+    HTML_SUFFIXES,
+    PDF_SUFFIXES,
+    Extracted,
+    UnreadableFile,
+    bad_url,
+    read_html,
+    read_pdf,
+)
+from selfrag.infra.passages import (
+    Block,
+    Counter,
+    markdown_blocks,
+    structured_passages,
+    text_blocks,
+)
 from selfrag.pipeline.protocols import Passage
 
 # Default cap on one document's UTF-8 size: far above any real article, small enough that one
@@ -36,9 +56,12 @@ MAX_DOCUMENT_BYTES = 10_000_000
 MAX_JSON_FILE_BYTES = 128 * 2**20
 # How much of an over-long line is read at a time while skipping to its end.
 _SKIP_CHUNK = 1 << 16
-MAX_URL_CHARS = 2048
 TEXT_SUFFIXES = frozenset({".txt", ".md", ".markdown"})
 JSONL_SUFFIXES = frozenset({".jsonl", ".ndjson"})
+FILE_SUFFIXES = TEXT_SUFFIXES | PDF_SUFFIXES | HTML_SUFFIXES
+"""What a folder's files are read as (each a document); any other file is reported."""
+# Pseudo filesystems: their files say size 0 and may be endless or secret (/proc/self/environ).
+_PSEUDO_ROOTS = ("/proc", "/sys", "/dev")
 
 # A FlashRAG `contents` field starts with `"Title"` alone on its first line.
 _QUOTED_TITLE = re.compile(r'\A"(?P<title>[^"\n]*)"[ \t]*\r?\n(?P<text>.*)\Z', re.DOTALL)
@@ -54,6 +77,18 @@ class Document:
     text: str
     url: str | None = None
     """The document's own http(s) address, when the corpus gives one."""
+    source: str | None = None
+    """The file it was read from (absolute), which `selfrag docs` lists and re-indexing checks."""
+    blocks: tuple[Block, ...] = ()
+    """Its structure (infra.passages); empty: `text`'s paragraphs, or its Markdown when
+    `markdown`."""
+    markdown: bool = False
+
+    def structure(self) -> list[Block]:
+        """The blocks passages are packed from."""
+        if self.blocks:
+            return list(self.blocks)
+        return markdown_blocks(self.text) if self.markdown else text_blocks(self.text)
 
 
 @dataclass(frozen=True)
@@ -165,11 +200,15 @@ def read_documents(
     path: str | Path,
     max_bytes: int = MAX_DOCUMENT_BYTES,
     max_json_bytes: int = MAX_JSON_FILE_BYTES,
+    *,
+    follow_links: bool = False,
 ) -> Iterator[Document | CorpusError]:
     """Yield the documents of the corpus at `path`, with a `CorpusError` for every bad record.
 
     A document over `max_bytes` (its JSONL line, file, or SQuAD paragraph) is such an error,
-    and so is a SQuAD JSON file over `max_json_bytes` (parsing it needs the whole file).
+    and so is a SQuAD JSON file over `max_json_bytes` (parsing it needs the whole file). In a
+    folder, every file passed over is such an error too, with its reason (`_folder_files`):
+    symbolic links leaving the folder are followed only with `follow_links`.
 
     Raises FileNotFoundError when `path` does not exist and CorpusFormatError for an unknown
     format. Both are raised when the iterator is created, before the first item is read.
@@ -180,17 +219,20 @@ def read_documents(
     if max_bytes < 1:
         raise ValueError(f"max_bytes must be >= 1, got {max_bytes}")
     if source.is_dir():
-        return _read_folder(source, max_bytes)
+        return _read_folder(source, max_bytes, follow_links)
+    real = source.resolve()
+    if _pseudo(real) or not stat.S_ISREG(real.stat().st_mode):
+        raise CorpusFormatError(f"{source} is not a regular file ({real}): never read")
     suffix = source.suffix.lower()
     if suffix in JSONL_SUFFIXES:
         return _read_jsonl(source, max_bytes)
     if suffix == ".json":
         return _read_squad(source, max_bytes, max_json_bytes)
-    if suffix in TEXT_SUFFIXES:
-        return _read_text_files([source], max_bytes)
+    if suffix in FILE_SUFFIXES:
+        return _read_files([source], max_bytes)
     raise CorpusFormatError(
         f"unknown corpus format for {source}: expected .jsonl, SQuAD .json, "
-        f"or a folder of {'/'.join(sorted(TEXT_SUFFIXES))} files"
+        f"{'/'.join(sorted(FILE_SUFFIXES))}, or a folder of them"
     )
 
 
@@ -262,34 +304,15 @@ def _jsonl_document(record: Any, path: Path, number: int, file_id: str) -> Docum
     else:
         return CorpusError(str(path), number, "'id' must be a string or an integer")
     url = record.get("url")
-    if url is not None and (reason := _bad_url(url)):
+    if url is not None and (reason := bad_url(url)):
         return CorpusError(str(path), number, reason)
     return Document(
-        id=doc_id, title=title.strip() if title else None, text=text.strip(), url=url or None
+        id=doc_id,
+        title=title.strip() if title else None,
+        text=text.strip(),
+        url=url or None,
+        source=file_source(path),
     )
-
-
-def _bad_url(url: Any) -> str | None:
-    """Why a record's `url` cannot be a citation's link (clients render it as one, so only an
-    absolute http(s) address without spaces), or None if it can."""
-    if not isinstance(url, str):
-        return "'url' is not a string"
-    if not url:
-        return None
-    if len(url) > MAX_URL_CHARS:
-        return f"'url' is longer than {MAX_URL_CHARS} characters"
-    try:
-        parts = urlsplit(url)
-    except ValueError:  # e.g. an unclosed "[" of an IPv6 host
-        parts = None
-    if (
-        parts is None
-        or parts.scheme.lower() not in ("http", "https")
-        or not parts.netloc
-        or any(c.isspace() or not c.isprintable() for c in url)
-    ):
-        return f"'url' must be an absolute http(s) URL, got {url[:80]!r}"
-    return None
 
 
 def _read_squad(
@@ -340,45 +363,186 @@ def _read_squad(
                     f"article {raw_title!r} paragraph {p}: {_too_big(size, max_bytes)}",
                 )
                 continue
-            yield Document(id=f"squad:{raw_title}:{p}", title=title, text=context.strip())
+            yield Document(
+                id=f"squad:{raw_title}:{p}",
+                title=title,
+                text=context.strip(),
+                source=file_source(path),
+            )
 
 
-def _read_folder(folder: Path, max_bytes: int) -> Iterator[Document | CorpusError]:
-    files = sorted(
-        file
-        for file in folder.rglob("*")
-        if file.is_file()
-        and file.suffix.lower() in TEXT_SUFFIXES
-        # Hidden files and folders are editor and VCS state, not corpus content.
-        and not any(part.startswith(".") for part in file.relative_to(folder).parts)
-    )
-    if not files:
+def _read_folder(
+    folder: Path, max_bytes: int, follow_links: bool
+) -> Iterator[Document | CorpusError]:
+    items = list(_folder_files(folder, follow_links))
+    if not items:
         raise CorpusFormatError(
-            f"folder {folder} holds no {'/'.join(sorted(TEXT_SUFFIXES))} files to index"
+            f"folder {folder} holds no {'/'.join(sorted(FILE_SUFFIXES))} files to index"
         )
-    return _read_text_files(files, max_bytes)
+    return _read_items(items, max_bytes)
 
 
-def _read_text_files(files: list[Path], max_bytes: int) -> Iterator[Document | CorpusError]:
-    for file in files:
-        size = file.stat().st_size
-        if size > max_bytes:  # checked before reading, so a huge file is never loaded
-            yield CorpusError(str(file), None, _too_big(size, max_bytes))
-            continue
-        raw = file.read_bytes()
+def _read_items(
+    items: list[Path | CorpusError], max_bytes: int
+) -> Iterator[Document | CorpusError]:
+    for item in items:
+        if isinstance(item, CorpusError):
+            yield item
+        else:
+            yield from _read_files([item], max_bytes)
+
+
+def _folder_files(folder: Path, follow_links: bool) -> Iterator[Path | CorpusError]:
+    """The files of `folder` to read, sorted, and a CorpusError for each one passed over: a
+    symbolic link that leaves the folder (unless `follow_links`), a special file, a file of
+    another format. Hidden files and folders (editor and VCS state) are passed over quietly,
+    and so are links that stay inside (their targets are read where they are). Never follows
+    a link into a pseudo filesystem (/proc, /sys, /dev); a link loop is never walked twice."""
+    root = folder.resolve()
+    seen_dirs = {root}
+    todo = [folder]
+    found: list[Path | CorpusError] = []
+    while todo:
+        current = todo.pop()
         try:
-            text = raw.decode("utf-8-sig")
+            entries = sorted(os.scandir(current), key=lambda e: e.name)
+        except OSError as error:
+            found.append(CorpusError(str(current), None, f"cannot list the folder ({error})"))
+            continue
+        for entry in entries:
+            if entry.name.startswith("."):
+                continue
+            path = Path(entry.path)
+            if entry.is_symlink():
+                target = path.resolve()
+                inside = target == root or root in target.parents
+                if inside:
+                    continue  # read where it lies in the folder
+                if not follow_links or _pseudo(target):
+                    why = "a pseudo filesystem" if _pseudo(target) else "outside the folder"
+                    found.append(
+                        CorpusError(
+                            str(path),
+                            None,
+                            f"symbolic link to {target}, {why}: not followed"
+                            + ("" if _pseudo(target) else " (--follow-links reads it)"),
+                        )
+                    )
+                    continue
+            try:
+                is_dir = entry.is_dir()  # follows a link allowed above
+            except OSError:
+                is_dir = False
+            if is_dir:
+                real = path.resolve()
+                if real not in seen_dirs:
+                    seen_dirs.add(real)
+                    todo.append(path)
+                continue
+            if path.suffix.lower() not in FILE_SUFFIXES:
+                found.append(
+                    CorpusError(
+                        str(path),
+                        None,
+                        f"not a format selfrag reads ({'/'.join(sorted(FILE_SUFFIXES))})",
+                    )
+                )
+                continue
+            found.append(path)
+    return iter(sorted(found, key=_item_path))
+
+
+def _item_path(item: Path | CorpusError) -> str:
+    return item.path if isinstance(item, CorpusError) else str(item)
+
+
+def _pseudo(path: Path) -> bool:
+    text = str(path)
+    return any(text == r or text.startswith(r + "/") for r in _PSEUDO_ROOTS)
+
+
+def _read_bounded(file: Path, max_bytes: int) -> bytes | str:
+    """The bytes of a regular file, or why they are not read: a special file (FIFO, device,
+    socket), a file of a pseudo filesystem, or one over `max_bytes`. The file is opened without
+    blocking and checked on its descriptor, then read to at most `max_bytes` + 1 bytes, so a
+    file that lies about its size cannot make this read on."""
+    real = file.resolve()
+    if _pseudo(real):
+        return f"{real} is in a pseudo filesystem: never read"
+    try:
+        fd = os.open(file, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except OSError as error:
+        return f"cannot open ({error.strerror or error})"
+    with os.fdopen(fd, "rb") as handle:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            return "not a regular file (a FIFO, device or socket): never read"
+        if info.st_size > max_bytes:
+            return _too_big(info.st_size, max_bytes)
+        data = handle.read(max_bytes + 1)
+    if len(data) > max_bytes:
+        return _too_big(len(data), max_bytes)
+    return data
+
+
+def _read_files(files: list[Path], max_bytes: int) -> Iterator[Document | CorpusError]:
+    for file in files:
+        data = _read_bounded(file, max_bytes)
+        if isinstance(data, str):
+            yield CorpusError(str(file), None, data)
+            continue
+        suffix = file.suffix.lower()
+        if suffix in PDF_SUFFIXES | HTML_SUFFIXES:
+            try:
+                found = read_pdf(data) if suffix in PDF_SUFFIXES else read_html(data)
+            except UnreadableFile as error:
+                yield CorpusError(str(file), None, str(error))
+                continue
+            yield _extracted_document(file, found)
+            continue
+        try:
+            text = data.decode("utf-8-sig")
         except UnicodeDecodeError as error:
-            line = raw[: error.start].count(b"\n") + 1
+            line = data[: error.start].count(b"\n") + 1
             yield CorpusError(str(file), line, f"not UTF-8 ({error.reason} at byte {error.start})")
             continue
         if not text.strip():
             yield CorpusError(str(file), None, "empty file")
             continue
         title = file.stem
-        if file.suffix.lower() != ".txt" and (heading := _MD_HEADING.search(text)):
+        markdown = suffix != ".txt"
+        if markdown and (heading := _MD_HEADING.search(text)):
             title = heading["title"]
-        yield Document(id=source_id(file), title=title, text=text.strip())
+        yield Document(
+            id=source_id(file),
+            title=title,
+            text=text.strip(),
+            source=file_source(file),
+            markdown=markdown,
+        )
+
+
+def file_source(file: Path) -> str:
+    """A file's `Document.source`: its absolute path, the folders resolved but not the file
+    itself, so a link followed out of a folder is still found under it."""
+    return str(file.parent.resolve() / file.name)
+
+
+def corpus_root(path: Path) -> str:
+    """The `Document.source` of a corpus file, or the folder every source under a corpus
+    folder starts with."""
+    return str(path.resolve()) if path.is_dir() else file_source(path)
+
+
+def _extracted_document(file: Path, found: Extracted) -> Document:
+    return Document(
+        id=source_id(file),
+        title=found.title or file.stem,
+        text="\n\n".join(b.text for b in found.blocks),
+        url=found.url,
+        source=file_source(file),
+        blocks=tuple(found.blocks),
+    )
 
 
 def split_passages(doc: Document, words: int, overlap: int) -> list[Passage]:
@@ -393,7 +557,7 @@ def split_passages(doc: Document, words: int, overlap: int) -> list[Passage]:
     if not 0 <= overlap < words:
         raise ValueError(f"overlap must be in [0, words), got {overlap} with words={words}")
     tokens = doc.text.split()
-    metadata = {"doc_id": doc.id} | ({"url": doc.url} if doc.url else {})
+    metadata = _metadata(doc)
     if len(tokens) <= words:
         return [Passage(id=doc.id, text=" ".join(tokens), title=doc.title, metadata=metadata)]
     step = words - overlap
@@ -412,3 +576,20 @@ def split_passages(doc: Document, words: int, overlap: int) -> list[Passage]:
         if end == len(tokens):
             return passages
         start += step
+
+
+def split_document(doc: Document, budget: int, count: Counter) -> list[Passage]:
+    """Split `doc` by its structure (infra.passages): passages of at most `budget` word pieces
+    as `count` counts them, within one section and page; the section path in the title.
+    Ids as `split_passages` gives them."""
+    return structured_passages(doc.id, doc.title, doc.structure(), budget, count, _metadata(doc))
+
+
+def _metadata(doc: Document) -> dict[str, str]:
+    """The metadata every passage of `doc` carries."""
+    return (
+        {"doc_id": doc.id}
+        | ({"url": doc.url} if doc.url else {})
+        | ({"source": doc.source} if doc.source else {})
+        | ({"doc_title": doc.title} if doc.title else {})
+    )

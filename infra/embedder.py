@@ -147,6 +147,13 @@ class SentenceEmbedder:
         wordpiece, cls, sep = self._wordpiece
         return [cls, *wordpiece.ids(text, self.max_seq_length - 2), sep]
 
+    def count_pieces(self, text: str) -> int:
+        """How many word pieces `text` is, uncut and without [CLS] and [SEP] (what passages
+        are budgeted in; nothing is loaded)."""
+        if self._wordpiece is None:
+            self._wordpiece = _wordpiece(self._bert)
+        return len(self._wordpiece[0].ids(text))
+
     def embed(self, texts: Sequence[str]) -> np.ndarray:
         """Embeddings of `texts` as a float32 array of shape (len(texts), dim), rows of norm 1."""
         if isinstance(texts, str):

@@ -255,6 +255,12 @@ class EdgeEngine:
         )
         self._require().update(edge.UpdateOperation.delete_points_by_filter(stale))
 
+    def delete_documents(self, doc_ids: Sequence[str]) -> None:
+        gone = edge.Filter(
+            must=[edge.FieldCondition(key="doc_id", match=edge.MatchAny(list(doc_ids)))]
+        )
+        self._require().update(edge.UpdateOperation.delete_points_by_filter(gone))
+
     def finish_writes(self) -> None:
         shard = self._require()
         shard.optimize()  # builds the HNSW index once a segment is large enough

@@ -7,8 +7,8 @@ Layout (one collection, `RetrievalSettings.collection`):
   (Qdrant's BM25, `infra.sparse`, IDF applied by the engine). Both are always written, so
   `hybrid` can be switched on later without re-indexing.
 - point id = uuid5 of the passage id, so re-indexing the same passage overwrites it.
-- payload `{passage_id, title, text, doc_id, url?}` (`url` when the corpus gave one), with a
-  keyword index on `doc_id`.
+- payload `{passage_id, title, text, doc_id, url?, source?, doc_title?, page?, section?,
+  indexed_at?}` (each optional one when the corpus gave it), with a keyword index on `doc_id`.
 """
 
 from __future__ import annotations
@@ -102,6 +102,8 @@ class Engine(Protocol):
     def upsert(self, points: Sequence[PointData]) -> None: ...
 
     def delete_stale(self, doc_ids: Sequence[str], keep: Sequence[str]) -> None: ...
+
+    def delete_documents(self, doc_ids: Sequence[str]) -> None: ...
 
     def finish_writes(self) -> None: ...
 

@@ -102,6 +102,18 @@ class ServerEngine:
             wait=True,
         )
 
+    def delete_documents(self, doc_ids: Sequence[str]) -> None:
+        m = self._models
+        self._client.delete(
+            self._collection,
+            points_selector=m.FilterSelector(
+                filter=m.Filter(
+                    must=[m.FieldCondition(key="doc_id", match=m.MatchAny(any=list(doc_ids)))]
+                )
+            ),
+            wait=True,
+        )
+
     def finish_writes(self) -> None:
         """A server optimises in the background."""
 

@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import threading
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 from selfrag.infra import sparse
 from selfrag.infra.lifecycle import Closeable
+from selfrag.infra.qdrant_documents import documents_of, matching, stale
 from selfrag.infra.qdrant_edge import EdgeEngine
 from selfrag.infra.qdrant_engine import (
     Embedder,
@@ -29,6 +30,7 @@ from selfrag.infra.qdrant_engine import (
 from selfrag.infra.qdrant_facts import NO_VERSION, adopt, check_facts, new_facts, replaced_by
 from selfrag.infra.qdrant_server import ServerEngine
 from selfrag.pipeline.protocols import COLLECTION, Passage
+from selfrag.schemas.documents import DocumentInfo
 from selfrag.schemas.settings import RetrievalSettings
 
 # The store's public API; the errors and `point_id` are defined in infra.qdrant_engine.
@@ -228,18 +230,57 @@ class QdrantStore(Closeable):
 
     def passages(self, batch: int = 256) -> Iterator[Passage]:
         """Every indexed passage, in the collection's point order (for `selfrag train`)."""
+        for payload in self._payloads(batch):
+            yield _passage(payload, 0.0)
+
+    def documents(self) -> list[DocumentInfo]:
+        """The indexed documents: id, source, title, passages, when indexed."""
+        return documents_of(self._payloads())
+
+    def stale_documents(
+        self, root: str, seen: Collection[str], keep: Collection[str] = ()
+    ) -> list[str]:
+        """Ids of the documents indexed from the file or folder `root` that a new read of it
+        did not find (`seen`), except those read from the files in `keep`."""
+        return stale(self.documents(), root, seen, keep)
+
+    def match_documents(self, refs: Sequence[str]) -> tuple[list[str], list[str]]:
+        """The ids of the documents named by `refs` (ids, or paths of files or folders they
+        were indexed from), and the refs that name none."""
+        return matching(self.documents(), refs)
+
+    def remove_documents(self, doc_ids: Collection[str], *, bump_version: bool = True) -> int:
+        """Delete every passage of `doc_ids` (dense and BM25 vectors with it); returns how many
+        there were. The index version changes (with `bump_version`), so no cached answer of
+        before is served again."""
+        if not doc_ids:
+            return 0
+        with self._lock:
+            if not self._collection_exists():
+                return 0
+        wanted = set(doc_ids)
+        before = sum(1 for p in self._payloads() if str(p.get("doc_id", "")) in wanted)
+        ids = sorted(wanted)
+        with self._lock:
+            for start in range(0, len(ids), 1000):
+                self._engine.delete_documents(ids[start : start + 1000])
+            self._engine.finish_writes()
+        if bump_version:
+            self.bump_index_version()
+        return before
+
+    # -- internals --------------------------------------------------------------------------
+
+    def _payloads(self, batch: int = 1024) -> Iterator[dict[str, Any]]:
         with self._lock:
             if not self._collection_exists():
                 return
         offset: Any = None
         while True:
             payloads, offset = self._engine.scroll(batch, offset)
-            for payload in payloads:
-                yield _passage(payload, 0.0)
+            yield from payloads
             if offset is None:
                 break
-
-    # -- internals --------------------------------------------------------------------------
 
     def _collection_exists(self) -> bool:
         """Whether the collection exists; the caller holds the lock. A collection found for
@@ -283,13 +324,14 @@ def point_data(passage: Passage, dense: list[float]) -> PointData:
             "doc_id": doc_id(passage),
             # Absent when the corpus gave none: citations then use selfrag://passage/<id>.
             **({"url": passage.metadata["url"]} if passage.metadata.get("url") else {}),
-            **(
-                {COLLECTION: passage.metadata[COLLECTION]}
-                if passage.metadata.get(COLLECTION)
-                else {}
-            ),
+            **{key: passage.metadata[key] for key in _KEPT if passage.metadata.get(key)},
+            **({"page": int(page)} if (page := passage.metadata.get("page")) else {}),
         },
     )
+
+
+# Passage metadata kept in the payload as it is (besides `doc_id`, `url` and `page`).
+_KEPT = (COLLECTION, "source", "doc_title", "section", "indexed_at")
 
 
 def _document_batches(passages: Sequence[Passage], size: int) -> Iterator[list[Passage]]:
@@ -308,7 +350,7 @@ def _document_batches(passages: Sequence[Passage], size: int) -> Iterator[list[P
 def _passage(payload: dict[str, Any], score: float) -> Passage:
     doc = str(payload.get("doc_id", ""))
     url = payload.get("url")
-    collection = payload.get(COLLECTION)
+    page = payload.get("page")
     return Passage(
         id=str(payload.get("passage_id", "")),
         text=str(payload.get("text", "")),
@@ -316,5 +358,6 @@ def _passage(payload: dict[str, Any], score: float) -> Passage:
         score=float(score or 0.0),
         metadata=({"doc_id": doc} if doc else {})
         | ({"url": url} if isinstance(url, str) else {})
-        | ({COLLECTION: collection} if isinstance(collection, str) else {}),
+        | {key: payload[key] for key in _KEPT if isinstance(payload.get(key), str)}
+        | ({"page": str(page)} if isinstance(page, int) and not isinstance(page, bool) else {}),
     )

@@ -156,7 +156,8 @@ def _read_jsonl_questions(path: Path) -> Iterable[EvalQuestion]:
 def corpus_indexed(rag: LocalRuntime, corpus: Path) -> bool:
     """True when the first and last passages of `corpus` are found in the index by their own
     text (a cheap check through the public search API; re-indexing is idempotent anyway)."""
-    from selfrag.infra.corpus import CorpusError, read_documents, split_passages
+    from selfrag.infra.corpus import CorpusError, read_documents
+    from selfrag.jobs.indexing import passage_splitter
 
     r = rag.settings.retrieval
     first = last = None
@@ -166,8 +167,9 @@ def corpus_indexed(rag: LocalRuntime, corpus: Path) -> bool:
             last = item
     if first is None or last is None:
         return True
+    split = passage_splitter(r, rag.embedder)
     for doc in (first, last):
-        passage = split_passages(doc, r.passage_words, r.passage_overlap_words)[0]
+        passage = split(doc)[0]
         hits = rag.store.search(passage.text, 3)
         if passage.id not in {h.id for h in hits}:
             return False
@@ -197,9 +199,7 @@ def ensure_indexed(rag: LocalRuntime, corpora: Sequence[Path] | None, progress: 
             corpus,
             rag.store,
             progress=progress,
-            passage_words=rag.settings.retrieval.passage_words,
-            overlap=rag.settings.retrieval.passage_overlap_words,
-            max_document_bytes=rag.settings.retrieval.max_document_bytes,
+            retrieval=rag.settings.retrieval,
         )
         print(f"{corpus}: {report.passages} passages indexed", file=sys.stderr)
 

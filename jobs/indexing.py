@@ -1,55 +1,123 @@
-"""Index a corpus into a `QdrantStore`: read, split, embed and upsert whole documents."""
+"""Index a corpus into a `QdrantStore`: read, split, embed and upsert whole documents, then
+take out of the index the documents of that file or folder that are gone from it."""
 
 from __future__ import annotations
 
 import logging
 import sys
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 from tqdm import tqdm
 
-from selfrag.infra.corpus import MAX_DOCUMENT_BYTES, CorpusError, read_documents, split_passages
+from selfrag.infra.corpus import (
+    CorpusError,
+    Document,
+    corpus_root,
+    file_source,
+    read_documents,
+    split_document,
+    split_passages,
+)
+from selfrag.infra.passages import Counter
 from selfrag.infra.qdrant_store import QdrantStore
 from selfrag.pipeline.protocols import COLLECTION, Passage
+from selfrag.schemas.documents import Removal
 from selfrag.schemas.settings import RetrievalSettings
 
 log = logging.getLogger(__name__)
-# Window defaults follow the deployment settings' defaults.
 _DEFAULTS = RetrievalSettings()
+Splitter = Callable[[Document], list[Passage]]
 
 
 @dataclass
 class IndexReport:
-    """What one `index_corpus` call did; `errors` name the file and line of each bad record."""
+    """What one `index_corpus` call did; `errors` name the file and line of each bad record
+    (and each file of a folder that was not read, with why); `removed` counts the documents
+    taken out because they are gone from the file or folder."""
 
     documents: int = 0
     passages: int = 0
     errors: list[CorpusError] = field(default_factory=list)
     seconds: float = 0.0
+    removed: int = 0
+    removed_passages: int = 0
+
+
+class PieceCounter:
+    """A text's word pieces as the embedder counts them, summed over its words, each word
+    counted once (BERT splits at whitespace first, so the sum is the text's count)."""
+
+    def __init__(self, count: Callable[[str], int]) -> None:
+        self._count = count
+        self._words: dict[str, int] = {}
+
+    def __call__(self, text: str) -> int:
+        total = 0
+        for word in text.split():
+            n = self._words.get(word)
+            if n is None:
+                n = self._count(word)
+                if len(self._words) < 1_000_000:  # bounded: a corpus of unique tokens
+                    self._words[word] = n
+            total += n
+        return total
+
+
+def _pre_tokens(word: str) -> int:
+    """Without an embedder's tokenizer: BERT's pre-tokens (runs of letters and digits, and
+    each other character), a lower bound on its word pieces."""
+    count, in_word = 0, False
+    for c in word:
+        if c.isalnum():
+            count += not in_word
+            in_word = True
+        else:
+            count += 1
+            in_word = False
+    return count
+
+
+def passage_splitter(retrieval: RetrievalSettings, embedder: Any = None) -> Splitter:
+    """How documents become passages under `retrieval` (`chunking`), budgeted in `embedder`'s
+    word pieces (`count_pieces`, capped at what it reads: `max_seq_length` - 2)."""
+    if retrieval.chunking == "words":
+        words, overlap = retrieval.passage_words, retrieval.passage_overlap_words
+        return lambda doc: split_passages(doc, words, overlap)
+    budget = retrieval.passage_tokens
+    if (longest := getattr(embedder, "max_seq_length", None)) is not None:
+        budget = min(budget, int(longest) - 2)
+    count: Counter = PieceCounter(getattr(embedder, "count_pieces", None) or _pre_tokens)
+    return lambda doc: split_document(doc, budget, count)
 
 
 def corpus_passages(
     path: str | Path,
-    passage_words: int = _DEFAULTS.passage_words,
-    overlap: int = _DEFAULTS.passage_overlap_words,
-    max_document_bytes: int = MAX_DOCUMENT_BYTES,
+    retrieval: RetrievalSettings = _DEFAULTS,
+    embedder: Any = None,
 ) -> list[Passage]:
     """The passages `index_corpus` would write for `path` (same cuts and ids); unreadable
     records are skipped."""
+    split = passage_splitter(retrieval, embedder)
     return [
         tagged(p, Path(path))
-        for item in read_documents(path, max_document_bytes)
+        for item in read_documents(path, retrieval.max_document_bytes)
         if not isinstance(item, CorpusError)
-        for p in split_passages(item, passage_words, overlap)
+        for p in split(item)
     ]
 
 
-def tagged(passage: Passage, path: Path) -> Passage:
+def tagged(passage: Passage, path: Path, indexed_at: str | None = None) -> Passage:
     """`passage` with its collection: the name of the corpus file or folder it was indexed
-    from (the support threshold is calibrated per collection, whose styles differ)."""
+    from (the support threshold is calibrated per collection, whose styles differ), and when
+    it was indexed."""
     passage.metadata[COLLECTION] = path.name
+    if indexed_at is not None:
+        passage.metadata["indexed_at"] = indexed_at
     return passage
 
 
@@ -59,30 +127,33 @@ def index_corpus(
     embedder_batch: int = 64,
     progress: bool = True,
     *,
-    passage_words: int = _DEFAULTS.passage_words,
-    overlap: int = _DEFAULTS.passage_overlap_words,
-    max_document_bytes: int = MAX_DOCUMENT_BYTES,
+    retrieval: RetrievalSettings = _DEFAULTS,
+    follow_links: bool = False,
 ) -> IndexReport:
     """Index every readable document of `path` into `store` and report what happened.
 
-    Bad records (unreadable, not UTF-8, over `max_document_bytes`) are logged (one WARNING
-    each, the only report of them besides the report's `errors`) and skipped; the rest is
-    indexed.
+    Bad records (unreadable, not UTF-8, over `retrieval.max_document_bytes`, a file of a
+    folder that is not read) are logged (one WARNING each, the only report of them besides the
+    report's `errors`) and skipped; the rest is indexed.
     Passages go to the store in groups of about `embedder_batch`, each group holding whole
     documents, so an interrupted run never leaves a document half-written. Re-indexing the
     same corpus overwrites its passages (stable ids) and drops passages a document no longer
-    has. `index_version` is bumped at the end when anything was written, even after an error.
+    has; once the whole path was read, the documents indexed from it before that it no longer
+    holds are removed (not those of a file that failed to read this time).
+    `index_version` is bumped at the end when anything was written, even after an error.
     Raises FileNotFoundError / CorpusFormatError for a missing path or an unknown format.
     """
     if embedder_batch < 1:
         raise ValueError(f"embedder_batch must be >= 1, got {embedder_batch}")
     started = time.perf_counter()
     report = IndexReport()
-    items = read_documents(
-        path, max_document_bytes
-    )  # raises here, before any write, for a bad path
+    # Raises here, before any write, for a bad path.
+    items = read_documents(path, retrieval.max_document_bytes, follow_links=follow_links)
+    split = passage_splitter(retrieval, store.embedder)
+    indexed_at = datetime.now(UTC).isoformat(timespec="seconds")
     pending: list[Passage] = []
     pending_docs = 0
+    seen: set[str] = set()
     bar = tqdm(
         desc=f"indexing {Path(path).name}",
         unit="doc",
@@ -103,22 +174,35 @@ def index_corpus(
             bar.set_postfix(passages=report.passages, errors=len(report.errors))
         pending, pending_docs = [], 0
 
+    changed = False
     try:
         for item in items:
             if isinstance(item, CorpusError):
                 log.warning("skipped %s", item)
                 report.errors.append(item)
                 continue
-            pending.extend(
-                tagged(p, Path(path)) for p in split_passages(item, passage_words, overlap)
-            )
+            seen.add(item.id)
+            pending.extend(tagged(p, Path(path), indexed_at) for p in split(item))
             pending_docs += 1
             if len(pending) >= embedder_batch:
                 flush()
         flush()
+        failed = {file_source(Path(error.path)) for error in report.errors}
+        gone = store.stale_documents(corpus_root(Path(path)), seen, failed)
+        if gone:
+            report.removed = len(gone)
+            report.removed_passages = store.remove_documents(gone, bump_version=False)
+            changed = True
     finally:
         bar.close()
-        if report.passages:
+        if report.passages or changed:
             store.bump_index_version()
         report.seconds = time.perf_counter() - started
     return report
+
+
+def remove_documents(store: QdrantStore, refs: Sequence[str]) -> Removal:
+    """Remove the documents `refs` name (ids, or files or folders they were indexed from)."""
+    ids, unmatched = store.match_documents(refs)
+    passages = store.remove_documents(ids)
+    return Removal(documents=ids, passages=passages, unmatched=unmatched)

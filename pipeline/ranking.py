@@ -61,6 +61,7 @@ class Candidate:
                 passage_id=p.id,
                 title=p.title,
                 url=p.metadata.get("url"),
+                page=_page(p.metadata.get("page")),
                 evidence=evidence_span(p.text, d.text),
             )
             if p is not None
@@ -230,3 +231,8 @@ def rank_step(
             )
     pool.sort(key=lambda h: h.score, reverse=True)
     return StepRanking(beam=pool[: cfg.beam], filtered=filtered)
+
+
+def _page(value: str | None) -> int | None:
+    """The PDF page a passage's metadata names (a positive number), else None."""
+    return int(value) if value is not None and value.isdigit() and int(value) > 0 else None

@@ -75,6 +75,8 @@ def query_cache_scope(settings: Settings) -> dict[str, Any]:
             "collection": r.collection,
             "embedding_model": r.embedding_model,
             "hybrid": r.hybrid,
+            "chunking": r.chunking,
+            "passage_tokens": r.passage_tokens,
             "passage_words": r.passage_words,
             "passage_overlap_words": r.passage_overlap_words,
         },

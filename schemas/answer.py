@@ -58,6 +58,9 @@ class Citation(BaseModel):
     passage_id: str
     title: str | None = None
     url: str | None = Field(None, description="The document's own URL, when the corpus gave one.")
+    page: int | None = Field(
+        None, ge=1, description="The page of a PDF the passage is on (1-based), when it has one."
+    )
     evidence: Evidence | None = Field(
         None, description="The passage's sentence that best supports the segment, if any."
     )

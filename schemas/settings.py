@@ -159,7 +159,22 @@ class RetrievalSettings(BaseModel):
         description="Fuse dense and BM25 sparse results with RRF (hit@1 0.72 vs 0.63 dense-only "
         "on the Normans questions, bench/retrieval.py).",
     )
-    passage_words: int = Field(150, ge=20, le=2000, description="Long documents are split here.")
+    chunking: Literal["structure", "words"] = Field(
+        "structure",
+        description="How documents become passages: by their structure (headings, paragraphs, "
+        "PDF pages; code blocks and tables kept whole) within `passage_tokens`, or the former "
+        "word windows of `passage_words` (overlapping by `passage_overlap_words`).",
+    )
+    passage_tokens: int = Field(
+        200,
+        ge=16,
+        le=2048,
+        description="Word pieces (the embedding model's own) a passage holds at most; never "
+        "more than the model reads (its max_seq_length).",
+    )
+    passage_words: int = Field(
+        150, ge=20, le=2000, description="With chunking 'words': the window's length."
+    )
     passage_overlap_words: int = Field(30, ge=0, le=500)
     max_document_bytes: int = Field(
         10_000_000,

@@ -53,7 +53,9 @@ def test_every_passage_of_a_document_carries_its_url() -> None:
     doc = Document(id="rollo", title="Rollo", text=" ".join(["word"] * 25), url=URL)
     passages = split_passages(doc, words=10, overlap=2)
     assert len(passages) == 3
-    assert all(p.metadata == {"doc_id": "rollo", "url": URL} for p in passages)
+    assert all(
+        p.metadata == {"doc_id": "rollo", "url": URL, "doc_title": "Rollo"} for p in passages
+    )
     plain = split_passages(Document(id="x", title=None, text="a b"), 10, 2)
     assert plain[0].metadata == {"doc_id": "x"}
 
@@ -72,10 +74,13 @@ def test_the_store_gives_the_url_back_with_the_passage(tmp_path: Path) -> None:
     with QdrantStore.open(RetrievalSettings(), tmp_path / "home", HashEmbedder()) as store:
         index_corpus(path, store, progress=False)
         found = {p.id: p.metadata for p in store.search("Rollo founded Normandy", 2)}
-    collection = {"collection": path.name}  # the corpus file, for per-collection calibration
+    # The corpus file, for per-collection calibration, and the source `selfrag docs` lists.
+    kept = {"collection": path.name, "source": str(path.resolve())}
+    for meta in found.values():
+        assert meta.pop("indexed_at") >= "2026"
     assert found == {
-        "rollo": {"doc_id": "rollo", "url": URL, **collection},
-        "apples": {"doc_id": "apples", **collection},
+        "rollo": {"doc_id": "rollo", "url": URL, "doc_title": "Rollo", **kept},
+        "apples": {"doc_id": "apples", "doc_title": "Apples", **kept},
     }
 
 

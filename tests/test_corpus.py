@@ -191,14 +191,25 @@ def test_folder_of_text_files(tmp_path: Path) -> None:
         (source_id(tmp_path / "sub" / "plain.md"), "plain"),
     ]
     assert docs[1].text == "Intro line\n\n## The Guide ##\nBody."
-    assert [(Path(e.path).name, e.line) for e in errors] == [("broken.md", 3), ("empty.md", None)]
+    assert [(Path(e.path).name, e.line) for e in errors] == [
+        ("broken.md", 3),
+        ("empty.md", None),
+        ("image.png", None),  # another format: reported with its reason, never passed over
+    ]
+    assert "not a format selfrag reads" in errors[2].reason
 
 
 def test_single_markdown_file(tmp_path: Path) -> None:
     path = tmp_path / "one.md"
     path.write_text("# Title One\ntext", encoding="utf-8")
     assert list(read_documents(path)) == [
-        Document(source_id(path), "Title One", "# Title One\ntext")
+        Document(
+            source_id(path),
+            "Title One",
+            "# Title One\ntext",
+            source=str(path.resolve()),
+            markdown=True,
+        )
     ]
 
 
@@ -225,7 +236,7 @@ def test_short_document_is_one_passage_with_the_document_id() -> None:
     assert passage.id == "d1"
     assert passage.text == "just a few words"
     assert passage.title == "T"
-    assert passage.metadata == {"doc_id": "d1"}
+    assert passage.metadata == {"doc_id": "d1", "doc_title": "T"}
 
 
 def test_long_document_is_split_into_overlapping_windows() -> None:
@@ -395,7 +406,10 @@ def test_indexing_keeps_same_named_files_apart_and_reports_the_oversized_line(
     with QdrantStore.open(RetrievalSettings(), tmp_path / "home", SentenceEmbedder()) as store:
         for folder in texts:
             report = index_corpus(
-                tmp_path / folder / "corpus.jsonl", store, progress=False, max_document_bytes=200
+                tmp_path / folder / "corpus.jsonl",
+                store,
+                progress=False,
+                retrieval=RetrievalSettings(max_document_bytes=200),
             )
             assert (report.documents, [e.line for e in report.errors]) == (1, [2])
         assert store.count() == 2

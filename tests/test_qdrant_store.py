@@ -145,12 +145,18 @@ def test_index_then_search_finds_the_right_document_first(store: QdrantStore, co
         assert len(results) == 3
         assert results[0].score >= results[1].score >= results[2].score
     top = store.search("volcanic eruption magma", 1)[0]
+    assert top.metadata.pop("indexed_at") >= "2026"
     assert top == Passage(
         id="volcano",
         text=DOCUMENTS[0]["text"],
         title="Volcano",
         score=top.score,
-        metadata={"doc_id": "volcano", "collection": corpus.name},
+        metadata={
+            "doc_id": "volcano",
+            "collection": corpus.name,
+            "source": str(corpus.resolve()),
+            "doc_title": "Volcano",
+        },
     )
     assert 0.0 < top.score <= 1.0
     # The collection (the corpus file) is kept for every passage: calibration groups by it.
@@ -168,16 +174,19 @@ def test_reindexing_does_not_duplicate_and_changes_the_version(
     assert store.index_version() != first
 
 
+WINDOWS_20_5 = RetrievalSettings(chunking="words", passage_words=20, passage_overlap_words=5)
+
+
 def test_reindexing_a_shorter_document_drops_its_stale_passages(
     store: QdrantStore, tmp_path: Path
 ) -> None:
     path = tmp_path / "long.jsonl"
     long_text = " ".join(f"word{i}" for i in range(50))
     path.write_text(json.dumps({"id": "doc", "text": long_text}), encoding="utf-8")
-    index_corpus(path, store, progress=False, passage_words=20, overlap=5)
+    index_corpus(path, store, progress=False, retrieval=WINDOWS_20_5)
     assert store.count() == 3  # windows at words 0, 15 and 30
     path.write_text(json.dumps({"id": "doc", "text": "now short"}), encoding="utf-8")
-    index_corpus(path, store, progress=False, passage_words=20, overlap=5)
+    index_corpus(path, store, progress=False, retrieval=WINDOWS_20_5)
     assert store.count() == 1
     assert [p.id for p in store.search("short", 5)] == ["doc"]
 

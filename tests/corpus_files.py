@@ -1,0 +1,65 @@
+"""Small real PDF and HTML files for the corpus tests, made here (no fixture binaries)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def write_pdf(path: Path, pages: list[list[str]], title: str | None = None) -> Path:
+    """A PDF whose text layer has `pages`, each a list of lines (Helvetica), with an info
+    dictionary carrying `title` when given; offsets in the xref table are exact."""
+    objects: list[bytes] = []
+    kids = " ".join(f"{4 + 2 * i} 0 R" for i in range(len(pages)))
+    objects.append(b"<< /Type /Catalog /Pages 2 0 R >>")
+    objects.append(f"<< /Type /Pages /Kids [{kids}] /Count {len(pages)} >>".encode())
+    objects.append(b"<< /Type /Font /Subtype /Type1 /BaseFont /Helvetica >>")
+    for i, lines in enumerate(pages):
+        ops = ["BT", "/F1 12 Tf", "14 TL", "72 720 Td"]
+        for line in lines:
+            escaped = line.replace("\\", "\\\\").replace("(", "\\(").replace(")", "\\)")
+            ops += [f"({escaped}) Tj", "T*"]
+        ops.append("ET")
+        stream = "\n".join(ops).encode("latin-1")
+        objects.append(
+            f"<< /Type /Page /Parent 2 0 R /MediaBox [0 0 612 792] "
+            f"/Resources << /Font << /F1 3 0 R >> >> /Contents {5 + 2 * i} 0 R >>".encode()
+        )
+        objects.append(f"<< /Length {len(stream)} >>\nstream\n".encode() + stream + b"\nendstream")
+    info = None
+    if title is not None:
+        objects.append(f"<< /Title ({title}) >>".encode("latin-1"))
+        info = len(objects)
+    out = bytearray(b"%PDF-1.4\n")
+    offsets = []
+    for n, body in enumerate(objects, start=1):
+        offsets.append(len(out))
+        out += f"{n} 0 obj\n".encode() + body + b"\nendobj\n"
+    xref = len(out)
+    out += f"xref\n0 {len(objects) + 1}\n0000000000 65535 f \n".encode()
+    for offset in offsets:
+        out += f"{offset:010d} 00000 n \n".encode()
+    trailer = f"<< /Size {len(objects) + 1} /Root 1 0 R" + (f" /Info {info} 0 R" if info else "")
+    out += f"trailer\n{trailer} >>\nstartxref\n{xref}\n%%EOF\n".encode()
+    path.write_bytes(bytes(out))
+    return path
+
+
+HTML_PAGE = """<!doctype html>
+<html><head><title>Lava Guide</title>
+<link rel="canonical" href="https://example.org/lava">
+<script>var tracking = "do not index";</script></head>
+<body>
+<nav><a href="/">Home</a> | <a href="/about">Site navigation text</a></nav>
+<header>Site banner</header>
+<main>
+<h1>Lava Guide</h1>
+<p>Lava is molten rock that flows from a volcano.</p>
+<h2>Cooling</h2>
+<p>Basalt forms when lava cools quickly at the surface.</p>
+<pre>cool(lava)
+  -> basalt</pre>
+<table><tr><th>Rock</th><th>Silica</th></tr><tr><td>Basalt</td><td>low</td></tr></table>
+</main>
+<footer>Copyright footer text</footer>
+</body></html>
+"""

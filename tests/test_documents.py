@@ -1,0 +1,322 @@
+"""Documents in and out of the index (issue 38): structure-aware passages, PDF and HTML files,
+what a folder read refuses (issue 40: links out of the folder, special files), listing and
+removing documents, and re-indexing a folder that lost a file."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from selfrag.infra.corpus import CorpusError, Document, read_documents, split_document
+from selfrag.infra.embedder import SentenceEmbedder
+from selfrag.infra.passages import CHARS_PER_PIECE, markdown_blocks
+from selfrag.infra.qdrant_store import QdrantStore
+from selfrag.jobs.indexing import PieceCounter, corpus_passages, index_corpus, remove_documents
+from selfrag.schemas.settings import RetrievalSettings
+from tests.corpus_files import HTML_PAGE, write_pdf
+from tests.fakes import HashEmbedder
+
+MARKDOWN = """# Guide
+
+Intro paragraph about the guide.
+
+## Embeddings
+
+selfrag embeds passages with all-MiniLM-L6-v2.
+
+```python
+vectors = embed(["a", "b"])
+print(vectors.shape)
+```
+
+| setting | default |
+| --- | --- |
+| hybrid | true |
+
+### Sparse
+
+BM25 runs beside the dense vectors.
+"""
+
+
+def _count(text: str) -> int:
+    return len(text.split())
+
+
+def split(items: list[Document | CorpusError]) -> tuple[list[Document], list[CorpusError]]:
+    docs = [i for i in items if isinstance(i, Document)]
+    return docs, [i for i in items if isinstance(i, CorpusError)]
+
+
+# --- passages by structure ------------------------------------------------------------------
+
+
+def test_markdown_passages_keep_their_section_path_and_whole_code_and_tables() -> None:
+    doc = Document("g", "Guide", MARKDOWN, markdown=True)
+    passages = split_document(doc, budget=30, count=_count)
+    by_title: dict[str | None, list[str]] = {}
+    for p in passages:
+        by_title.setdefault(p.title, []).append(p.text)
+    assert by_title["Guide"] == ["Intro paragraph about the guide."]
+    embeddings = "\n\n".join(by_title["Guide › Embeddings"])
+    # The code block and the table are each whole, with their line breaks.
+    assert '```python\nvectors = embed(["a", "b"])\nprint(vectors.shape)\n```' in embeddings
+    assert "| setting | default |\n| --- | --- |\n| hybrid | true |" in embeddings
+    assert by_title["Guide › Embeddings › Sparse"] == ["BM25 runs beside the dense vectors."]
+    # Headings are in the titles, not the text; no passage mixes two sections.
+    assert not any(p.text.startswith("#") for p in passages)
+    assert {p.metadata["section"] for p in passages} >= {"Guide › Embeddings"}
+
+
+def test_a_block_over_the_budget_is_cut_at_sentences() -> None:
+    text = " ".join(f"Sentence number {i} ends here." for i in range(20))
+    doc = Document("d", None, text)
+    passages = split_document(doc, budget=12, count=_count)
+    assert len(passages) > 1
+    for p in passages:
+        assert _count(p.text) <= 12
+        assert p.text.endswith("here.")  # whole sentences while they fit
+    assert [p.id for p in passages] == [f"d#{i}" for i in range(len(passages))]
+
+
+@pytest.mark.real
+def test_one_unspaced_run_becomes_passages_bounded_in_word_pieces(tmp_path: Path) -> None:
+    """Issue 40, item 4 (index time): `"a." * 40000` plus a sentence was one passage of
+    80,000 tokens that no prompt could hold. Cut as indexing cuts (`corpus_passages`), with
+    the real embedder's word pieces."""
+    embedder = SentenceEmbedder()
+    settings = RetrievalSettings()
+    budget = min(settings.passage_tokens, embedder.max_seq_length - 2)
+    path = tmp_path / "run.jsonl"
+    rows = [
+        {"id": "run", "text": "a." * 40000 + " The volcano erupted in 1902."},
+        {"id": "unk", "text": "x" * 5000},  # one word of 5000 characters: one [UNK] piece
+    ]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    passages = corpus_passages(path, settings, embedder)
+    assert len(passages) > 300
+    for p in passages:
+        assert embedder.count_pieces(p.text) <= budget, p.id
+        assert len(p.text) <= budget * CHARS_PER_PIECE
+    assert any("volcano erupted" in p.text for p in passages)
+    assert {p.metadata["doc_id"] for p in passages} == {"run", "unk"}
+
+
+def test_piece_counter_counts_each_word_once() -> None:
+    calls: list[str] = []
+
+    def count(word: str) -> int:
+        calls.append(word)
+        return len(word)
+
+    counter = PieceCounter(count)
+    assert counter("ab ab abc") == 7
+    assert counter("abc") == 3
+    assert calls == ["ab", "abc"]
+
+
+def test_markdown_blocks_end_a_section_at_a_heading_of_the_same_level() -> None:
+    blocks = markdown_blocks("# A\n\none\n\n## B\n\ntwo\n\n## C\n\nthree\n\n# D\n\nfour")
+    assert [(b.section, b.text) for b in blocks] == [
+        (("A",), "one"),
+        (("A", "B"), "two"),
+        (("A", "C"), "three"),
+        (("D",), "four"),
+    ]
+
+
+# --- PDF and HTML --------------------------------------------------------------------------
+
+
+def test_a_pdf_is_read_page_by_page(tmp_path: Path) -> None:
+    pdf = write_pdf(
+        tmp_path / "report.pdf",
+        [["Normandy lies in France.", "Its capital is Rouen."], ["Rollo founded it in 911."]],
+        title="Normandy Report",
+    )
+    [doc] = list(read_documents(pdf))
+    assert isinstance(doc, Document)
+    assert doc.title == "Normandy Report"
+    passages = split_document(doc, budget=200, count=_count)
+    assert [(p.metadata["page"], p.text) for p in passages] == [
+        ("1", "Normandy lies in France. Its capital is Rouen."),
+        ("2", "Rollo founded it in 911."),
+    ]
+
+
+def test_pdfs_without_text_or_broken_are_reported_with_their_reason(tmp_path: Path) -> None:
+    write_pdf(tmp_path / "scan.pdf", [[]])
+    (tmp_path / "broken.pdf").write_bytes(b"%PDF-1.4\nthis is not a pdf at all")
+    (tmp_path / "fine.pdf").write_bytes(write_pdf(tmp_path / "x.pdf", [["Text."]]).read_bytes())
+    (tmp_path / "x.pdf").unlink()
+    docs, errors = split(list(read_documents(tmp_path)))
+    assert [Path(d.source or "").name for d in docs] == ["fine.pdf"]
+    reasons = {Path(e.path).name: e.reason for e in errors}
+    assert "no text layer" in reasons["scan.pdf"]
+    assert "unreadable PDF" in reasons["broken.pdf"] or "no text layer" in reasons["broken.pdf"]
+
+
+def test_html_main_content_title_and_own_url(tmp_path: Path) -> None:
+    page = tmp_path / "lava.html"
+    page.write_text(HTML_PAGE, encoding="utf-8")
+    [doc] = list(read_documents(page))
+    assert isinstance(doc, Document)
+    assert (doc.title, doc.url) == ("Lava Guide", "https://example.org/lava")
+    for noise in ("tracking", "Site navigation", "Site banner", "Copyright footer"):
+        assert noise not in doc.text
+    passages = split_document(doc, budget=200, count=_count)
+    titles = [p.title for p in passages]
+    assert titles == ["Lava Guide", "Lava Guide › Cooling"]
+    assert "cool(lava)\n  -> basalt" in passages[1].text
+    assert "Rock | Silica\nBasalt | low" in passages[1].text
+    assert all(p.metadata["url"] == "https://example.org/lava" for p in passages)
+
+
+def test_html_with_a_script_url_keeps_no_url(tmp_path: Path) -> None:
+    page = tmp_path / "p.html"
+    page.write_text(
+        '<html><head><link rel="canonical" href="javascript:alert(1)"></head>'
+        "<body><p>Plain text.</p></body></html>",
+        encoding="utf-8",
+    )
+    [doc] = list(read_documents(page))
+    assert isinstance(doc, Document) and doc.url is None and doc.title == "p"
+
+
+# --- what a folder read refuses (issue 40, item 3) ------------------------------------------
+
+
+def test_a_link_out_of_the_folder_is_reported_and_not_read(tmp_path: Path) -> None:
+    corpus, outside = tmp_path / "corpus", tmp_path / "outside"
+    corpus.mkdir()
+    outside.mkdir()
+    (outside / "secret.txt").write_text("API_KEY=hunter2", encoding="utf-8")
+    (corpus / "ok.txt").write_text("Plain notes.", encoding="utf-8")
+    (corpus / "env.txt").symlink_to("/proc/self/environ")
+    (corpus / "leak.txt").symlink_to(outside / "secret.txt")
+    (corpus / "more").symlink_to(outside, target_is_directory=True)
+    (corpus / "inside.txt").symlink_to(corpus / "ok.txt")  # stays inside: read once, as ok.txt
+
+    docs, errors = split(list(read_documents(corpus)))
+    assert [d.text for d in docs] == ["Plain notes."]
+    reasons = {Path(e.path).name: e.reason for e in errors}
+    assert set(reasons) == {"env.txt", "leak.txt", "more"}
+    assert "pseudo filesystem" in reasons["env.txt"]
+    assert "outside the folder" in reasons["leak.txt"] and "--follow-links" in reasons["leak.txt"]
+
+    # Allowed on request, except into a pseudo filesystem.
+    docs, errors = split(list(read_documents(corpus, follow_links=True)))
+    assert sorted(d.text for d in docs) == ["API_KEY=hunter2", "API_KEY=hunter2", "Plain notes."]
+    assert [Path(e.path).name for e in errors] == ["env.txt"]
+
+
+def test_special_files_are_never_read(tmp_path: Path) -> None:
+    (tmp_path / "ok.md").write_text("Fine.", encoding="utf-8")
+    os.mkfifo(tmp_path / "pipe.txt")
+    result: list[list[Document | CorpusError]] = []
+    reader = threading.Thread(target=lambda: result.append(list(read_documents(tmp_path))))
+    reader.start()
+    reader.join(10)
+    if reader.is_alive():  # unblock the reader so the test ends, then fail
+        with open(tmp_path / "pipe.txt", "wb"):
+            pass
+        pytest.fail("reading the folder blocked on a FIFO")
+    docs, errors = split(result[0])
+    assert [d.text for d in docs] == ["Fine."]
+    assert [(Path(e.path).name, "not a regular file" in e.reason) for e in errors] == [
+        ("pipe.txt", True)
+    ]
+    with pytest.raises(ValueError, match="not a regular file"):
+        read_documents(tmp_path / "pipe.txt")
+
+
+# --- documents in the store ------------------------------------------------------------------
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Iterator[QdrantStore]:
+    with QdrantStore.open(RetrievalSettings(), tmp_path / "home", HashEmbedder()) as opened:
+        yield opened
+
+
+def _folder(tmp_path: Path) -> Path:
+    folder = tmp_path / "docs"
+    folder.mkdir()
+    (folder / "notes.txt").write_text("Notes about lava.\n\nMore notes.", encoding="utf-8")
+    (folder / "guide.md").write_text(MARKDOWN, encoding="utf-8")
+    write_pdf(folder / "paper.pdf", [["Page one."], ["Page two."]], title="Paper")
+    return folder
+
+
+def test_documents_are_listed_removed_and_gone_ones_leave_on_reindex(
+    store: QdrantStore, tmp_path: Path
+) -> None:
+    folder = _folder(tmp_path)
+    report = index_corpus(folder, store, progress=False)
+    assert (report.documents, report.removed) == (3, 0)
+    docs = {Path(d.source or "").name: d for d in store.documents()}
+    assert set(docs) == {"notes.txt", "guide.md", "paper.pdf"}
+    assert docs["paper.pdf"].title == "Paper" and docs["paper.pdf"].passages == 2
+    assert docs["guide.md"].title == "Guide" and (docs["guide.md"].indexed_at or "") >= "2026"
+    assert sum(d.passages for d in docs.values()) == store.count()
+
+    # A file deleted from the folder: re-indexing takes its document out, and says so.
+    (folder / "notes.txt").unlink()
+    version = store.index_version()
+    report = index_corpus(folder, store, progress=False)
+    assert (report.documents, report.removed, report.removed_passages) == (2, 1, 1)
+    assert {Path(d.source or "").name for d in store.documents()} == {"guide.md", "paper.pdf"}
+    assert store.index_version() != version
+    assert not [p for p in store.passages() if "Notes about lava" in p.text]
+
+    # Removal by id and by path; a ref that names nothing is reported, not an error.
+    version = store.index_version()
+    removal = remove_documents(store, [docs["paper.pdf"].id, str(folder / "guide.md"), "nope"])
+    assert sorted(removal.documents) == sorted([docs["paper.pdf"].id, docs["guide.md"].id])
+    assert removal.unmatched == ["nope"]
+    assert removal.passages > 0 and store.count() == 0 and store.documents() == []
+    assert store.index_version() != version
+
+
+def test_a_file_that_fails_to_read_keeps_its_old_document(
+    store: QdrantStore, tmp_path: Path
+) -> None:
+    folder = _folder(tmp_path)
+    index_corpus(folder, store, progress=False)
+    (folder / "notes.txt").write_bytes(b"bad \xff byte")
+    report = index_corpus(folder, store, progress=False)
+    assert report.removed == 0 and len(report.errors) == 1
+    assert "notes.txt" in {Path(d.source or "").name for d in store.documents()}
+
+
+def test_removing_a_folder_leaves_other_corpora(store: QdrantStore, tmp_path: Path) -> None:
+    folder = _folder(tmp_path)
+    other = tmp_path / "other.jsonl"
+    other.write_text(json.dumps({"id": "keep", "text": "Kept."}) + "\n", encoding="utf-8")
+    index_corpus(folder, store, progress=False)
+    index_corpus(other, store, progress=False)
+    removal = remove_documents(store, [str(folder)])
+    assert len(removal.documents) == 3
+    assert [d.id for d in store.documents()] == ["keep"]
+    # A record dropped from a JSONL file is removed on its re-index too.
+    other.write_text(json.dumps({"id": "new", "text": "New."}) + "\n", encoding="utf-8")
+    assert index_corpus(other, store, progress=False).removed == 1
+    assert [d.id for d in store.documents()] == ["new"]
+
+
+def test_a_removal_lasts_after_a_restart(tmp_path: Path) -> None:
+    folder = _folder(tmp_path)
+    settings, home = RetrievalSettings(), tmp_path / "home"
+    with QdrantStore.open(settings, home, HashEmbedder()) as store:
+        index_corpus(folder, store, progress=False)
+        remove_documents(store, [str(folder / "notes.txt")])
+        version = store.index_version()
+    with QdrantStore.open(settings, home, HashEmbedder()) as store:
+        assert "notes.txt" not in {Path(d.source or "").name for d in store.documents()}
+        assert not [p for p in store.passages() if "lava" in p.text.lower()]
+        assert store.index_version() == version
