@@ -261,4 +261,6 @@ class SelfRAGIngress:
             # The address the proxies really bind (actors/app.py puts it in serve.host).
             bind_host=self._serve_settings.host,
             allowed_hosts=self._serve_settings.allowed_hosts,
+            # Serve's proxy sets X-Request-Id on the request and echoes it on the response.
+            request_id_header=False,
         )

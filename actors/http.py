@@ -1,6 +1,7 @@
 """The HTTP API as a FastAPI app around an answer service; no Ray here, so it tests quickly.
 
-Routes: `POST /v1/answer`, `POST /v1/answer/stream` (server-sent events), `GET /healthz`,
+Routes: `POST /v1/answer`, `POST /v1/answer/stream` (server-sent events), `GET /healthz` (and
+`GET /health`, the name vLLM uses),
 `GET /readyz`, `GET /metrics`, the playground page at `GET /` (actors/playground.py), the
 OpenAI-compatible `/v1/models`, `/v1/chat/completions` and `/v1/completions`
 (actors/openai_api.py), and the OpenAPI document at `/openapi.json` (no `/docs`: FastAPI's
@@ -105,11 +106,13 @@ class _Edge:
         metrics: Metrics,
         max_body_bytes: int,
         host_check: HostCheck | None = None,
+        request_id_header: bool = True,
     ) -> None:
         self.app = app
         self.metrics = metrics
         self.max_body_bytes = max_body_bytes
         self.host_check = host_check
+        self.request_id_header = request_id_header
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -135,11 +138,9 @@ class _Edge:
             nonlocal started
             if message["type"] == "http.response.start":
                 started = True
-                headers = [
-                    *message.get("headers", ()),
-                    (b"x-request-id", rid.encode()),
-                    (b"x-content-type-options", b"nosniff"),
-                ]
+                headers = [*message.get("headers", ()), (b"x-content-type-options", b"nosniff")]
+                if self.request_id_header:
+                    headers.append((b"x-request-id", rid.encode()))
                 message = {**message, "headers": headers}
                 route = scope.get("route")
                 self.metrics.observe_request(
@@ -288,6 +289,7 @@ def build_http_app(
     bind_host: str | None = None,
     allowed_hosts: Sequence[str] = (),
     readiness_ttl_s: float = 1.0,
+    request_id_header: bool = True,
 ) -> FastAPI:
     """The FastAPI app. With `api_keys`, `/v1/*` and `/metrics` need one of them as
     `Authorization: Bearer <key>` or `X-API-Key: <key>`; probes, the OpenAPI document and
@@ -299,7 +301,9 @@ def build_http_app(
     status, latency and request id; the question text only with `log_questions`. A stream
     sends `: keep-alive` every `keepalive_s` without an event; a body over `max_body_bytes`
     is refused (413) as soon as that many bytes have arrived. The OpenAI-compatible routes
-    (actors/openai_api.py) serve `model_name`."""
+    (actors/openai_api.py) serve `model_name`. Without `request_id_header` the app leaves the
+    `X-Request-Id` response header to the proxy in front of it (Ray Serve's echoes the id it
+    put on the request, which is the id this app uses), so a response carries it once."""
     failures = _Failures(retry_after_s)
     log_answer = AnswerLog(log_questions)
     app = FastAPI(
@@ -316,6 +320,7 @@ def build_http_app(
         metrics=metrics,
         max_body_bytes=max_body_bytes,
         host_check=HostCheck.for_bind(bind_host, allowed_hosts),
+        request_id_header=request_id_header,
     )
     failures.install(app)
     authed = [Depends(api_key_check(api_keys))]
@@ -402,6 +407,7 @@ def _add_probe_routes(
     """`/healthz`, `/readyz` and `/metrics`."""
 
     @app.get("/healthz")
+    @app.get("/health")
     async def healthz() -> dict[str, str]:
         """Liveness: the process serves HTTP."""
         return {"status": "ok"}

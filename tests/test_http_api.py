@@ -139,6 +139,12 @@ def test_stream_sends_each_segment_then_the_answer(client: TestClient):
 def test_health_and_readiness(service: FakeService):
     client = TestClient(build_http_app(service, Metrics(), readiness_ttl_s=0.0))
     assert client.get("/healthz").json() == {"status": "ok"}
+    # vLLM's name for it; every response carries its request id once.
+    health = client.get("/health")
+    assert health.json() == {"status": "ok"}
+    assert len(health.headers.get_list("x-request-id")) == 1
+    behind_serve = TestClient(build_http_app(service, Metrics(), request_id_header=False))
+    assert behind_serve.get("/health").headers.get_list("x-request-id") == []
     r = client.get("/readyz")
     assert r.status_code == 200 and r.json()["ready"] is True
     service.ready["cache"] = False

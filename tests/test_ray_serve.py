@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -151,6 +152,10 @@ def _replica_log_has(deployment: str, needle: str, limit_s: float = 10.0) -> boo
 
 def test_readiness_and_health(api: httpx.Client):
     assert api.get("/healthz").json() == {"status": "ok"}
+    health = api.get("/health", headers={"X-Request-Id": "probe-1"})
+    assert health.json() == {"status": "ok"}
+    # Serve's proxy echoes the request id; the app adds no second one.
+    assert health.headers.get_list("x-request-id") == ["probe-1"]
     r = api.get("/readyz")
     assert r.status_code == 200, r.text
     assert r.json() == {"ready": True, "checks": {"model": True, "store": True, "cache": True}}
@@ -325,6 +330,40 @@ def test_openai_clients_get_answers_with_citations(api: httpx.Client):
         extra_body={"selfrag": SMALL},
     )
     assert llm.invoke("Where is Normandy?").content == answer["answer"]  # a query-cache hit
+
+
+def test_openai_sampling_seed_and_system_message(api: httpx.Client):
+    """OpenAI's sampling parameters and a system message through the official client: a
+    seed repeats its answer, a system message reaches the drafts, a stream is a 200."""
+    import openai
+
+    base = str(api.base_url).rstrip("/") + "/v1"
+    client = openai.OpenAI(base_url=base, api_key="unused", max_retries=0, timeout=180)
+    question = [{"role": "user", "content": "Who was the Norse leader who founded Normandy?"}]
+
+    def ask(messages: list, **sampling: Any) -> dict:
+        r = client.chat.completions.create(
+            model="selfrag", messages=messages, extra_body={"selfrag": SMALL}, **sampling
+        )
+        return r.choices[0].model_extra["selfrag"]
+
+    drawn = {"temperature": 0.7, "top_p": 0.9, "seed": 1}
+    first = ask(question, **drawn)
+    assert first["config"]["temperature"] == 0.7 and first["config"]["seed"] == 1
+    assert ask(question, **drawn)["answer"] == first["answer"]
+    steered = ask([{"role": "system", "content": "Answer in French."}, *question])
+    assert steered["config"]["instructions"] == "Answer in French."
+    chunks = list(
+        client.chat.completions.create(
+            model="selfrag",
+            messages=question,
+            stream=True,
+            extra_body={"selfrag": SMALL},
+            **drawn,
+        )
+    )
+    closing = next(c for c in chunks if c.choices and c.choices[0].finish_reason)
+    assert closing.choices[0].model_extra["selfrag"]["answer"] == first["answer"]
 
 
 def test_repeated_query_is_a_cache_hit_and_redis_down_still_answers(
