@@ -216,6 +216,11 @@ def _eval_parser(sub: Any) -> None:
         help="Answer the selfrag-* systems through the `selfrag batch` path.",
     )
     p_eval.add_argument("--actors", type=int, help="With --ray: engine actors.")
+    p_eval.add_argument(
+        "--table",
+        action="store_true",
+        help="Print every column (report.md's tables) instead of the short summary.",
+    )
     _decoding_flags(p_eval)
 
 

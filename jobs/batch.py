@@ -303,6 +303,9 @@ def _answer_into(
 
     def emit(record: dict[str, Any]) -> None:
         sink.write(record)
+        if record["status"] == "error":
+            error = record["error"]
+            summary.errors.append((record["id"], error["type"], error["message"]))
         bar.update(1)
         if on_record is not None:
             on_record(record)

@@ -168,7 +168,8 @@ class RecordSink:
 class BatchSummary:
     """What one run did. `skipped`: ids already answered by an earlier run; `retried`: ids
     answered again because their last record was an error (`retry_failed`); `malformed`: rows
-    that could not be read, reported with their line, and repeated ids."""
+    that could not be read, reported with their line, and repeated ids. `errors`: the id,
+    error type and message of every error record this run wrote."""
 
     answered: int = 0
     failed: int = 0
@@ -179,6 +180,7 @@ class BatchSummary:
     cache_hits: int = 0
     seconds: float = 0.0
     problems: list[InputProblem] = field(default_factory=list)
+    errors: list[tuple[str, str, str]] = field(default_factory=list)
 
     def line(self) -> str:
         rate = self.answered / self.seconds if self.seconds > 0 else 0.0

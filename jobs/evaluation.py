@@ -402,6 +402,27 @@ def render_table(report: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n\n" + render_abstention_table(report)
 
 
+SUMMARY_COLUMNS = (
+    ("accuracy", "accuracy"),
+    ("abstain_rate", "abstain"),
+    ("wrong_confident_rate", "wrong+sure"),
+    ("retrieval_rate", "retrieval"),
+    ("p50_ms", "p50 ms"),
+)
+"""The columns `selfrag eval` prints (report field, heading); report.md has all of them."""
+
+
+def render_summary(report: dict[str, Any]) -> str:
+    """The report's headline columns as a plain-text table narrower than 80 columns."""
+    width = max([len("system"), *(len(name) for name in report["systems"])])
+    head = f"{'system':<{width}} {'n':>5}" + "".join(f" {h:>10}" for _, h in SUMMARY_COLUMNS)
+    lines = [head]
+    for name, row in report["systems"].items():
+        cells = "".join(f" {_cell(col, row.get(col)):>10}" for col, _ in SUMMARY_COLUMNS)
+        lines.append(f"{name:<{width}} {row['questions']:>5}{cells}")
+    return "\n".join(lines)
+
+
 def _cell(column: str, value: float | int | None) -> str:
     if value is None:
         return "–"

@@ -118,11 +118,14 @@ def _offline_batch(tmp_path):
 
 def test_batch_turns_a_non_utf8_line_into_one_error_record(tmp_path, capsys):
     src, out = _offline_batch(tmp_path)
-    assert main(["batch", str(src), "--out", str(out), "--no-progress"]) == 1
+    # Every row got a record (errors too): exit 0, the error records listed.
+    assert main(["batch", str(src), "--out", str(out), "--no-progress"]) == 0
     captured = capsys.readouterr()
     assert captured.err.count(f"{src}:2: not UTF-8") == 1  # reported once, logged
     assert "Traceback" not in captured.err
     assert "failed=2 skipped=0 retried=0 malformed=1" in captured.out
+    assert "error record a (invalid): " in captured.err
+    assert "error record latin (malformed): " in captured.err
     records = [json.loads(line) for line in out.read_text().splitlines()]
     assert [(r["id"], r["status"], r["error"]["type"]) for r in records] == [
         ("latin", "error", "malformed"),
@@ -132,7 +135,7 @@ def test_batch_turns_a_non_utf8_line_into_one_error_record(tmp_path, capsys):
     # A rerun skips every id; --retry-failed answers the three error ids again.
     assert main(["batch", str(src), "--out", str(out), "--no-progress"]) == 0
     assert "skipped=3 retried=0" in capsys.readouterr().out
-    assert main(["batch", str(src), "--out", str(out), "--no-progress", "--retry-failed"]) == 1
+    assert main(["batch", str(src), "--out", str(out), "--no-progress", "--retry-failed"]) == 0
     assert "skipped=0 retried=3" in capsys.readouterr().out
     assert len(out.read_text().splitlines()) == 3  # still one record per id
 
@@ -158,7 +161,7 @@ def test_batch_reports_a_csv_field_over_the_limit_by_line(tmp_path, capsys):
         + 'ok,Who?,"{""top_k"": 0}"\n'
     )
     out = tmp_path / "answers.jsonl"
-    assert main(["batch", str(src), "--out", str(out), "--no-progress"]) == 1
+    assert main(["batch", str(src), "--out", str(out), "--no-progress"]) == 0
     err = capsys.readouterr().err
     assert f"{src}:2: a field is longer than the csv module's limit" in err
     assert "Traceback" not in err
@@ -178,7 +181,7 @@ def test_batch_turns_hostile_rows_into_error_records_not_a_traceback(tmp_path, c
         '{"id": "bad", "question": "Who?", "config": {"top_k": 0}}\n'
     )
     out = tmp_path / "answers.jsonl"
-    assert main(["batch", str(src), "--out", str(out), "--no-progress"]) == 1
+    assert main(["batch", str(src), "--out", str(out), "--no-progress"]) == 0
     captured = capsys.readouterr()
     assert "Traceback" not in captured.err
     assert f"{src}:1: the row has arrays or objects nested too deeply" in captured.err

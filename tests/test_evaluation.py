@@ -15,6 +15,7 @@ from selfrag.jobs.evaluation import (
     load_questions,
     parse_systems,
     read_records,
+    render_summary,
     run_evaluation,
 )
 from selfrag.pipeline.decoder import BeamDecoder
@@ -75,16 +76,24 @@ SQUAD = {
 
 
 class FakeRag:
-    """What the evaluation uses of `LocalRuntime`: engine, store, critic(), answer_config()."""
+    """What the evaluation uses of `LocalRuntime`: engine, store, critic(), answer_path (its
+    critique facts), answer_config()."""
 
     def __init__(self) -> None:
         self.engine = WordModel(draft_text=" Rollo founded it.")
         self.store = ListRetriever([Passage("p1", "Rollo founded Normandy in France.", "Normans")])
         self.critic_obj = ScriptedCritic(drafts={"p1": (" Rollo founded it.", -1.0, "eos")})
         self.decoder = BeamDecoder(lambda _: self.critic_obj, self.store, "fake")
+        self.answer_path = AnswerPath(DecodingConfig(), facts=self)
 
     def critic(self, source: str) -> ScriptedCritic:
         return self.critic_obj
+
+    def critique_name(self, source: str) -> str:
+        return source
+
+    def calibrated_filters(self, name: str) -> dict[str, object]:
+        return {}
 
     def answer_config(self, question: str, config: DecodingConfig) -> Answer:
         path = AnswerPath(config)
@@ -175,6 +184,13 @@ def test_report_has_abstention_scores_and_the_accuracy_coverage_curve(
     table = (out / "report.md").read_text()
     assert "| system | abstention score | coverage | selective_accuracy |" in table
     assert "| selfrag-prompted | support" in table and "| 0.500 |" in table
+    # What `selfrag eval` prints: the headline columns, narrower than a terminal.
+    summary = render_summary(report).splitlines()
+    heads = ["system", "n", "accuracy", "abstain", "wrong+sure", "retrieval"]
+    assert summary[0].split()[:6] == heads
+    assert summary[0].endswith("p50 ms") and len(summary) == 3
+    assert summary[2].split()[:3] == ["selfrag-prompted", "3", "50.0%"]
+    assert max(len(line) for line in summary) < 80
     # Without unanswerable questions the AUROC is undefined, and the table says why.
     report = run_evaluation(rag, qs[:2], systems, out, cfg, progress=False)  # type: ignore[arg-type]
     assert report["systems"]["closed-book"]["abstention_auroc"] is None
