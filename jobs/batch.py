@@ -74,6 +74,7 @@ from selfrag.runtime.answering import (
     query_key,
 )
 from selfrag.runtime.passage_service import PassageService
+from selfrag.runtime.ray_cluster import shutdown_private_ray
 from selfrag.schemas.answer import AnswerRequest, AnswerResponse
 from selfrag.schemas.decoding import DecodingConfig
 from selfrag.schemas.settings import Settings
@@ -349,9 +350,7 @@ def _answer_into(
         bar.close()
         sink.close()
         if started_ray:
-            import ray
-
-            ray.shutdown()
+            shutdown_private_ray()
 
 
 def _node_lost_said(answers: Iterator[_T], summary: BatchSummary, out: Path) -> Iterator[_T]:
@@ -426,6 +425,4 @@ def run_eval_systems(
         bar.close()
         sink.close()
         if started_ray:
-            import ray
-
-            ray.shutdown()
+            shutdown_private_ray()

@@ -6,21 +6,32 @@ by `ray start`), which `ray.init(address=None)` would join and, when that cluste
 retry for minutes. With an address, the cluster there must answer within seconds, or the
 error names the address.
 
-A private instance is marked: every process of it (GCS, raylet, workers) inherits `OWNER_ENV`
-from the process that started it, so `stop_private_ray` can end them all. Ray's workers run in
-process groups of their own, so a signal to `selfrag serve`'s process group does not reach them,
-and they outlive a killed GCS and raylet for a while; Serve's HTTP proxy among them keeps its
-port, bound with SO_REUSEPORT, which a new proxy on that port would then share with it.
-`wait_for_port` keeps a new server from sharing a port with anything.
+A private instance is reachable from this machine only, and only with its own credential:
+its node address is 127.0.0.1, so the GCS, raylet, workers and agents listen on loopback (Ray
+otherwise swaps 127.0.0.1 for the address the machine routes out by, and its gRPC servers listen
+on every interface), and it runs in Ray's token mode with a random token that only its own
+processes inherit, which the GCS, raylet and the dashboard agent's HTTP API (job submission
+among it) require. No dashboard is started.
+
+`stop_private_ray` finds the processes of a private instance by its session folder, which each
+of them holds files open in (its logs), and by `OWNER_ENV`, which each inherits: a process title
+can overwrite the start of the environment block (Ray's agents: "ray::DashboardAgent"), open
+files it cannot. Ray's workers run in process groups of their own, so a signal to `selfrag
+serve`'s process group does not reach them, and they outlive a killed GCS and raylet for a
+while; Serve's HTTP proxy among them keeps its port, bound with SO_REUSEPORT, which a new proxy
+on that port would then share with it. `wait_for_port` keeps a new server from sharing a port
+with anything.
 """
 
 from __future__ import annotations
 
 import errno
+import functools
 import os
 import secrets
 import signal
 import socket
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -39,6 +50,10 @@ STOP_WAIT_S = 5.0
 RAY_SHUTDOWN_S = 2.0
 # The processes of a Ray node that are not workers (their /proc `comm`).
 DAEMONS = frozenset({"gcs_server", "raylet"})
+# The node address of a private instance.
+LOOPBACK = "127.0.0.1"
+# The session folder of the private instance this process started (None: none).
+_session: Path | None = None
 # How long `selfrag serve` waits for its port to be released by a server stopped just before.
 PORT_WAIT_S = 60.0
 
@@ -62,12 +77,15 @@ def init_ray(address: str | None, *, log_to_driver: bool) -> bool:
     address = address or os.environ.get("RAY_ADDRESS") or None
     target = None if address in (None, "local") else _target(address)
     if target is None:
-        # Ports on loopback, no cluster token: nobody else joins this instance.
-        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-        os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-        # Inherited by every process of the instance: how stop_private_ray finds them.
-        os.environ[OWNER_ENV] = f"{os.getpid()}-{secrets.token_hex(8)}"
-        ray.init(address="local", include_dashboard=False, log_to_driver=log_to_driver)
+        _private_environment()
+        ray.init(
+            address="local",
+            include_dashboard=False,
+            log_to_driver=log_to_driver,
+            _node_ip_address=LOOPBACK,
+        )
+        global _session
+        _session = Path(ray._private.worker._global_node.get_session_dir_path())
         return True
     host, port, shown = target
     try:
@@ -81,6 +99,24 @@ def init_ray(address: str | None, *, log_to_driver: bool) -> bool:
     # The address as given ("auto" included): ray.init resolves it the same way.
     ray.init(address=address, include_dashboard=False, log_to_driver=log_to_driver)
     return False
+
+
+def _private_environment() -> None:
+    """What every process of a private instance inherits from this one: loopback as the node
+    address, Ray's token mode with a token of its own, and the `OWNER_ENV` mark."""
+    from ray._private import ray_constants
+    from ray._raylet import Config
+
+    # Ray swaps 127.0.0.1 for the machine's routed address unless "clusters" are off, which it
+    # reads from this variable when it is imported (already done here): both are set. Ray is
+    # pinned, so these internals are the ones this code was tested with.
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    ray_constants.ENABLE_RAY_CLUSTER = False
+    # Forced, not defaulted: an inherited RAY_AUTH_MODE=disabled would open the instance again.
+    os.environ["RAY_AUTH_MODE"] = "token"
+    os.environ["RAY_AUTH_TOKEN"] = secrets.token_urlsafe(32)
+    Config.initialize("")  # this process read its Ray config at import: read the mode again
+    os.environ[OWNER_ENV] = f"{os.getpid()}-{secrets.token_hex(8)}"
 
 
 def starts_private(address: str | None) -> bool:
@@ -131,23 +167,52 @@ def _target(address: str) -> tuple[str, int, str] | None:
 
 
 def private_ray_processes() -> list[int]:
-    """The live processes of the private instance this process started (those whose
-    environment holds its `OWNER_ENV` value), this process excluded; [] when it started none."""
+    """The live processes of the private instance this process started, this process
+    excluded: those holding a file open in its session folder, or whose environment holds
+    its `OWNER_ENV` value; [] when it started none."""
     mark = os.environ.get(OWNER_ENV)
-    if not mark or not Path("/proc/self/environ").exists():  # no /proc (not Linux): unknown
-        return []
-    needle = f"{OWNER_ENV}={mark}".encode()
+    if (not mark and _session is None) or not Path("/proc/self/environ").exists():
+        return []  # none started, or no /proc (not Linux): unknown
+    needle = f"{OWNER_ENV}={mark}".encode() if mark else None
     found = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit() or int(entry.name) == os.getpid():
             continue
         try:
-            # A zombie's environment reads empty: only live processes match.
-            if needle in (entry / "environ").read_bytes().split(b"\0"):
+            # A zombie's environment reads empty and its files are closed: only live ones match.
+            if (_session is not None and _runs_ray(entry) and _holds_files_in(entry, _session)) or (
+                needle is not None and needle in (entry / "environ").read_bytes().split(b"\0")
+            ):
                 found.append(int(entry.name))
         except OSError:  # gone meanwhile, or another user's
             continue
     return found
+
+
+def _runs_ray(process: Path) -> bool:
+    """Whether the process `/proc/<pid>` runs this Python (Ray's workers and agents) or one of
+    Ray's programs (GCS, raylet): not, say, a `tail -f` of a log in the session folder."""
+    exe = os.path.realpath(process / "exe")
+    return exe == os.path.realpath(sys.executable) or exe.startswith(_ray_folder())
+
+
+@functools.cache
+def _ray_folder() -> str:
+    import ray
+
+    return f"{Path(ray.__file__).resolve().parent}/"
+
+
+def _holds_files_in(process: Path, folder: Path) -> bool:
+    """Whether the process `/proc/<pid>` has a file open under `folder`."""
+    prefix = f"{folder}/"
+    for fd in (process / "fd").iterdir():
+        try:
+            if os.readlink(fd).startswith(prefix):
+                return True
+        except OSError:  # closed meanwhile
+            continue
+    return False
 
 
 def stop_private_ray(keep: frozenset[str] = frozenset(), wait_s: float = STOP_WAIT_S) -> int:
@@ -195,8 +260,10 @@ def shutdown_private_ray(tidy: bool = True) -> None:
     once (`os._exit`) skips it."""
     import ray
 
+    global _session
     stop_private_ray(keep=DAEMONS)  # the proxy's port is free from here on
     stop_private_ray()
+    _session = None
     if tidy:
         # Only this process's own state is left to clean up; with the GCS gone that can hang.
         _bounded(ray.shutdown, RAY_SHUTDOWN_S)

@@ -111,3 +111,155 @@ def test_a_malformed_address_is_a_clear_error(ray_tmp: Path):
     done, _ = _run(ray_tmp, CONNECT.format(address="not-an-address"), 60)
     assert done.returncode == 3
     assert "'not-an-address' is not host:port, ray://host:port or auto" in done.stdout
+
+
+PRIVATE = """
+import json, os, time, urllib.error, urllib.request
+from pathlib import Path
+import ray
+from selfrag.runtime import ray_cluster
+from tests.test_ray_cluster import listening_sockets
+
+assert ray_cluster.init_ray(None, log_to_driver=False)
+
+@ray.remote
+def one():
+    return 1
+
+assert ray.get(one.remote()) == 1
+time.sleep(3)  # the agents are up by now
+def comms(pids):
+    return sorted({Path(f"/proc/{p}/comm").read_text().strip() for p in pids})
+
+pids = ray_cluster.private_ray_processes()
+names = comms(pids)
+# A process title can overwrite the environment block that holds the mark: found without it.
+mark = os.environ.pop(ray_cluster.OWNER_ENV)
+unmarked = comms(ray_cluster.private_ray_processes())
+os.environ[ray_cluster.OWNER_ENV] = mark
+sockets = listening_sockets(pids)
+refused = {}
+for _, _, host, port in sockets:
+    at = "127.0.0.1" if host in ("0.0.0.0", "::") or host.endswith("127.0.0.1") else host
+    request = urllib.request.Request(
+        f"http://{at}:{port}/api/job_agent/jobs/",
+        data=json.dumps({"entrypoint": "true"}).encode(),
+        headers={"content-type": "application/json"},
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=5) as r:
+            refused[port] = r.status
+    except urllib.error.HTTPError as exc:
+        refused[port] = exc.code
+    except Exception as exc:  # not HTTP (a gRPC port): no job goes in there either
+        refused[port] = type(exc).__name__
+session = str(ray._private.worker._global_node.get_session_dir_path())
+ray_cluster.shutdown_private_ray()
+print(json.dumps({
+    "sockets": sockets, "jobs": refused, "session": session, "names": names, "unmarked": unmarked
+}))
+"""
+
+
+def listening_sockets(pids: list[int]) -> list[tuple[int, str, str, int]]:
+    """(pid, comm, address, port) of each TCP socket the processes `pids` listen on, from
+    /proc (as `ss -ltnp` shows them)."""
+    import ipaddress
+    import socket
+    import struct
+
+    by_inode: dict[str, tuple[str, int]] = {}
+    for table, family in (("/proc/net/tcp", socket.AF_INET), ("/proc/net/tcp6", socket.AF_INET6)):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] != "0A":  # LISTEN
+                continue
+            raw, port = fields[1].split(":")
+            words = bytes.fromhex(raw)
+            # /proc prints the address as 32-bit words in host (little-endian) order.
+            packed = b"".join(
+                struct.pack("<I", struct.unpack(">I", words[i : i + 4])[0])
+                for i in range(0, len(words), 4)
+            )
+            address = ipaddress.ip_address(socket.inet_ntop(family, packed))
+            by_inode[f"socket:[{fields[9]}]"] = (str(address), int(port, 16))
+    found = []
+    for pid in pids:
+        try:
+            comm = Path(f"/proc/{pid}/comm").read_text().strip()
+            for fd in Path(f"/proc/{pid}/fd").iterdir():
+                target = os.readlink(fd)
+                if target in by_inode:
+                    found.append((pid, comm, *by_inode[target]))
+        except OSError:
+            continue
+    return found
+
+
+def _is_loopback(address: str) -> bool:
+    import ipaddress
+
+    ip = ipaddress.ip_address(address)
+    mapped = getattr(ip, "ipv4_mapped", None)
+    return ip.is_loopback or (mapped is not None and mapped.is_loopback)
+
+
+def _holding_files_in(folder: str) -> list[str]:
+    """`pid comm` of each process with a file open under `folder`."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if any(os.readlink(fd).startswith(folder + "/") for fd in (entry / "fd").iterdir()):
+                found.append(f"{entry.name} {(entry / 'comm').read_text().strip()}")
+        except OSError:
+            continue
+    return found
+
+
+@pytest.fixture(scope="module")
+def private_run() -> Iterator[dict]:
+    """One private instance: started, its sockets and a job submission tried, stopped."""
+    import json
+
+    folder = Path(tempfile.mkdtemp(prefix="rt", dir="/tmp"))
+    try:
+        done, _ = _run(folder, PRIVATE, 180)
+        assert done.returncode == 0, done.stderr[-3000:]
+        result = json.loads(done.stdout.strip().splitlines()[-1])
+        result["left"] = _holding_files_in(result["session"])
+        yield result
+    finally:
+        for line in _holding_files_in(str(folder)):  # a failed test leaves nothing running
+            os.kill(int(line.split()[0]), 9)
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def test_a_private_instance_listens_on_loopback_only(private_run: dict) -> None:
+    """Its GCS, raylet, workers and agents listened on every interface, the agent's job API
+    among them (a job ran as the server's user, no credentials asked)."""
+    sockets = private_run["sockets"]
+    names = {s[1] for s in sockets}
+    assert {"gcs_server", "raylet", "ray::DashboardA"} <= names, sockets
+    off_loopback = [s for s in sockets if not _is_loopback(s[2])]
+    assert off_loopback == [], off_loopback
+
+
+def test_a_job_submitted_to_a_private_instance_without_its_token_is_refused(
+    private_run: dict,
+) -> None:
+    jobs = private_run["jobs"]
+    assert not [port for port, status in jobs.items() if status in range(200, 300)], jobs
+    assert 401 in jobs.values(), jobs  # the agent's job API is there, and asks for the token
+
+
+def test_a_stopped_private_instance_leaves_no_process_the_agents_included(
+    private_run: dict,
+) -> None:
+    """The agents' process titles can overwrite their environment, where the stop looked for
+    its mark: they outlived the stop, still listening. The session folder finds them."""
+    agents = {"ray::DashboardA", "ray::RuntimeEnv"}  # /proc's comm: 15 characters
+    assert agents <= set(private_run["names"])
+    assert private_run["unmarked"] == private_run["names"]
+    assert private_run["left"] == []
