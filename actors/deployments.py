@@ -153,9 +153,8 @@ class BranchPool:
         return self._worker.engine.model_id
 
     def model_fingerprint(self) -> str:
-        """`LocalRuntime.answer_fingerprint`: the model's identity in query-cache keys, with
-        the support thresholds calibrated for it."""
-        return self._rag.answer_fingerprint()
+        """`LocalRuntime.model_fingerprint`: the model's identity in query-cache keys."""
+        return self._rag.model_fingerprint
 
     def calibrated_filters(self, critic_name: str) -> dict[str, object]:
         """The filter defaults calibrated on the served corpus for the source `critic_name`

@@ -236,7 +236,7 @@ class _Routes:
         completion_id: str,
     ) -> Response:
         try:
-            beam = self.service.config(body).beam
+            config = self.service.config(body)
         except AnswerError as exc:
             raise from_answer_error(exc, request_id(request), self.retry_after_s) from exc
         fmt = OpenAIStreamFormat(
@@ -244,7 +244,7 @@ class _Routes:
             completion_id=completion_id,
             created=int(time.time()),
             model=self.model_name,
-            hold=beam > 1,
+            hold=config.beam > 1,
             include_usage=bool(options.stream_options and options.stream_options.include_usage),
             retry_after_s=self.retry_after_s,
         )
@@ -256,6 +256,7 @@ class _Routes:
             log_answer=self.log_answer,
             metrics=self.metrics,
             keepalive_s=self.keepalive_s,
+            config=config,
         ).respond()
 
     async def chat_completions(self, request: Request) -> Response:

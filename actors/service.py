@@ -35,6 +35,7 @@ from selfrag.runtime.answering import (
     AnswerPath,
     CacheIdentity,
     Deadline,
+    KnownCritique,
 )
 from selfrag.runtime.assembly import DecoderParts
 from selfrag.runtime.remote_retriever import POLL_S, RemoteRetriever
@@ -270,10 +271,16 @@ class ServeAnswerService:
     # --- answering -------------------------------------------------------------------------------
 
     def config(self, request: AnswerRequest) -> DecodingConfig:
-        """The effective config of `request` (`AnswerPath.config`)."""
-        return self._path.config(request)
+        """The config of `request` before it is settled (`AnswerPath.requested`): its critique
+        source resolved and filters filled only in `run`, with the pool's facts."""
+        return self._path.requested(request)
 
-    async def run(self, request: AnswerRequest, on_step: StepListener | None = None) -> Answer:
+    async def run(
+        self,
+        request: AnswerRequest,
+        on_step: StepListener | None = None,
+        config: DecodingConfig | None = None,
+    ) -> Answer:
         if self._inflight >= self._max_inflight:
             self._metrics.count_overload()
             raise Overloaded(f"{self._max_inflight} answers in progress; retry later")
@@ -282,16 +289,20 @@ class ServeAnswerService:
         slot = _Admission(self)
         try:
             with service_errors():
-                return await self._answer(request, on_step, slot)
+                return await self._answer(request, on_step, slot, config)
         finally:
             if not slot.deferred:
                 slot.release()
             self.collect_metrics_now()  # so Ray's export has the cache tiers without a scrape
 
     async def _answer(
-        self, request: AnswerRequest, on_step: StepListener | None, slot: _Admission
+        self,
+        request: AnswerRequest,
+        on_step: StepListener | None,
+        slot: _Admission,
+        requested: DecodingConfig | None,
     ) -> Answer:
-        config = self._path.config(request)
+        config = requested if requested is not None else self._path.requested(request)
         loop = asyncio.get_running_loop()
         # One deadline for everything before the answer exists: the lookups that precede
         # decoding wait on other deployments too. The loop's timer and the decoder thread's
@@ -302,12 +313,14 @@ class ServeAnswerService:
                 model_id = await self._get_model_id()
                 critic_name = await self._get_critic_name(config.critique)
                 calibrated = await self._get_calibrated(critic_name)
+                facts = KnownCritique(config.critique, critic_name, calibrated)
+                config = self._path.settle(config, facts)
                 identity: CacheIdentity | None = None
                 if self._cache is not None:
                     identity = CacheIdentity(
                         await self._get_index_version(), await self._get_model_fingerprint()
                     )
-                decode = functools.partial(self._decode, model_id, critic_name, calibrated)
+                decode = functools.partial(self._decode, model_id)
                 future = self._executor.submit(
                     self._path.run,
                     request.question,
@@ -336,8 +349,6 @@ class ServeAnswerService:
     def _decode(
         self,
         model_id: str,
-        critic_name: str,
-        calibrated: dict[str, object],
         question: str,
         config: DecodingConfig,
         deadline: Deadline,
@@ -351,10 +362,10 @@ class ServeAnswerService:
             pool = pool.options(session_id=session)
             decider = decider.options(session_id=session)
         parts = DecoderParts(
-            lambda source: PoolBranchWorker(remote, pool, decider, source, critic_name, deadline),
+            # A settled config names the concrete source: the pool's critic is that one.
+            lambda source: PoolBranchWorker(remote, pool, decider, source, source, deadline),
             RemoteRetriever(functools.partial(remote.call, self._retriever)),
             model_id,
-            calibrated=lambda _: calibrated,
             ranker=RemoteRanker(remote, self._ranker),
         )
         with service_errors():

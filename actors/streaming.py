@@ -39,12 +39,20 @@ REQUEST_ID_SCOPE_KEY = "selfrag.request_id"
 class AnswerService(Protocol):
     """What the HTTP layer needs from the system behind it."""
 
-    async def run(self, request: AnswerRequest, on_step: StepListener | None = None) -> Answer:
-        """Answer one request along the answer path; `on_step` may be called from any thread."""
+    async def run(
+        self,
+        request: AnswerRequest,
+        on_step: StepListener | None = None,
+        config: DecodingConfig | None = None,
+    ) -> Answer:
+        """Answer one request along the answer path; `on_step` may be called from any thread.
+        `config`: what `config(request)` returned, when the caller has it (not worked out
+        again)."""
         ...
 
     def config(self, request: AnswerRequest) -> DecodingConfig:
-        """The config `request` would be answered with; raises `AnswerError` if refused."""
+        """The config `request` asks for, before `run` settles it (its beam, bounds and dials
+        hold); raises `AnswerError` if refused."""
         ...
 
     async def readiness(self) -> dict[str, bool]:
@@ -167,9 +175,12 @@ class AnswerStream:
         log_answer: AnswerLog,
         metrics: Metrics,
         keepalive_s: float,
+        config: DecodingConfig | None = None,
     ) -> None:
+        """`config`: the service's `config(body)`, when the caller worked it out already."""
         self._service = service
         self._body = body
+        self._config = config
         self._request = request
         self._fmt = fmt
         self._log_answer = log_answer
@@ -190,7 +201,7 @@ class AnswerStream:
         body, rid = self._body, self._rid
         started = time.perf_counter()
         try:
-            result = await self._service.run(body, self._on_step)
+            result = await self._service.run(body, self._on_step, self._config)
             item: tuple[str, Any] = ("answer", result.response)
             self._log_answer(body.question, "200 stream", started, rid)
         except asyncio.CancelledError:

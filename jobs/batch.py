@@ -70,13 +70,13 @@ from selfrag.jobs.ray_pool import (
     plan_on_cluster,
     rows_watched,
 )
-from selfrag.runtime.answering import (
-    query_key,
-)
+from selfrag.runtime.answering import AnswerPath, query_key
 from selfrag.runtime.passage_service import PassageService
 from selfrag.runtime.ray_cluster import shutdown_private_ray
+from selfrag.runtime.system import LocalRuntime
 from selfrag.schemas.answer import AnswerRequest, AnswerResponse
 from selfrag.schemas.decoding import DecodingConfig
+from selfrag.schemas.errors import AnswerError
 from selfrag.schemas.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -87,7 +87,7 @@ _T = TypeVar("_T")
 
 @dataclass(frozen=True)
 class _Job:
-    """One distinct (question, effective config): answered once for all its ids."""
+    """One distinct (question, settled config): answered once for all its ids."""
 
     key: str
     question: str
@@ -96,9 +96,10 @@ class _Job:
 
 
 def plan_jobs(
-    questions: Iterable[BatchQuestion], defaults: DecodingConfig
+    questions: Iterable[BatchQuestion], path: AnswerPath
 ) -> tuple[list[_Job], list[dict[str, Any]]]:
-    """Distinct jobs of the valid requests, and an error record for each invalid one."""
+    """Distinct jobs of the valid requests, each with its settled config (`path.config`), and
+    an error record for each request that is invalid or that this model cannot answer."""
     jobs: dict[str, _Job] = {}
     errors: list[dict[str, Any]] = []
     for q in questions:
@@ -109,7 +110,11 @@ def plan_jobs(
 
             errors.append(error_record(q.id, q.question, "invalid", describe_validation_error(exc)))
             continue
-        config = request.config.apply_to(defaults)
+        try:
+            config = path.config(request)
+        except AnswerError as exc:
+            errors.append(error_record(q.id, q.question, exc.kind, exc.detail))
+            continue
         # Index version and model are the same for the whole run, so they can stay out here.
         key = query_key(request.question, config, "", "")
         if key in jobs:
@@ -253,9 +258,11 @@ def run_batch(
         summary.retried = sum(1 for r in todo if r.id in statuses)
         for p in reported:  # each once: the summary only counts them
             log.warning("skipped %s:%d: %s", source, p.line, p.reason)
-        jobs, invalid = plan_jobs(
-            [r for r in todo if isinstance(r, BatchQuestion)], settings.decoding
-        )
+        with LocalRuntime(settings) as facts:  # reads model files only: no engine here
+            jobs, invalid = plan_jobs(
+                [r for r in todo if isinstance(r, BatchQuestion)],
+                AnswerPath(settings.decoding, facts=facts),
+            )
         _answer_into(
             settings,
             out,
@@ -386,10 +393,16 @@ def run_eval_systems(
     done = {(r["system"], r["id"]) for r in read_records(path)}
     jobs: dict[str, _Job] = {}
     owners: dict[str, list[tuple[str, Any]]] = {}
-    for system in systems:
-        if not system.startswith("selfrag-"):
-            continue  # the baselines stay in-process
-        cfg = config.model_copy(update={"critique": system.removeprefix("selfrag-")})
+    with LocalRuntime(settings) as facts:  # reads model files only: no engine here
+        answer_path = AnswerPath(settings.decoding, facts=facts)
+        cfgs = {
+            system: answer_path.settle(
+                config.model_copy(update={"critique": system.removeprefix("selfrag-")})
+            )
+            for system in systems
+            if system.startswith("selfrag-")  # the baselines stay in-process
+        }
+    for system, cfg in cfgs.items():
         for q in questions:
             if (system, q.id) in done:
                 continue

@@ -59,8 +59,8 @@ class BatchAnswerer:
         return {"key": keys, "result": results}
 
     def _answer_one(self, question: str, config: DecodingConfig) -> str:
-        """The outcome of one question as JSON: {status: ok, response, cache} or
-        {status: error, error: {type, message}}."""
+        """The outcome of one question, with the config the driver settled, as JSON:
+        {status: ok, response, cache} or {status: error, error: {type, message}}."""
         try:
             answer = self._path.run(question, config, self._decode, identity=self._identity)
         except AnswerError as exc:
@@ -79,7 +79,7 @@ class BatchAnswerer:
 
     def _identity(self) -> CacheIdentity:
         # Hashes the model file once per actor, and only when answers are cached.
-        return CacheIdentity(self._index_version, self._rag.answer_fingerprint())
+        return CacheIdentity(self._index_version, self._rag.model_fingerprint)
 
     def _decode(
         self,
@@ -91,9 +91,7 @@ class BatchAnswerer:
         store = self._store(deadline)
 
         def decode(critic: MergedCritic) -> AnswerResponse:
-            parts = DecoderParts(
-                lambda _source: critic, store, self._model_id, self._rag.calibrated_filters
-            )
+            parts = DecoderParts(lambda _source: critic, store, self._model_id)
             return parts.decode(question, config, on_step)
 
         return self._worker.run(config.critique, deadline, decode)

@@ -14,7 +14,6 @@ from typing import Any
 
 from selfrag.infra.corpus import load_json
 from selfrag.jobs.batch_inputs import InputProblem
-from selfrag.pipeline.critics import unresolved_filters
 from selfrag.runtime.answering import (
     query_key,
 )
@@ -65,12 +64,8 @@ def earlier_answers(path: Path, keys: set[str]) -> dict[str, tuple[str, dict[str
                 if record.get("status") != "ok":
                     continue
                 response = record["response"]
-                # The response holds the filters its critique resolved; the jobs' keys have
-                # the request's (None for a default).
-                config = unresolved_filters(
-                    DecodingConfig.model_validate(response["config"]),
-                    str(response.get("critique", "")),
-                )
+                # A response holds the settled config it was decoded with, as the jobs do.
+                config = DecodingConfig.model_validate(response["config"])
                 key = query_key(str(record["question"]), config, "", "")
             except (ValueError, KeyError, TypeError, AttributeError):
                 continue  # a torn line, or not an answer record

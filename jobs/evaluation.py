@@ -231,7 +231,7 @@ def runner_for(
     source = system.removeprefix("selfrag-")
     if source == "native" and native_token_ids(rag.engine) is None:
         raise EvalError("selfrag-native needs a Self-RAG checkpoint; this model has no tokens")
-    cfg = config.model_copy(update={"critique": source})
+    cfg = rag.answer_path.settle(config.model_copy(update={"critique": source}))
 
     def run(q: EvalQuestion) -> tuple[AnswerResponse, float | None, int]:
         extra = 0

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 from selfrag.infra.support_calibration import save_calibration
 from selfrag.pipeline.calibration import auc
 from selfrag.pipeline.critics import Branch
-from selfrag.pipeline.critics.filters import resolve_filters
+from selfrag.pipeline.critics.filters import settle_filters
 from selfrag.pipeline.protocols import COLLECTION
 from selfrag.pipeline.scoring import relevance_score, support_score
 from selfrag.pipeline.synthetic_qa import (
@@ -43,6 +43,7 @@ from selfrag.pipeline.synthetic_qa import (
     threshold_effect,
 )
 from selfrag.schemas.calibration import SupportCalibration
+from selfrag.schemas.decoding import DecodingConfig
 
 if TYPE_CHECKING:
     from selfrag.runtime.system import LocalRuntime
@@ -101,7 +102,7 @@ def score_pairs(
 
     critic = rag.critic(critique)
     # The filters an answer with the default request would use, save the threshold itself.
-    cfg = resolve_filters(rag.settings.decoding, critic.name)
+    cfg = settle_filters(rag.settings.decoding, critic.name)
     started = time.monotonic()
     out: list[PairScore] = []
     bar = tqdm(
@@ -337,11 +338,9 @@ def threshold_status(
     status`: the calibration (and whether the index changed since), else the source's
     constant (or none). Reads no model."""
     from selfrag.infra.support_calibration import calibration_path, read_calibration
-    from selfrag.pipeline.critics.filters import filter_defaults
-
     cal = read_calibration(home, model_sha256, critique)
     if cal is None:
-        value = filter_defaults(critique)["min_support_score"]
+        value = settle_filters(DecodingConfig(), critique).min_support_score
         return {"min_support_score": value, "calibrated": False}
     return {
         "min_support_score": cal.min_support_score,

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from selfrag.pipeline.branching import BranchWorker, branch_worker, reusable_draft
 from selfrag.pipeline.critics import Branch, Critic
-from selfrag.pipeline.critics.filters import resolve_filters
+from selfrag.pipeline.critics.filters import unsettled_filters
 from selfrag.pipeline.protocols import Generation, Passage, PassageSearch, Sampling
 from selfrag.pipeline.ranking import (
     Candidate,
@@ -26,8 +26,6 @@ Ranker = Callable[
     [Sequence[Hypothesis], Sequence[Hypothesis], Sequence[Drafted], DecodingConfig], StepRanking
 ]
 StepListener = Callable[[Hypothesis], None]
-CalibratedFilters = Callable[[str], Mapping[str, object]]
-"""The filter defaults calibrated on the served corpus for a critique source (by name)."""
 
 ABSTAIN_MESSAGE = "The retrieved evidence does not support an answer to this question."
 NO_ANSWER_MESSAGE = "The model produced no answer to this question."
@@ -89,12 +87,8 @@ class BeamDecoder:
         *,
         ranker: Ranker = rank_step,
         clock: Callable[[], float] = time.perf_counter,
-        calibrated: CalibratedFilters | None = None,
     ) -> None:
-        """`calibrated(name)` gives the filter defaults fitted on the served corpus for the
-        critique source `name` (`selfrag calibrate`); they come before the source's own."""
         self._critic_for = critic_for
-        self._calibrated = calibrated
         self._retriever = retriever
         self._model_id = model_id
         self._ranker = ranker
@@ -103,10 +97,15 @@ class BeamDecoder:
     def answer(
         self, question: str, config: DecodingConfig, on_step: StepListener | None = None
     ) -> AnswerResponse:
-        """Answer `question`. `on_step` sees the leading hypothesis after every step."""
+        """Answer `question` with a settled `config` (`runtime.answering.AnswerPath.config`:
+        no filter left unset). `on_step` sees the leading hypothesis after every step."""
+        unset = unsettled_filters(config)
+        if unset:
+            raise ValueError(
+                f"config.{unset[0]} is unset: the decoder takes a settled config "
+                "(AnswerPath.config, pipeline.critics.filters.settle_filters)"
+            )
         worker = branch_worker(self._critic_for(config.critique), clock=self._clock)
-        fitted = self._calibrated(worker.name) if self._calibrated is not None else None
-        config = resolve_filters(config, worker.name, fitted)
         run = _Run(config=config, clock=self._clock, started=self._clock())
         run.asked = asked_question(question, config)
         beam: list[Hypothesis] = [Hypothesis()]

@@ -1,11 +1,12 @@
 """The one answer path, shared by the CLI, the HTTP ingress, batch jobs and evaluation.
 
-`AnswerPath` owns what every entry point would otherwise decide for itself: the configured
-defaults under a request's dials, the query-cache key and its get/put (a cache outage never
-fails an answer), the deadline and cancellation (`Deadline`), and the error kinds
-(`selfrag.schemas.errors`). Entry points only supply how to decode (local engine, the Serve
-pool, a batch actor's merged calls) and translate its errors into exit codes, HTTP statuses or
-error records.
+`AnswerPath` owns what every entry point would otherwise decide for itself: the settled config
+(the configured defaults under a request's dials, the critique source resolved and its unset
+filters filled, before anything is keyed or decoded), the query-cache key and its get/put (a
+cache outage never fails an answer), the deadline and cancellation (`Deadline`), and the error
+kinds (`selfrag.schemas.errors`). Entry points only supply how to decode (local engine, the
+Serve pool, a batch actor's merged calls) and translate its errors into exit codes, HTTP
+statuses or error records.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
+from selfrag.pipeline.critics import CritiqueUnavailable, settle_filters
 from selfrag.pipeline.decoder import StepListener
 from selfrag.pipeline.ranking import Hypothesis
 from selfrag.schemas.answer import AnswerRequest, AnswerResponse, SegmentOut
@@ -34,7 +36,7 @@ log = logging.getLogger("selfrag.answering")
 
 CacheStatus = Literal["hit", "miss", "off", "error"]
 
-QUERY_KEY_FORMAT = 2
+QUERY_KEY_FORMAT = 3
 """Version of the query-key layout and of the cached answer's meaning; bump it when either
 changes so entries written by older code are never read as current."""
 
@@ -45,6 +47,37 @@ class QueryCache(Protocol):
     def get(self, key: str) -> AnswerResponse | None: ...
 
     def put(self, key: str, response: AnswerResponse) -> None: ...
+
+
+class CritiqueFacts(Protocol):
+    """What a deployment knows of its critique sources, to settle a config with."""
+
+    def critique_name(self, source: str) -> str:
+        """The concrete source `source` stands for on this model (`auto` resolved, as
+        `pipeline.critics.factory.auto_source` decides); `CritiqueUnavailable` when none."""
+        ...
+
+    def calibrated_filters(self, name: str) -> Mapping[str, object]:
+        """The filter defaults calibrated on the served corpus for the source `name`."""
+        ...
+
+
+@dataclass(frozen=True)
+class KnownCritique:
+    """`CritiqueFacts` fetched already for one requested source (the Serve ingress asks the
+    pool for them)."""
+
+    source: str
+    name: str
+    calibrated: Mapping[str, object]
+
+    def critique_name(self, source: str) -> str:
+        if source not in (self.source, self.name):
+            raise ValueError(f"facts for critique {self.source!r}, asked for {source!r}")
+        return self.name
+
+    def calibrated_filters(self, name: str) -> Mapping[str, object]:
+        return self.calibrated if name == self.name else {}
 
 
 class AnswerEvents(Protocol):
@@ -183,18 +216,20 @@ class CacheIdentity:
 
 
 class AnswerPath:
-    """Defaults, query cache, deadline and error kinds around one way of decoding."""
+    """Settled config, query cache, deadline and error kinds around one way of decoding."""
 
     def __init__(
         self,
         defaults: DecodingConfig,
         *,
+        facts: CritiqueFacts | None = None,
         cache: QueryCache | None = None,
         cache_scope: Mapping[str, Any] | None = None,
         max_timeout_s: float | None = None,
         events: AnswerEvents | None = None,
     ) -> None:
         self.defaults = defaults
+        self._facts = facts
         self.cache = cache
         self._scope = dict(cache_scope or {})
         self._max_timeout_s = max_timeout_s
@@ -205,24 +240,46 @@ class AnswerPath:
         cls,
         settings: Settings,
         *,
+        facts: CritiqueFacts | None = None,
         max_timeout_s: float | None = None,
         events: AnswerEvents | None = None,
     ) -> AnswerPath:
-        """The answer path of a deployment: its configured defaults, and the query cache (none
-        when `cache.query` is off) keyed with the deployment's scope (`query_cache_scope`). The
-        CLI and Python API, the Serve ingress and the batch actors all answer through one."""
+        """The answer path of a deployment: its configured defaults, its critique `facts`, and
+        the query cache (none when `cache.query` is off) keyed with the deployment's scope
+        (`query_cache_scope`). The CLI and Python API, the Serve ingress and the batch actors
+        all answer through one."""
         from selfrag.infra.answer_cache import open_query_cache
 
         return cls(
             settings.decoding,
+            facts=facts,
             cache=open_query_cache(settings),
             cache_scope=query_cache_scope(settings),
             max_timeout_s=max_timeout_s,
             events=events,
         )
 
-    def config(self, request: AnswerRequest) -> DecodingConfig:
-        """The request's dials over the defaults; refused when past the server's limits."""
+    def config(self, request: AnswerRequest, facts: CritiqueFacts | None = None) -> DecodingConfig:
+        """The settled config of `request` (`requested`, then `settle`)."""
+        return self.settle(self.requested(request), facts)
+
+    def settle(self, config: DecodingConfig, facts: CritiqueFacts | None = None) -> DecodingConfig:
+        """`config` as it is decoded and keyed: its critique source resolved to the concrete
+        one (`auto` to native, learned or likelihood) and its unset filters filled
+        (`pipeline.critics.filters.settle_filters`), by `facts` (else the path's own). A source
+        this model cannot run is `Unprocessable`. A settled config settles to itself."""
+        facts = facts or self._facts
+        if facts is None:
+            raise ValueError("AnswerPath.settle needs the deployment's CritiqueFacts")
+        try:
+            name = facts.critique_name(config.critique)
+        except CritiqueUnavailable as exc:
+            raise Unprocessable(str(exc)) from exc
+        return settle_filters(config, name, facts.calibrated_filters(name))
+
+    def requested(self, request: AnswerRequest) -> DecodingConfig:
+        """The request's dials over the defaults, not settled yet; refused when past the
+        server's limits."""
         config = request.config.apply_to(self.defaults)
         if request.max_tokens is not None:
             config = config.within_tokens(request.max_tokens)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from selfrag.pipeline.branching import BranchWorker
 from selfrag.pipeline.critics import Critic
-from selfrag.pipeline.decoder import BeamDecoder, CalibratedFilters, Ranker, StepListener
+from selfrag.pipeline.decoder import BeamDecoder, Ranker, StepListener
 from selfrag.pipeline.protocols import PassageSearch
 from selfrag.pipeline.ranking import rank_step
 from selfrag.schemas.answer import AnswerResponse
@@ -25,25 +25,18 @@ class DecoderParts:
     """Where one answer's decoder finds its parts."""
 
     critique: Callable[[str], Critic | BranchWorker]
-    """The critique a request's source names (`auto`, `learned`, ...): a `Critic` of this
+    """The critique a settled config names (`learned`, `likelihood`, ...): a `Critic` of this
     process, or a `BranchWorker` that runs a step's critique work elsewhere."""
     retriever: PassageSearch
     model_id: str
-    calibrated: CalibratedFilters | None = None
-    """The filter defaults calibrated on the served corpus, by critique source name."""
     ranker: Ranker = rank_step
 
     def decoder(self) -> BeamDecoder:
-        return BeamDecoder(
-            self.critique,
-            self.retriever,
-            self.model_id,
-            ranker=self.ranker,
-            calibrated=self.calibrated,
-        )
+        return BeamDecoder(self.critique, self.retriever, self.model_id, ranker=self.ranker)
 
     def decode(
         self, question: str, config: DecodingConfig, on_step: StepListener | None = None
     ) -> AnswerResponse:
-        """Answer `question` with a decoder on these parts (it keeps to `config.timeout_s`)."""
+        """Answer `question` with a decoder on these parts: `config` is settled (the answer
+        path's); the decoder keeps to its `timeout_s`."""
         return self.decoder().answer(question, config, on_step)

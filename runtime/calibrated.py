@@ -2,8 +2,9 @@
 
 `selfrag calibrate` (and the end of `selfrag index`) writes a `SupportCalibration` per model
 file and critique source; answers whose request leaves `min_support_score` unset take it
-(`pipeline.critics.filters.filter_defaults`). A source with a constant default and no
-calibration keeps the constant, with a warning once per process, model file and source.
+when the answer path settles their config (`pipeline.critics.filters.settle_filters`). A
+source with a constant default and no calibration keeps the constant, with a warning once per
+process, model file and source.
 """
 
 from __future__ import annotations
@@ -67,16 +68,6 @@ class CalibratedDefaults:
         if constant:
             warn_uncalibrated(self._sha(), critique, constant)
         return {}
-
-    def cache_tag(self, critiques: tuple[str, ...]) -> str:
-        """What the calibrations of `critiques` add to the query cache's model identity: a
-        new threshold changes answers that left it unset."""
-        tags = []
-        for critique in critiques:
-            cal = self.calibration(critique)
-            if cal is not None:
-                tags.append(f" support-{critique}:{cal.min_support_score!r}")
-        return "".join(tags)
 
     def forget(self) -> None:
         """Read the calibrations from disk again at the next answer."""

@@ -18,11 +18,13 @@ from selfrag.infra.engine_threads import apply_wait_policy
 from selfrag.infra.lifecycle import Closeable
 from selfrag.pipeline.answerability import AnswerabilityError, AnswerabilityModel
 from selfrag.pipeline.critics import (
+    RESERVED_PIECES,
     Critic,
     CritiqueUnavailable,
     make_critic,
     with_answerability,
 )
+from selfrag.pipeline.critics.factory import auto_source
 from selfrag.pipeline.decoder import StepListener
 from selfrag.pipeline.heads import HeadsError, ReflectionHeads
 from selfrag.runtime.answering import (
@@ -38,8 +40,8 @@ from selfrag.schemas.decoding import DecodingConfig
 from selfrag.schemas.settings import ModelSettings, Settings
 
 log = logging.getLogger(__name__)
-# The critique sources (all but `auto`): each may have an answerability model and a calibrated
-# support threshold, both part of an answer's cache identity.
+# The critique sources (all but `auto`): each may have an answerability model (part of the
+# model's cache identity) and a calibrated support threshold (part of a settled config).
 CRITIQUE_SOURCES = ("learned", "likelihood", "prompted", "native")
 
 if TYPE_CHECKING:  # heavy modules (llama.cpp, Qdrant) load only when a component is built
@@ -102,7 +104,9 @@ class LocalRuntime(Closeable):
             return self.engine.model_id
         from selfrag.infra.model_files import file_sha256
 
-        fingerprint = f"{self.engine.model_id} sha256:{file_sha256(self.model_path)}"
+        # The engine's model id, without loading the engine (the batch driver has none).
+        model_id = model_id_for(self.settings.model, self.model_path)
+        fingerprint = f"{model_id} sha256:{file_sha256(self.model_path)}"
         if self.heads_file is not None:
             # Retrained heads change the learned critique's answers.
             fingerprint += f" heads:{file_sha256(self.heads_file)}"
@@ -162,9 +166,7 @@ class LocalRuntime(Closeable):
     @cached_property
     def parts(self) -> DecoderParts:
         """This process's decoder parts: its critique sources, store and engine."""
-        return DecoderParts(
-            self.critic, self.store, self.engine.model_id, calibrated=self.calibrated_filters
-        )
+        return DecoderParts(self.critic, self.store, self.engine.model_id)
 
     @cached_property
     def calibrated(self) -> CalibratedDefaults:
@@ -184,12 +186,21 @@ class LocalRuntime(Closeable):
             return {}
         return self.calibrated.filters(critique)
 
-    def answer_fingerprint(self) -> str:
-        """`model_fingerprint` and the calibrated thresholds: what the query cache keys an
-        answer by besides the index (a recalibration changes answers that left it unset)."""
-        if self.settings.model.backend == "vllm":
-            return self.model_fingerprint
-        return self.model_fingerprint + self.calibrated.cache_tag(CRITIQUE_SOURCES)
+    def critique_name(self, source: str) -> str:
+        """The concrete critique source `source` stands for on this model: `auto` as
+        `auto_source` decides, from the model file's header (reflection tokens) and whether it
+        has a heads file, without loading llama.cpp; a vLLM server's model is asked."""
+        if source != "auto":
+            return source
+        if self.settings.model.backend != "llama_cpp":
+            return self.critic(source).name
+        from selfrag.infra.model_files import gguf_special_tokens
+
+        native = set(RESERVED_PIECES) <= gguf_special_tokens(self.model_path)
+        name = auto_source(native=native, learned=self.heads_file is not None)
+        if name == "likelihood":
+            warn_missing_heads(self.model_path)
+        return name
 
     @cached_property
     def heads_file(self) -> Path | None:
@@ -270,11 +281,12 @@ class LocalRuntime(Closeable):
 
     @cached_property
     def answer_path(self) -> AnswerPath:
-        """The answer path of this process (`AnswerPath.for_settings`)."""
-        return AnswerPath.for_settings(self.settings)
+        """The answer path of this process (`AnswerPath.for_settings`), settling configs with
+        this runtime's critique facts."""
+        return AnswerPath.for_settings(self.settings, facts=self)
 
     def cache_identity(self) -> CacheIdentity:
-        return CacheIdentity(self.store.index_version(), self.answer_fingerprint())
+        return CacheIdentity(self.store.index_version(), self.model_fingerprint)
 
     def decode(
         self,
@@ -289,7 +301,7 @@ class LocalRuntime(Closeable):
     def answer_config(
         self, question: str, config: DecodingConfig, on_step: StepListener | None = None
     ) -> Answer:
-        """Answer with an effective config, through the answer path."""
+        """Answer with a settled config (`answer_path.config`), through the answer path."""
         return self.answer_path.run(
             question, config, self.decode, identity=self.cache_identity, on_step=on_step
         )

@@ -78,6 +78,8 @@ class FakeService:
     )
     ready_error: Exception | None = None
     seen: list[AnswerRequest] = field(default_factory=list)
+    configs_given: list[DecodingConfig | None] = field(default_factory=list)
+    """The `config` each `run` was handed (None: the service works it out)."""
     metrics: Metrics | None = None
     scrapes: int = 0
     script: Callable[[str, DecodingConfig], AnswerResponse] = scripted_response
@@ -87,12 +89,18 @@ class FakeService:
         config = request.config.apply_to(DecodingConfig())
         return config if request.max_tokens is None else config.within_tokens(request.max_tokens)
 
-    async def run(self, request: AnswerRequest, on_step: StepListener | None = None) -> Answer:
+    async def run(
+        self,
+        request: AnswerRequest,
+        on_step: StepListener | None = None,
+        config: DecodingConfig | None = None,
+    ) -> Answer:
         self.seen.append(request)
+        self.configs_given.append(config)
         await asyncio.sleep(self.delay_s)
         if self.fail is not None:
             raise self.fail
-        r = self.script(request.question, self.config(request))
+        r = self.script(request.question, config or self.config(request))
         if on_step is not None:
             # Steps come from a worker thread in the real service.
             def steps() -> None:

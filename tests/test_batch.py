@@ -35,8 +35,8 @@ from selfrag.jobs.ray_pool import (
     Resources,
     plan_resources,
 )
-from selfrag.pipeline.critics import Branch
-from selfrag.runtime.answering import AnswerPath
+from selfrag.pipeline.critics import Branch, settle_filters
+from selfrag.runtime.answering import AnswerPath, KnownCritique
 from selfrag.runtime.merging import CallMerger
 from selfrag.schemas.decoding import DecodingConfig
 from tests.fakes import ScriptedCritic
@@ -323,6 +323,11 @@ def test_retry_failed_answers_again_only_the_ids_whose_last_record_is_an_error(t
     assert by_id["c"]["error"]["type"] == "malformed" and by_id["c"]["line"] == 3
 
 
+def _settling(defaults: DecodingConfig) -> AnswerPath:
+    """An answer path settling configs as a model whose `auto` is the likelihood critique."""
+    return AnswerPath(defaults, facts=KnownCritique("auto", "likelihood", {}))
+
+
 def test_duplicates_share_a_job_and_bad_config_is_an_error_record():
     qs = [
         BatchQuestion("1", "Who founded Normandy?", {}, 1),
@@ -331,8 +336,9 @@ def test_duplicates_share_a_job_and_bad_config_is_an_error_record():
         BatchQuestion("4", "Bad", {"top_k": 0}, 4),
         BatchQuestion("5", "Bad", {"nonsense": 1}, 5),
     ]
-    jobs, errors = plan_jobs(qs, DecodingConfig())
+    jobs, errors = plan_jobs(qs, _settling(DecodingConfig()))
     assert [j.ids for j in jobs] == [["1", "2"], ["3"]]
+    assert all(j.config.critique == "likelihood" and j.config.min_relevance == 0 for j in jobs)
     assert [(e["id"], e["status"], e["error"]["type"]) for e in errors] == [
         ("4", "error", "invalid"),
         ("5", "error", "invalid"),
@@ -343,9 +349,10 @@ def test_duplicates_share_a_job_and_bad_config_is_an_error_record():
 def test_a_duplicate_of_an_id_answered_by_an_earlier_run_reuses_its_answer(tmp_path: Path):
     """A killed run may have written the first id of a duplicate but not the others; the next
     run must not decode the question again."""
-    config = DecodingConfig(top_k=2)
-    jobs, _ = plan_jobs([BatchQuestion("dup", "WHO founded Normandy?", {"top_k": 2}, 1)], config)
-    response = {"answer": "Rollo", "config": config.model_dump(mode="json")}
+    path = _settling(DecodingConfig(top_k=2))
+    jobs, _ = plan_jobs([BatchQuestion("dup", "WHO founded Normandy?", {"top_k": 2}, 1)], path)
+    # The earlier run's response holds the settled config it was decoded with.
+    response = {"answer": "Rollo", "config": jobs[0].config.model_dump(mode="json")}
     out = tmp_path / "a.jsonl"
     out.write_text(
         json.dumps(
@@ -356,7 +363,7 @@ def test_a_duplicate_of_an_id_answered_by_an_earlier_run_reuses_its_answer(tmp_p
         + "\n{torn"
     )
     assert earlier_answers(out, {jobs[0].key}) == {jobs[0].key: ("q0", response)}
-    other, _ = plan_jobs([BatchQuestion("x", "Who founded Normandy?", {"top_k": 3}, 1)], config)
+    other, _ = plan_jobs([BatchQuestion("x", "Who founded Normandy?", {"top_k": 3}, 1)], path)
     assert earlier_answers(out, {other[0].key}) == {}  # another config is another answer
 
 
@@ -535,18 +542,19 @@ def test_a_question_past_its_timeout_gets_an_error_record():
     actor = object.__new__(BatchAnswerer)
     actor._rag = SimpleNamespace(  # type: ignore[attr-defined]
         critic=lambda source: critic,
-        calibrated_filters=lambda name: {},
         store=ListRetriever([Passage("p1", "Rollo founded Normandy.")]),
     )
     actor._retriever = None  # type: ignore[attr-defined]
     actor._index_version, actor._model_id = "v", "m"  # type: ignore[attr-defined]
     actor._path = AnswerPath(DecodingConfig())  # type: ignore[attr-defined]
     actor._worker = _worker_without_engine(actor._rag, critic)  # type: ignore[attr-defined]
-    config = DecodingConfig(mode="always", timeout_s=0.1)
+    # The driver hands the actor settled configs.
+    config = settle_filters(DecodingConfig(mode="always", timeout_s=0.1), "scripted")
     outcome = json.loads(actor._answer_one("Who founded Normandy?", config))
     assert outcome["status"] == "error" and outcome["error"]["type"] == "deadline_exceeded"
     assert "timeout_s=0.1" in outcome["error"]["message"]
-    ok = json.loads(actor._answer_one("Who founded Normandy?", DecodingConfig(mode="always")))
+    settled = settle_filters(DecodingConfig(mode="always"), "scripted")
+    ok = json.loads(actor._answer_one("Who founded Normandy?", settled))
     assert ok["status"] == "ok" and ok["response"]["answer"]
 
 
@@ -566,8 +574,7 @@ def test_batch_caches_answers_under_the_online_endpoints_key():
     actor = object.__new__(BatchAnswerer)
     actor._rag = SimpleNamespace(  # type: ignore[attr-defined]
         critic=lambda source: critic,
-        calibrated_filters=lambda name: {},
-        answer_fingerprint=lambda: "m sha256:abc",
+        model_fingerprint="m sha256:abc",
         store=ListRetriever([Passage("p1", "Rollo founded Normandy.")]),
     )
     actor._retriever = None  # type: ignore[attr-defined]
@@ -578,7 +585,7 @@ def test_batch_caches_answers_under_the_online_endpoints_key():
         DecodingConfig(), cache=cache, cache_scope=scope
     )
     actor._worker = _worker_without_engine(actor._rag, critic)  # type: ignore[attr-defined]
-    config = DecodingConfig(mode="always")
+    config = settle_filters(DecodingConfig(mode="always"), "scripted")
     assert json.loads(actor._answer_one("Who founded Normandy?", config))["cache"] == "miss"
     assert list(cache) == [query_key("Who founded Normandy?", config, "v", "m sha256:abc", scope)]
     assert json.loads(actor._answer_one("who founded normandy?", config))["cache"] == "hit"
@@ -850,7 +857,7 @@ def test_a_question_of_only_control_or_zero_width_characters_is_an_invalid_recor
         BatchQuestion("ok", "Who founded Normandy?", {}, 1),
         BatchQuestion("blank", "\u200b\u200c\x07\x1b\ufeff", {}, 2),
     ]
-    jobs, errors = plan_jobs(questions, DecodingConfig())
+    jobs, errors = plan_jobs(questions, _settling(DecodingConfig()))
     assert [j.ids for j in jobs] == [["ok"]]
     assert [e["id"] for e in errors] == ["blank"]
     assert errors[0]["error"]["type"] == "invalid"

@@ -1,5 +1,6 @@
 import pytest
 
+from selfrag.pipeline.critics import settle_filters
 from selfrag.pipeline.decoder import ABSTAIN_MESSAGE, BeamDecoder
 from selfrag.pipeline.protocols import Passage
 from selfrag.schemas.decoding import DecodingConfig
@@ -28,7 +29,8 @@ def cfg(**kw) -> DecodingConfig:
         "length_normalize": False,
         "max_drafts": 50,
     }
-    return DecodingConfig(**{**base, **kw})
+    # Settled as the answer path would for the scripted critic (no filter defaults: off).
+    return settle_filters(DecodingConfig(**{**base, **kw}), "scripted")
 
 
 def test_best_branch_wins_and_carries_citation_and_scores():
@@ -107,7 +109,8 @@ def test_max_drafts_drafts_the_most_relevant_passages_only():
 def test_by_default_only_the_most_relevant_passage_drafts():
     critic = ScriptedCritic(relevance_of={"p1": 0.8, "p2": 0.9, "p3": 0.85})
     decoder, _ = make(critic)
-    out = decoder.answer("q", DecodingConfig(mode="always", max_segments=1, relevance_margin=1.0))
+    config = DecodingConfig(mode="always", max_segments=1, relevance_margin=1.0)
+    out = decoder.answer("q", settle_filters(config, "scripted"))
     assert out.usage.branches_pruned == 2  # p1 and p3: the budget, not the filters
     assert "draft:2" in critic.calls  # p2 and the no-retrieval branch
     assert out.segments[0].citation.passage_id == "p2"

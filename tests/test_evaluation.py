@@ -76,16 +76,24 @@ SQUAD = {
 
 
 class FakeRag:
-    """What the evaluation uses of `LocalRuntime`: engine, store, critic(), answer_config()."""
+    """What the evaluation uses of `LocalRuntime`: engine, store, critic(), answer_path (its
+    critique facts), answer_config()."""
 
     def __init__(self) -> None:
         self.engine = WordModel(draft_text=" Rollo founded it.")
         self.store = ListRetriever([Passage("p1", "Rollo founded Normandy in France.", "Normans")])
         self.critic_obj = ScriptedCritic(drafts={"p1": (" Rollo founded it.", -1.0, "eos")})
         self.decoder = BeamDecoder(lambda _: self.critic_obj, self.store, "fake")
+        self.answer_path = AnswerPath(DecodingConfig(), facts=self)
 
     def critic(self, source: str) -> ScriptedCritic:
         return self.critic_obj
+
+    def critique_name(self, source: str) -> str:
+        return source
+
+    def calibrated_filters(self, name: str) -> dict[str, object]:
+        return {}
 
     def answer_config(self, question: str, config: DecodingConfig) -> Answer:
         path = AnswerPath(config)

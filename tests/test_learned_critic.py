@@ -18,6 +18,7 @@ from selfrag.pipeline.critics import (
     NativeChatCritic,
     NativeCritic,
     make_critic,
+    settle_filters,
 )
 from selfrag.pipeline.critics.likelihood import LikelihoodCritic
 from selfrag.pipeline.decoder import ABSTAIN_MESSAGE, BeamDecoder
@@ -281,7 +282,7 @@ def decode(heads: ReflectionHeads, **config: object) -> tuple[AnswerResponse, Re
     critic = LearnedCritic(model, heads)
     decoder = BeamDecoder(lambda _: critic, ListRetriever([ROLLO, PARIS]), "word-model")
     cfg = DecodingConfig(**{"mode": "always", "top_k": 2, "max_segments": 1, **config})
-    return decoder.answer(QUESTION, cfg), model
+    return decoder.answer(QUESTION, settle_filters(cfg, "learned")), model
 
 
 def test_min_relevance_prunes_the_passage_the_head_calls_irrelevant() -> None:
@@ -334,16 +335,16 @@ def test_min_support_abstains_when_the_support_head_says_none_for_every_branch()
 
 
 def test_unset_filters_take_the_learned_critiques_defaults() -> None:
-    from selfrag.pipeline.critics import CRITIQUE_FILTERS, resolve_filters
+    from selfrag.pipeline.critics import CRITIQUE_FILTERS
 
     out, _ = decode(make_heads())
     for name, value in CRITIQUE_FILTERS["learned"].items():
         assert getattr(out.config, name) == value
     # A request's own values win, and other critiques keep filters off by default.
     assert (
-        resolve_filters(DecodingConfig(min_support_score=0.1), "learned").min_support_score == 0.1
+        settle_filters(DecodingConfig(min_support_score=0.1), "learned").min_support_score == 0.1
     )
-    plain = resolve_filters(DecodingConfig(), "likelihood")
+    plain = settle_filters(DecodingConfig(), "likelihood")
     assert (plain.min_relevance, plain.min_support, plain.min_support_score) == (0.0, "none", 0.0)
 
 
@@ -352,13 +353,3 @@ def test_min_support_score_filters_grounded_branches_by_s_sup() -> None:
     assert out.abstained
     passed, _ = decode(make_heads(), min_support_score=0.3)
     assert not passed.abstained and passed.segments[0].s_sup >= 0.3
-
-
-def test_unresolved_filters_inverts_resolve_filters() -> None:
-    from selfrag.pipeline.critics import resolve_filters, unresolved_filters
-
-    for source in ("learned", "likelihood"):
-        request = DecodingConfig(top_k=2)
-        assert unresolved_filters(resolve_filters(request, source), source) == request
-    chosen = DecodingConfig(min_support_score=0.7)
-    assert unresolved_filters(resolve_filters(chosen, "learned"), "learned") == chosen

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from selfrag.pipeline.critics import Branch, make_critic
+from selfrag.pipeline.critics import Branch, make_critic, settle_filters
 from selfrag.pipeline.critics.likelihood import LikelihoodCritic, support_probs
 from selfrag.pipeline.decoder import BeamDecoder
 from selfrag.pipeline.protocols import ContinuationScores, Passage
@@ -92,7 +92,7 @@ def test_closed_book_probe_is_reused_as_the_no_retrieval_draft():
         lambda _: LikelihoodCritic(fresh, probe_tokens=48), ListRetriever([GOOD]), "toy"
     )
     cfg = DecodingConfig(mode="adaptive", threshold=0.0, max_segments=1, max_segment_tokens=48)
-    response = decoder.answer(QUESTION, cfg)
+    response = decoder.answer(QUESTION, settle_filters(cfg, "likelihood"))
     assert sorted(generated) == [False, True]
     assert response.usage.branches_opened == 2
 
@@ -124,6 +124,6 @@ def test_make_critic_and_the_decoder_accept_the_likelihood_source():
     assert critic.name == "likelihood"
     decoder = BeamDecoder(lambda _: critic, ListRetriever([GOOD, BAD]), "toy")
     cfg = DecodingConfig(critique="likelihood", mode="adaptive", threshold=0.0, max_segments=1)
-    response = decoder.answer(QUESTION, cfg)
+    response = decoder.answer(QUESTION, settle_filters(cfg, "likelihood"))
     assert response.critique == "likelihood"
     assert response.segments and response.segments[0].p_ret is not None

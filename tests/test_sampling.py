@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from selfrag.infra.token_choice import TokenChooser
-from selfrag.pipeline.critics import Branch
+from selfrag.pipeline.critics import Branch, settle_filters
 from selfrag.pipeline.decoder import BeamDecoder, asked_question, draft_sampling
 from selfrag.pipeline.protocols import GenerationRequest, Passage, Sampling
 from selfrag.schemas.decoding import DecodingConfig
@@ -79,7 +79,7 @@ def test_the_decoder_drafts_with_the_configs_sampling_and_instructions():
     config = DecodingConfig(
         mode="always", temperature=0.7, top_p=0.9, seed=5, instructions="Answer in French."
     )
-    response = decoder.answer("Who founded Normandy?", config)
+    response = decoder.answer("Who founded Normandy?", settle_filters(config, critic.name))
     assert response.question == "Who founded Normandy?"
     assert critic.drafted
     assert {b.sampling for b in critic.drafted} == {Sampling(0.7, 0.9, 5)}

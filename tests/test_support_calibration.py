@@ -22,7 +22,7 @@ from selfrag.infra.support_calibration import (
     save_calibration,
 )
 from selfrag.pipeline.critics import Branch, LabelProbs
-from selfrag.pipeline.critics.filters import resolve_filters
+from selfrag.pipeline.critics.filters import settle_filters
 from selfrag.pipeline.decoder import BeamDecoder
 from selfrag.pipeline.metrics import contains_answer
 from selfrag.pipeline.protocols import Generation, Passage
@@ -35,7 +35,9 @@ from selfrag.pipeline.synthetic_qa import (
     synthetic_pairs,
 )
 from selfrag.runtime import calibrated as calibrated_module
+from selfrag.runtime.answering import AnswerPath, KnownCritique
 from selfrag.runtime.calibrated import CalibratedDefaults
+from selfrag.schemas.answer import AnswerResponse
 from selfrag.schemas.calibration import SupportCalibration
 from selfrag.schemas.decoding import DecodingConfig
 from tests.fakes import ListRetriever, ScriptedCritic
@@ -209,14 +211,14 @@ def test_an_unreadable_calibration_is_ignored_with_a_warning(
 
 def test_request_value_before_calibrated_before_the_constant() -> None:
     calibrated = {"min_support_score": 0.52}
-    assert resolve_filters(DecodingConfig(), "learned", calibrated).min_support_score == 0.52
-    assert resolve_filters(DecodingConfig(), "learned").min_support_score == 0.36
+    assert settle_filters(DecodingConfig(), "learned", calibrated).min_support_score == 0.52
+    assert settle_filters(DecodingConfig(), "learned").min_support_score == 0.36
     asked = DecodingConfig(min_support_score=0.1)
-    assert resolve_filters(asked, "learned", calibrated).min_support_score == 0.1
+    assert settle_filters(asked, "learned", calibrated).min_support_score == 0.1
     # The calibration fits the threshold only; the other filters keep the source's defaults.
-    assert resolve_filters(DecodingConfig(), "learned", calibrated).min_relevance == 0.5
+    assert settle_filters(DecodingConfig(), "learned", calibrated).min_relevance == 0.5
     # A source without a constant takes its calibrated threshold too.
-    assert resolve_filters(DecodingConfig(), "likelihood", calibrated).min_support_score == 0.52
+    assert settle_filters(DecodingConfig(), "likelihood", calibrated).min_support_score == 0.52
 
 
 def test_uncalibrated_constant_warns_once(
@@ -231,14 +233,14 @@ def test_uncalibrated_constant_warns_once(
     assert caplog.text.count("was not calibrated on this corpus") == 1
 
 
-def _decoder(critic: ScriptedCritic, calibrated: dict[str, object] | None) -> BeamDecoder:
+def _answer(
+    critic: ScriptedCritic, calibrated: dict[str, object], config: DecodingConfig
+) -> AnswerResponse:
+    """`config` settled by the answer path with `calibrated` for the critic, then decoded."""
     retriever = ListRetriever([Passage("p1", "Rollo led the Normans.", "Normans")])
-    return BeamDecoder(
-        lambda _: critic,
-        retriever,
-        "fake",
-        calibrated=(lambda name: calibrated or {}) if calibrated is not None else None,
-    )
+    facts = KnownCritique(config.critique, critic.name, calibrated)
+    settled = AnswerPath(DecodingConfig()).settle(config, facts)
+    return BeamDecoder(lambda _: critic, retriever, "fake").answer("Who?", settled)
 
 
 def test_the_decoder_abstains_by_the_calibrated_threshold_unless_the_request_sets_one() -> None:
@@ -250,11 +252,12 @@ def test_the_decoder_abstains_by_the_calibrated_threshold_unless_the_request_set
     )
     config = DecodingConfig(mode="always", top_k=1)
     # The constant 0.36 keeps the answer; a calibrated 0.52 abstains; a request's 0.4 rules.
-    assert not _decoder(critic, None).answer("Who?", config).abstained
-    calibrated = _decoder(critic, {"min_support_score": 0.52}).answer("Who?", config)
+    assert not _answer(critic, {}, config).abstained
+    calibrated = _answer(critic, {"min_support_score": 0.52}, config)
     assert calibrated.abstained and calibrated.config.min_support_score == 0.52
+    assert calibrated.config.critique == "learned"  # `auto`, settled to the source it ran
     asked = config.model_copy(update={"min_support_score": 0.4})
-    assert not _decoder(critic, {"min_support_score": 0.52}).answer("Who?", asked).abstained
+    assert not _answer(critic, {"min_support_score": 0.52}, asked).abstained
 
 
 # --- the job, on scripted critique ------------------------------------------------------------

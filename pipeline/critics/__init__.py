@@ -46,8 +46,8 @@ from selfrag.pipeline.critics.factory import (
 from selfrag.pipeline.critics.filters import (
     CRITIQUE_FILTERS,
     FILTERS_OFF,
-    resolve_filters,
-    unresolved_filters,
+    settle_filters,
+    unsettled_filters,
 )
 from selfrag.pipeline.critics.learned import LearnedCritic
 from selfrag.pipeline.critics.likelihood import LikelihoodCritic
@@ -89,8 +89,8 @@ __all__ = [
     "read_relevance",
     "read_requests",
     "read_support",
-    "resolve_filters",
+    "settle_filters",
     "source_critic",
-    "unresolved_filters",
+    "unsettled_filters",
     "with_answerability",
 ]

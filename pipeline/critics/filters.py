@@ -1,4 +1,4 @@
-"""Hard-filter defaults per critique source, and their resolution in a request's config."""
+"""Hard-filter defaults per critique source, and the settling of a request's filters."""
 
 from __future__ import annotations
 
@@ -23,29 +23,22 @@ CRITIQUE_FILTERS: dict[str, dict[str, object]] = {
 }
 
 
-def filter_defaults(
-    critique: str, calibrated: Mapping[str, object] | None = None
-) -> dict[str, object]:
-    """The value each filter takes when a request leaves it unset, in this order: what was
-    calibrated on the served corpus for this model and source (`calibrated`, e.g. its
-    `min_support_score`), else the source's constant default, else off."""
-    return {**FILTERS_OFF, **CRITIQUE_FILTERS.get(critique, {}), **(calibrated or {})}
-
-
-def resolve_filters(
-    config: DecodingConfig, critique: str, calibrated: Mapping[str, object] | None = None
+def settle_filters(
+    config: DecodingConfig, source: str, calibrated: Mapping[str, object] | None = None
 ) -> DecodingConfig:
-    """`config` with unset filters (None) replaced by `filter_defaults`."""
-    defaults = filter_defaults(critique, calibrated)
-    unset = {name: defaults[name] for name in FILTERS_OFF if getattr(config, name) is None}
-    return config.model_copy(update=unset) if unset else config
+    """`config` settled for the concrete critique `source` (not `auto`): its critique set to
+    `source`, and each filter it leaves unset (None) filled with what was calibrated on the
+    served corpus for this model and source (`calibrated`), else the source's constant default
+    (`CRITIQUE_FILTERS`), else off (`FILTERS_OFF`). Filters the request set stay as they are."""
+    defaults = {**FILTERS_OFF, **CRITIQUE_FILTERS.get(source, {}), **(calibrated or {})}
+    update: dict[str, object] = {
+        name: defaults[name] for name in FILTERS_OFF if getattr(config, name) is None
+    }
+    if config.critique != source:
+        update["critique"] = source
+    return config.model_copy(update=update) if update else config
 
 
-def unresolved_filters(
-    config: DecodingConfig, critique: str, calibrated: Mapping[str, object] | None = None
-) -> DecodingConfig:
-    """The inverse of `resolve_filters`: filters equal to the default back to None (a
-    response's config, as the request that asked for the defaults would have it)."""
-    defaults = filter_defaults(critique, calibrated)
-    same = {name: None for name in FILTERS_OFF if getattr(config, name) == defaults[name]}
-    return config.model_copy(update=same) if same else config
+def unsettled_filters(config: DecodingConfig) -> list[str]:
+    """The filters `config` still leaves unset (None): it was not settled (`settle_filters`)."""
+    return [name for name in FILTERS_OFF if getattr(config, name) is None]
