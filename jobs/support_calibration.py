@@ -338,6 +338,7 @@ def threshold_status(
     status`: the calibration (and whether the index changed since), else the source's
     constant (or none). Reads no model."""
     from selfrag.infra.support_calibration import calibration_path, read_calibration
+
     cal = read_calibration(home, model_sha256, critique)
     if cal is None:
         value = settle_filters(DecodingConfig(), critique).min_support_score

@@ -341,9 +341,7 @@ def test_unset_filters_take_the_learned_critiques_defaults() -> None:
     for name, value in CRITIQUE_FILTERS["learned"].items():
         assert getattr(out.config, name) == value
     # A request's own values win, and other critiques keep filters off by default.
-    assert (
-        settle_filters(DecodingConfig(min_support_score=0.1), "learned").min_support_score == 0.1
-    )
+    assert settle_filters(DecodingConfig(min_support_score=0.1), "learned").min_support_score == 0.1
     plain = settle_filters(DecodingConfig(), "likelihood")
     assert (plain.min_relevance, plain.min_support, plain.min_support_score) == (0.0, "none", 0.0)
 
