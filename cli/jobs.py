@@ -169,8 +169,13 @@ def cmd_batch(args: argparse.Namespace) -> int:
         raise CLIError("--per-actor must be at least 1")
     if args.actor_cpus is not None and args.actor_cpus <= 0:
         raise CLIError("--actor-cpus must be above 0")
+    settings = settings_from_args(args)
+    if settings.model.backend == "llama_cpp":
+        from selfrag.infra.model_presets import recheck_model
+
+        recheck_model(settings.model, settings.home)  # its bytes, not its remembered hash
     summary = run_batch(
-        settings_from_args(args),
+        settings,
         args.questions,
         args.out,
         actors=args.actors,

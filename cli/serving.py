@@ -32,10 +32,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     # Loud and early, before the model check and Ray: an open port without keys answers anyone.
     warn_if_open(host)
     if settings.model.backend == "llama_cpp":
+        from selfrag.infra.model_presets import recheck_model
         from selfrag.runtime.system import LocalRuntime
 
         # Fail here, naming the file, before Ray starts: a missing or corrupt model, or one no
         # CPU backend can run, would otherwise surface as a replica that keeps failing to start.
+        recheck_model(settings.model, settings.home)  # its bytes, not its remembered hash
         _check_model_runs(LocalRuntime(settings).model_path, settings.model.n_threads)
     from ray import serve
 

@@ -15,6 +15,7 @@ import importlib.util
 import json
 import logging
 import os
+import shutil
 import struct
 import tempfile
 import threading
@@ -174,13 +175,27 @@ def derive_once(target: Path, make: Callable[[Path], None]) -> Path:
         os.close(fd)
         tmp_path = Path(tmp_name)
         try:
-            make(tmp_path)
+            try:
+                make(tmp_path)
+            except (OSError, ModelFileError) as exc:
+                raise ModelFileError(
+                    f"could not write {target}: {exc}{_space_left(target)}"
+                ) from exc
             _check_magic_of(tmp_path, source=f"the file made for {target}")
             tmp_path.chmod(0o644)  # mkstemp creates 0600; the copy is as readable as a download
             os.replace(tmp_path, target)
         finally:
             tmp_path.unlink(missing_ok=True)
     return target
+
+
+def _space_left(target: Path) -> str:
+    """ "; N MiB free on <folder>" where the file system of `target` says so."""
+    try:
+        free = shutil.disk_usage(target.parent).free
+    except OSError:
+        return ""
+    return f" ({free / 2**20:,.0f} MiB free in {target.parent})"
 
 
 @contextmanager
@@ -238,15 +253,21 @@ def file_sha256(path: Path) -> str:
     )
     value = _remembered_sha(record, stamp)
     if value is None:
-        digest = hashlib.sha256()
-        with resolved.open("rb") as fh:
-            while chunk := fh.read(1 << 22):
-                digest.update(chunk)
-        value = digest.hexdigest()
+        value = hash_file(resolved)
         _remember_sha(record, {**stamp, "sha256": value})
     with _sha_lock:
         _sha_cache[key] = value
     return value
+
+
+def hash_file(path: Path) -> str:
+    """Hex SHA-256 of the bytes in `path` now, nothing remembered (`file_sha256` trusts a
+    file whose path, size, mtime and inode are unchanged)."""
+    digest = hashlib.sha256()
+    with path.open("rb") as fh:
+        while chunk := fh.read(1 << 22):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 def sha256_cache_dir() -> Path:

@@ -35,6 +35,7 @@ from selfrag.infra.model_files import (
     download_model,
     file_sha256,
     gguf_file_type,
+    hash_file,
     package_file,
 )
 from selfrag.schemas.settings import DEFAULT_PRESET, ModelSettings
@@ -207,6 +208,36 @@ def preset_file(p: ModelPreset, home: Path) -> Path:
         log.warning("%s does not match its pinned SHA-256: joining it again", target)
         target.unlink(missing_ok=True)
     return derive_once(target, lambda tmp: _join(p, [q for q in paths if q is not None], tmp))
+
+
+def recheck_model(settings: ModelSettings, home: Path) -> None:
+    """Hash the configured preset's file again, byte for byte, against its pinned SHA-256: a
+    server or a batch calls this when it starts, since `file_sha256` trusts a file whose path,
+    size, mtime and inode are unchanged, which a write that restores the mtime keeps. A joined
+    file that differs is removed with a warning (loading joins it again); a package's own file
+    that differs is a `ModelFileError` naming it. Costs one read of the file (docs/cluster.md);
+    nothing for `model.path` or a preset not installed (loading says what is missing)."""
+    if settings.path is not None:
+        return
+    p = preset(settings.preset)
+    if missing_parts(p):
+        return
+    path = joined_path(p, home) if p.split else part_path(p.parts[0])
+    if path is None or not path.is_file():
+        return
+    try:
+        got = hash_file(path)
+    except OSError as exc:
+        raise ModelFileError(f"cannot read {path}: {exc}") from exc
+    if got == p.sha256:
+        return
+    if not p.split:
+        raise ModelFileError(
+            f"{path} has SHA-256 {got}, not the pinned {p.sha256}: its bytes changed since "
+            f"it was installed; reinstall it with `{p.install_command}`"
+        )
+    log.warning("%s does not match its pinned SHA-256 (its bytes changed): joining it again", path)
+    path.unlink(missing_ok=True)
 
 
 def _join(p: ModelPreset, paths: Sequence[Path], out: Path) -> None:

@@ -451,3 +451,108 @@ def test_the_special_tokens_read_from_the_header_are_ggufs_own() -> None:
     types = reader.fields["tokenizer.ggml.token_type"].contents()
     expected = {str(t) for t, k in zip(tokens, types, strict=True) if int(k) in (3, 4)}
     assert gguf_special_tokens(path) == expected and "<|im_start|>" in expected
+
+
+def test_a_joined_file_overwritten_with_its_mtime_restored_is_caught_when_a_server_starts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The remembered hash trusts (path, size, mtime, inode): new bytes of the same size under
+    the old mtime were served with no warning. `recheck_model` reads the bytes again."""
+    import os
+
+    from selfrag.infra.model_files import file_sha256
+
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    p = _fake_preset(tmp_path / "site", PIECES, name="split")
+    monkeypatch.setattr(model_presets, "PRESETS", {"split": p})
+    settings = ModelSettings.model_construct(
+        **{**ModelSettings().model_dump(), "preset": "split", "weights": "original"}
+    )
+    home = tmp_path / "home"
+    path = preset_file(p, home)
+    assert file_sha256(path) == p.sha256
+    model_presets.recheck_model(settings, home)  # unchanged: kept
+    assert path.is_file()
+    before = path.stat()
+    with path.open("r+b") as fh:  # same size, same inode
+        fh.seek(100)
+        fh.write(b"X" * 50)
+    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+    assert file_sha256(path) == p.sha256  # what it trusted
+    with caplog.at_level(logging.WARNING):
+        model_presets.recheck_model(settings, home)
+    assert "does not match its pinned SHA-256" in caplog.text and str(path) in caplog.text
+    assert preset_file(p, home).read_bytes() == b"".join(PIECES)  # joined again
+
+
+def test_a_packaged_model_file_that_changed_is_refused_when_a_server_starts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    p = _fake_preset(tmp_path / "site", [b"GGUF" + b"a" * 100], name="one")
+    monkeypatch.setattr(model_presets, "PRESETS", {"one": p})
+    settings = ModelSettings.model_construct(
+        **{**ModelSettings().model_dump(), "preset": "one", "weights": "original"}
+    )
+    model_presets.recheck_model(settings, tmp_path / "home")
+    (tmp_path / "site" / p.parts[0].module / p.parts[0].file).write_bytes(b"GGUF" + b"b" * 100)
+    with pytest.raises(ModelFileError, match=f"not the pinned {p.sha256}") as err:
+        model_presets.recheck_model(settings, tmp_path / "home")
+    assert p.parts[0].file in str(err.value)
+
+
+FULL_DISK = """
+import sys, subprocess
+from pathlib import Path
+from selfrag.infra import model_files
+from selfrag.infra.model_files import ModelFileError
+from selfrag.infra.model_presets import preset_file
+from tests.test_model_presets import _fake_preset
+
+site, home = Path(sys.argv[1]), Path(sys.argv[2])
+subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(home)], check=True)
+sys.path.insert(0, str(site))
+p = _fake_preset(site, [b"GGUF" + b"a" * 200_000, b"b" * 200_000])
+for make in (
+    lambda: preset_file(p, home),
+    lambda: model_files.derive_weights(model_files.default_model_path(), "f16", home),
+):
+    try:
+        make()
+        print("no error")
+    except ModelFileError as exc:
+        print(exc)
+print(sorted(f.name for f in (home / "models").iterdir() if not f.name.endswith(".lock")))
+"""
+
+
+@pytest.mark.real
+def test_a_full_disk_while_joining_or_deriving_names_the_file(tmp_path: Path) -> None:
+    """On a file system of 256 KiB (a tmpfs of its own, in a mount namespace of its own):
+    the error names the file being written and the space left, and no partial file stays."""
+    import subprocess
+    import sys
+
+    home = tmp_path / "home"
+    home.mkdir()
+    try:
+        done = subprocess.run(
+            ["unshare", "--mount", "--", sys.executable, "-c", FULL_DISK, str(tmp_path), str(home)],
+            cwd=Path(__file__).resolve().parents[1],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+    except FileNotFoundError:
+        pytest.skip("no `unshare` (util-linux) here")
+    if "mount" in done.stderr and "permission denied" in done.stderr.lower():
+        pytest.skip("this process may not mount a tmpfs (not root)")
+    assert done.returncode == 0, done.stderr[-3000:]
+    joined, derived, left = done.stdout.strip().splitlines()[-3:]
+    assert (
+        joined.startswith(f"could not write {home}/models/fake-model.")
+        and "No space left" in joined
+    )
+    assert "MiB free in" in joined
+    assert derived.startswith(f"could not write {home}/models/SmolLM2-135M-Instruct.Q4_1."), derived
+    assert left == "[]"
