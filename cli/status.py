@@ -192,12 +192,21 @@ def render_models(rows: Sequence[dict[str, Any]]) -> str:
             lines.append(f"    not installed: missing {', '.join(r['missing'])}")
             lines.append(f"    install: {r['install']}")
             continue
-        if r["path"] is None:
+        derived = r.get("derives_to")
+        if derived is not None:
+            lines.append(f"    file     derived on first use into {derived}")
+            lines.append(f"             from {r['derived_from']}")
+        elif r["path"] is None:
             lines.append(f"    file     joined on first use into {r['joins_to']}")
         else:
             lines.append(f"    file     {r['path']}")
-        lines.append(f"    size     {r['size'] / 2**20:,.1f} MiB  sha256 {r['sha256'][:12]}")
-        heads = r["heads"] or "none: critique 'auto' falls back to 'likelihood' (selfrag train)"
+        of = " (of the source)" if derived is not None else ""
+        size = f"{r['size'] / 2**20:,.1f} MiB  sha256 {r['sha256'][:12]}{of}"
+        lines.append(f"    size     {size}")
+        if derived is not None and r["heads"] is None:
+            heads = "looked up by the derived copy's SHA-256 once it is made"
+        else:
+            heads = r["heads"] or "none: critique 'auto' falls back to 'likelihood' (selfrag train)"
         lines.append(f"    heads    {heads}")
         if "license" in r:
             lines.append(f"    license  {r['license']} (shipped as {r['file_type']})")

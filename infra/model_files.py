@@ -141,21 +141,27 @@ def derive_weights(src: Path, fmt: WeightFormat, home: Path) -> Path:
     (or `src` when there is none). The cache key is the source's SHA-256 plus the format, so a
     changed source file gets a new copy.
     """
+    derived = derived_format(src, fmt)
+    if derived is None:
+        return src
+    ftype = FORMAT_FTYPE[derived]
+    return derive_once(derived_path(src, derived, home), lambda tmp: _quantize(src, tmp, ftype))
+
+
+def derived_format(src: Path, fmt: WeightFormat) -> DerivedFormat | None:
+    """The format `derive_weights(src, fmt, …)` converts `src` to; None when it loads `src`
+    as it is. Reads the file's header only."""
     if fmt not in get_args(WeightFormat):
         raise ModelFileError(
             f"unknown weight format {fmt!r}; expected one of {get_args(WeightFormat)}"
         )
     check_gguf(src)
     if fmt == "original":
-        return src
+        return None
     if fmt == "auto":
         ftype = gguf_file_type(src)
-        auto = AUTO_FORMAT.get(ftype) if ftype is not None else None
-        if auto is None:
-            return src
-        fmt = auto
-    ftype = FORMAT_FTYPE[fmt]
-    return derive_once(derived_path(src, fmt, home), lambda tmp: _quantize(src, tmp, ftype))
+        return AUTO_FORMAT.get(ftype) if ftype is not None else None
+    return fmt
 
 
 def derive_once(target: Path, make: Callable[[Path], None]) -> Path:

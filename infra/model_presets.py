@@ -32,6 +32,8 @@ from selfrag.infra.model_files import (
     check_gguf,
     derive_once,
     derive_weights,
+    derived_format,
+    derived_path,
     download_model,
     file_sha256,
     gguf_file_type,
@@ -368,7 +370,20 @@ def _heads_of(sha: str, settings: ModelSettings, home: Path, active: bool) -> st
 
 
 def _loaded(source: Path, settings: ModelSettings, home: Path, active: bool) -> dict[str, Any]:
-    path = derive_weights(source, settings.weights, home)
+    """The row of the file the engine loads from `source`. A derived copy not made yet is not
+    made here (an F16 copy of SmolLM2 is 258 MiB): it is listed as `derives_to`, with its
+    source's size and hash, and heads None (the copy's own hash names its heads)."""
+    fmt = derived_format(source, settings.weights)
+    path = source if fmt is None else derived_path(source, fmt, home)
+    if not path.is_file():
+        return {
+            "path": None,
+            "derives_to": str(path),
+            "derived_from": str(source),
+            "size": source.stat().st_size,
+            "sha256": file_sha256(source),
+            "heads": str(settings.heads) if active and settings.heads is not None else None,
+        }
     sha = file_sha256(path)
     return {
         "path": str(path),

@@ -556,3 +556,19 @@ def test_a_full_disk_while_joining_or_deriving_names_the_file(tmp_path: Path) ->
     assert "MiB free in" in joined
     assert derived.startswith(f"could not write {home}/models/SmolLM2-135M-Instruct.Q4_1."), derived
     assert left == "[]"
+
+
+@pytest.mark.real
+def test_selfrag_models_on_a_fresh_home_derives_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Listing wrote a 258 MiB F16 copy of SmolLM2 (model.weights = auto) into a fresh home."""
+    monkeypatch.setattr(model_presets, "PRESETS", {"smollm2": PRESETS["smollm2"]})
+    home = tmp_path / "home"
+    assert main(["--home", str(home), "models", "--json"]) == 0
+    [row] = json.loads(capsys.readouterr().out)
+    assert row["path"] is None and row["derives_to"].endswith(".f16.gguf"), row
+    assert row["sha256"] == PRESETS["smollm2"].sha256  # the source's, as it is installed
+    assert not (home / "models").exists() or not any((home / "models").glob("*.gguf"))
+    assert main(["--home", str(home), "models"]) == 0
+    assert "derived on first use into" in capsys.readouterr().out
