@@ -123,7 +123,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     config = DecodingConfig(**{**SMALL_CONFIG, "mode": "adaptive", "max_segments": 2})
     config = config.model_copy(update={"critique": args.critique})
     with LocalRuntime(load_settings()) as rag:
-        recorder = Recorder(LocalBranchWorker(rag.critic(args.critique)), args.critique)
+        config = rag.answer_path.settle(config)  # as the ingress settles it before decoding
+        recorder = Recorder(LocalBranchWorker(rag.critic(config.critique)), config.critique)
         parts = DecoderParts(
             lambda _: recorder,  # type: ignore[arg-type,return-value]
             RecordingRetriever(rag.store, recorder),  # type: ignore[arg-type]

@@ -71,7 +71,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
     settings = settings_from_args(args)
     with LocalRuntime(settings) as rag:
         ensure_indexed(rag, args.corpus, progress=not args.no_progress)
-        config = overrides.apply_to(settings.decoding)
+        # Settled per system (its critique source) by runner_for and run_eval_systems.
+        config = rag.answer_path.dials(overrides)
         if args.ray:
             from selfrag.jobs.batch import run_eval_systems
 

@@ -27,7 +27,7 @@ from selfrag.pipeline.critics import CritiqueUnavailable, settle_filters
 from selfrag.pipeline.decoder import StepListener
 from selfrag.pipeline.ranking import Hypothesis
 from selfrag.schemas.answer import AnswerRequest, AnswerResponse, SegmentOut
-from selfrag.schemas.decoding import DecodingConfig
+from selfrag.schemas.decoding import DecodingConfig, DecodingOverrides
 from selfrag.schemas.errors import AnswerError, Cancelled, DeadlineExceeded, Unprocessable
 from selfrag.schemas.events import SegmentEvent
 from selfrag.schemas.settings import Settings
@@ -277,10 +277,14 @@ class AnswerPath:
             raise Unprocessable(str(exc)) from exc
         return settle_filters(config, name, facts.calibrated_filters(name))
 
+    def dials(self, overrides: DecodingOverrides) -> DecodingConfig:
+        """The defaults under `overrides` (a request's or a command's dials), not settled."""
+        return overrides.apply_to(self.defaults)
+
     def requested(self, request: AnswerRequest) -> DecodingConfig:
         """The request's dials over the defaults, not settled yet; refused when past the
         server's limits."""
-        config = request.config.apply_to(self.defaults)
+        config = self.dials(request.config)
         if request.max_tokens is not None:
             config = config.within_tokens(request.max_tokens)
         if self._max_timeout_s is not None and config.timeout_s > self._max_timeout_s:
