@@ -20,6 +20,7 @@ from pydantic import ValidationError
 
 from selfrag.cli.answering import cmd_ask
 from selfrag.cli.common import EXIT_FAILED, EXIT_USAGE, CLIError
+from selfrag.cli.documents import cmd_docs
 from selfrag.cli.jobs import cmd_batch, cmd_calibrate, cmd_eval, cmd_index, cmd_train
 from selfrag.cli.parser import build_parser
 from selfrag.cli.serving import cmd_serve
@@ -29,6 +30,7 @@ from selfrag.schemas.errors import AnswerError
 
 COMMANDS = {
     "index": cmd_index,
+    "docs": cmd_docs,
     "ask": cmd_ask,
     "serve": cmd_serve,
     "config": cmd_config,

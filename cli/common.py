@@ -39,6 +39,8 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         overrides["home"] = str(args.home)
     if getattr(args, "model", None) is not None:
         overrides["model"] = model_override(args.model)
+    if getattr(args, "collection", None) is not None:
+        overrides["retrieval"] = {"collection": args.collection}
     return load_settings(config_path=args.config, overrides=overrides)
 
 

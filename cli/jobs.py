@@ -27,11 +27,19 @@ def cmd_index(args: argparse.Namespace) -> int:
     with SelfRAG(settings) as rag:
         for path in args.paths:
             # Each skipped record is logged (WARNING) once by the indexing job itself.
-            [report] = rag.index(path, progress=not args.no_progress)
+            [report] = rag.index(
+                path, progress=not args.no_progress, follow_links=args.follow_links
+            )
             failed += len(report.errors)
             print(
                 f"{path}: {report.documents} documents, {report.passages} passages indexed"
                 + (f", {len(report.errors)} skipped" if report.errors else "")
+                + (
+                    f", {report.removed} removed ({report.removed_passages} passages: gone "
+                    "from it since it was last indexed)"
+                    if report.removed
+                    else ""
+                )
             )
         print(f"index: {rag.count()} passages in {settings.home}")
         if args.paths and not args.no_calibrate and rag.count() > 0:

@@ -73,9 +73,21 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p_index = sub.add_parser("index", help="Index JSONL, SQuAD JSON, or a folder of .txt/.md.")
+    p_index = sub.add_parser(
+        "index",
+        help="Index JSONL, SQuAD JSON, .txt/.md/.pdf/.html files, or folders of them; what is "
+        "gone from a file or folder since its last index is removed.",
+    )
     p_index.add_argument("paths", nargs="*", type=Path)
     p_index.add_argument("--no-progress", action="store_true")
+    p_index.add_argument(
+        "--follow-links",
+        action="store_true",
+        help="Also read files and folders that symbolic links in a folder point to outside it "
+        "(by default they are reported and not read; /proc, /sys and /dev never are).",
+    )
+    _collection_flag(p_index)
+    _model_flag(p_index)
     p_index.add_argument(
         "--precompute-kv",
         action="store_true",
@@ -88,6 +100,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="Skip fitting the support threshold on the index afterwards (`selfrag calibrate` "
         "does it alone; about 2 min with the default model, whatever the corpus size).",
     )
+
+    _docs_parser(sub)
 
     p_ask = sub.add_parser("ask", help="Answer a question from the index.")
     p_ask.add_argument("question")
@@ -126,6 +140,33 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _docs_parser(sub: Any) -> None:
+    p_docs = sub.add_parser("docs", help="List the indexed documents, or remove some.")
+    docs = p_docs.add_subparsers(dest="docs_command", required=True)
+    p_list = docs.add_parser("list", help="Id, passages, when indexed, title and source.")
+    p_list.add_argument("--json", action="store_true")
+    _collection_flag(p_list)
+    p_rm = docs.add_parser(
+        "rm",
+        help="Remove documents: their passages leave every search, and no cached answer "
+        "citing them is served again.",
+    )
+    p_rm.add_argument(
+        "refs", nargs="+", metavar="ID|PATH", help="A document id, or a file or folder indexed."
+    )
+    p_rm.add_argument("--json", action="store_true")
+    _collection_flag(p_rm)
+
+
+def _collection_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--collection",
+        metavar="NAME",
+        help="The index collection to use (default: retrieval.collection, 'passages'); "
+        "several corpora kept apart in one home.",
+    )
+
+
 def _batch_parser(sub: Any) -> None:
     p = sub.add_parser("batch", help="Answer a file of questions on Ray Data (resumable).")
     p.add_argument("questions", type=Path, help="JSONL {id?, question, config?}, CSV or Parquet.")
@@ -162,6 +203,7 @@ def _batch_parser(sub: Any) -> None:
     p.add_argument("--shard", help="i/n: keep every n-th input row from the i-th (0-based).")
     p.add_argument("--address", help="Ray cluster address (default: a private local instance).")
     p.add_argument("--no-progress", action="store_true")
+    _model_flag(p)
 
 
 def _dataset_args(p: argparse.ArgumentParser, optional: bool = False) -> None:

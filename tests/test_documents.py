@@ -320,3 +320,52 @@ def test_a_removal_lasts_after_a_restart(tmp_path: Path) -> None:
         assert "notes.txt" not in {Path(d.source or "").name for d in store.documents()}
         assert not [p for p in store.passages() if "lava" in p.text.lower()]
         assert store.index_version() == version
+
+
+# --- the CLI ---------------------------------------------------------------------------------
+
+
+@pytest.mark.real
+def test_cli_docs_list_rm_and_reindex_removal(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from selfrag.cli import main
+
+    folder = _folder(tmp_path)
+    (folder / "evil.txt").write_text("Title with \x1b]0;PWNED\x07 escape.", encoding="utf-8")
+    home = ["--home", str(tmp_path / "home")]
+    index = [*home, "index", "--no-progress", "--no-calibrate"]
+    assert main([*index, str(folder)]) == 0
+    capsys.readouterr()
+    assert main([*home, "docs", "list", "--json"]) == 0
+    listed = json.loads(capsys.readouterr().out)
+    assert {Path(d["source"]).name for d in listed} == {
+        "notes.txt",
+        "guide.md",
+        "paper.pdf",
+        "evil.txt",
+    }
+    assert main([*home, "docs", "list"]) == 0
+    table = capsys.readouterr().out
+    assert "\x1b" not in table and "4 documents" in table
+
+    (folder / "notes.txt").unlink()
+    assert main([*index, str(folder)]) == 0
+    assert "1 removed (1 passages: gone from it" in capsys.readouterr().out
+
+    paper = next(d["id"] for d in listed if d["source"].endswith("paper.pdf"))
+    assert main([*home, "docs", "rm", paper, str(folder / "guide.md"), "nothing-here"]) == 1
+    out = capsys.readouterr().out
+    assert "removed 2 documents" in out and "no indexed document is nothing-here" in out
+    assert main([*home, "docs", "list", "--json"]) == 0
+    assert [Path(d["source"]).name for d in json.loads(capsys.readouterr().out)] == ["evil.txt"]
+
+    # Another collection in the same home is kept apart.
+    other = tmp_path / "other.jsonl"
+    other.write_text(json.dumps({"id": "o", "text": "Other corpus."}) + "\n", encoding="utf-8")
+    assert main([*index, "--collection", "second", str(other)]) == 0
+    capsys.readouterr()
+    assert main([*home, "docs", "list", "--json", "--collection", "second"]) == 0
+    assert [d["id"] for d in json.loads(capsys.readouterr().out)] == ["o"]
+    assert main([*home, "docs", "list", "--json"]) == 0
+    assert [Path(d["source"]).name for d in json.loads(capsys.readouterr().out)] == ["evil.txt"]
