@@ -232,3 +232,33 @@ def test_a_resumed_batch_with_a_calibration_decodes_no_duplicate_twice(
     by_id = {r["id"]: r for r in map(json.loads, out.read_text().splitlines())}
     assert by_id["dup"]["duplicate_of"] == "q0"
     assert by_id["dup"]["response"] == by_id["q0"]["response"]
+
+
+# --- the streamed OpenAI route --------------------------------------------------------------------
+
+
+def test_the_streamed_openai_route_hands_run_the_config_it_checked() -> None:
+    """The route reads the beam of the config before streaming; the service is handed that
+    config instead of working it out again."""
+    import httpx
+
+    from selfrag.actors.http import build_http_app, parse_api_keys
+    from selfrag.actors.metrics import Metrics
+    from tests.http_fakes import FakeService, live_server
+
+    service = FakeService()
+    app = build_http_app(service, Metrics(), api_keys=parse_api_keys("sk-k"), retry_after_s=3)
+    body = {"model": "selfrag", "messages": [{"role": "user", "content": "q"}], "stream": True}
+    with (
+        live_server(app) as base,
+        httpx.stream(
+            "POST",
+            base + "/v1/chat/completions",
+            json=body,
+            headers={"Authorization": "Bearer sk-k"},
+        ) as r,
+    ):
+        assert r.status_code == 200
+        assert [line for line in r.iter_lines() if line][-1] == "data: [DONE]"
+    [given] = service.configs_given
+    assert given is not None and given == service.config(service.seen[0])
