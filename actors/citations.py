@@ -9,23 +9,52 @@
   cited. LobeChat reads it from a stream's closing chunk (and Perplexity, xAI and litellm
   clients from a response), while it ignores annotations on chunks that carry text.
 
-A passage's URL is its document's own (the corpus record's `url`), else
-`selfrag://passage/<id>` with the id percent-encoded, which names the passage stably.
+A passage's URL is its document's own (the corpus record's `url`, without credentials and with
+a non-ASCII host in its `xn--` form), else `selfrag://passage/<id>` with the id
+percent-encoded, which names the passage stably. Titles go out as plain text.
 """
 
 from __future__ import annotations
 
-from urllib.parse import quote
+from urllib.parse import quote, urlsplit, urlunsplit
 
 from selfrag.schemas.answer import AnswerResponse, Citation, SegmentOut
 from selfrag.schemas.openai import Annotation, URLCitation
+from selfrag.schemas.text import plain_title
 
 PASSAGE_URL_PREFIX = "selfrag://passage/"
 
 
 def passage_url(citation: Citation) -> str:
-    """The URL a client links the citation to."""
-    return citation.url or PASSAGE_URL_PREFIX + quote(citation.passage_id, safe="")
+    """The URL a client links the citation to: the document's own as `link_url` shows it,
+    else the passage's."""
+    own = link_url(citation.url) if citation.url else None
+    return own or PASSAGE_URL_PREFIX + quote(citation.passage_id, safe="")
+
+
+def link_url(url: str) -> str | None:
+    """`url` as a client may link it: credentials (`user:pass@`, which can also hide the real
+    host behind a name: `https://bank.example@evil.example/`) dropped, and a host of non-ASCII
+    letters spelt in its ASCII (IDNA) form, so a look-alike of another script shows as the
+    `xn--` name it is; None when it is no absolute http(s) URL or its host has no such form."""
+    try:
+        parts = urlsplit(url)
+        host, port = parts.hostname, parts.port
+    except ValueError:  # a bad port, an unclosed IPv6 bracket
+        return None
+    if parts.scheme.lower() not in ("http", "https") or not host:
+        return None
+    if any(c.isspace() or not c.isprintable() for c in url):
+        return None
+    if not host.isascii():
+        try:
+            host = host.encode("idna").decode("ascii")
+        except UnicodeError:
+            return None
+    netloc = f"[{host}]" if ":" in host else host
+    if port is not None:
+        netloc += f":{port}"
+    return urlunsplit((parts.scheme.lower(), netloc, parts.path, parts.query, parts.fragment))
 
 
 class AnswerText:
@@ -53,7 +82,7 @@ def annotation(citation: Citation, start: int, end: int) -> Annotation:
             start_index=start,
             end_index=end,
             url=passage_url(citation),
-            title=citation.title or citation.passage_id,
+            title=plain_title(citation.title or "") or citation.passage_id,
         )
     )
 

@@ -17,6 +17,8 @@ _BIDI = "\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069"
 _TERMINAL_UNSAFE = re.compile(f"[\x00-\x08\x0b-\x1f\x7f-\x9f{_BIDI}]")
 # Categories that show nothing: controls, format (zero-width) characters, separators (spaces).
 _INVISIBLE_CATEGORIES = frozenset({"Cc", "Cf", "Zs", "Zl", "Zp"})
+# An HTML tag (or what a browser would take for one).
+_TAG = re.compile(r"<[^<>]*>")
 # Fillers that render blank though Unicode classes them as letters or symbols.
 _BLANK_FILLERS = frozenset("\u115f\u1160\u3164\uffa0\u2800")
 
@@ -34,3 +36,11 @@ def has_visible_text(text: str) -> bool:
         unicodedata.category(ch) not in _INVISIBLE_CATEGORIES and ch not in _BLANK_FILLERS
         for ch in text
     )
+
+
+def plain_title(text: str) -> str:
+    """A title as plain text for a client that may render it as HTML or print it: tags and
+    terminal control characters dropped, whitespace runs one space, a stray `<` or `>`
+    escaped."""
+    plain = " ".join(terminal_safe(_TAG.sub(" ", text)).split())
+    return plain.replace("<", "&lt;").replace(">", "&gt;")

@@ -150,3 +150,39 @@ def test_an_answer_joined_differently_gets_no_wrong_span() -> None:
     r = _response([_segment(" Rollo founded Normandy.", Citation(passage_id="p1"))])
     r.answer = "Rollo, who founded Normandy."
     assert annotations(r) == []
+
+
+@pytest.mark.parametrize(
+    ("url", "shown"),
+    [
+        ("https://user:pass@docs.example/a?b=c#d", "https://docs.example/a?b=c#d"),
+        ("https://bank.example@evil.example/login", "https://evil.example/login"),
+        ("HTTPS://token@Docs.Example:8443/x", "https://docs.example:8443/x"),
+        # Cyrillic "а" and "о": shown as the punycode name they are.
+        ("https://p\u0430yp\u0430l.example/", "https://xn--pypl-53dc.example/"),
+        ("https://g\u043e\u043egle.example/a", "https://xn--ggle-55da.example/a"),
+        ("https://[::1]:8080/p", "https://[::1]:8080/p"),
+        ("https://en.wikipedia.org/wiki/Rollo", "https://en.wikipedia.org/wiki/Rollo"),
+    ],
+)
+def test_a_cited_url_goes_out_without_credentials_and_with_a_look_alike_host_spelt_out(
+    url: str, shown: str
+) -> None:
+    r = _response([_segment("Rollo founded Normandy.", Citation(passage_id="p1", url=url))])
+    assert passage_url(Citation(passage_id="p1", url=url)) == shown
+    assert [a.url_citation.url for a in annotations(r)] == [shown]
+    assert cited_urls(r) == [shown]
+
+
+@pytest.mark.parametrize("url", ["javascript:alert(1)", "https://", "https://a b.example/"])
+def test_a_cited_url_that_is_no_http_link_falls_back_to_the_passages(url: str) -> None:
+    assert passage_url(Citation(passage_id="p1", url=url)) == "selfrag://passage/p1"
+
+
+def test_annotation_titles_go_out_as_plain_text() -> None:
+    title = '<img src=x onerror="alert(1)">Normans\x1b]0;PWNED\x07 \u202e<b>history</b> 1 < 2'
+    r = _response([_segment("Rollo founded Normandy.", Citation(passage_id="p1", title=title))])
+    [note] = annotations(r)
+    assert note.url_citation.title == "Normans]0;PWNED history 1 &lt; 2"
+    bare = _response([_segment("Rollo.", Citation(passage_id="p1", title="<i></i>\x07"))])
+    assert annotations(bare)[0].url_citation.title == "p1"
