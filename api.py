@@ -21,7 +21,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from selfrag.jobs.indexing import IndexReport, index_corpus, remove_documents
+from selfrag.jobs.indexing import IndexReport, index_corpus
 from selfrag.pipeline.decoder import StepListener
 from selfrag.pipeline.ranking import Hypothesis
 from selfrag.runtime.answering import Answer, LeaderSegments
@@ -103,7 +103,7 @@ class SelfRAG:
         """Take documents out of the index: each ref a document id, or the file or folder
         they were indexed from. Their passages leave every search and no cached answer that
         cites them is served again (the index version changes)."""
-        return remove_documents(self.system.store, [str(r) for r in refs])
+        return self.system.store.remove([str(r) for r in refs])
 
     def precompute_kv(self, progress: bool = False) -> KVPrecompute:
         """Save every indexed passage's KV state to the disk tier (`HOME/kv`), so answers

@@ -257,6 +257,7 @@ class SelfRAGIngress:
             retry_after_s=self._serve_settings.retry_after_s,
             log_questions=self._serve_settings.log_questions,
             model_name=self._serve_settings.model_name,
+            documents=self._service,
             # The address the proxies really bind (actors/app.py puts it in serve.host).
             bind_host=self._serve_settings.host,
             allowed_hosts=self._serve_settings.allowed_hosts,

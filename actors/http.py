@@ -31,6 +31,7 @@ from pydantic import SecretStr
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from selfrag.actors.documents_api import DocumentService, add_document_routes
 from selfrag.actors.guards import HostCheck, SharedReadiness, require_json
 from selfrag.actors.metrics import Metrics
 from selfrag.actors.openai_api import add_openai_routes, is_openai_path
@@ -290,6 +291,7 @@ def build_http_app(
     allowed_hosts: Sequence[str] = (),
     readiness_ttl_s: float = 1.0,
     request_id_header: bool = True,
+    documents: DocumentService | None = None,
 ) -> FastAPI:
     """The FastAPI app. With `api_keys`, `/v1/*` and `/metrics` need one of them as
     `Authorization: Bearer <key>` or `X-API-Key: <key>`; probes, the OpenAPI document and
@@ -340,6 +342,8 @@ def build_http_app(
         keepalive_s=keepalive_s,
         retry_after_s=retry_after_s,
     )
+    if documents is not None:
+        add_document_routes(app, documents, authed, keys_set=bool(api_keys))
     add_playground(app)
     return app
 

@@ -41,6 +41,7 @@ from selfrag.runtime.assembly import DecoderParts
 from selfrag.runtime.remote_retriever import POLL_S, RemoteRetriever
 from selfrag.schemas.answer import AnswerRequest, AnswerResponse
 from selfrag.schemas.decoding import DecodingConfig
+from selfrag.schemas.documents import DocumentInfo, Removal
 from selfrag.schemas.errors import (
     AnswerError,
     DeadlineExceeded,
@@ -403,6 +404,21 @@ class ServeAnswerService:
         return self._calibrated[critic_name]
 
     # --- probes --------------------------------------------------------------------------------
+
+    # --- documents -------------------------------------------------------------------------------
+
+    async def documents(self) -> list[DocumentInfo]:
+        """The indexed documents (the Retriever's store)."""
+        with service_errors():
+            return await _awaited(self._retriever.documents.remote())  # type: ignore[no-any-return]
+
+    async def remove(self, refs: list[str]) -> Removal:
+        """Remove documents; the next answer reads the new index version (no cached answer
+        citing them is served)."""
+        with service_errors():
+            removal: Removal = await _awaited(self._retriever.remove.remote(refs))
+        self._index_version = None
+        return removal
 
     async def readiness(self) -> dict[str, bool]:
         async def probe(handle: DeploymentHandle, timeout_s: float) -> bool:

@@ -30,7 +30,7 @@ from selfrag.infra.qdrant_engine import (
 from selfrag.infra.qdrant_facts import NO_VERSION, adopt, check_facts, new_facts, replaced_by
 from selfrag.infra.qdrant_server import ServerEngine
 from selfrag.pipeline.protocols import COLLECTION, Passage
-from selfrag.schemas.documents import DocumentInfo
+from selfrag.schemas.documents import DocumentInfo, Removal
 from selfrag.schemas.settings import RetrievalSettings
 
 # The store's public API; the errors and `point_id` are defined in infra.qdrant_engine.
@@ -246,6 +246,13 @@ class QdrantStore(Closeable):
         """The ids of the documents named by `refs` (ids, or paths of files or folders they
         were indexed from), and the refs that name none."""
         return matching(self.documents(), refs)
+
+    def remove(self, refs: Sequence[str]) -> Removal:
+        """Remove the documents `refs` name (ids, or files or folders they were indexed from)
+        and say what went, and which refs named nothing."""
+        ids, unmatched = self.match_documents(refs)
+        passages = self.remove_documents(ids)
+        return Removal(documents=ids, passages=passages, unmatched=unmatched)
 
     def remove_documents(self, doc_ids: Collection[str], *, bump_version: bool = True) -> int:
         """Delete every passage of `doc_ids` (dense and BM25 vectors with it); returns how many

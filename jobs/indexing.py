@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -26,7 +26,6 @@ from selfrag.infra.corpus import (
 from selfrag.infra.passages import Counter
 from selfrag.infra.qdrant_store import QdrantStore
 from selfrag.pipeline.protocols import COLLECTION, Passage
-from selfrag.schemas.documents import Removal
 from selfrag.schemas.settings import RetrievalSettings
 
 log = logging.getLogger(__name__)
@@ -200,9 +199,3 @@ def index_corpus(
         report.seconds = time.perf_counter() - started
     return report
 
-
-def remove_documents(store: QdrantStore, refs: Sequence[str]) -> Removal:
-    """Remove the documents `refs` name (ids, or files or folders they were indexed from)."""
-    ids, unmatched = store.match_documents(refs)
-    passages = store.remove_documents(ids)
-    return Removal(documents=ids, passages=passages, unmatched=unmatched)

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, TypeVar
 
 from selfrag.pipeline.protocols import Passage
+from selfrag.schemas.documents import DocumentInfo, Removal
 from selfrag.schemas.errors import DependencyDown, Misconfigured
 from selfrag.schemas.settings import Settings
 
@@ -120,6 +121,14 @@ class PassageService:
             raise DependencyDown(
                 f"the passage store does not answer: {type(exc).__name__}"
             ) from None
+
+    def documents(self) -> list[DocumentInfo]:
+        """The indexed documents."""
+        return self._searching(lambda store: store.documents())
+
+    def remove(self, refs: list[str]) -> Removal:
+        """Remove the documents `refs` name (ids, or files or folders indexed)."""
+        return self._searching(lambda store: store.remove(refs))
 
     def ready(self) -> bool:
         try:

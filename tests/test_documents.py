@@ -16,7 +16,8 @@ from selfrag.infra.corpus import CorpusError, Document, read_documents, split_do
 from selfrag.infra.embedder import SentenceEmbedder
 from selfrag.infra.passages import CHARS_PER_PIECE, markdown_blocks
 from selfrag.infra.qdrant_store import QdrantStore
-from selfrag.jobs.indexing import PieceCounter, corpus_passages, index_corpus, remove_documents
+from selfrag.jobs.indexing import PieceCounter, corpus_passages, index_corpus
+from selfrag.schemas.documents import DocumentInfo, Removal
 from selfrag.schemas.settings import RetrievalSettings
 from tests.corpus_files import HTML_PAGE, write_pdf
 from tests.fakes import HashEmbedder
@@ -276,7 +277,7 @@ def test_documents_are_listed_removed_and_gone_ones_leave_on_reindex(
 
     # Removal by id and by path; a ref that names nothing is reported, not an error.
     version = store.index_version()
-    removal = remove_documents(store, [docs["paper.pdf"].id, str(folder / "guide.md"), "nope"])
+    removal = store.remove([docs["paper.pdf"].id, str(folder / "guide.md"), "nope"])
     assert sorted(removal.documents) == sorted([docs["paper.pdf"].id, docs["guide.md"].id])
     assert removal.unmatched == ["nope"]
     assert removal.passages > 0 and store.count() == 0 and store.documents() == []
@@ -300,7 +301,7 @@ def test_removing_a_folder_leaves_other_corpora(store: QdrantStore, tmp_path: Pa
     other.write_text(json.dumps({"id": "keep", "text": "Kept."}) + "\n", encoding="utf-8")
     index_corpus(folder, store, progress=False)
     index_corpus(other, store, progress=False)
-    removal = remove_documents(store, [str(folder)])
+    removal = store.remove([str(folder)])
     assert len(removal.documents) == 3
     assert [d.id for d in store.documents()] == ["keep"]
     # A record dropped from a JSONL file is removed on its re-index too.
@@ -314,7 +315,7 @@ def test_a_removal_lasts_after_a_restart(tmp_path: Path) -> None:
     settings, home = RetrievalSettings(), tmp_path / "home"
     with QdrantStore.open(settings, home, HashEmbedder()) as store:
         index_corpus(folder, store, progress=False)
-        remove_documents(store, [str(folder / "notes.txt")])
+        store.remove([str(folder / "notes.txt")])
         version = store.index_version()
     with QdrantStore.open(settings, home, HashEmbedder()) as store:
         assert "notes.txt" not in {Path(d.source or "").name for d in store.documents()}
@@ -369,3 +370,61 @@ def test_cli_docs_list_rm_and_reindex_removal(
     assert [d["id"] for d in json.loads(capsys.readouterr().out)] == ["o"]
     assert main([*home, "docs", "list", "--json"]) == 0
     assert [Path(d["source"]).name for d in json.loads(capsys.readouterr().out)] == ["evil.txt"]
+
+
+# --- HTTP ------------------------------------------------------------------------------------
+
+
+class StoreDocuments:
+    """The document routes' service over a real store (the ingress calls the Retriever's)."""
+
+    def __init__(self, store: QdrantStore) -> None:
+        self.store = store
+
+    async def documents(self) -> list[DocumentInfo]:
+        return self.store.documents()
+
+    async def remove(self, refs: list[str]) -> Removal:
+        return self.store.remove(refs)
+
+
+def test_http_lists_and_removes_documents_with_the_api_key(
+    store: QdrantStore, tmp_path: Path
+) -> None:
+    from urllib.parse import quote
+
+    from fastapi.testclient import TestClient
+
+    from selfrag.actors.http import build_http_app, parse_api_keys
+    from selfrag.actors.metrics import Metrics
+    from tests.http_fakes import FakeService
+
+    folder = _folder(tmp_path)
+    index_corpus(folder, store, progress=False)
+    docs = StoreDocuments(store)
+    keys = parse_api_keys("k1")
+    client = TestClient(build_http_app(FakeService(), Metrics(), api_keys=keys, documents=docs))
+    auth = {"Authorization": "Bearer k1"}
+    assert client.get("/v1/documents").status_code == 401
+    listed = client.get("/v1/documents", headers=auth)
+    assert listed.status_code == 200
+    by_name = {Path(d["source"]).name: d for d in listed.json()}
+    assert set(by_name) == {"notes.txt", "guide.md", "paper.pdf"}
+
+    paper = by_name["paper.pdf"]["id"]  # "paper.pdf@<hash>": encoded as a path segment
+    assert client.delete(f"/v1/documents/{quote(paper, safe='')}").status_code == 401
+    gone = client.delete(f"/v1/documents/{quote(paper, safe='')}", headers=auth)
+    assert gone.status_code == 200 and gone.json()["documents"] == [paper]
+    assert gone.json()["passages"] == 2
+    missing = client.delete("/v1/documents/no-such-doc", headers=auth)
+    assert missing.status_code == 404 and "no-such-doc" in missing.text
+    assert {d["id"] for d in client.get("/v1/documents", headers=auth).json()} == {
+        by_name["notes.txt"]["id"],
+        by_name["guide.md"]["id"],
+    }
+
+    # Without API keys nothing can remove documents over HTTP; listing stays open as /v1 is.
+    open_client = TestClient(build_http_app(FakeService(), Metrics(), documents=docs))
+    refused = open_client.delete(f"/v1/documents/{quote(by_name['guide.md']['id'], safe='')}")
+    assert refused.status_code == 403 and "SELFRAG_API_KEYS" in refused.text
+    assert len(open_client.get("/v1/documents").json()) == 2
