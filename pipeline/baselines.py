@@ -75,7 +75,7 @@ class BaselineAnswerer:
         g = self._glue
         parts: list[Part] = system_head(g)
         for i, p in enumerate(passages, 1):
-            parts += passage_part(p, f"Passage [{i}]")
+            parts += passage_part(p, f"Passage [{i}]", len(passages))
         task = _TASK_RAG if passages else _TASK_CLOSED
         parts += [
             Trusted("Question: "),

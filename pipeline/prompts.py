@@ -63,6 +63,14 @@ class Untrusted:
 
 
 @dataclass(frozen=True)
+class Evidence(Untrusted):
+    """A retrieved passage: untrusted, and cut to its share of the context (`PromptBuilder`)
+    when it would not fit; `of`: how many passages share the prompt."""
+
+    of: int = 1
+
+
+@dataclass(frozen=True)
 class Tokens:
     """Already-tokenized model output (a drafted segment), appended as is."""
 
@@ -72,13 +80,23 @@ class Tokens:
 Part = Trusted | Untrusted | Tokens
 
 
+# The share of the context (`n_ctx` of the tokenizer's engine) the passages of one prompt may
+# take together: the rest holds the template, the question, the drafts and the generation.
+EVIDENCE_SHARE = 4
+
+
 class PromptBuilder:
-    """Turns parts into token ids, caching the tokens of trusted template pieces."""
+    """Turns parts into token ids, caching the tokens of trusted template pieces. A passage
+    (`Evidence`) longer than its share of the engine's context (`n_ctx` / `EVIDENCE_SHARE`,
+    divided among the prompt's passages) is cut to it: one passage too long for the context
+    (an index of unbounded passages) costs its tail, not the answer."""
 
     def __init__(self, tokenizer: Tokenizer, reserved: Iterable[str] = ()) -> None:
         self._tok = tokenizer
         self._reserved = tuple(reserved)
         self._trusted_cache: dict[str, list[int]] = {}
+        n_ctx = getattr(tokenizer, "n_ctx", None)
+        self._evidence_tokens = n_ctx // EVIDENCE_SHARE if isinstance(n_ctx, int) else None
 
     def build(self, parts: Sequence[Part], *, bos: bool = True) -> list[int]:
         ids: list[int] = list(self._tok.bos_tokens()) if bos else []
@@ -90,7 +108,10 @@ class PromptBuilder:
                     self._trusted_cache[part.text] = cached
                 ids.extend(cached)
             elif isinstance(part, Untrusted):
-                ids.extend(self._tok.tokenize(neutralise(part.text, self._reserved), special=False))
+                tokens = self._tok.tokenize(neutralise(part.text, self._reserved), special=False)
+                if isinstance(part, Evidence) and self._evidence_tokens is not None:
+                    tokens = tokens[: max(1, self._evidence_tokens // part.of)]
+                ids.extend(tokens)
             else:
                 ids.extend(part.ids)
         return ids
@@ -211,9 +232,10 @@ def system_head(glue: ChatGlue) -> list[Part]:
     return parts
 
 
-def passage_part(p: Passage, label: str = "Passage") -> list[Part]:
-    """`label: <passage>` and a blank line; the passage is untrusted."""
-    return [Trusted(f"{label}: "), Untrusted(passage_text(p)), Trusted("\n\n")]
+def passage_part(p: Passage, label: str = "Passage", of: int = 1) -> list[Part]:
+    """`label: <passage>` and a blank line; the passage is untrusted evidence, one of `of`
+    in the prompt."""
+    return [Trusted(f"{label}: "), Evidence(passage_text(p), of), Trusted("\n\n")]
 
 
 def evidence_head(glue: ChatGlue, passage: Passage | None) -> list[Part]:

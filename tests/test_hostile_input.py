@@ -200,3 +200,29 @@ def test_control_tokens_in_a_question_are_plain_text(
     assert [sum(t in controls for t in p) for p in hostile] == [
         sum(t in controls for t in p) for p in plain
     ]
+
+
+def test_a_passage_longer_than_the_context_is_cut_and_the_answer_goes_on(
+    rag: LocalRuntime,
+) -> None:
+    """One unspaced run of text as a passage (an index made before passages were bounded in
+    tokens): its prompts needed 80079 KV cells and every answer retrieving it failed. The
+    passage is cut to its share of the context; the answer is drafted and cited."""
+    from selfrag.pipeline.critics.filters import settle_filters
+    from selfrag.pipeline.prompts import EVIDENCE_SHARE
+    from selfrag.runtime.assembly import DecoderParts
+    from selfrag.schemas.decoding import DecodingConfig
+    from tests.fakes import ListRetriever
+
+    run = Passage("unspaced", "a." * 40000 + " " + BASE, title="Rollo")
+    engine = rag.engine
+    assert len(engine.tokenize(run.text)) > engine.n_ctx  # it would not fit, even alone
+    model = Recording(engine)
+    critic = make_critic(model, "likelihood", rag.settings.calibration, None)  # type: ignore[arg-type]
+    parts = DecoderParts(lambda _: critic, ListRetriever([run]), engine.model_id)
+    config = DecodingConfig(mode="always", top_k=1, max_segments=1, max_segment_tokens=8)
+    response = parts.decode(QUESTION, settle_filters(config, "likelihood"))
+    assert response.segments and response.segments[0].citation is not None
+    assert response.segments[0].citation.passage_id == "unspaced"
+    assert model.prompts and max(map(len, model.prompts)) < engine.n_ctx
+    assert max(map(len, model.prompts)) > engine.n_ctx // EVIDENCE_SHARE  # cut, not dropped

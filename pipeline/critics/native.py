@@ -14,7 +14,15 @@ from selfrag.pipeline.critics.base import (
     read_groups,
 )
 from selfrag.pipeline.critics.chat import SequenceCritic
-from selfrag.pipeline.prompts import Part, PromptBuilder, Tokens, Trusted, Untrusted, passage_text
+from selfrag.pipeline.prompts import (
+    Evidence,
+    Part,
+    PromptBuilder,
+    Tokens,
+    Trusted,
+    Untrusted,
+    passage_text,
+)
 from selfrag.pipeline.protocols import Generation, GenerationRequest, LanguageModel
 
 
@@ -57,7 +65,7 @@ class NativeCritic:
         return [
             *self._head(b),
             Trusted("[Retrieval]<paragraph>"),
-            Untrusted(passage_text(b.passage)),
+            Evidence(passage_text(b.passage)),
             Trusted("</paragraph>"),
         ]
 
