@@ -705,9 +705,12 @@ class _Killed:
 def _kill_worker_mid_batch(
     cluster: Cluster, home: Path, src: Path, out: Path, *flags: str
 ) -> _Killed:
-    """Run `selfrag batch --address` on `src`, SIGKILL the worker node's raylet as soon as two
-    records are written, and wait for the command to end; the rest of the node's processes
-    go too, and the cluster is left with the head alone."""
+    """Run `selfrag batch --address` on `src`; once two records are written, hold the batch
+    (SIGSTOP), SIGKILL the worker node's raylet, wait until the cluster has declared the node
+    dead, and let the batch go on (SIGCONT): its next node check sees the node gone, whatever
+    the machine's load (unheld, a loaded machine let the run finish before the kill took
+    effect). Then wait for the command to end; the rest of the node's processes go too, and
+    the cluster is left with the head alone."""
     env = cluster.env | {"SELFRAG_HOME": str(home)}
     command = [
         sys.executable, "-m", "selfrag", "batch", str(src), "--out", str(out),
@@ -727,8 +730,15 @@ def _kill_worker_mid_batch(
             assert run.poll() is None, err.read_text()[-3000:]
             assert time.monotonic() < deadline, "no records after 180 s"
             time.sleep(0.2)
-        os.kill(_raylet_of(dead), signal.SIGKILL)
-        killed = time.monotonic()
+        os.kill(run.pid, signal.SIGSTOP)
+        try:
+            os.kill(_raylet_of(dead), signal.SIGKILL)
+            killed = time.monotonic()
+            while worker in _actors(cluster)["nodes"]:  # ~15 s of missed health checks
+                assert time.monotonic() - killed < 120, "the killed node still counts as alive"
+                time.sleep(1.0)
+        finally:
+            os.kill(run.pid, signal.SIGCONT)
         rc = run.wait(timeout=180)
         took = time.monotonic() - killed
     finally:
