@@ -9,6 +9,7 @@ import os
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -428,3 +429,40 @@ def test_http_lists_and_removes_documents_with_the_api_key(
     refused = open_client.delete(f"/v1/documents/{quote(by_name['guide.md']['id'], safe='')}")
     assert refused.status_code == 403 and "SELFRAG_API_KEYS" in refused.text
     assert len(open_client.get("/v1/documents").json()) == 2
+
+
+# --- answers after a removal (the real model) -------------------------------------------------
+
+
+@pytest.mark.real
+def test_no_answer_cites_a_removed_document_even_cached_or_after_a_restart(
+    tmp_path: Path,
+) -> None:
+    from selfrag import SelfRAG
+
+    corpus = tmp_path / "c.jsonl"
+    rows = [
+        {"id": "rollo", "title": "Rollo", "text": "Rollo, a Viking leader, founded Normandy."},
+        {"id": "apples", "title": "Apples", "text": "Normandy grows apples for its cider."},
+    ]
+    corpus.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    dials = {"mode": "always", "top_k": 2, "max_segments": 1, "max_segment_tokens": 8}
+    dials |= {"min_relevance": 0.0, "min_support_score": 0.0}
+    question = "Who founded Normandy?"
+
+    def cites(r: Any) -> set[str]:
+        return {p.id for p in r.passages} | {
+            s.citation.passage_id for s in r.segments if s.citation is not None
+        }
+
+    home = tmp_path / "home"
+    with SelfRAG.open(home=home, model={"n_threads": 1}) as rag:
+        rag.index(corpus)
+        assert "rollo" in cites(rag.answer(question, **dials))
+        removal = rag.remove("rollo")
+        assert (removal.documents, removal.passages) == (["rollo"], 1)
+        # The same question again: the query cache must not hand back the answer of before.
+        assert "rollo" not in cites(rag.answer(question, **dials))
+    with SelfRAG.open(home=home, model={"n_threads": 1}) as rag:
+        assert [d.id for d in rag.documents()] == ["apples"]
+        assert "rollo" not in cites(rag.answer(question, **dials))
