@@ -82,7 +82,12 @@ def cmd_eval(args: argparse.Namespace) -> int:
         # Settled per system (its critique source) by runner_for and run_eval_systems.
         config = rag.answer_path.dials(overrides)
         if args.ray:
+            import ray.data  # noqa: F401  (sets up its loggers when imported: before quiet_ray)
+
             from selfrag.jobs.batch import run_eval_systems
+            from selfrag.runtime.ray_logs import quiet_ray
+
+            quiet_ray(args.verbose)
 
             # The actors' retriever needs the embedded store folder: release it meanwhile.
             rag.close()
@@ -169,8 +174,13 @@ def _calibrate_corpus(args: argparse.Namespace) -> int:
 
 
 def cmd_batch(args: argparse.Namespace) -> int:
+    import ray.data  # noqa: F401  (sets up its loggers when imported: before quiet_ray)
+
     from selfrag.jobs.batch import run_batch
     from selfrag.jobs.batch_inputs import parse_shard
+    from selfrag.runtime.ray_logs import quiet_ray
+
+    quiet_ray(args.verbose)
 
     if args.actors is not None and args.actors < 1:
         raise CLIError("--actors must be at least 1")

@@ -18,6 +18,15 @@ def _check_model_runs(model: Path, n_threads: int) -> None:
     check_backend(model, n_threads=n_threads or os.cpu_count() or 1)
 
 
+def start_line(host: str, port: int) -> str:
+    """The one line `selfrag serve` prints once the application is ready."""
+    base = f"http://{host}:{port}"
+    return (
+        f"selfrag: serving at {base}: API {base}/v1 (OpenAI-compatible), playground {base}/, "
+        f"API docs {base}/openapi.json; Ctrl-C stops"
+    )
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     """Start the Serve application and block until SIGINT/SIGTERM, then shut it down (and
     the local Ray instance when this command started it)."""
@@ -49,6 +58,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         starts_private,
         wait_for_port,
     )
+    from selfrag.runtime.ray_logs import quiet_ray
 
     if starts_private(args.address):
         # Serve's proxy binds with SO_REUSEPORT: on a port a stale proxy still holds (a server
@@ -61,31 +71,26 @@ def cmd_serve(args: argparse.Namespace) -> int:
             )
 
         wait_for_port(host, port, PORT_WAIT_S, waiting)
+    quiet_ray(args.verbose)
     local = init_ray(args.address, log_to_driver=True)  # True: a private instance, ours
     stop = threading.Event()
     # Installed after ray.init, which sets handlers of its own.
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    stopped = False
     try:
         serve.start(
             http_options={"host": host, "port": port}, logging_config=serve_logging(settings)
         )
         serve.run(build_app(settings), name=APP_NAME, route_prefix="/", blocking=False)
-        print(
-            f"selfrag: serving on http://{host}:{port} (API at /openapi.json); Ctrl-C stops",
-            file=sys.stderr,
-            flush=True,
-        )
+        print(start_line(host, port), file=sys.stderr, flush=True)
         while not stop.wait(1.0):
             pass
         print("selfrag: shutting down", file=sys.stderr, flush=True)
-        stopped = True
     finally:
         if local:
             # Every process of the instance, the proxy and the replicas included: Ray's workers
             # are in process groups of their own, out of reach of a signal to ours.
-            shutdown_private_ray(tidy=not stopped)
+            shutdown_private_ray()
         else:
             serve.delete(APP_NAME)
     if local:

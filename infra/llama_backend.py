@@ -319,7 +319,7 @@ class BackendLoader:
                     load_variant(chosen.path)
                 init_llama()
                 self.loaded = chosen
-                logger.info("llama.cpp CPU backend: %s", chosen.name)
+                logger.debug("llama.cpp CPU backend: %s", chosen.name)
             elif resolved not in self._checked:
                 result = probe_cached(model, self.loaded, cache, n_threads)
                 if not result.ok:
@@ -380,7 +380,8 @@ def choose_backend(
             raise BackendError(f"llama.cpp cannot run the model {model}: {result.detail}")
         if result.ok:
             if failures:
-                logger.warning(
+                # A fallback that works is no fault of the user's: shown with -v.
+                logger.debug(
                     "llama.cpp: %s; using the '%s' CPU backend instead",
                     "; ".join(failures),
                     variant.name,

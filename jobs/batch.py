@@ -170,10 +170,9 @@ def stream_answers(
             "n_threads": plan.n_threads,
         },
         batch_size=None,
-        compute=ray.data.ActorPoolStrategy(size=plan.actors),
+        compute=ray.data.ActorPoolStrategy(size=plan.actors, max_concurrent_calls_per_actor=1),
         num_cpus=plan.actor_cpus,
         batch_format="numpy",
-        max_concurrency=1,
         # OMP_WAIT_POLICY in each actor's process from its start (infra.engine_threads).
         **ray_runtime_env(settings.model),
     )

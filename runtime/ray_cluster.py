@@ -256,17 +256,20 @@ def shutdown_private_ray(tidy: bool = True) -> None:
     stops its GCS and raylet, then anything left is killed. Serve's graceful shutdown is not
     attempted: after a signal to the whole process group, which reaches the raylet too, it
     hung past 5 s, beyond the usual 8 s grace of a stop; requests in flight end with it.
-    `tidy`: then also ray.shutdown (bounded), for a process that goes on; one that exits at
-    once (`os._exit`) skips it."""
+    `tidy`: this process disconnects (ray.shutdown, bounded) before the GCS and raylet are
+    killed, so that it is not told its node died; without it the caller had better exit at
+    once (`os._exit`)."""
     import ray
 
     global _session
+    if tidy:
+        # Disconnected while the instance still runs: a driver still connected when its
+        # raylet goes (it goes with its agents too) reports the node dead ("raylet crashes
+        # unexpectedly") and exits with 1.
+        _bounded(ray.shutdown, RAY_SHUTDOWN_S)
     stop_private_ray(keep=DAEMONS)  # the proxy's port is free from here on
     stop_private_ray()
     _session = None
-    if tidy:
-        # Only this process's own state is left to clean up; with the GCS gone that can hang.
-        _bounded(ray.shutdown, RAY_SHUTDOWN_S)
 
 
 def _bounded(call: Callable[[], object], limit_s: float) -> None:
