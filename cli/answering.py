@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from selfrag.cli.common import CLIError, settings_from_args
+from selfrag.cli.first_use import calibrate_on_first_use
 from selfrag.schemas.decoding import DecodingOverrides
 
 if TYPE_CHECKING:  # for `ask` only: `config`, `status` and `--help` start without them
@@ -34,6 +35,9 @@ def cmd_ask(args: argparse.Namespace) -> int:
         if rag.count() == 0:
             raise CLIError(f"the index in {settings.home} is empty: run `selfrag index PATH` first")
         dials = request.config.model_dump(exclude_none=True)
+        if request.config.min_support_score is None:
+            critique = request.config.critique or settings.decoding.critique
+            calibrate_on_first_use(rag.system, critique, progress=not args.json)
         response = rag.answer(request.question, **dials)
     if args.json:
         print(response.model_dump_json(indent=2))

@@ -95,6 +95,12 @@ class ModelSettings(BaseModel):
         "the heads trained for the model file ($SELFRAG_HOME/heads/<sha256>.json), else those "
         "shipped for the embedded default.",
     )
+    calibrate_on_first_use: bool = Field(
+        True,
+        description="`selfrag ask` fits the support threshold on the index once (about 2 min "
+        "with the default model, a progress bar) when the model file has none for the "
+        "critique source in use; false: the source's constant, with a warning.",
+    )
     answerability: bool = Field(
         True,
         description="Take s_sup from the answerability model fitted for the model file and "

@@ -24,9 +24,9 @@ for _name, _value in SUITE_ENV.items():
 
 @pytest.fixture
 def no_selfrag_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    """No SELFRAG_ setting of this session's in the environment, but the suite's model."""
+    """No SELFRAG_ setting of this session's in the environment, but the suite's own."""
     for name in list(os.environ):
-        if name.startswith("SELFRAG_") and name != "SELFRAG_MODEL__PRESET":
+        if name.startswith("SELFRAG_") and name not in SUITE_ENV:
             monkeypatch.delenv(name)
 
 

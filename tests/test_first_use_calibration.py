@@ -1,0 +1,61 @@
+"""`selfrag ask` calibrates the support threshold once when the model has none (issue 38,
+item 6): which cases run it, with the calibration job replaced by a recorder."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from selfrag.cli.first_use import calibrate_on_first_use
+from selfrag.schemas.settings import Settings
+
+
+class Calibrated:
+    def __init__(self, has: bool) -> None:
+        self.has = has
+
+    def calibration(self, name: str) -> object | None:
+        return object() if self.has else None
+
+
+def _rag(tmp_path: Path, *, has: bool, source: str = "learned", **model: Any) -> Any:
+    settings = Settings(home=tmp_path, model=model)
+    return SimpleNamespace(
+        settings=settings,
+        calibrated=Calibrated(has),
+        critic=lambda critique: SimpleNamespace(name=source),
+        model_path=tmp_path / "m.gguf",
+    )
+
+
+@pytest.fixture
+def runs(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    import selfrag.jobs.support_calibration as job
+
+    calls: list[str] = []
+
+    def fake(rag: Any, plan: Any, *, critique: str, progress: bool) -> tuple[Any, Path]:
+        calls.append(critique)
+        return SimpleNamespace(), Path("cal.json")
+
+    monkeypatch.setattr(job, "calibrate_support", fake)
+    monkeypatch.setattr(job, "describe", lambda cal, path: f"wrote {path}")
+    return calls
+
+
+def test_runs_once_when_the_model_has_no_threshold(tmp_path: Path, runs: list[str], capsys):
+    assert calibrate_on_first_use(_rag(tmp_path, has=False), "auto") is True
+    assert runs == ["auto"]
+    assert "calibrating it once now" in capsys.readouterr().err
+
+
+def test_not_when_calibrated_turned_off_or_without_a_constant(tmp_path: Path, runs: list[str]):
+    assert calibrate_on_first_use(_rag(tmp_path, has=True), "auto") is False
+    off = _rag(tmp_path, has=False, calibrate_on_first_use=False)
+    assert calibrate_on_first_use(off, "auto") is False
+    # A source with no constant threshold (filters off) has nothing to replace.
+    assert calibrate_on_first_use(_rag(tmp_path, has=False, source="likelihood"), "x") is False
+    assert runs == []
