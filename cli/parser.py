@@ -107,6 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
     p_ask.add_argument("question")
     p_ask.add_argument("--json", action="store_true", help="Print the full response as JSON.")
     _model_flag(p_ask)
+    _collection_flag(p_ask)
     _decoding_flags(p_ask)
 
     p_serve = sub.add_parser("serve", help="Run the HTTP API (Ray Serve) in the foreground.")
@@ -116,6 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--address", help="Join this Ray cluster instead of starting a local Ray instance."
     )
     _model_flag(p_serve)
+    _collection_flag(p_serve)
 
     p_config = sub.add_parser("config", help="Print the effective settings.")
     p_config.add_argument("--json", action="store_true")
@@ -127,6 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p_status.add_argument("--json", action="store_true")
     _model_flag(p_status)
+    _collection_flag(p_status)
 
     p_models = sub.add_parser(
         "models",
@@ -204,6 +207,7 @@ def _batch_parser(sub: Any) -> None:
     p.add_argument("--address", help="Ray cluster address (default: a private local instance).")
     p.add_argument("--no-progress", action="store_true")
     _model_flag(p)
+    _collection_flag(p)
 
 
 def _dataset_args(p: argparse.ArgumentParser, optional: bool = False) -> None:
@@ -238,6 +242,7 @@ def _eval_parser(sub: Any) -> None:
     p_eval = sub.add_parser("eval", help="Run QA systems on a dataset and write a report.")
     _dataset_args(p_eval)
     _model_flag(p_eval)
+    _collection_flag(p_eval)
     p_eval.add_argument(
         "--systems",
         default=",".join(DEFAULT_SYSTEMS),
@@ -293,6 +298,7 @@ def _calibrate_parser(sub: Any) -> None:
         "(default 300).",
     )
     _model_flag(p_cal)
+    _collection_flag(p_cal)
     p_cal.add_argument("--top-k", type=int, default=5, help="Retrieved passages per question.")
     p_cal.add_argument(
         "--max-segment-tokens",
