@@ -26,7 +26,7 @@ import math
 import random
 import re
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 from selfrag.pipeline.metrics import contains_answer
@@ -63,13 +63,21 @@ class SyntheticQuestion:
     passage: Passage
 
 
+TrapKind = Literal["neighbour", "entity", "number", "negation", "antonym"]
+TRAP_KINDS: tuple[str, ...] = ("neighbour", "entity", "number", "negation", "antonym")
+
+
 @dataclass(frozen=True)
 class SyntheticPair:
-    """A question with a passage; `answerable` when the passage is the one it came from."""
+    """A question with a passage; `answerable` when the passage is the one it came from and
+    the question is as written from it. An unanswerable pair's `trap` says how it was made:
+    `neighbour`, the question with the retriever's best other passage lacking its answer; the
+    others, a perturbed question on the question's own passage (`perturbed_questions`)."""
 
     question: SyntheticQuestion
     passage: Passage
     answerable: bool
+    trap: TrapKind | None = None
 
 
 def make_question(
@@ -151,7 +159,10 @@ def synthetic_pairs(
     style: QuestionStyle = "wh",
 ) -> list[SyntheticPair]:
     """Up to `n` questions from `passages` (in a seeded order), each with an answerable pair
-    and, when the retriever finds a near neighbour without the answer, an unanswerable one."""
+    and unanswerable ones: the question with a near neighbour without its answer, when the
+    retriever finds one, and a perturbed question on its own passage (`perturbed_questions`),
+    when one can be made."""
+    pool = entity_pool(passages)
     order = list(passages)
     rng.shuffle(order)
     pairs: list[SyntheticPair] = []
@@ -166,8 +177,65 @@ def synthetic_pairs(
         pairs.append(SyntheticPair(q, p, True))
         neighbour = near_neighbour(q, search)
         if neighbour is not None:
-            pairs.append(SyntheticPair(q, neighbour, False))
+            pairs.append(SyntheticPair(q, neighbour, False, "neighbour"))
+        perturbed = perturbed_questions(q, pool, rng)
+        if perturbed:
+            # One trap of the question's own passage per question, of a kind drawn at random.
+            kind, text = rng.choice(perturbed)
+            pairs.append(SyntheticPair(replace(q, question=text), p, False, kind))
     return pairs
+
+
+def entity_pool(passages: Iterable[Passage]) -> dict[str, list[str]]:
+    """The names and numbers of `passages` by kind (sorted, distinct): what an entity or number
+    swap draws its substitutes from, so a swapped-in name is one the corpus itself uses."""
+    pool: dict[str, set[str]] = {}
+    for p in passages:
+        for kind, m in entity_matches(p.text):
+            pool.setdefault(kind, set()).add(m.group(0))
+    return {kind: sorted(values) for kind, values in pool.items()}
+
+
+# Word pairs whose swap turns a question into one about the opposite (SQuAD 2.0's antonym traps).
+_ANTONYMS = {
+    "first": "last", "last": "first", "earliest": "latest", "latest": "earliest",
+    "largest": "smallest", "smallest": "largest", "most": "least", "least": "most",
+    "before": "after", "after": "before", "highest": "lowest", "lowest": "highest",
+    "north": "south", "south": "north", "east": "west", "west": "east",
+    "older": "younger", "younger": "older", "won": "lost", "lost": "won",
+    "began": "ended", "ended": "began", "increased": "decreased", "decreased": "increased",
+    "longest": "shortest", "shortest": "longest", "biggest": "smallest", "oldest": "newest",
+    "newest": "oldest", "joined": "left", "left": "joined", "born": "buried",
+}  # fmt: skip
+_AUXILIARY = re.compile(r"\b(was|were|is|are|did|does|do|had|has|have|could|can|would|will)\b")
+
+
+def perturbed_questions(
+    q: SyntheticQuestion, pool: dict[str, list[str]], rng: random.Random
+) -> list[tuple[TrapKind, str]]:
+    """Unanswerable variants of `q` on its own passage, as SQuAD 2.0's annotators wrote them:
+    a name or a number of the question swapped for another of the corpus that the passage does
+    not hold (`entity`, `number`), a negation (`negation`), or a word swapped for its antonym
+    (`antonym`). Each variant is a question the passage leaves unanswered, or answers with
+    something other than `q.answer`; only variants that differ from `q` are returned."""
+    text, passage = q.question, q.passage.text
+    out: list[tuple[TrapKind, str]] = []
+    for kind, m in entity_matches(text):
+        choices = [v for v in pool.get(kind, []) if v != m.group(0) and v not in passage]
+        if choices:
+            swapped = text[: m.start()] + rng.choice(choices) + text[m.end() :]
+            out.append(("number" if kind in ("year", "number") else "entity", swapped))
+    aux = _AUXILIARY.search(text)
+    if aux is not None and " not " not in f" {text.lower()} ":
+        out.append(("negation", text[: aux.end()] + " not" + text[aux.end() :]))
+    words = text.split()
+    for i, word in enumerate(words):
+        core = word.strip("?,.;:").lower()
+        if core in _ANTONYMS:
+            swapped_word = word.lower().replace(core, _ANTONYMS[core])
+            out.append(("antonym", " ".join([*words[:i], swapped_word, *words[i + 1 :]])))
+            break
+    return [(kind, t) for kind, t in out if t != text]
 
 
 def question_for(p: Passage, rng: random.Random, style: QuestionStyle) -> SyntheticQuestion | None:

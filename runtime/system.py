@@ -25,6 +25,7 @@ from selfrag.pipeline.critics import (
     with_answerability,
 )
 from selfrag.pipeline.critics.factory import auto_source
+from selfrag.pipeline.critics.verify import VerifiedCritic
 from selfrag.pipeline.decoder import StepListener
 from selfrag.pipeline.heads import HeadsError, ReflectionHeads
 from selfrag.runtime.answering import (
@@ -110,6 +111,8 @@ class LocalRuntime(Closeable):
         if self.heads_file is not None:
             # Retrained heads change the learned critique's answers.
             fingerprint += f" heads:{file_sha256(self.heads_file)}"
+        if self.settings.model.support_read == "verify":
+            return fingerprint + " support:verify"
         for source in CRITIQUE_SOURCES:
             # A fitted answerability model changes s_sup, hence abstentions.
             path = self.answerability_file(source)
@@ -145,7 +148,10 @@ class LocalRuntime(Closeable):
 
     @cached_property
     def reads_layers(self) -> bool:
-        """Whether an answerability model of the model file probes a block's output."""
+        """Whether an answerability model of the model file probes a block's output (none
+        is used while s_sup is the verification read)."""
+        if self.settings.model.support_read == "verify":
+            return False
         return any(
             (m := self.answerability(source)) is not None and m.blocks
             for source in CRITIQUE_SOURCES
@@ -271,7 +277,11 @@ class LocalRuntime(Closeable):
                         "train`, or use critique 'auto' or 'likelihood'"
                     )
                 critic = make_critic(self.engine, source, self.settings.calibration, heads)
-                critic = with_answerability(critic, self.engine, self.answerability(critic.name))
+                if self.settings.model.support_read == "verify":
+                    critic = VerifiedCritic(critic, self.engine)
+                else:
+                    answerability = self.answerability(critic.name)
+                    critic = with_answerability(critic, self.engine, answerability)
                 if source == "auto" and heads is None and llama and critic.name == "likelihood":
                     warn_missing_heads(self.model_path)
                 self._critics[source] = critic

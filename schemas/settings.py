@@ -29,6 +29,7 @@ ModelPresetName = Literal["smollm2", "qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b"]
 # held-out overall among the presets whose warm p50 per answer stays within 3x SmolLM2's.
 DEFAULT_PRESET: ModelPresetName = "qwen2.5-coder-0.5b"
 WaitPolicy = Literal["passive", "active", "inherit"]
+SupportRead = Literal["verify", "source"]
 
 MASK = "**********"
 
@@ -106,6 +107,12 @@ class ModelSettings(BaseModel):
         description="Take s_sup from the answerability model fitted for the model file and "
         "critique source (`selfrag train --answerability`, or shipped), when there is one; "
         "false: the source's own s_sup.",
+    )
+    support_read: SupportRead = Field(
+        "verify",
+        description="Where s_sup comes from: verify, the model's own yes/no to whether the "
+        "passage states the draft (pipeline/critics/verify.py), for every critique source; "
+        "source: the critique source's own support read (heads, answerability model, tokens).",
     )
     n_ctx: int = Field(
         8192, ge=512, le=131072, description="Total KV cells shared by all sequences."

@@ -9,7 +9,7 @@ import logging
 import random
 import shutil
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -27,10 +27,13 @@ from selfrag.pipeline.decoder import BeamDecoder
 from selfrag.pipeline.metrics import contains_answer
 from selfrag.pipeline.protocols import Generation, Passage
 from selfrag.pipeline.synthetic_qa import (
+    SyntheticQuestion,
     ThresholdChoice,
     choose_threshold,
+    entity_pool,
     lowest_threshold,
     make_question,
+    perturbed_questions,
     sample_by_collection,
     synthetic_pairs,
 )
@@ -90,18 +93,26 @@ def test_questions_ask_for_an_entity_the_question_no_longer_holds() -> None:
     )
 
 
-def test_pairs_answerable_with_their_passage_unanswerable_with_a_neighbour_lacking_it() -> None:
+def test_pairs_answerable_with_their_passage_unanswerable_with_a_neighbour_or_a_trap() -> None:
     passages = _passages()
     pairs = synthetic_pairs(passages, _search(passages), 10, random.Random(3))
     answerable = [p for p in pairs if p.answerable]
     unanswerable = [p for p in pairs if not p.answerable]
     assert len(answerable) == len(passages) and unanswerable
     for pair in answerable:
-        assert pair.passage is pair.question.passage
+        assert pair.passage is pair.question.passage and pair.trap is None
         assert contains_answer(pair.passage.text, [pair.question.answer])
-    for pair in unanswerable:
+    neighbours = [p for p in unanswerable if p.trap == "neighbour"]
+    traps = [p for p in unanswerable if p.trap != "neighbour"]
+    assert neighbours and traps
+    for pair in neighbours:
         assert pair.passage.id != pair.question.passage.id
         assert not contains_answer(pair.passage.text, [pair.question.answer])
+    written = {p.question.question for p in answerable}
+    for pair in traps:
+        # A perturbed question on the question's own passage.
+        assert pair.passage is pair.question.passage
+        assert pair.question.question not in written
     again = synthetic_pairs(passages, _search(passages), 10, random.Random(3))
     assert [(p.question.question, p.passage.id) for p in again] == [
         (p.question.question, p.passage.id) for p in pairs
@@ -490,3 +501,29 @@ def test_a_deeply_nested_calibration_is_ignored_naming_the_file_and_read_once(
     defaults = CalibratedDefaults(tmp_path, lambda: "a" * 64, lambda: "model-fp")
     assert defaults.filters("learned") == {} and defaults.filters("learned") == {}
     assert len(reads) == 1
+
+
+def test_traps_swap_a_name_or_number_for_one_the_passage_lacks_negate_or_invert() -> None:
+    p = Passage("p", "The Normans under Rollo settled in 1011 after the siege of Paris.")
+    q = SyntheticQuestion(
+        "Who led the Normans that settled in 1011 after the siege?", "Rollo", "name", p
+    )
+    pool = {"name": ["Hastein", "Normans", "Paris"], "year": ["1045", "1011"]}
+    traps = dict(perturbed_questions(q, pool, random.Random(0)))
+    assert traps["entity"] == "Who led the Hastein that settled in 1011 after the siege?"
+    assert traps["number"] == "Who led the Normans that settled in 1045 after the siege?"
+    assert traps["antonym"] == "Who led the Normans that settled in 1011 before the siege?"
+    negated = perturbed_questions(
+        replace(q, question="Who was the leader of the Normans?"), pool, random.Random(0)
+    )
+    assert ("negation", "Who was not the leader of the Normans?") in negated
+
+
+def test_an_entity_pool_holds_the_corpus_names_and_numbers_by_kind() -> None:
+    pool = entity_pool(
+        [
+            Passage("a", "Rollo came in 1011 with 300 ships."),
+            Passage("b", "It fell to Paris Hilton."),
+        ]
+    )
+    assert pool == {"year": ["1011"], "number": ["300"], "name": ["Paris Hilton"]}

@@ -113,15 +113,27 @@ class ChatCritic:
         return parts
 
     def _follow_up(self, b: Branch, d: Generation, question: str) -> tuple[list[int], int]:
+        return self.follow_up_prompt(b, d, [Trusted(question)])
+
+    def follow_up_prompt(
+        self, b: Branch, d: Generation, question: Sequence[Part]
+    ) -> tuple[list[int], int]:
+        """The branch's drafting prompt, its draft `d`, and a user turn of `question` (parts,
+        untrusted ones neutralised) ending where the assistant answers: the sequence the
+        branch drafted on, extended, so its KV state is reused. (Prompt, reusable prefix.)"""
         g = self._glue
-        return self._build(
-            b,
-            [
-                *self._answer(b),
-                Tokens(tuple(d.tokens)),
-                Trusted(g.assistant_to_user + question + g.assistant_start),
-            ],
-        )
+        turn = list(question)
+        # The glue joins the first and last trusted parts, as one piece of template text is
+        # tokenized (a separate piece could split into other tokens).
+        if turn and isinstance(turn[0], Trusted):
+            turn[0] = Trusted(g.assistant_to_user + turn[0].text)
+        else:
+            turn.insert(0, Trusted(g.assistant_to_user))
+        if isinstance(turn[-1], Trusted):
+            turn[-1] = Trusted(turn[-1].text + g.assistant_start)
+        else:
+            turn.append(Trusted(g.assistant_start))
+        return self._build(b, [*self._answer(b), Tokens(tuple(d.tokens)), *turn])
 
     def retrieval_prompt(self, b: Branch) -> list[int]:
         g = self._glue

@@ -1,0 +1,136 @@
+"""The verified support read: the generator's own yes/no to whether the passage states a draft.
+
+After a branch drafts on its passage, the model is asked, in a conversation of its own that
+starts with the same system + passage head as the branch's other prompts (so that head's KV
+state is reused), whether the passage states that the draft answers the question. The
+probability of "yes" against "no" at the first answer token becomes the branch's IsSup
+distribution (`full` = p, `none` = 1 − p), so s_sup is that probability. The question names the
+draft in full: the model judges a stated claim against the passage rather than trusting the
+assistant turn it wrote itself. Any critique source can take its support from this read
+(`VerifiedCritic`); its other groups are the source's own. A draft that states a number or a
+name its passage and question lack (`pipeline.grounding`) cannot be fully supported whatever
+the model says: s_sup is p(yes) times the share of those it holds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from selfrag.pipeline.critics.base import RESERVED_PIECES, Branch, Critic, LabelProbs, read_groups
+from selfrag.pipeline.critics.chat import ChatCritic
+from selfrag.pipeline.critics.prompted import first_token_labels
+from selfrag.pipeline.grounding import grounding_score
+from selfrag.pipeline.prompts import (
+    Part,
+    PromptBuilder,
+    Trusted,
+    Untrusted,
+    chat_glue,
+    evidence_head,
+)
+from selfrag.pipeline.protocols import Generation, LanguageModel
+
+VERIFY_QUESTION = (
+    "Question: {question}\nAnswer: {answer}\n\n"
+    'Does the passage state that the answer to the question is "{answer}"? Reply yes or no.'
+)
+"""The verification question, after the passage. Each placeholder is untrusted text."""
+FOLLOW_UP_QUESTION = (
+    'Does the passage state that the answer to the question is "{answer}"? Reply yes or no.'
+)
+"""The verification question as a user turn after the draft, on the drafting sequence."""
+VERIFY_WORDS: dict[str, tuple[str, ...]] = {
+    "yes": ("yes", "Yes", " yes", " Yes"),
+    "no": ("no", "No", " no", " No"),
+}
+
+
+class VerifyReader:
+    """Builds the verification prompt of a drafted branch and reads p(yes) after it."""
+
+    def __init__(self, model: LanguageModel, drafting: ChatCritic | None = None) -> None:
+        """With `drafting` (the source that drafts, in the chat layout) the question is a user
+        turn after the draft on the branch's drafting sequence, whose KV state the engine
+        still holds; without, a conversation of its own after the system + passage head."""
+        self._model = model
+        self._drafting = drafting
+        self._glue = chat_glue(model.chat_template)
+        self._builder = PromptBuilder(model, reserved=RESERVED_PIECES)
+        self._labels = first_token_labels(model, VERIFY_WORDS)
+
+    def prompt(self, b: Branch, draft: Generation) -> tuple[list[int], int]:
+        """The prompt tokens and the length of its reusable head (system + passage)."""
+        if b.passage is None:
+            raise ValueError("a verification read needs the branch's passage")
+        values = {"question": b.question, "answer": draft.text.strip()}
+        if self._drafting is not None:
+            return self._drafting.follow_up_prompt(b, draft, _parts(FOLLOW_UP_QUESTION, values))
+        head = evidence_head(self._glue, b.passage)
+        parts = [*head, *_parts(VERIFY_QUESTION, values), Trusted(self._glue.assistant_start)]
+        return self._builder.build_split(parts, len(head))
+
+    def read(self, branches: Sequence[Branch], drafts: Sequence[Generation]) -> list[LabelProbs]:
+        """p(yes) and p(no) (normalised over the two) after each branch's prompt."""
+        built = [self.prompt(b, d) for b, d in zip(branches, drafts, strict=True)]
+        raw = read_groups(self._model, [p for p, _ in built], self._labels, [n for _, n in built])
+        out = []
+        for r in raw:
+            yes, no = r.probs.get("yes", 0.0), r.probs.get("no", 0.0)
+            p = yes / (yes + no) if yes + no > 0 else 0.5
+            out.append(LabelProbs({"yes": p, "no": 1.0 - p}, r.prefill_tokens))
+        return out
+
+
+def _parts(template: str, values: dict[str, str]) -> list[Part]:
+    """`template` as parts: its text trusted, each {placeholder}'s value untrusted."""
+    parts: list[Part] = []
+    rest = template
+    while "{" in rest:
+        before, _, after = rest.partition("{")
+        name, _, rest = after.partition("}")
+        parts += [Trusted(before), Untrusted(values[name])]
+    return [*parts, Trusted(rest)]
+
+
+def support_from_verdict(verdict: LabelProbs, grounding: float | None = None) -> LabelProbs:
+    """The IsSup distribution a verification read stands for: full = p(yes) times the share
+    of the draft's numbers and names its passage or question holds (`grounding`, None when it
+    states none: 1), none = the rest."""
+    p = verdict.probs["yes"] * (1.0 if grounding is None else grounding)
+    return LabelProbs({"full": p, "partial": 0.0, "none": 1.0 - p}, verdict.prefill_tokens)
+
+
+class VerifiedCritic:
+    """A critique source whose support is the verification read (`VerifyReader`); every other
+    group, drafting included, is the source's own (a source that reads utility where it read
+    support reads it there on its own)."""
+
+    def __init__(self, inner: Critic, model: LanguageModel) -> None:
+        self.inner = inner
+        self.name = inner.name
+        self._reader = VerifyReader(model, inner if isinstance(inner, ChatCritic) else None)
+
+    def __getattr__(self, attribute: str) -> object:
+        # Reads that only some sources have (hidden states, layer taps) stay the source's.
+        return getattr(self.inner, attribute)
+
+    def retrieval(self, branches: Sequence[Branch]) -> list[LabelProbs]:
+        return self.inner.retrieval(branches)
+
+    def relevance(self, branches: Sequence[Branch]) -> list[LabelProbs]:
+        return self.inner.relevance(branches)
+
+    def draft(self, branches: Sequence[Branch], max_tokens: int) -> list[Generation]:
+        return self.inner.draft(branches, max_tokens)
+
+    def support(self, branches: Sequence[Branch], drafts: Sequence[Generation]) -> list[LabelProbs]:
+        verdicts = self._reader.read(branches, drafts)
+        return [
+            support_from_verdict(
+                v, grounding_score(d.text, b.passage.text, b.question) if b.passage else None
+            )
+            for b, d, v in zip(branches, drafts, verdicts, strict=True)
+        ]
+
+    def utility(self, branches: Sequence[Branch], drafts: Sequence[Generation]) -> list[LabelProbs]:
+        return self.inner.utility(branches, drafts)

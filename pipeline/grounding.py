@@ -1,0 +1,84 @@
+"""Whether a segment's key content is found in its evidence: its numbers and names.
+
+A drafted segment copies its facts from the passage it was drafted on. A number or a name the
+segment states that is in neither the passage nor the question was not copied from anything
+shown: the model made it up, or brought it from memory, and the citation does not back it.
+Checking that is exact and costs one pass over the passage's words, so every cited segment is
+checked wherever it is shown (no model call). Words the question already holds are left out:
+repeating the question's own names says nothing about the evidence.
+"""
+
+from __future__ import annotations
+
+import re
+import unicodedata
+
+_NUMBER = re.compile(r"\d+(?:[.,]\d+)*")
+_WORD = re.compile(r"[^\W\d_][\w'’-]*", re.UNICODE)
+# Capitalised words that start clauses or are titles, not names of things a passage states.
+_NOT_NAMES = frozenset(
+    """a an the this that these those it its he she they we you i his her their our my your
+    in on at of for from by with to and or but if when while where what which who whom whose
+    why how yes no not there here as so after before during since until about between
+    january february march april may june july august september october november december
+    monday tuesday wednesday thursday friday saturday sunday""".split()
+)
+
+
+def _fold(text: str) -> str:
+    """Lowercased, accents and curly quotes folded, so "Zürich" matches "Zurich"."""
+    decomposed = unicodedata.normalize("NFKD", text.replace("’", "'"))
+    return "".join(c for c in decomposed if not unicodedata.combining(c)).casefold()
+
+
+def _number_forms(text: str) -> set[str]:
+    """The numbers of `text`, without thousands separators ("1,200" and "1200" are one)."""
+    out = set()
+    for m in _NUMBER.finditer(text):
+        raw = m.group(0)
+        out.add(raw.replace(",", ""))
+    return out
+
+
+def key_terms(segment: str) -> list[str]:
+    """The numbers and names `segment` states, in order: numbers, and capitalised words other
+    than the first word of a sentence (unless it is in capitals inside) and common function
+    words."""
+    terms: list[str] = []
+    for m in _NUMBER.finditer(segment):
+        terms.append(m.group(0))
+    for m in _WORD.finditer(segment):
+        word = m.group(0).strip("'’-")
+        if len(word) < 2 or not word[0].isupper():
+            continue
+        before = segment[: m.start()].rstrip()
+        starts_sentence = not before or before[-1] in '.!?:;"“(['
+        if (starts_sentence and not word[1:].isupper()) or _fold(word) in _NOT_NAMES:
+            continue
+        terms.append(word)
+    return list(dict.fromkeys(terms))
+
+
+def missing_terms(segment: str, evidence: str, question: str = "") -> list[str]:
+    """The key terms of `segment` (`key_terms`) found in neither `evidence` nor `question`:
+    content the citation does not back. Empty when everything is found (or nothing is key)."""
+    seen = _fold(f"{evidence}\n{question}")
+    seen_words = set(re.findall(r"\w+", seen))
+    seen_numbers = _number_forms(seen)
+    out = []
+    for term in key_terms(segment):
+        if _NUMBER.fullmatch(term):
+            if term.replace(",", "") not in seen_numbers:
+                out.append(term)
+        elif _fold(term) not in seen_words and _fold(term).split("'")[0] not in seen_words:
+            out.append(term)
+    return out
+
+
+def grounding_score(segment: str, evidence: str, question: str = "") -> float | None:
+    """The fraction of `segment`'s key terms found in `evidence` or `question`; None when it
+    states none."""
+    terms = key_terms(segment)
+    if not terms:
+        return None
+    return 1.0 - len(missing_terms(segment, evidence, question)) / len(terms)
