@@ -16,9 +16,10 @@ percent-encoded, which names the passage stably. Titles go out as plain text.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from urllib.parse import quote, urlsplit, urlunsplit
 
-from selfrag.schemas.answer import AnswerResponse, Citation, SegmentOut
+from selfrag.schemas.answer import AnswerResponse, Citation, SegmentFlag, SegmentOut
 from selfrag.schemas.openai import Annotation, URLCitation
 from selfrag.schemas.text import plain_title
 
@@ -73,17 +74,20 @@ class AnswerText:
         self.length += len(text)
         if segment.citation is None or end <= start:
             return text, None
-        return text, annotation(segment.citation, start, end)
+        return text, annotation(segment.citation, start, end, segment.flags)
 
 
-def annotation(citation: Citation, start: int, end: int) -> Annotation:
+def annotation(
+    citation: Citation, start: int, end: int, flags: Sequence[SegmentFlag] = ()
+) -> Annotation:
     return Annotation(
         url_citation=URLCitation(
             start_index=start,
             end_index=end,
             url=passage_url(citation),
             title=plain_title(citation.title or "") or citation.passage_id,
-        )
+        ),
+        flags=list(flags) or None,
     )
 
 

@@ -46,6 +46,30 @@ def cmd_ask(args: argparse.Namespace) -> int:
     return 0
 
 
+def flag_lines(segments: Sequence[SegmentOut]) -> list[str]:
+    """One warning line per kind of flag the segments carry (`SegmentOut.flags`)."""
+
+    def which(flag: str) -> str:
+        return ", ".join(str(i) for i, seg in enumerate(segments, 1) if flag in seg.flags)
+
+    lines = []
+    if low := which("low_support"):
+        lines.append(
+            f"Low support: the cited evidence does not fully support segment(s) {low} "
+            "(IsSup below); check the source before relying on it."
+        )
+    if uncited := which("uncited"):
+        lines.append(
+            f"Uncited: segment(s) {uncited} cite no source although the answer retrieved; "
+            "the model wrote them without evidence."
+        )
+    for i, seg in enumerate(segments, 1):
+        if "unsupported_terms" in seg.flags:
+            terms = ", ".join(seg.unsupported_terms)
+            lines.append(f"Not in the source: segment {i} states {terms}, which its source lacks.")
+    return lines
+
+
 def render_answer(r: AnswerResponse) -> str:
     """The answer with numbered citations, a per-segment score table and the sources, each
     with the sentence that supports each segment citing it (its evidence span)."""
@@ -60,17 +84,7 @@ def render_answer(r: AnswerResponse) -> str:
     lines = [" ".join(body) if body else r.answer]
     if r.abstained and body:
         lines.append(r.answer)
-    weak = [
-        i
-        for i, seg in enumerate(r.segments, 1)
-        if seg.citation is not None and seg.is_sup is not None and seg.is_sup != "full"
-    ]
-    if weak:
-        which = ", ".join(str(i) for i in weak)
-        lines.append(
-            f"Low support: the cited evidence does not fully support segment(s) {which} "
-            "(IsSup below); check the source before relying on it."
-        )
+    lines.extend(flag_lines(r.segments))
     lines.append("")
     if r.segments:
         header = f"{'#':>2}  {'cite':>4}  {'p_ret':>5}  {'s_rel':>5}  {'s_sup':>5}  {'IsSup':>7}"

@@ -7,6 +7,7 @@ from dataclasses import dataclass, replace
 
 from selfrag.pipeline.critics import RELEVANCE_LABELS, SUPPORT_LABELS, Branch, LabelProbs
 from selfrag.pipeline.evidence import evidence_span
+from selfrag.pipeline.grounding import missing_terms
 from selfrag.pipeline.protocols import Generation
 from selfrag.pipeline.scoring import (
     CritiqueWeights,
@@ -17,7 +18,7 @@ from selfrag.pipeline.scoring import (
     support_score,
     utility_score,
 )
-from selfrag.schemas.answer import Citation, SegmentOut
+from selfrag.schemas.answer import Citation, SegmentFlag, SegmentOut
 from selfrag.schemas.decoding import DecodingConfig
 
 
@@ -73,6 +74,9 @@ class Candidate:
             rel=self.rel.probs if self.rel is not None else None,
             sup=self.sup.probs if self.sup is not None else None,
             use=self.use.probs if self.use is not None else None,
+            unsupported_terms=tuple(missing_terms(d.text, p.text, self.branch.question))
+            if p is not None
+            else (),
         )
 
 
@@ -92,6 +96,8 @@ class Drafted:
     rel: dict[str, float] | None
     sup: dict[str, float] | None
     use: dict[str, float] | None
+    unsupported_terms: tuple[str, ...] = ()
+    """Numbers and names of the segment that neither its passage nor the question holds."""
 
     @property
     def grounded(self) -> bool:
@@ -162,8 +168,24 @@ def certainly_filtered(c: Candidate, cfg: DecodingConfig) -> bool:
     )
 
 
-def score_candidate(c: Drafted, cfg: DecodingConfig) -> tuple[float, SegmentOut, bool]:
-    """S for a drafted branch, the segment it would add, and whether it ends the answer."""
+def segment_flags(c: Drafted, answer_retrieved: bool) -> list[SegmentFlag]:
+    """What a reader should check in the segment `c` would add to an answer that retrieved
+    (`answer_retrieved`: this step or an earlier one) or not (`SegmentOut.flags`)."""
+    flags: list[SegmentFlag] = []
+    if not c.grounded and (c.retrieved or answer_retrieved):
+        flags.append("uncited")
+    if c.unsupported_terms:
+        flags.append("unsupported_terms")
+    if c.grounded and c.sup is not None and most_likely(c.sup, SUPPORT_LABELS) != "full":
+        flags.append("low_support")
+    return flags
+
+
+def score_candidate(
+    c: Drafted, cfg: DecodingConfig, answer_retrieved: bool = False
+) -> tuple[float, SegmentOut, bool]:
+    """S for a drafted branch, the segment it would add to an answer that retrieved
+    (`answer_retrieved`) or not, and whether it ends the answer."""
     s_rel = relevance_score(c.rel) if c.rel is not None else None
     s_sup = support_score(c.sup) if c.sup is not None else None
     s_use = utility_score(c.use) if c.use is not None else None
@@ -185,11 +207,22 @@ def score_candidate(c: Drafted, cfg: DecodingConfig) -> tuple[float, SegmentOut,
         s_sup=s_sup,
         s_use=s_use,
         is_sup=most_likely(c.sup, SUPPORT_LABELS) if c.sup is not None else None,
+        unsupported_terms=list(c.unsupported_terms),
+        flags=segment_flags(c, answer_retrieved),
         logprob=c.logprob,
         n_tokens=c.n_tokens,
         score=score,
     )
     return score, segment, c.finished
+
+
+def ends_before(parent: Hypothesis, segment: SegmentOut) -> bool:
+    """Whether the answer `parent` ends rather than go on with `segment`: a later segment that
+    cites nothing in an answer that retrieved, or states numbers or names its passage lacks
+    (unless `keep_unsupported_segments`). The first segment is never dropped; it is flagged."""
+    if not parent.segments:
+        return False
+    return "uncited" in segment.flags or "unsupported_terms" in segment.flags
 
 
 def rank_step(
@@ -208,11 +241,14 @@ def rank_step(
     for index, parent in enumerate(live):
         available: list[tuple[float, SegmentOut, bool]] = []
         fallback: tuple[float, SegmentOut, bool] | None = None
+        retrieved = any(seg.retrieved for seg in parent.segments)
         for c in (c for c in drafted if c.parent == index):
-            scored = score_candidate(c, cfg)
+            scored = score_candidate(c, cfg, retrieved)
             if not c.grounded and c.retrieved:
                 fallback = scored
-            if passes_filters(c, cfg):
+            if passes_filters(c, cfg) and (
+                cfg.keep_unsupported_segments or not ends_before(parent, scored[1])
+            ):
                 available.append(scored)
             else:
                 filtered += 1

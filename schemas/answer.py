@@ -54,6 +54,9 @@ class Evidence(BaseModel):
     text: str
 
 
+SegmentFlag = Literal["uncited", "unsupported_terms", "low_support"]
+
+
 class Citation(BaseModel):
     passage_id: str
     title: str | None = None
@@ -79,6 +82,17 @@ class SegmentOut(BaseModel):
     s_sup: float | None = Field(None, ge=0.0, le=1.0)
     s_use: float | None = Field(None, ge=-1.0, le=1.0)
     is_sup: SupportLevel | None = Field(None, description="Most likely IsSup label.")
+    unsupported_terms: list[str] = Field(
+        default_factory=list,
+        description="Numbers and names the segment states that neither its passage nor the "
+        "question holds (pipeline/grounding.py): content its citation does not back.",
+    )
+    flags: list[SegmentFlag] = Field(
+        default_factory=list,
+        description="Why a reader should check this segment before relying on it: uncited (an "
+        "answer that retrieved, and this segment cites nothing), unsupported_terms (see "
+        "unsupported_terms), low_support (IsSup below full).",
+    )
     logprob: float = Field(description="log p(segment | question, passage), summed over tokens.")
     n_tokens: int
     score: float = Field(description="S, the ranking score of the segment.")

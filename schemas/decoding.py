@@ -98,6 +98,12 @@ class DecodingConfig(BaseModel):
     require_relevant: bool = Field(
         False, description="Hard filter: the most likely IsRel label must be 'relevant'."
     )
+    keep_unsupported_segments: bool = Field(
+        False,
+        description="Keep a segment after the first that cites nothing while the answer "
+        "retrieved, or states numbers or names its passage lacks; by default such a segment is "
+        "unavailable and the answer ends before it (the first segment is flagged instead).",
+    )
     on_unsupported: UnsupportedPolicy = Field(
         "abstain",
         description="When every branch of a retrieval step is filtered out: abstain, or keep "
@@ -176,6 +182,7 @@ class DecodingOverrides(BaseModel):
     min_support: SupportLevel | None = None
     min_support_score: float | None = Field(None, ge=0.0, le=1.0)
     require_relevant: bool | None = None
+    keep_unsupported_segments: bool | None = None
     on_unsupported: UnsupportedPolicy | None = None
     critique: CritiqueSource | None = None
     max_retrievals: int | None = Field(None, ge=0, le=64)

@@ -21,7 +21,7 @@ from pydantic import (
     model_serializer,
 )
 
-from selfrag.schemas.answer import AnswerResponse, SegmentOut
+from selfrag.schemas.answer import AnswerResponse, SegmentFlag, SegmentOut
 from selfrag.schemas.decoding import MAX_ANSWER_TOKENS, DecodingOverrides
 from selfrag.schemas.text import has_visible_text
 
@@ -264,6 +264,15 @@ class Annotation(BaseModel):
 
     type: Literal["url_citation"] = "url_citation"
     url_citation: URLCitation
+    flags: list[SegmentFlag] | None = Field(
+        None,
+        description="Extension: what a reader should check in the citing segment "
+        "(`SegmentOut.flags`); left out when there is nothing to check.",
+    )
+
+    @model_serializer(mode="wrap")
+    def _serialize(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return _without_null(handler(self), "flags")
 
 
 class DeltaAnnotation(Annotation):

@@ -24,6 +24,7 @@ def _response(is_sup: str | None, s_sup: float | None) -> AnswerResponse:
         s_sup=s_sup,
         s_use=0.2,
         is_sup=is_sup,
+        flags=["low_support"] if is_sup not in (None, "full") else [],
         logprob=-3.0,
         n_tokens=5,
         score=1.0,
@@ -48,6 +49,23 @@ def test_a_weakly_supported_cited_segment_is_flagged() -> None:
     assert "Low support" in text and "segment(s) 1" in text
     row = next(line for line in text.splitlines() if line.startswith(" 1 "))
     assert row.split()[5] == "none"  # the IsSup column of segment 1
+
+
+def test_uncited_segments_and_terms_missing_from_the_source_are_flagged() -> None:
+    r = _response("full", 0.93)
+    invented = r.segments[0].model_copy(
+        update={
+            "text": " He died in 932.",
+            "citation": None,
+            "flags": ["uncited", "unsupported_terms"],
+            "unsupported_terms": ["932"],
+        }
+    )
+    r.segments.append(invented)
+    text = render_answer(r)
+    assert "Low support" not in text
+    assert "Uncited: segment(s) 2 cite no source" in text
+    assert "Not in the source: segment 2 states 932" in text
 
 
 def test_a_fully_supported_segment_is_not_flagged() -> None:

@@ -260,7 +260,7 @@ def test_max_retrievals_budget():
         drafts={"p1": (" Part.", -1.0, "sentence"), None: (" y.", -9, "sentence")}
     )
     decoder, retriever = make(critic, PASSAGES[:1])
-    out = decoder.answer("q", cfg(max_segments=3, max_retrievals=1))
+    out = decoder.answer("q", cfg(max_segments=3, max_retrievals=1, keep_unsupported_segments=True))
     assert len(retriever.queries) == 1
     assert out.usage.retrievals == 1
     assert out.segments[1].citation is None and not out.segments[1].retrieved
