@@ -145,3 +145,29 @@ def serve_logging(settings: Settings) -> dict[str, Any]:
         "encoding": s.log_encoding,
         "log_level": s.log_level,
     }
+
+
+# How long a stop waits for the answers in progress: within a supervisor's usual 8 s of grace,
+# with the rest of the stop (under a second) after it.
+DRAIN_S = 6.0
+
+
+def drain(limit_s: float = DRAIN_S) -> int:
+    """Stop the application admitting answers (503 with Retry-After from then on) and wait up
+    to `limit_s` for those in progress to end; how many were still running (0: all ended, -1:
+    the ingress did not answer)."""
+    import time
+
+    from ray import serve
+
+    handle = serve.get_deployment_handle("SelfRAGIngress", APP_NAME)
+    deadline = time.monotonic() + limit_s
+    left = -1
+    while True:
+        try:
+            left = handle.drain.remote().result(timeout_s=max(0.5, deadline - time.monotonic()))
+        except Exception:  # the ingress is gone or stuck: nothing more to wait for
+            return left
+        if left == 0 or time.monotonic() >= deadline:
+            return left
+        time.sleep(0.1)

@@ -252,6 +252,11 @@ class SelfRAGIngress:
         )
         self._serve_settings = settings.serve
 
+    def drain(self) -> int:
+        """`ServeAnswerService.drain`: new answers are refused (503), the count of those still
+        running returned; `selfrag serve` calls it when it stops."""
+        return self._service.drain()
+
     def __serve_build_asgi_app__(self) -> FastAPI:
         # Keys come from this replica's environment, never through deployment arguments.
         return build_http_app(

@@ -253,6 +253,7 @@ class ServeAnswerService:
         self._cache = path.cache
         self._max_inflight = max_inflight
         self._inflight = 0
+        self._draining = False
         self._metrics = metrics
         # A thread per admitted answer: the default executor has only cpu+4 threads.
         self._executor = ThreadPoolExecutor(max_inflight, thread_name_prefix="selfrag-decoder")
@@ -269,6 +270,13 @@ class ServeAnswerService:
         """Admitted answers whose decoder has not ended yet."""
         return self._inflight
 
+    def drain(self) -> int:
+        """Admit no more answers (each is a 503 with Retry-After: the server is stopping) and
+        return how many admitted ones are still running; `selfrag serve` calls it on a stop
+        until that is 0 or its grace period ends."""
+        self._draining = True
+        return self._inflight
+
     # --- answering -------------------------------------------------------------------------------
 
     def config(self, request: AnswerRequest) -> DecodingConfig:
@@ -282,6 +290,8 @@ class ServeAnswerService:
         on_step: StepListener | None = None,
         config: DecodingConfig | None = None,
     ) -> Answer:
+        if self._draining:
+            raise Overloaded("the server is stopping; retry in a moment")
         if self._inflight >= self._max_inflight:
             self._metrics.count_overload()
             raise Overloaded(f"{self._max_inflight} answers in progress; retry later")

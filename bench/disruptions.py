@@ -118,12 +118,13 @@ EXCUSED = {
         "WriteError",
         "HTTP 500",
         "HTTP 502",
-        # The new server's proxy takes connections before its app is deployed and answers
-        # 404 (Serve's "Path '...' not found") until then: a finding, see docs/benchmarks.md.
-        "HTTP 404",
         "stream ended",
     ),
 }
+# Excused for requests that arrive after a restart's SIGTERM only: one in flight then must end
+# with its answer (the stop drains), and a 404 (Serve's proxy before its app is deployed) is
+# never excused: until ready the answer is a 503 with Retry-After.
+DRAINED = ("restart",)
 
 
 class Disruptions:
@@ -148,9 +149,16 @@ class Disruptions:
         return any(
             w.start <= ended
             and (w.end is None or w.end >= started)
+            and not (w.kind in DRAINED and started < w.start)
             and any(why.startswith(p) for p in EXCUSED.get(w.kind, ()))
             for w in windows
         )
+
+    def in_flight_at_stop(self, started: float, ended: float) -> bool:
+        """Whether a request ran across the start of a restart (it had to be drained)."""
+        with self._lock:
+            windows = list(self.windows)
+        return any(w.kind in DRAINED and started < w.start <= ended for w in windows)
 
 
 def wait_readyz(url: str, limit_s: float) -> float:

@@ -31,9 +31,11 @@ report compares: a process that does not span both is left out of that figure):
   Retry-After and 504 stay "rejected as designed"; a dropped connection is a failure.
 * `restart`: the whole `selfrag serve` is stopped as a supervisor stops it (SIGTERM to its
   process group, SIGKILL after 8 s) and started again on the same port. Its window lasts from
-  the SIGTERM until the new server's `/readyz` is 200; within it a connection error, a 500 or
-  502, a 404 (the new proxy before its app is deployed) or a stream cut short counts as
-  disrupted. After the window, the same failures count as failed:
+  the SIGTERM until the new server's `/readyz` is 200; within it a request that arrived after
+  the SIGTERM and met a connection error, a 500 or 502 or a stream cut short counts as
+  disrupted (a 503 with Retry-After is rejected as designed). A request in flight at the
+  SIGTERM must end with its answer (the stop drains it: `in_flight_at_stop`, `drained`), and
+  a 404 is never excused (`not_found`). After the window, the same failures count as failed:
   the new server (not a stale proxy on the port) must answer everything.
 
 Alongside, the resident memory (VmRSS from /proc) of every Ray Serve replica process is
@@ -210,7 +212,13 @@ def soak(
             while not stop.is_set():
                 t0 = time.monotonic()
                 kind, outcome, seconds, why = one_request(client, rng, pool, fresh)
-                if outcome == "failed" and disruptions.excused(t0, time.monotonic(), why):
+                t1 = time.monotonic()
+                with tally.lock:
+                    if disruptions.in_flight_at_stop(t0, t1):
+                        counts["in_flight_at_stop"] += 1
+                        counts["drained"] += outcome == "succeeded"
+                    counts["not_found"] += why.startswith("HTTP 404")
+                if outcome == "failed" and disruptions.excused(t0, t1, why):
                     outcome = "disrupted"
                 tally.add(kind, outcome, seconds, why)
                 if kind == "transport":
@@ -254,6 +262,9 @@ def soak(
     if counts["restarts"]:
         figures["restart_sigkills"] = counts["restart_sigkills"]
         figures["restart_stop_ms_max"] = counts["restart_stop_ms_max"]
+        figures["in_flight_at_stop"] = counts["in_flight_at_stop"]
+        figures["drained"] = counts["drained"]
+    figures["not_found"] = counts["not_found"]
     inflight, waited = inflight_after(url)
     print(f"in-flight answers after the load: {inflight} (after waiting {waited:.0f} s)")
     figures["dropped_streams"] = tally.outcome["dropped"]

@@ -50,7 +50,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         _check_model_runs(LocalRuntime(settings).model_path, settings.model.n_threads)
     from ray import serve
 
-    from selfrag.actors.app import APP_NAME, build_app, serve_logging
+    from selfrag.actors.app import APP_NAME, DRAIN_S, build_app, drain, serve_logging
     from selfrag.runtime.ray_cluster import (
         PORT_WAIT_S,
         init_ray,
@@ -78,14 +78,23 @@ def cmd_serve(args: argparse.Namespace) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     try:
+        # Built before the proxy takes the port: it answers 404 until the app's route exists.
+        app = build_app(settings)
         serve.start(
             http_options={"host": host, "port": port}, logging_config=serve_logging(settings)
         )
-        serve.run(build_app(settings), name=APP_NAME, route_prefix="/", blocking=False)
+        serve.run(app, name=APP_NAME, route_prefix="/", blocking=False)
         print(start_line(host, port), file=sys.stderr, flush=True)
         while not stop.wait(1.0):
             pass
         print("selfrag: shutting down", file=sys.stderr, flush=True)
+        left = drain()  # the answers in progress end first, within a bounded grace
+        if left > 0:
+            print(
+                f"selfrag: {left} answer(s) still running after {DRAIN_S:.0f} s: stopping them",
+                file=sys.stderr,
+                flush=True,
+            )
     finally:
         if local:
             # Every process of the instance, the proxy and the replicas included: Ray's workers

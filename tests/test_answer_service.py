@@ -398,3 +398,24 @@ def test_timeout_above_the_server_maximum_is_422():
     with pytest.raises(Unprocessable, match="max_timeout_s"):
         asyncio.run(service.run(AnswerRequest(question="q", config={"timeout_s": 60})))
     assert asyncio.run(service.run(AnswerRequest(question="q", config={"timeout_s": 30})))
+
+
+def test_a_drain_lets_the_answers_in_progress_end_and_refuses_new_ones_with_503():
+    """A stop drains (`selfrag serve` calls `drain` until it says 0, within a grace period):
+    an answer admitted before it ends with its response; one that comes after is a 503."""
+    service, _ = _service(delay_s=0.3, max_inflight=4)
+    req = AnswerRequest(question="q", config={"mode": "never"})
+
+    async def run() -> tuple[Any, list[int], Any]:
+        first = asyncio.ensure_future(service.run(req))
+        await asyncio.sleep(0.05)  # admitted, decoding
+        counts = [service.drain()]
+        late = await asyncio.gather(service.run(req), return_exceptions=True)
+        done = await first
+        counts.append(service.drain())
+        return done, counts, late[0]
+
+    done, counts, late = asyncio.run(run())
+    assert done.response.answer  # admitted before the drain: answered
+    assert counts == [1, 0]
+    assert isinstance(late, Overloaded) and "stopping" in str(late)
