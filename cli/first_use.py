@@ -14,22 +14,19 @@ log = logging.getLogger("selfrag.cli")
 
 def calibrate_on_first_use(rag: LocalRuntime, critique: str, progress: bool = True) -> bool:
     """Fit the support threshold of `critique` on the index once, with a progress bar, when
-    the model file has none for it and the source would otherwise answer with a constant that
-    was not fitted on this corpus (where `selfrag ask` used to warn). True when it ran. A
-    corpus too small to calibrate on is logged, and the constant stays."""
+    the model file has none for it (answers would never abstain for lack of support). True
+    when it ran. A corpus too small to calibrate on is logged, and abstention stays off."""
     from selfrag.jobs.support_calibration import (
         CalibrationSkipped,
         calibrate_support,
         corpus_plan,
         describe,
     )
-    from selfrag.pipeline.critics.filters import CRITIQUE_FILTERS
 
     if rag.settings.model.backend != "llama_cpp" or not rag.settings.model.calibrate_on_first_use:
         return False
     name = rag.critic(critique).name
-    constant = CRITIQUE_FILTERS.get(name, {}).get("min_support_score")
-    if not constant or rag.calibrated.calibration(name) is not None:
+    if rag.calibrated.calibration(name) is not None:
         return False
     print(
         f"selfrag: no support threshold for {rag.model_path.name} and critique '{name}' on this "
@@ -39,7 +36,7 @@ def calibrate_on_first_use(rag: LocalRuntime, critique: str, progress: bool = Tr
     try:
         cal, path = calibrate_support(rag, corpus_plan(), critique=critique, progress=progress)
     except CalibrationSkipped as exc:
-        log.warning("support threshold not calibrated (%s): the constant %s stays", exc, constant)
+        log.warning("support threshold not calibrated (%s): answers will not abstain", exc)
         return False
     print(describe(cal, path), file=sys.stderr)
     return True

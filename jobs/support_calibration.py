@@ -1,7 +1,8 @@
 """Calibrate the support threshold on the served corpus, without labels.
 
 For each synthetic pair (`pipeline.synthetic_qa`: a question written from a sampled passage's
-sentence, with its own passage or with a near neighbour lacking its answer) the system's own
+sentence, with its own passage, with a near neighbour lacking its answer, or perturbed into a
+trap on its own passage) the system's own
 critique does what the decoder does for a first-step evidence branch, `Branch(question, "",
 passage)`: relevance, then a draft of `max_segment_tokens`, then support, and s_sup is
 `pipeline.scoring.support_score` of that. The critic is the one the system serves
@@ -172,6 +173,13 @@ def calibrate_support(
         answerable_abstain=round(choice.answerable_abstain, 4),
         unanswerable_abstain=_rounded(choice.unanswerable_abstain),
         auroc=_auroc(answerable, unanswerable),
+        auroc_by_trap={
+            trap: _auroc(
+                answerable,
+                [s.s_sup for s in scores if s.pair.trap == trap and s.s_sup is not None],
+            )
+            for trap in sorted({s.pair.trap for s in scores if s.pair.trap is not None})
+        },
         questions=sum(1 for s in scores if s.pair.answerable),
         answerable=summary(answerable),
         unanswerable=summary(unanswerable),
@@ -291,7 +299,11 @@ def describe(cal: SupportCalibration, path: Path) -> str:
             f"  {cal.questions} synthetic questions ({cal.style}); s_sup answerable "
             f"n={a.get('n')} p10 {a.get('p10', '-')} p50 {a.get('p50', '-')}, unanswerable "
             f"n={u.get('n')} p10 {u.get('p10', '-')} p50 {u.get('p50', '-')}; AUROC "
-            f"{'-' if cal.auroc is None else f'{cal.auroc:.3f}'}",
+            f"{'-' if cal.auroc is None else f'{cal.auroc:.3f}'}"
+            + "".join(
+                f", {trap} {'-' if a is None else f'{a:.3f}'}"
+                for trap, a in cal.auroc_by_trap.items()
+            ),
             f"  abstains on {cal.answerable_abstain:.0%} of answerable pairs (at most "
             f"{cal.max_answerable_abstain:.0%}), {unans} of unanswerable; {cal.seconds:.0f} s",
             *(

@@ -2,9 +2,9 @@
 
 `selfrag calibrate` (and the end of `selfrag index`) writes a `SupportCalibration` per model
 file and critique source; answers whose request leaves `min_support_score` unset take it
-when the answer path settles their config (`pipeline.critics.filters.settle_filters`). A
-source with a constant default and no calibration keeps the constant, with a warning once per
-process, model file and source.
+when the answer path settles their config (`pipeline.critics.filters.settle_filters`).
+Without a calibration the threshold is off, which is logged once per process, model file and
+source (`selfrag ask` calibrates on first use instead: `cli/first_use.py`).
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 from selfrag.infra.support_calibration import calibration_path, read_calibration
-from selfrag.pipeline.critics.filters import CRITIQUE_FILTERS
 from selfrag.schemas.calibration import SupportCalibration
 
 log = logging.getLogger(__name__)
@@ -60,13 +59,11 @@ class CalibratedDefaults:
 
     def filters(self, critique: str) -> dict[str, object]:
         """The filter defaults calibrated for `critique` (its `min_support_score`); empty
-        without a calibration, and then a source whose constant applies warns once."""
+        without a calibration, which is logged once (answers then never abstain for support)."""
         cal = self.calibration(critique)
         if cal is not None:
             return {"min_support_score": cal.min_support_score}
-        constant = CRITIQUE_FILTERS.get(critique, {}).get("min_support_score")
-        if constant:
-            warn_uncalibrated(self._sha(), critique, constant)
+        warn_uncalibrated(self._sha(), critique)
         return {}
 
     def forget(self) -> None:
@@ -75,17 +72,15 @@ class CalibratedDefaults:
             self._read.clear()
 
 
-def warn_uncalibrated(model_sha256: str, critique: str, constant: object) -> None:
-    """Log (WARNING) once per process, model file and source that the threshold in use was
-    not calibrated on this corpus."""
+def warn_uncalibrated(model_sha256: str, critique: str) -> None:
+    """Log (WARNING) once per process, model file and source that no support threshold was
+    calibrated on this corpus."""
     with _warned_lock:
         if (model_sha256, critique) in _warned:
             return
         _warned.add((model_sha256, critique))
     log.warning(
-        "critique '%s': min_support_score %s was not calibrated on this corpus (it was chosen "
-        "on the SQuAD 'Normans' questions; s_sup's scale moves between corpora): run "
-        "`selfrag calibrate` to fit it on the index",
+        "critique '%s': no support threshold was calibrated on this index for this model, so "
+        "answers do not abstain for lack of support: run `selfrag calibrate`",
         critique,
-        constant,
     )

@@ -63,7 +63,8 @@ class SupportCalibration(BaseModel):
 
     The critique's s_sup is read on synthetic pairs drawn from the index
     (`pipeline.synthetic_qa`): a question made from a passage's sentence, with its own passage
-    (answerable) and with the retriever's best other passage lacking the answer (unanswerable).
+    (answerable); with the retriever's best other passage lacking the answer, and perturbed on
+    its own passage (a name or number swapped, negated, an antonym: unanswerable).
     The threshold is the highest one that abstains on at most `max_answerable_abstain` of the
     answerable pairs. Kept in `$SELFRAG_HOME/calibration/<model sha256>/<critique>.json`.
     """
@@ -83,6 +84,11 @@ class SupportCalibration(BaseModel):
     answerable_abstain: float = Field(description="Synthetic answerable pairs below it.")
     unanswerable_abstain: float | None = Field(description="Synthetic unanswerable pairs below it.")
     auroc: float | None = Field(description="s_sup's AUROC, answerable vs unanswerable pairs.")
+    auroc_by_trap: dict[str, float | None] = Field(
+        default_factory=dict,
+        description="s_sup's AUROC, answerable pairs against each kind of unanswerable one "
+        "(`pipeline.synthetic_qa.SyntheticPair.trap`).",
+    )
     questions: int
     answerable: dict[str, float | int] = Field(description="Summary of their s_sup.")
     unanswerable: dict[str, float | int] = Field(description="Summary of their s_sup.")

@@ -55,8 +55,7 @@ class DecodingConfig(BaseModel):
         ge=0.0,
         le=1.0,
         description="Branches with s_rel below this are pruned before drafting. None: "
-        "calibrated on the served corpus for the critique source, else the source's default "
-        "(pipeline.critics.filters.CRITIQUE_FILTERS), else 0.",
+        "calibrated on the served corpus for the model and critique source, else 0 (off).",
     )
     relevance_margin: float | None = Field(
         None,
@@ -64,8 +63,7 @@ class DecodingConfig(BaseModel):
         le=1.0,
         description="Evidence branches whose s_rel is more than this below the best of their "
         "hypothesis are pruned before drafting (0: only the best drafts). None: calibrated on "
-        "the served corpus for the critique source, else the source's default "
-        "(pipeline.critics.filters.CRITIQUE_FILTERS), else 1 (off).",
+        "the served corpus for the model and critique source, else 1 (off).",
     )
     # 1, measured (docs/benchmarks.md, "A draft budget"): on Normans within one answer of no
     # budget (SmolLM2: the same answers), decoding a fifth to a quarter fewer tokens; on
@@ -84,16 +82,15 @@ class DecodingConfig(BaseModel):
     min_support: SupportLevel | None = Field(
         None,
         description="Hard filter: the most likely IsSup label must reach this level. None: "
-        "calibrated on the served corpus for the critique source, else the source's default "
-        "(pipeline.critics.filters.CRITIQUE_FILTERS), else 'none'.",
+        "calibrated on the served corpus for the model and critique source, else 'none' (off).",
     )
     min_support_score: float | None = Field(
         None,
         ge=0.0,
         le=1.0,
         description="Hard filter: a grounded branch's s_sup must reach this. None: calibrated "
-        "on the served corpus for the critique source (`selfrag calibrate`), else the source's "
-        "default (pipeline.critics.filters.CRITIQUE_FILTERS), else 0.",
+        "on the served corpus for the model and critique source (`selfrag calibrate`, or the "
+        "first `selfrag ask`), else 0 (off).",
     )
     require_relevant: bool = Field(
         False, description="Hard filter: the most likely IsRel label must be 'relevant'."

@@ -118,8 +118,8 @@ def test_status_shows_index_model_heads_and_critique_without_loading_the_model(
     # The embedded default ships reflection heads, so `auto` resolves to the learned critique.
     assert status["heads"] is not None and Path(status["heads"]).is_file()
     assert status["critique"] == {"configured": "auto", "resolved": "learned", "usable": True}
-    # Indexed with --no-calibrate: the learned critique's constant, said to be uncalibrated.
-    assert status["support_threshold"] == {"min_support_score": 0.36, "calibrated": False}
+    # Indexed with --no-calibrate: no threshold, said to be uncalibrated.
+    assert status["support_threshold"] == {"min_support_score": 0.0, "calibrated": False}
     # What every engine process runs with: the threads and OpenMP's wait policy (issue 29).
     assert model["threads"] == {
         "n_threads": 0,
@@ -132,7 +132,7 @@ def test_status_shows_index_model_heads_and_critique_without_loading_the_model(
     text = capsys.readouterr().out
     assert f"passages       {index['passages']}" in text
     assert "critique       auto -> learned" in text
-    assert "min_support    0.36 (constant, not calibrated on this corpus" in text
+    assert "min_support    off (not calibrated: `selfrag calibrate`)" in text
     assert f"threads        {os.cpu_count()} (all cores)" in text
     assert "wait policy    passive (OMP_WAIT_POLICY=PASSIVE)" in text
     assert f"store          embedded {index['where']}" in text

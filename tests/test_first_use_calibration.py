@@ -52,10 +52,11 @@ def test_runs_once_when_the_model_has_no_threshold(tmp_path: Path, runs: list[st
     assert "calibrating it once now" in capsys.readouterr().err
 
 
-def test_not_when_calibrated_turned_off_or_without_a_constant(tmp_path: Path, runs: list[str]):
+def test_not_when_calibrated_or_turned_off(tmp_path: Path, runs: list[str]):
     assert calibrate_on_first_use(_rag(tmp_path, has=True), "auto") is False
     off = _rag(tmp_path, has=False, calibrate_on_first_use=False)
     assert calibrate_on_first_use(off, "auto") is False
-    # A source with no constant threshold (filters off) has nothing to replace.
-    assert calibrate_on_first_use(_rag(tmp_path, has=False, source="likelihood"), "x") is False
     assert runs == []
+    # Every source without a threshold gets one: no source has a constant to fall back on.
+    assert calibrate_on_first_use(_rag(tmp_path, has=False, source="likelihood"), "x") is True
+    assert runs == ["x"]

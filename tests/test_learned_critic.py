@@ -286,12 +286,12 @@ def decode(heads: ReflectionHeads, **config: object) -> tuple[AnswerResponse, Re
 
 
 def test_min_relevance_prunes_the_passage_the_head_calls_irrelevant() -> None:
-    out, model = decode(make_heads(), min_relevance=0.5)
+    out, model = decode(make_heads(), min_relevance=0.5, min_support_score=0.3)
     assert out.critique == "learned"
     assert out.usage.branches_opened == 3
     assert out.usage.branches_pruned == 1
     drafted = [model.detokenize(r.prompt) for r in model.generate_requests]
-    # Rollo's branch only: the no-evidence branch cannot pass the learned min_support_score.
+    # Rollo's branch only: the no-evidence branch cannot pass min_support_score.
     assert len(drafted) == 1
     assert not any(PARIS.text in p for p in drafted)
     assert any(ROLLO.text in p for p in drafted)
@@ -302,11 +302,13 @@ def test_min_relevance_prunes_the_passage_the_head_calls_irrelevant() -> None:
     assert seg.is_sup == "full"
 
     # Without the threshold and the margin both passages are drafted.
-    unpruned, model = decode(make_heads(), min_relevance=0.0, relevance_margin=1.0, max_drafts=50)
+    unpruned, model = decode(
+        make_heads(), min_relevance=0.0, relevance_margin=1.0, max_drafts=50, min_support_score=0.3
+    )
     assert unpruned.usage.branches_pruned == 0
     assert len(model.generate_requests) == 2
-    # The learned margin alone prunes Paris too: it is far below Rollo.
-    margin, _ = decode(make_heads(), min_relevance=0.0)
+    # A margin alone prunes Paris too: it is far below Rollo.
+    margin, _ = decode(make_heads(), min_relevance=0.0, relevance_margin=0.2)
     assert margin.usage.branches_pruned == 1
 
 
@@ -334,12 +336,10 @@ def test_min_support_abstains_when_the_support_head_says_none_for_every_branch()
     assert grounded.segments[0].citation.passage_id == ROLLO.id
 
 
-def test_unset_filters_take_the_learned_critiques_defaults() -> None:
-    from selfrag.pipeline.critics import CRITIQUE_FILTERS
-
+def test_unset_filters_are_off_without_a_calibration() -> None:
     out, _ = decode(make_heads())
-    for name, value in CRITIQUE_FILTERS["learned"].items():
-        assert getattr(out.config, name) == value
+    assert (out.config.min_relevance, out.config.relevance_margin) == (0.0, 1.0)
+    assert (out.config.min_support, out.config.min_support_score) == ("none", 0.0)
     # A request's own values win, and other critiques keep filters off by default.
     assert settle_filters(DecodingConfig(min_support_score=0.1), "learned").min_support_score == 0.1
     plain = settle_filters(DecodingConfig(), "likelihood")

@@ -220,19 +220,19 @@ def test_an_unreadable_calibration_is_ignored_with_a_warning(
 # --- resolve order ----------------------------------------------------------------------------
 
 
-def test_request_value_before_calibrated_before_the_constant() -> None:
+def test_request_value_before_calibrated_before_off() -> None:
     calibrated = {"min_support_score": 0.52}
     assert settle_filters(DecodingConfig(), "learned", calibrated).min_support_score == 0.52
-    assert settle_filters(DecodingConfig(), "learned").min_support_score == 0.36
+    assert settle_filters(DecodingConfig(), "learned").min_support_score == 0.0
     asked = DecodingConfig(min_support_score=0.1)
     assert settle_filters(asked, "learned", calibrated).min_support_score == 0.1
-    # The calibration fits the threshold only; the other filters keep the source's defaults.
-    assert settle_filters(DecodingConfig(), "learned", calibrated).min_relevance == 0.5
+    # The calibration fits the threshold only; the other filters stay off.
+    assert settle_filters(DecodingConfig(), "learned", calibrated).min_relevance == 0.0
     # A source without a constant takes its calibrated threshold too.
     assert settle_filters(DecodingConfig(), "likelihood", calibrated).min_support_score == 0.52
 
 
-def test_uncalibrated_constant_warns_once(
+def test_a_missing_calibration_warns_once_per_source(
     tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(calibrated_module, "_warned", set())
@@ -240,8 +240,8 @@ def test_uncalibrated_constant_warns_once(
     with caplog.at_level(logging.WARNING):
         assert defaults.filters("learned") == {}
         assert defaults.filters("learned") == {}
-        assert defaults.filters("likelihood") == {}  # no constant: nothing to warn about
-    assert caplog.text.count("was not calibrated on this corpus") == 1
+        assert defaults.filters("likelihood") == {}
+    assert caplog.text.count("no support threshold was calibrated") == 2
 
 
 def _answer(
@@ -262,7 +262,7 @@ def test_the_decoder_abstains_by_the_calibrated_threshold_unless_the_request_set
         support_of={"p1": {"full": 0.45, "partial": 0.0, "none": 0.55}},  # s_sup 0.45
     )
     config = DecodingConfig(mode="always", top_k=1)
-    # The constant 0.36 keeps the answer; a calibrated 0.52 abstains; a request's 0.4 rules.
+    # No threshold keeps the answer; a calibrated 0.52 abstains; a request's 0.4 rules.
     assert not _answer(critic, {}, config).abstained
     calibrated = _answer(critic, {"min_support_score": 0.52}, config)
     assert calibrated.abstained and calibrated.config.min_support_score == 0.52

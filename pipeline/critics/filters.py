@@ -13,14 +13,12 @@ FILTERS_OFF: dict[str, object] = {
     "min_support": "none",
     "min_support_score": 0.0,
 }
-# A critique source's own filter defaults, by name. Only the learned heads earn any: chosen on
-# the Normans questions (docs/evaluation.md). Its min_support_score applies only where no
-# threshold was calibrated on the served corpus (`selfrag calibrate`): s_sup's scale moves
-# between corpora. The margin is relative to the best passage, so it
-# holds where the head's scale shifts between articles, as its absolute scores do.
-CRITIQUE_FILTERS: dict[str, dict[str, object]] = {
-    "learned": {"min_relevance": 0.5, "relevance_margin": 0.2, "min_support_score": 0.36},
-}
+# A critique source's own filter defaults, by name: none. A threshold chosen on one corpus
+# pruned every passage of answerable questions on another (s_rel and s_sup move between
+# corpora), so filters a request leaves unset are what was calibrated on the served corpus for
+# the model and source, else off; the draft budget (`max_drafts`) already keeps one evidence
+# branch a step, the most relevant.
+CRITIQUE_FILTERS: dict[str, dict[str, object]] = {}
 
 
 def settle_filters(
