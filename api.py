@@ -4,6 +4,7 @@
         rag.index("corpus.jsonl")
         r = rag.answer("Who founded Normandy?", mode="always", top_k=3)
         print(r.answer, [s.citation for s in r.segments])
+        passages = rag.retrieve("Who founded Normandy?", top_k=5)  # ranked by s_rel
 
 Everything runs in this process on the answer path the CLI, HTTP and batch jobs share (the
 configured defaults, the query cache, the deadline); `selfrag serve` is the way to share one
@@ -25,11 +26,14 @@ from selfrag.jobs.indexing import IndexReport, index_corpus
 from selfrag.pipeline.decoder import StepListener
 from selfrag.pipeline.ranking import Hypothesis
 from selfrag.runtime.answering import Answer, LeaderSegments
+from selfrag.runtime.relevance import ranked_passages
 from selfrag.runtime.system import KVPrecompute, LocalRuntime
 from selfrag.schemas.answer import AnswerRequest, AnswerResponse
+from selfrag.schemas.decoding import DecodingOverrides
 from selfrag.schemas.documents import DocumentInfo, Removal
 from selfrag.schemas.errors import Cancelled
 from selfrag.schemas.events import SegmentEvent
+from selfrag.schemas.retrieval import RankedPassage
 from selfrag.schemas.settings import Settings
 
 _END = object()
@@ -142,6 +146,22 @@ class SelfRAG:
     ) -> SegmentStream:
         """`stream` for asyncio: `async for event in rag.astream(q)`, then `.response`."""
         return SegmentStream(self, self._request(question, max_tokens, dials))
+
+    def retrieve(
+        self, query: str, *, top_k: int | None = None, critique: str | None = None
+    ) -> list[RankedPassage]:
+        """The `top_k` passages the store finds for `query` (default: the configured top_k),
+        most relevant first by the critique's relevance read (s_rel), no answer drafted."""
+        overrides = DecodingOverrides.model_validate({"top_k": top_k, "critique": critique})
+        config = overrides.apply_to(self.settings.decoding)
+        critic = self.system.critic(config.critique)
+        return ranked_passages(query, self.system.store, critic, config.top_k)
+
+    async def aretrieve(
+        self, query: str, *, top_k: int | None = None, critique: str | None = None
+    ) -> list[RankedPassage]:
+        """`retrieve` without blocking the event loop."""
+        return await asyncio.to_thread(self.retrieve, query, top_k=top_k, critique=critique)
 
     def _request(
         self, question: str, max_tokens: int | None, dials: dict[str, Any]

@@ -1,16 +1,17 @@
-"""LangChain adapters (`pip install 'selfrag[langchain]'`): a retriever and a runnable over
-`selfrag.SelfRAG`.
+"""LangChain adapters (install the `langchain` extra): a retriever, a chat model and a
+runnable over `selfrag.SelfRAG`.
 
     from selfrag import SelfRAG
-    from selfrag.integrations.langchain import SelfRAGRetriever, SelfRAGRunnable
+    from selfrag.integrations.langchain import SelfRAGChatModel, SelfRAGRetriever
 
     rag = SelfRAG.open(home="~/rag")
-    docs = SelfRAGRetriever(answerer=rag, dials={"top_k": 3}).invoke("Who founded Normandy?")
-    out = SelfRAGRunnable(rag, top_k=3).invoke("Who founded Normandy?")
-    out["answer"], out["documents"], out["response"]
+    docs = SelfRAGRetriever(rag=rag, top_k=5).invoke("Who founded Normandy?")
+    reply = SelfRAGChatModel(rag=rag).invoke("Who founded Normandy?")
+    reply.content, reply.response_metadata["citations"]
 
-Both answer the question (the answer path decides what to retrieve and cites it); the
-retriever returns only the passages, the runnable the answer too.
+The retriever only retrieves: the store's passages ranked by the critique's relevance read
+(s_rel), no answer drafted. The chat model answers (`langchain_chat`); `SelfRAGRunnable` gives
+the answer with its documents and the full response.
 """
 
 from __future__ import annotations
@@ -18,10 +19,10 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
-from pydantic import Field
-
-from selfrag.integrations.sources import Answerer, StreamingAnswerer, sources
+from selfrag.integrations.langchain_chat import SelfRAGChatModel
+from selfrag.integrations.sources import Answerer, Retrieving, StreamingAnswerer, sources
 from selfrag.schemas.answer import AnswerResponse
+from selfrag.schemas.retrieval import RankedPassage
 
 try:
     from langchain_core.callbacks import (
@@ -34,10 +35,18 @@ try:
     from langchain_core.runnables.utils import AddableDict
 except ImportError as exc:  # the extra is not installed
     raise ImportError(
-        "selfrag.integrations.langchain needs langchain-core: pip install 'selfrag[langchain]'"
+        "selfrag.integrations.langchain needs langchain-core: install selfrag with its "
+        "'langchain' extra (pip install '.[langchain]' in the checkout)"
     ) from exc
 
-__all__ = ["SelfRAGRetriever", "SelfRAGRunnable", "to_documents", "to_output"]
+__all__ = [
+    "SelfRAGChatModel",
+    "SelfRAGRetriever",
+    "SelfRAGRunnable",
+    "passage_documents",
+    "to_documents",
+    "to_output",
+]
 
 RunnableInput = str | dict[str, Any]
 
@@ -68,22 +77,44 @@ def to_output(response: AnswerResponse) -> dict[str, Any]:
     return {"answer": response.answer, "documents": to_documents(response), "response": response}
 
 
-class SelfRAGRetriever(BaseRetriever):
-    """Answers the query and returns the answer's passages (`to_documents`), cited first.
-    `dials` go to every answer (e.g. `{"top_k": 3, "mode": "always"}`)."""
+def passage_documents(passages: list[RankedPassage]) -> list[Document]:
+    """Ranked passages as Documents, in their order: `page_content` is the passage text;
+    `metadata`: `id`, `title`, `url`, `score` (retrieval score) and `s_rel` (relevance)."""
+    return [
+        Document(
+            id=p.id,
+            page_content=p.text,
+            metadata={
+                "id": p.id,
+                "title": p.title,
+                "url": p.url,
+                "score": p.score,
+                "s_rel": p.s_rel,
+            },
+        )
+        for p in passages
+    ]
 
-    answerer: Answerer
-    dials: dict[str, Any] = Field(default_factory=dict)
+
+class SelfRAGRetriever(BaseRetriever):
+    """Retrieves and ranks, no answer drafted: the store's `top_k` passages for the query
+    (default: the configured top_k), most relevant first by the critique's s_rel
+    (`SelfRAG.retrieve`; `critique` names the source, default the configured one)."""
+
+    rag: Retrieving
+    top_k: int | None = None
+    critique: str | None = None
 
     def _get_relevant_documents(
         self, query: str, *, run_manager: CallbackManagerForRetrieverRun
     ) -> list[Document]:
-        return to_documents(self.answerer.answer(query, **self.dials))
+        return passage_documents(self.rag.retrieve(query, top_k=self.top_k, critique=self.critique))
 
     async def _aget_relevant_documents(
         self, query: str, *, run_manager: AsyncCallbackManagerForRetrieverRun
     ) -> list[Document]:
-        return to_documents(await self.answerer.aanswer(query, **self.dials))
+        ranked = await self.rag.aretrieve(query, top_k=self.top_k, critique=self.critique)
+        return passage_documents(ranked)
 
 
 class SelfRAGRunnable(Runnable[RunnableInput, dict[str, Any]]):

@@ -1,4 +1,4 @@
-"""LlamaIndex adapter (`pip install 'selfrag[llamaindex]'`): a query engine over
+"""LlamaIndex adapter (the `llamaindex` extra): a query engine over
 `selfrag.SelfRAG`.
 
     from selfrag import SelfRAG
@@ -27,7 +27,8 @@ try:
     from llama_index.core.schema import NodeWithScore, TextNode
 except ImportError as exc:  # the extra is not installed
     raise ImportError(
-        "selfrag.integrations.llamaindex needs llama-index-core: pip install 'selfrag[llamaindex]'"
+        "selfrag.integrations.llamaindex needs llama-index-core: install selfrag with its "
+        "'llamaindex' extra (pip install '.[llamaindex]' in the checkout)"
     ) from exc
 
 __all__ = ["SelfRAGQueryEngine", "to_nodes", "to_response"]

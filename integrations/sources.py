@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from selfrag.schemas.answer import AnswerResponse, PassageOut, SegmentOut
+from selfrag.schemas.retrieval import RankedPassage
 
 if TYPE_CHECKING:  # loading the API loads the engine and store adapters: only when used
     from selfrag.api import SegmentStream
@@ -29,6 +30,19 @@ class StreamingAnswerer(Answerer, Protocol):
     def stream(self, question: str, **dials: Any) -> SegmentStream: ...
 
     def astream(self, question: str, **dials: Any) -> SegmentStream: ...
+
+
+@runtime_checkable
+class Retrieving(Protocol):
+    """What a retriever adapter calls: `selfrag.SelfRAG`'s retrieval without drafting."""
+
+    def retrieve(
+        self, query: str, *, top_k: int | None = None, critique: str | None = None
+    ) -> list[RankedPassage]: ...
+
+    async def aretrieve(
+        self, query: str, *, top_k: int | None = None, critique: str | None = None
+    ) -> list[RankedPassage]: ...
 
 
 @dataclass(frozen=True)

@@ -21,12 +21,18 @@ from langchain_core.runnables import RunnableLambda
 from llama_index.core.base.response.schema import Response
 from llama_index.core.schema import MetadataMode, QueryBundle
 
-from selfrag.integrations.langchain import SelfRAGRetriever, SelfRAGRunnable, to_documents
+from selfrag.integrations.langchain import (
+    SelfRAGChatModel,
+    SelfRAGRetriever,
+    SelfRAGRunnable,
+    to_documents,
+)
 from selfrag.integrations.llamaindex import SelfRAGQueryEngine
-from selfrag.integrations.sources import Answerer, StreamingAnswerer
+from selfrag.integrations.sources import Answerer, Retrieving, StreamingAnswerer
 from selfrag.schemas.answer import AnswerResponse, Citation, PassageOut, SegmentOut
 from selfrag.schemas.decoding import DecodingConfig
 from selfrag.schemas.events import SegmentEvent
+from selfrag.schemas.retrieval import RankedPassage
 from tests.http_fakes import scripted_response
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -133,47 +139,125 @@ def test_the_fakes_are_answerers():
 # --- LangChain ------------------------------------------------------------------------------
 
 
-def test_retriever_lists_cited_passages_first_with_their_scores():
-    fake = FakeAnswerer()
-    docs = SelfRAGRetriever(answerer=fake, dials={"top_k": 2, "mode": "always"}).invoke("Q?")
-    assert fake.calls == [("answer", "Q?", {"top_k": 2, "mode": "always"})]
+@dataclass
+class FakeRetriever:
+    """Ranked passages from a list; records (method, query, top_k, critique) of every call."""
+
+    ranked: list[RankedPassage] = field(
+        default_factory=lambda: [
+            RankedPassage(id="b", title="B", text="Passage b.", score=0.5, s_rel=0.9),
+            RankedPassage(
+                id="a", title="A", url="https://a", text="Passage a.", score=0.7, s_rel=0.4
+            ),
+        ]
+    )
+    calls: list[tuple[str, str, int | None, str | None]] = field(default_factory=list)
+
+    def retrieve(
+        self, query: str, *, top_k: int | None = None, critique: str | None = None
+    ) -> list[RankedPassage]:
+        self.calls.append(("retrieve", query, top_k, critique))
+        return self.ranked
+
+    async def aretrieve(
+        self, query: str, *, top_k: int | None = None, critique: str | None = None
+    ) -> list[RankedPassage]:
+        self.calls.append(("aretrieve", query, top_k, critique))
+        return self.ranked
+
+
+def test_retriever_only_retrieves_in_relevance_order():
+    fake = FakeRetriever()
+    assert isinstance(fake, Retrieving)
+    docs = SelfRAGRetriever(rag=fake, top_k=2, critique="likelihood").invoke("Q?")
+    assert fake.calls == [("retrieve", "Q?", 2, "likelihood")]
     assert all(isinstance(d, Document) for d in docs)
+    assert [d.id for d in docs] == ["b", "a"]
+    assert [d.page_content for d in docs] == ["Passage b.", "Passage a."]
+    assert docs[1].metadata == {
+        "id": "a",
+        "title": "A",
+        "url": "https://a",
+        "score": 0.7,
+        "s_rel": 0.4,
+    }
+    batched = asyncio.run(SelfRAGRetriever(rag=fake).abatch(["Q1", "Q2"]))
+    assert [[d.id for d in ds] for ds in batched] == [["b", "a"]] * 2
+    assert fake.calls[1:] == [("aretrieve", "Q1", None, None), ("aretrieve", "Q2", None, None)]
+
+
+def test_documents_of_an_answer_list_cited_passages_first_with_their_scores():
+    docs = to_documents(response("Q?"))
     assert [d.id for d in docs] == ["b", "a", "c"]
-    assert [d.page_content for d in docs] == ["Passage b.", "Passage a.", "Passage c."]
     b, a, c = (d.metadata for d in docs)
     # b: the best of its two citing segments by ranking score is segment 2.
-    assert b == {
-        "id": "b",
-        "title": "B",
-        "score": 0.5,
-        "cited": True,
-        "segments": [0, 2],
-        "s_rel": 0.95,
-        "s_sup": 0.5,
-        "s_use": 0.25,
-        "is_sup": "partial",
-        "answer": "One. Two. Three. Four.",
-    }
+    assert b["segments"] == [0, 2] and b["s_rel"] == 0.95 and b["is_sup"] == "partial"
     assert a["cited"] and a["segments"] == [1] and a["s_rel"] == 0.7 and a["score"] == 0.7
     assert not c["cited"] and c["segments"] == [] and c["score"] == 0.9
     assert c["s_rel"] is c["s_sup"] is c["s_use"] is c["is_sup"] is None
+    abstention = to_documents(abstained("Q?"))
+    assert [d.id for d in abstention] == ["c", "a", "b"]  # the response's order
+    assert not any(d.metadata["cited"] for d in abstention)
 
 
-def test_retriever_async_calls_aanswer():
-    fake = FakeAnswerer()
-    retriever = SelfRAGRetriever(answerer=fake, dials={"top_k": 2})
-    docs = asyncio.run(retriever.ainvoke("Q?"))
-    assert fake.calls == [("aanswer", "Q?", {"top_k": 2})]
-    assert [d.id for d in docs] == ["b", "a", "c"]
-    batched = asyncio.run(retriever.abatch(["Q1", "Q2"]))
-    assert [[d.id for d in ds] for ds in batched] == [["b", "a", "c"]] * 2
+class _SteadyEvents(_Events):
+    """A beam of one: each segment once, in order."""
+
+    def __init__(self, r: AnswerResponse) -> None:
+        super().__init__(r)
+        self.events = self.events[1:]
 
 
-def test_abstained_answer_lists_the_passages_uncited():
-    docs = SelfRAGRetriever(answerer=FakeAnswerer(script=abstained)).invoke("Q?")
-    assert [d.id for d in docs] == ["c", "a", "b"]  # the response's order: retrieval score
-    assert not any(d.metadata["cited"] for d in docs)
-    assert all(d.metadata["answer"] == "I don't know." for d in docs)
+@dataclass
+class SteadyStreamer(FakeStreamer):
+    def stream(self, question: str, **dials: Any) -> _Events:
+        self.calls.append(("stream", question, dials))
+        return _SteadyEvents(self.script(question))
+
+    def astream(self, question: str, **dials: Any) -> _Events:
+        self.calls.append(("astream", question, dials))
+        return _SteadyEvents(self.script(question))
+
+
+def test_chat_model_answers_with_citations_and_follows_system_messages():
+    fake = FakeStreamer()
+    model = SelfRAGChatModel(rag=fake, dials={"top_k": 2})
+    reply = model.invoke([("system", "Answer in French."), ("human", "Q?")], beam=1)
+    assert fake.calls == [
+        ("answer", "Q?", {"top_k": 2, "beam": 1, "instructions": "Answer in French."})
+    ]
+    assert reply.content == "One. Two. Three. Four."
+    meta = reply.response_metadata
+    assert [(c["segment"], c["passage_id"]) for c in meta["citations"]] == [
+        (0, "b"),
+        (1, "a"),
+        (2, "b"),
+    ]
+    assert meta["citations"][1]["passage_text"] == "Passage a."
+    assert meta["selfrag"]["answer"] == reply.content and meta["abstained"] is False
+    assert asyncio.run(model.ainvoke("Q?")).content == reply.content
+    assert fake.calls[-1] == ("aanswer", "Q?", {"top_k": 2})
+    with pytest.raises(ValueError, match="user message"):
+        model.invoke([("system", "Only this.")])
+
+
+def test_chat_model_streams_text_chunks_then_the_metadata():
+    fake = SteadyStreamer()
+    chunks = list(SelfRAGChatModel(rag=fake).stream("Q?"))
+    texts = [c.content for c in chunks if c.content]
+    assert texts == ["One.", " Two.", " Three.", " Four."]
+    assert any(c.response_metadata.get("citations") for c in chunks[4:])
+    merged = reduce(add, chunks)
+    assert merged.content == "One. Two. Three. Four."
+    assert [c["passage_id"] for c in merged.response_metadata["citations"]] == ["b", "a", "b"]
+    # A wider beam can change its leader: the text comes in one chunk when it is done.
+    wide = list(SelfRAGChatModel(rag=FakeStreamer(), dials={"beam": 2}).stream("Q?"))
+    assert [c.content for c in wide if c.content] == ["One. Two. Three. Four."]
+
+    async def collect() -> list[str]:
+        return [c.content async for c in SelfRAGChatModel(rag=fake).astream("Q?") if c.content]
+
+    assert asyncio.run(collect()) == texts
 
 
 def test_a_citation_of_a_passage_not_listed_is_skipped():
@@ -378,7 +462,7 @@ def test_a_missing_framework_names_the_extra(
             monkeypatch.delitem(sys.modules, name)
     monkeypatch.setitem(sys.modules, framework, None)  # `import` raises ImportError
     monkeypatch.delitem(sys.modules, f"selfrag.integrations.{module}")
-    with pytest.raises(ImportError, match=rf"pip install 'selfrag\[{extra}\]'"):
+    with pytest.raises(ImportError, match=rf"'{extra}' extra"):
         importlib.import_module(f"selfrag.integrations.{module}")
 
 
@@ -394,7 +478,6 @@ from selfrag.integrations.langchain import SelfRAGRetriever, SelfRAGRunnable
 from selfrag.integrations.llamaindex import SelfRAGQueryEngine
 from tests.test_integrations import FakeStreamer
 fake = FakeStreamer()
-SelfRAGRetriever(answerer=fake).invoke("Q?")
 list(SelfRAGRunnable(fake).stream("Q?"))
 engine = SelfRAGQueryEngine(answerer=fake)
 r = engine.query("Q?")
@@ -444,23 +527,31 @@ def rag(normans_api_home: Path) -> Iterator[Any]:
 
 
 @pytest.mark.real
-def test_real_langchain_retriever(rag: Any):
-    assert isinstance(rag, StreamingAnswerer)
-    docs = SelfRAGRetriever(answerer=rag, dials=DIALS).invoke(
+def test_real_langchain_retriever_ranks_without_drafting(rag: Any):
+    engine = rag.system.engine
+    before = engine.stats.generated_tokens
+    docs = SelfRAGRetriever(rag=rag, top_k=3).invoke(
         "Who was the Norse leader who founded Normandy?"
     )
-    assert 1 <= len(docs) <= 2, docs
-    assert docs[0].metadata["cited"], docs
-    assert [d.metadata["cited"] for d in docs] == sorted(
-        (d.metadata["cited"] for d in docs), reverse=True
-    )
+    assert engine.stats.generated_tokens == before  # read for relevance, nothing drafted
+    assert len(docs) == 3
+    s_rel = [d.metadata["s_rel"] for d in docs]
+    assert s_rel == sorted(s_rel, reverse=True) and all(0.0 <= s <= 1.0 for s in s_rel)
     for d in docs:
         assert d.page_content and d.id == d.metadata["id"]
         assert isinstance(d.metadata["score"], float)
-        assert d.metadata["answer"].strip()
-    first = docs[0].metadata
-    assert 0.0 <= first["s_rel"] <= 1.0 and 0.0 <= first["s_sup"] <= 1.0
-    assert first["is_sup"] in {"none", "partial", "full"} and first["segments"] == [0]
+
+
+@pytest.mark.real
+def test_real_langchain_chat_model_streams_text_with_citations(rag: Any):
+    model = SelfRAGChatModel(rag=rag, dials=DIALS)
+    chunks = list(model.stream("In what country is Normandy located?"))
+    assert all(isinstance(c.content, str) for c in chunks)
+    merged = reduce(add, chunks)
+    answer = merged.response_metadata["selfrag"]["answer"]
+    assert merged.content == answer and answer.strip()
+    assert merged.response_metadata["citations"], merged.response_metadata
+    assert len([c for c in chunks if c.content]) >= 1
 
 
 @pytest.mark.real
