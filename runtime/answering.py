@@ -268,7 +268,7 @@ class AnswerPath:
         one (`auto` to native, learned or likelihood) and its unset filters filled
         (`pipeline.critics.filters.settle_filters`), by `facts` (else the path's own). A source
         this model cannot run is `Unprocessable`. A settled config settles to itself."""
-        facts = facts or self._facts
+        facts = facts if facts is not None else self._facts
         if facts is None:
             raise ValueError("AnswerPath.settle needs the deployment's CritiqueFacts")
         try:
