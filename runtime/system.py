@@ -73,6 +73,13 @@ class LocalRuntime(Closeable):
         from selfrag.infra.embedder import SentenceEmbedder
 
         self._before_llama()  # an embedder may load llama.cpp (or torch's OpenMP) first
+        if self.settings.model.backend == "llama_cpp":
+            # A process loads one CPU backend, chosen by the first model it loads: let the chat
+            # model choose it, since a backend the embedder runs on may crash the chat model
+            # (an AMX build on a VM that reports AMX), not the other way round.
+            from selfrag.infra.llama_backend import ensure_backend
+
+            ensure_backend(self.model_path, n_threads=self.settings.model.n_threads or 1)
         return SentenceEmbedder(self.settings.retrieval.embedding_model)
 
     @cached_property
