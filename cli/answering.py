@@ -9,10 +9,13 @@ from typing import TYPE_CHECKING
 
 from selfrag.cli.common import CLIError, settings_from_args
 from selfrag.cli.first_use import calibrate_on_first_use
+from selfrag.cli.remote import held_store, via_server
 from selfrag.schemas.decoding import DecodingOverrides
 
 if TYPE_CHECKING:  # for `ask` only: `config`, `status` and `--help` start without them
+    from selfrag.api import SelfRAG
     from selfrag.schemas.answer import AnswerRequest, AnswerResponse, SegmentOut
+    from selfrag.schemas.settings import Settings
 
 
 def _request_from_args(args: argparse.Namespace) -> AnswerRequest:
@@ -32,18 +35,34 @@ def cmd_ask(args: argparse.Namespace) -> int:
     request = _request_from_args(args)  # refused before the model loads
     settings = settings_from_args(args)
     with SelfRAG(settings) as rag:
-        if rag.count() == 0:
-            raise CLIError(f"the index in {settings.home} is empty: run `selfrag index PATH` first")
-        dials = request.config.model_dump(exclude_none=True)
-        if request.config.min_support_score is None:
-            critique = request.config.critique or settings.decoding.critique
-            calibrate_on_first_use(rag.system, critique, progress=not args.json)
-        response = rag.answer(request.question, **dials)
+        if (held := held_store(rag)) is not None:  # a server holds the store: ask it
+            body = request.model_dump(mode="json", exclude_none=True)
+            response = answer_of(via_server(settings, held, "POST", "/v1/answer", body))
+        else:
+            response = _answer_here(rag, request, settings, progress=not args.json)
     if args.json:
         print(response.model_dump_json(indent=2))
     else:
         print(render_answer(response))
     return 0
+
+
+def _answer_here(
+    rag: SelfRAG, request: AnswerRequest, settings: Settings, progress: bool
+) -> AnswerResponse:
+    if rag.count() == 0:
+        raise CLIError(f"the index in {settings.home} is empty: run `selfrag index PATH` first")
+    dials = request.config.model_dump(exclude_none=True)
+    if request.config.min_support_score is None:
+        critique = request.config.critique or settings.decoding.critique
+        calibrate_on_first_use(rag.system, critique, progress=progress)
+    return rag.answer(request.question, **dials)
+
+
+def answer_of(body: object) -> AnswerResponse:
+    from selfrag.schemas.answer import AnswerResponse
+
+    return AnswerResponse.model_validate(body)
 
 
 def flag_lines(segments: Sequence[SegmentOut]) -> list[str]:

@@ -20,6 +20,7 @@ import json
 import logging
 import os
 import shutil
+import sys
 import threading
 import time
 import uuid
@@ -39,6 +40,7 @@ from selfrag.infra.qdrant_engine import (
     PointData,
     Search,
     StoreError,
+    StoreHeld,
     StoreMisconfigured,
     dense_of,
     prefetch_depth,
@@ -88,7 +90,7 @@ class EdgeEngine:
         folder = (home / "edge" / collection).resolve()
         with _OPEN_FOLDERS_LOCK:
             if str(folder) in _OPEN_FOLDERS:
-                raise StoreError(_already_open(folder))
+                raise _held(folder)
             _OPEN_FOLDERS.add(str(folder))
         engine = cls(folder)
         try:
@@ -109,7 +111,7 @@ class EdgeEngine:
                 f"the embedded store {self.folder} cannot be opened: {error}"
             ) from error
         if not locked:
-            raise StoreError(_already_open(self.folder))
+            raise _held(self.folder)
         try:
             self._shard = self._load_locked()
             if self._shard is None and (old / "collection" / collection).is_dir():
@@ -139,13 +141,15 @@ class EdgeEngine:
         if not shard_dir.is_dir():
             return None
         try:
-            return edge.EdgeShard.load(str(shard_dir))
+            shard = edge.EdgeShard.load(str(shard_dir))
         except Exception as error:
             if "WouldBlock" in str(error) or "lock" in str(error).lower():
-                raise StoreError(_already_open(self.folder)) from error
+                raise _held(self.folder) from error
             raise StoreError(
                 f"the embedded store {self.folder} cannot be opened: {error}"
             ) from error
+        record_holder(self.folder)
+        return shard
 
     def _require(self) -> edge.EdgeShard:
         if self._shard is None:
@@ -197,9 +201,8 @@ class EdgeEngine:
         if not self._lock.acquire(timeout_s=0):
             log.warning("waiting for another process to close the embedded store %s", self.folder)
             if not self._lock.acquire(timeout_s=FIRST_INDEX_WAIT_S):
-                raise StoreError(
-                    f"{_already_open(self.folder)} (waited {FIRST_INDEX_WAIT_S:.0f} s for it)"
-                )
+                held = _held(self.folder)
+                raise StoreHeld(f"{held} (waited {FIRST_INDEX_WAIT_S:.0f} s for it)", held.holder)
         try:
             self._shard = self._load_locked()
             if self._shard is None:
@@ -211,6 +214,7 @@ class EdgeEngine:
                     shutil.rmtree(self.folder / _SHARD, ignore_errors=True)
                     raise
                 self._shard = shard
+                record_holder(self.folder)
         finally:
             if self._shard is None:
                 self._lock.release()
@@ -240,6 +244,7 @@ class EdgeEngine:
             raise
         self._write_facts(facts)  # the switch: from now on the folder holds this index
         self._shard = edge.EdgeShard.load(str(self.folder / _SHARD))
+        record_holder(self.folder)
         return written
 
     def update_facts(self, changes: dict[str, Any]) -> None:
@@ -420,8 +425,47 @@ def migrate_local_store(old: Path, collection: str, target: EdgeEngine, embedder
     return copied
 
 
-def _already_open(folder: Path) -> str:
-    return (
-        f"the embedded Qdrant store {folder} is already open (one process and one store per "
-        "folder): close() the other store first, or use a Qdrant server"
+HOLDER_FILE = "holder.json"
+"""Who holds the folder's lock: pid and command, written by the holder after it locks."""
+
+
+def record_holder(folder: Path) -> None:
+    """Say in the folder which process holds it (for the message another process gets)."""
+    holder = {"pid": os.getpid(), "command": " ".join(sys.argv)[:500]}
+    try:
+        write_atomic(folder / HOLDER_FILE, json.dumps(holder).encode(), mode=0o644)
+    except OSError as error:  # only a message depends on it
+        log.debug("cannot record the holder of %s: %s", folder, error)
+
+
+def holder_of(folder: Path) -> str | None:
+    """`pid N (command)` of the process holding `folder`, when it is alive and known: its
+    process title as the system shows it (a Ray worker's names its actor), else the command
+    it recorded."""
+    try:
+        data = json.loads((folder / HOLDER_FILE).read_text(encoding="utf-8"))
+        pid = int(data["pid"])
+        os.kill(pid, 0)
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    command = str(data.get("command") or "")
+    try:
+        title = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").strip()
+        command = title.decode("utf-8", "replace") or command
+    except OSError:
+        pass
+    if pid == os.getpid():
+        return f"this process (pid {pid}), in another store"
+    return f"pid {pid} ({command[:200]})"
+
+
+def _held(folder: Path) -> StoreHeld:
+    holder = holder_of(folder)
+    who = f" by {holder}" if holder else ""
+    return StoreHeld(
+        f"the embedded Qdrant store {folder} is held{who}: one process at a time opens it. "
+        "Stop that process, or, when it is `selfrag serve`, ask through its HTTP API "
+        "(`selfrag ask` and `selfrag docs` do when serve.host/serve.port reach it); for several "
+        "processes at once, use a Qdrant server (retrieval.qdrant_url)",
+        holder,
     )

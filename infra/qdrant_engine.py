@@ -49,6 +49,15 @@ class StoreError(RuntimeError):
     """The store cannot be opened or used."""
 
 
+class StoreHeld(StoreError):
+    """The embedded store is open in another process (`holder`: its pid and command, when
+    known) or in another store of this one."""
+
+    def __init__(self, message: str, holder: str | None = None) -> None:
+        super().__init__(message)
+        self.holder = holder
+
+
 class StoreUnavailable(StoreError):
     """The Qdrant server does not answer (it may come back)."""
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import shutil
 import signal
 import subprocess
@@ -228,7 +229,7 @@ def test_one_client_per_folder_and_reopening_after_close(
     first = QdrantStore.open(RetrievalSettings(), home, embedder)
     index_corpus(corpus, first, progress=False)
     version = first.index_version()
-    with pytest.raises(StoreError, match="already open"):
+    with pytest.raises(StoreError, match="is held by this process"):
         QdrantStore.open(RetrievalSettings(), home, embedder)
     first.close()
     first.close()  # idempotent
@@ -320,7 +321,7 @@ def test_an_embedded_store_that_cannot_open_stops_the_replica(
 
     settings = load_settings(environ={"SELFRAG_HOME": str(home)})
     with QdrantStore.open(settings.retrieval, home, embedder):
-        with pytest.raises(StoreError, match="already"):
+        with pytest.raises(StoreError, match="is held"):
             Retriever.func_or_class(settings)
 
 
@@ -425,7 +426,9 @@ def test_another_process_cannot_open_the_embedded_store(
             [sys.executable, "-c", code, str(home)], capture_output=True, text=True, timeout=120
         )
     assert proc.returncode == 3, proc.stderr
-    assert "already open" in proc.stdout
+    # The message names the process that holds the store, and what to do.
+    assert f"is held by pid {os.getpid()} (" in proc.stdout
+    assert "selfrag serve" in proc.stdout and "retrieval.qdrant_url" in proc.stdout
 
 
 def test_index_facts_are_one_json_file_replaced_whole(
@@ -591,6 +594,7 @@ def test_a_migration_killed_half_way_is_done_again_on_the_next_open(
         assert store.search("passage old 7 about things", 1)[0].id == "old7"
     assert sorted(p.name for p in (home / "edge" / "passages").iterdir()) == [
         ".lock",
+        "holder.json",  # who holds the folder, for another process's message
         "index.json",
         "shard",
     ]
@@ -695,4 +699,4 @@ def test_a_store_opened_on_an_empty_home_serves_an_index_built_later_elsewhere(
         served.require_index()
         # From now on this process holds it.
         proc = _run_child(home, "QdrantStore.open(RetrievalSettings(), home, HashEmbedder())")
-        assert proc.returncode == 1 and "already open" in proc.stderr
+        assert proc.returncode == 1 and "is held by" in proc.stderr
