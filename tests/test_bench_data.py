@@ -23,12 +23,15 @@ from bench.data.questions import (
 )
 
 
-def test_every_docs_answer_is_stated_in_its_section():
+def test_every_docs_answer_is_stated_in_its_section(tmp_path):
+    from bench.docs_retrieval import QUESTIONS_COMMIT, snapshot
+
     records = load(DOCS)
     assert len(records) == 30
     assert len({r["id"] for r in records}) == 30
     assert all(r["answerable"] for r in records)
-    assert docs_problems(records) == []
+    # In the README and docs the questions were written against: the docs move on.
+    assert docs_problems(records, snapshot(QUESTIONS_COMMIT, tmp_path)) == []
 
 
 def test_a_docs_answer_missing_from_its_section_is_reported(tmp_path):
