@@ -425,6 +425,7 @@ def test_query_engine_response_and_source_nodes():
         "passage_id": "b",
         "title": "B",
         "url": None,
+        "page": None,
         "evidence": None,
     }
     assert r.metadata["usage"]["steps"] == 2 and r.metadata["question"] == "Q?"
