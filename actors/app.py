@@ -160,13 +160,13 @@ def drain(limit_s: float = DRAIN_S) -> int:
 
     from ray import serve
 
-    handle = serve.get_deployment_handle("SelfRAGIngress", APP_NAME)
     deadline = time.monotonic() + limit_s
     left = -1
     while True:
         try:
+            handle = serve.get_deployment_handle("SelfRAGIngress", APP_NAME)
             left = handle.drain.remote().result(timeout_s=max(0.5, deadline - time.monotonic()))
-        except Exception:  # the ingress is gone or stuck: nothing more to wait for
+        except Exception:  # no app yet, or the ingress is gone or stuck: nothing to wait for
             return left
         if left == 0 or time.monotonic() >= deadline:
             return left
