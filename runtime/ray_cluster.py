@@ -34,8 +34,10 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlsplit
 
 # A GCS that is up accepts a connection in milliseconds, even across a data centre.
@@ -78,12 +80,13 @@ def init_ray(address: str | None, *, log_to_driver: bool) -> bool:
     target = None if address in (None, "local") else _target(address)
     if target is None:
         _private_environment()
-        ray.init(
-            address="local",
-            include_dashboard=False,
-            log_to_driver=log_to_driver,
-            _node_ip_address=LOOPBACK,
-        )
+        with _daemons_in_their_own_group():
+            ray.init(
+                address="local",
+                include_dashboard=False,
+                log_to_driver=log_to_driver,
+                _node_ip_address=LOOPBACK,
+            )
         global _session
         _session = Path(ray._private.worker._global_node.get_session_dir_path())
         return True
@@ -117,6 +120,28 @@ def _private_environment() -> None:
     os.environ["RAY_AUTH_TOKEN"] = secrets.token_urlsafe(32)
     Config.initialize("")  # this process read its Ray config at import: read the mode again
     os.environ[OWNER_ENV] = f"{os.getpid()}-{secrets.token_hex(8)}"
+
+
+@contextmanager
+def _daemons_in_their_own_group() -> Iterator[None]:
+    """Ray's daemons (GCS, raylet, agents, monitors) started meanwhile get a process group of
+    their own: a supervisor's SIGTERM to `selfrag serve`'s group then reaches `selfrag serve`
+    alone, which drains the answers in progress through them before it stops them all. They
+    still die with it if it is killed (Ray starts them with the parent-death signal)."""
+    from ray._private import services
+
+    popen = services.ConsolePopen
+
+    class OwnGroup(popen):  # type: ignore[misc, valid-type]
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            kwargs.setdefault("process_group", 0)
+            super().__init__(*args, **kwargs)
+
+    services.ConsolePopen = OwnGroup  # Ray is pinned: its one way of starting a daemon
+    try:
+        yield
+    finally:
+        services.ConsolePopen = popen
 
 
 def starts_private(address: str | None) -> bool:

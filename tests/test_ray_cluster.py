@@ -154,9 +154,12 @@ for _, _, host, port in sockets:
     except Exception as exc:  # not HTTP (a gRPC port): no job goes in there either
         refused[port] = type(exc).__name__
 session = str(ray._private.worker._global_node.get_session_dir_path())
+in_my_group = [n for p, n in zip(pids, map(lambda p: comms([p])[0], pids))
+               if os.getpgid(p) == os.getpgrp()]
 ray_cluster.shutdown_private_ray()
 print(json.dumps({
-    "sockets": sockets, "jobs": refused, "session": session, "names": names, "unmarked": unmarked
+    "sockets": sockets, "jobs": refused, "session": session, "names": names, "unmarked": unmarked,
+    "in_my_group": in_my_group,
 }))
 """
 
@@ -263,3 +266,11 @@ def test_a_stopped_private_instance_leaves_no_process_the_agents_included(
     assert agents <= set(private_run["names"])
     assert private_run["unmarked"] == private_run["names"]
     assert private_run["left"] == []
+
+
+def test_a_private_instances_processes_are_out_of_reach_of_a_signal_to_its_starters_group(
+    private_run: dict,
+) -> None:
+    """A supervisor's SIGTERM to `selfrag serve`'s process group reached the GCS and raylet
+    too, so the answers in progress could not be drained through them."""
+    assert private_run["in_my_group"] == []
