@@ -1,7 +1,9 @@
 """Retrieval on this repository's own docs: word windows against structure-aware passages,
 side by side in one run (issue 38, item 3).
 
-Indexes README.md and docs/ (of the working tree) into two temporary embedded stores, one with
+Indexes README.md and docs/ as of `--commit` (default: the commit the questions were written
+against, bench/data/README.md, so runs compare while the docs change) into two temporary
+embedded stores, one with
 `retrieval.chunking = "words"` (150-word windows overlapping by 30, the former default) and one
 with `"structure"` (headings, paragraphs, whole code blocks and tables, `passage_tokens` word
 pieces), and asks the 30 questions of `bench/data/docs_questions.jsonl` with the default hybrid
@@ -13,14 +15,17 @@ answers.
 
 Last line: name=value.
 
-    .venv/bin/python -m bench.docs_retrieval [--top-k 3]
+    .venv/bin/python -m bench.docs_retrieval [--top-k 3] [--passage-tokens 200]
 """
 
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import re
+import subprocess
+import tarfile
 import tempfile
 import time
 from pathlib import Path
@@ -34,6 +39,8 @@ from selfrag.schemas.settings import RetrievalSettings
 
 REPO = Path(__file__).resolve().parent.parent
 QUESTIONS = REPO / "bench" / "data" / "docs_questions.jsonl"
+QUESTIONS_COMMIT = "7195e08"
+"""The README and docs the questions were written against (bench/data/README.md)."""
 _FENCE = re.compile(r"^\s{0,3}(```|~~~)")
 _HEADING = re.compile(r"^\s{0,3}(#{1,6})\s+(.+?)\s*#*\s*$")
 
@@ -77,7 +84,7 @@ def answers(
     """Whether `passage` is of the record's answering section (see the module docstring);
     `strict`: only when at least half of its own words lie in the section."""
     source = passage.metadata.get("source", "")
-    if not source.endswith("/" + record["file"]):
+    if not source.endswith("/" + record["file"]):  # a path in the snapshot
         return False
     words, owners = files[record["file"]]
     mine = _words(passage.text)
@@ -92,13 +99,34 @@ def answers(
     return not strict and section_size > 0 and inside * 2 >= section_size
 
 
-def run(chunking: str, records: list[dict[str, Any]], top_k: int) -> dict[str, float]:
-    settings = RetrievalSettings(chunking=chunking)  # type: ignore[arg-type]
-    files = {r["file"]: section_words(REPO / r["file"]) for r in records}
+def snapshot(commit: str, into: Path) -> Path:
+    """README.md and docs/ of `commit`, extracted under `into`."""
+    archive = subprocess.run(
+        ["git", "-C", str(REPO), "archive", commit, "README.md", "docs"],
+        check=True,
+        capture_output=True,
+    ).stdout
+    with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
+        tar.extractall(into, filter="data")
+    return into
+
+
+def run(
+    chunking: str,
+    records: list[dict[str, Any]],
+    top_k: int,
+    passage_tokens: int,
+    root: Path,
+) -> dict[str, float]:
+    settings = RetrievalSettings(
+        chunking=chunking,  # type: ignore[arg-type]
+        passage_tokens=passage_tokens,
+    )
+    files = {r["file"]: section_words(root / r["file"]) for r in records}
     with tempfile.TemporaryDirectory() as home:
         with QdrantStore.open(settings, Path(home), SentenceEmbedder()) as store:
             started = time.perf_counter()
-            for path in (REPO / "README.md", REPO / "docs"):
+            for path in (root / "README.md", root / "docs"):
                 index_corpus(path, store, progress=False, retrieval=settings)
             seconds = time.perf_counter() - started
             count = store.count()
@@ -121,9 +149,14 @@ def run(chunking: str, records: list[dict[str, Any]], top_k: int) -> dict[str, f
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--top-k", type=int, default=3)
+    parser.add_argument("--passage-tokens", type=int, default=RetrievalSettings().passage_tokens)
+    parser.add_argument("--chunking", nargs="+", default=["words", "structure"])
+    parser.add_argument("--commit", default=QUESTIONS_COMMIT)
     args = parser.parse_args()
     records = [json.loads(line) for line in QUESTIONS.read_text().splitlines() if line.strip()]
-    rows = {c: run(c, records, args.top_k) for c in ("words", "structure")}
+    with tempfile.TemporaryDirectory() as tmp:
+        root = snapshot(args.commit, Path(tmp))
+        rows = {c: run(c, records, args.top_k, args.passage_tokens, root) for c in args.chunking}
     k = args.top_k
     print(
         f"{'chunking':<10} {'passages':>8} {'index s':>8} {f'hit@{k}':>7} {f'strict@{k}':>9}"
@@ -134,7 +167,7 @@ def main() -> None:
             f"{name:<10} {row['passages']:>8} {row['index_s']:>8.1f} {row['hit']:>7.2f}"
             f" {row['strict']:>9.2f} {row['answer']:>9.2f}"
         )
-    gain = rows["structure"]["strict"] - rows["words"]["strict"]
+    gain = rows.get("structure", {}).get("strict", 0.0) - rows.get("words", {}).get("strict", 0.0)
     print(
         " ".join(
             f"{name}_{metric}{k}={rows[name][metric]:.3f}"
