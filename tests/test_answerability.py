@@ -310,11 +310,13 @@ def test_the_system_finds_the_model_of_its_model_file_and_refuses_another(tmp_pa
         rag.__dict__["model_path"] = weights  # no llama.cpp: the file only needs a SHA-256
         return rag
 
-    rag = system()
+    rag = system(support_read="source")
     fitted = rag.answerability("learned")
     assert fitted is not None and fitted.blocks == (1,)
     assert rag.answerability("likelihood") is None
     assert rag.reads_layers  # the engine installs the layer tap for it
+    # While s_sup is the verification read no answerability model is read: no tap.
+    assert not system().reads_layers
     assert system(answerability=False).answerability("learned") is None
     assert not system(answerability=False).reads_layers
     save_answerability(
