@@ -18,7 +18,7 @@ from selfrag.infra.settings import load_settings
 from selfrag.infra.support_calibration import save_calibration
 from selfrag.jobs.batch import run_batch
 from selfrag.pipeline.critics import RESERVED_PIECES, CritiqueUnavailable, settle_filters
-from selfrag.pipeline.critics.filters import CRITIQUE_FILTERS, unsettled_filters
+from selfrag.pipeline.critics.filters import unsettled_filters
 from selfrag.pipeline.decoder import BeamDecoder
 from selfrag.pipeline.protocols import Passage
 from selfrag.runtime.answering import AnswerPath, KnownCritique
@@ -33,31 +33,20 @@ from tests.fakes import ListRetriever, ScriptedCritic
 # --- settle_filters --------------------------------------------------------------------------
 
 
-@pytest.fixture
-def learned_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Constant defaults of the learned source for these tests (the shipped ones are tuned
-    elsewhere)."""
-    monkeypatch.setitem(
-        CRITIQUE_FILTERS, "learned", {"min_relevance": 0.5, "min_support_score": 0.36}
-    )
-
-
-def test_unset_filters_take_the_calibrated_value_then_the_sources_default_then_off(
-    learned_defaults: None,
-) -> None:
+def test_unset_filters_take_the_calibrated_value_else_off() -> None:
     settled = settle_filters(DecodingConfig(), "learned", {"min_support_score": 0.52})
     assert settled.critique == "learned"
-    assert settled.min_support_score == 0.52  # calibrated, over the constant 0.36
-    assert settled.min_relevance == 0.5  # the source's constant: nothing calibrated
+    assert settled.min_support_score == 0.52  # calibrated
+    assert settled.min_relevance == 0.0  # nothing calibrated: off
     assert (settled.relevance_margin, settled.min_support) == (1.0, "none")  # off
-    assert settle_filters(DecodingConfig(), "learned").min_support_score == 0.36
+    assert settle_filters(DecodingConfig(), "learned").min_support_score == 0.0
     plain = settle_filters(DecodingConfig(), "likelihood", {"min_support_score": 0.4})
     assert (plain.min_relevance, plain.relevance_margin, plain.min_support) == (0.0, 1.0, "none")
     assert plain.min_support_score == 0.4
     assert unsettled_filters(DecodingConfig()) and not unsettled_filters(settled)
 
 
-def test_a_requests_own_filter_values_are_never_replaced(learned_defaults: None) -> None:
+def test_a_requests_own_filter_values_are_never_replaced() -> None:
     asked = DecodingConfig(min_relevance=0.1, relevance_margin=0.3, min_support_score=0.2)
     settled = settle_filters(asked, "learned", {"min_support_score": 0.52})
     assert (settled.min_relevance, settled.relevance_margin) == (0.1, 0.3)
@@ -66,7 +55,7 @@ def test_a_requests_own_filter_values_are_never_replaced(learned_defaults: None)
     assert settle_filters(settled, "learned", {"min_support_score": 0.9}) == settled
 
 
-def test_the_answer_path_resolves_auto_and_keys_the_settled_config(learned_defaults: None) -> None:
+def test_the_answer_path_resolves_auto_and_keys_the_settled_config() -> None:
     path = AnswerPath(DecodingConfig(top_k=2))
     request = AnswerRequest(question="Who founded Normandy?")
     facts = KnownCritique("auto", "learned", {"min_support_score": 0.52})

@@ -44,7 +44,6 @@ from selfrag.pipeline.critics.factory import (
     with_answerability,
 )
 from selfrag.pipeline.critics.filters import (
-    CRITIQUE_FILTERS,
     FILTERS_OFF,
     settle_filters,
     unsettled_filters,
@@ -55,7 +54,6 @@ from selfrag.pipeline.critics.native import NativeChatCritic, NativeCritic, nati
 from selfrag.pipeline.critics.prompted import PromptedCritic, first_token_labels
 
 __all__ = [
-    "CRITIQUE_FILTERS",
     "FILTERS_OFF",
     "NATIVE_CHAT_LAYOUT",
     "NATIVE_EARLIER_LAYOUTS",

@@ -1,4 +1,9 @@
-"""Hard-filter defaults per critique source, and the settling of a request's filters."""
+"""The settling of a request's hard filters: calibrated on the served corpus, else off.
+
+No source has constant defaults: a threshold chosen on one corpus pruned every passage of
+answerable questions on another (s_rel and s_sup move between corpora). The draft budget
+(`max_drafts`) keeps one evidence branch a step, the most relevant, without a threshold.
+"""
 
 from __future__ import annotations
 
@@ -13,12 +18,6 @@ FILTERS_OFF: dict[str, object] = {
     "min_support": "none",
     "min_support_score": 0.0,
 }
-# A critique source's own filter defaults, by name: none. A threshold chosen on one corpus
-# pruned every passage of answerable questions on another (s_rel and s_sup move between
-# corpora), so filters a request leaves unset are what was calibrated on the served corpus for
-# the model and source, else off; the draft budget (`max_drafts`) already keeps one evidence
-# branch a step, the most relevant.
-CRITIQUE_FILTERS: dict[str, dict[str, object]] = {}
 
 
 def settle_filters(
@@ -26,9 +25,9 @@ def settle_filters(
 ) -> DecodingConfig:
     """`config` settled for the concrete critique `source` (not `auto`): its critique set to
     `source`, and each filter it leaves unset (None) filled with what was calibrated on the
-    served corpus for this model and source (`calibrated`), else the source's constant default
-    (`CRITIQUE_FILTERS`), else off (`FILTERS_OFF`). Filters the request set stay as they are."""
-    defaults = {**FILTERS_OFF, **CRITIQUE_FILTERS.get(source, {}), **(calibrated or {})}
+    served corpus for this model and source (`calibrated`), else off (`FILTERS_OFF`). Filters
+    the request set stay as they are."""
+    defaults = {**FILTERS_OFF, **(calibrated or {})}
     update: dict[str, object] = {
         name: defaults[name] for name in FILTERS_OFF if getattr(config, name) is None
     }
