@@ -74,20 +74,27 @@ class SelfRAG:
     # --- the index -------------------------------------------------------------------------------
 
     def index(
-        self, *paths: str | Path, progress: bool = False, follow_links: bool = False
+        self,
+        *paths: str | Path,
+        progress: bool = False,
+        follow_links: bool = False,
+        collection: str | None = None,
     ) -> list[IndexReport]:
         """Index JSONL, SQuAD JSON, .txt/.md/.pdf/.html files or folders of them into this
         home; one report per path (its bad records and the files it did not read are in
         `errors`, the rest is indexed; the documents gone from it since it was last indexed
         are removed: `removed`). Symbolic links out of a folder are followed only with
-        `follow_links`. A missing path raises FileNotFoundError before anything is written."""
+        `follow_links`. `collection`: another collection of this home than the configured one
+        (each call's `collection` keeps its corpus apart). A missing path raises
+        FileNotFoundError before anything is written."""
         for path in paths:
             if not Path(path).exists():
                 raise FileNotFoundError(f"no such file or folder: {path}")
+        store = self.system.for_collection(collection).store
         return [
             index_corpus(
                 path,
-                self.system.store,
+                store,
                 progress=progress,
                 retrieval=self.settings.retrieval,
                 follow_links=follow_links,
@@ -95,19 +102,19 @@ class SelfRAG:
             for path in paths
         ]
 
-    def count(self) -> int:
-        """Passages in the index."""
-        return self.system.store.count()
+    def count(self, collection: str | None = None) -> int:
+        """Passages in the index (of `collection`, default the configured one)."""
+        return self.system.for_collection(collection).store.count()
 
-    def documents(self) -> list[DocumentInfo]:
+    def documents(self, collection: str | None = None) -> list[DocumentInfo]:
         """The indexed documents: id, source file, title, passages, when indexed."""
-        return self.system.store.documents()
+        return self.system.for_collection(collection).store.documents()
 
-    def remove(self, *refs: str | Path) -> Removal:
+    def remove(self, *refs: str | Path, collection: str | None = None) -> Removal:
         """Take documents out of the index: each ref a document id, or the file or folder
         they were indexed from. Their passages leave every search and no cached answer that
         cites them is served again (the index version changes)."""
-        return self.system.store.remove([str(r) for r in refs])
+        return self.system.for_collection(collection).store.remove([str(r) for r in refs])
 
     def precompute_kv(self, progress: bool = False) -> KVPrecompute:
         """Save every indexed passage's KV state to the disk tier (`HOME/kv`), so answers
@@ -118,34 +125,55 @@ class SelfRAG:
     # --- answers ---------------------------------------------------------------------------------
 
     def answer(
-        self, question: str, *, max_tokens: int | None = None, **dials: Any
+        self,
+        question: str,
+        *,
+        max_tokens: int | None = None,
+        collection: str | None = None,
+        **dials: Any,
     ) -> AnswerResponse:
-        """Answer `question`; `dials` override any `DecodingConfig` field for this answer (bad
-        ones raise pydantic's ValidationError naming the field). Failures raise the kinds of
-        `selfrag.schemas.errors` (e.g. `DeadlineExceeded` past `timeout_s`)."""
-        return self._answer(self._request(question, max_tokens, dials)).response
+        """Answer `question` (from `collection`, default the configured one); `dials` override
+        any `DecodingConfig` field for this answer (bad ones raise pydantic's ValidationError
+        naming the field). Failures raise the kinds of `selfrag.schemas.errors` (e.g.
+        `DeadlineExceeded` past `timeout_s`)."""
+        return self._answer(self._request(question, max_tokens, dials, collection)).response
 
     async def aanswer(
-        self, question: str, *, max_tokens: int | None = None, **dials: Any
+        self,
+        question: str,
+        *,
+        max_tokens: int | None = None,
+        collection: str | None = None,
+        **dials: Any,
     ) -> AnswerResponse:
         """`answer` without blocking the event loop."""
-        request = self._request(question, max_tokens, dials)
+        request = self._request(question, max_tokens, dials, collection)
         return (await asyncio.to_thread(self._answer, request)).response
 
     def stream(
-        self, question: str, *, max_tokens: int | None = None, **dials: Any
+        self,
+        question: str,
+        *,
+        max_tokens: int | None = None,
+        collection: str | None = None,
+        **dials: Any,
     ) -> SegmentStream:
         """Iterate the leading hypothesis's segments as they are decoded (`SegmentEvent`:
         index i replaces any segment with index ≥ i seen before, since the beam's leader can
         change); the full answer is `.response` once the iteration ends. Leaving the loop
         early stops the decode at its next step."""
-        return SegmentStream(self, self._request(question, max_tokens, dials))
+        return SegmentStream(self, self._request(question, max_tokens, dials, collection))
 
     def astream(
-        self, question: str, *, max_tokens: int | None = None, **dials: Any
+        self,
+        question: str,
+        *,
+        max_tokens: int | None = None,
+        collection: str | None = None,
+        **dials: Any,
     ) -> SegmentStream:
         """`stream` for asyncio: `async for event in rag.astream(q)`, then `.response`."""
-        return SegmentStream(self, self._request(question, max_tokens, dials))
+        return SegmentStream(self, self._request(question, max_tokens, dials, collection))
 
     def retrieve(
         self, query: str, *, top_k: int | None = None, critique: str | None = None
@@ -164,14 +192,23 @@ class SelfRAG:
         return await asyncio.to_thread(self.retrieve, query, top_k=top_k, critique=critique)
 
     def _request(
-        self, question: str, max_tokens: int | None, dials: dict[str, Any]
+        self,
+        question: str,
+        max_tokens: int | None,
+        dials: dict[str, Any],
+        collection: str | None = None,
     ) -> AnswerRequest:
         return AnswerRequest.model_validate(
-            {"question": question, "config": dials, "max_tokens": max_tokens}
+            {
+                "question": question,
+                "config": dials,
+                "max_tokens": max_tokens,
+                "collection": collection,
+            }
         )
 
     def _answer(self, request: AnswerRequest, on_step: StepListener | None = None) -> Answer:
-        system = self.system
+        system = self.system.for_collection(request.collection)
         config = system.answer_path.config(request)
         return system.answer_config(request.question, config, on_step)
 

@@ -249,6 +249,7 @@ class SelfRAGIngress:
             metrics=self._metrics,
             index_version_ttl_s=settings.serve.index_version_ttl_s,
             affinity=settings.serve.affinity,
+            collection=settings.retrieval.collection,
         )
         self._serve_settings = settings.serve
 

@@ -47,6 +47,7 @@ from selfrag.schemas.errors import (
     DeadlineExceeded,
     DependencyDown,
     Overloaded,
+    Unprocessable,
 )
 
 log = logging.getLogger("selfrag.service")
@@ -240,11 +241,13 @@ class ServeAnswerService:
         metrics: Metrics,
         index_version_ttl_s: float = 0.0,
         affinity: bool = True,
+        collection: str | None = None,
     ) -> None:
         """`path` is the deployment's `AnswerPath.for_settings` (its events: `metrics`). With
         `affinity` every call of one answer carries the same session id (the pool and decider
         route by it)."""
         self._affinity = affinity
+        self._collection = collection
         self._pool = pool
         self._decider = decider
         self._retriever = retriever
@@ -282,7 +285,17 @@ class ServeAnswerService:
     def config(self, request: AnswerRequest) -> DecodingConfig:
         """The config of `request` before it is settled (`AnswerPath.requested`): its critique
         source resolved and filters filled only in `run`, with the pool's facts."""
+        self._check_collection(request)
         return self._path.requested(request)
+
+    def _check_collection(self, request: AnswerRequest) -> None:
+        """A server answers from the one collection its Retriever serves: another is a 422."""
+        if request.collection not in (None, self._collection):
+            raise Unprocessable(
+                f"collection {request.collection!r}: this server answers from "
+                f"{self._collection!r} only (start one with --collection NAME for another, or "
+                "use the CLI or the Python API, which answer from any collection of the home)"
+            )
 
     async def run(
         self,
@@ -290,6 +303,7 @@ class ServeAnswerService:
         on_step: StepListener | None = None,
         config: DecodingConfig | None = None,
     ) -> Answer:
+        self._check_collection(request)
         if self._draining:
             raise Overloaded("the server is stopping; retry in a moment")
         if self._inflight >= self._max_inflight:

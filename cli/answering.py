@@ -37,6 +37,7 @@ def cmd_ask(args: argparse.Namespace) -> int:
     with SelfRAG(settings) as rag:
         if (held := held_store(rag)) is not None:  # a server holds the store: ask it
             body = request.model_dump(mode="json", exclude_none=True)
+            body["collection"] = settings.retrieval.collection  # --collection, else the default
             response = answer_of(via_server(settings, held, "POST", "/v1/answer", body))
         else:
             response = _answer_here(rag, request, settings, progress=not args.json)

@@ -7,6 +7,7 @@ Components are built lazily, so `selfrag index` never loads the language model a
 from __future__ import annotations
 
 import logging
+import re
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -38,7 +39,7 @@ from selfrag.runtime.assembly import DecoderParts
 from selfrag.runtime.calibrated import CalibratedDefaults
 from selfrag.schemas.answer import AnswerRequest, AnswerResponse
 from selfrag.schemas.decoding import DecodingConfig
-from selfrag.schemas.settings import ModelSettings, Settings
+from selfrag.schemas.settings import COLLECTION_NAME, ModelSettings, Settings
 
 log = logging.getLogger(__name__)
 # The critique sources (all but `auto`): each may have an answerability model (part of the
@@ -65,6 +66,7 @@ class LocalRuntime(Closeable):
         settings.home.mkdir(parents=True, exist_ok=True)
         self._critics: dict[str, Critic] = {}
         self._lock = threading.Lock()
+        self._siblings: dict[str, LocalRuntime] = {}
 
     # --- components -----------------------------------------------------------------------------
 
@@ -378,11 +380,71 @@ class LocalRuntime(Closeable):
             seconds=time.perf_counter() - started,
         )
 
+    def for_collection(self, name: str | None) -> LocalRuntime:
+        """This runtime on the collection `name` of the home (None: its own): a store of its
+        own, and with it its own index version and query-cache scope; the same model,
+        embedder, critics, KV states and calibrations. Closed with this one."""
+        if name is None or name == self.settings.retrieval.collection:
+            return self
+        with self._lock:
+            if name not in self._siblings:
+                self._siblings[name] = CollectionRuntime(self, name)
+            return self._siblings[name]
+
     def close(self) -> None:
+        for sibling in self._siblings.values():
+            sibling.close()
+        self._siblings.clear()
         for name in ("engine", "store", "prefix_store"):
             component = self.__dict__.pop(name, None)
             if component is not None:
                 component.close()
+
+
+class CollectionRuntime(LocalRuntime):
+    """A `LocalRuntime` on another collection of the same home (`for_collection`): its own
+    store, answer path and decoder parts; the model, embedder, critics, KV-state store and
+    calibrations of the runtime it came from, which closes it."""
+
+    def __init__(self, parent: LocalRuntime, collection: str) -> None:
+        if not re.fullmatch(COLLECTION_NAME, collection):
+            raise ValueError(
+                f"collection {collection[:80]!r}: letters, digits, '_', '.' and '-' only, "
+                "64 at most, starting with a letter or digit"
+            )
+        retrieval = parent.settings.retrieval.model_copy(update={"collection": collection})
+        super().__init__(
+            parent.settings.model_copy(update={"retrieval": retrieval}),
+            layer_tap=parent._layer_tap,
+        )
+        self._parent = parent
+        self._critics = parent._critics
+        self._lock = parent._lock
+
+    @property  # type: ignore[override]
+    def embedder(self) -> SentenceEmbedder:
+        return self._parent.embedder
+
+    @property  # type: ignore[override]
+    def engine(self) -> LlamaEngine | VLLMEngine:
+        return self._parent.engine
+
+    @property  # type: ignore[override]
+    def prefix_store(self) -> TieredStateStore | None:
+        return self._parent.prefix_store
+
+    @property  # type: ignore[override]
+    def calibrated(self) -> CalibratedDefaults:
+        return self._parent.calibrated
+
+    def for_collection(self, name: str | None) -> LocalRuntime:
+        return self._parent.for_collection(name or self.settings.retrieval.collection)
+
+    def close(self) -> None:
+        """Close its store only: the rest is the parent's."""
+        store = self.__dict__.pop("store", None)
+        if store is not None:
+            store.close()
 
 
 # Any question: what is saved is the prompt head before it (template + passage).

@@ -12,6 +12,7 @@ from selfrag.schemas.decoding import (
     DecodingOverrides,
     SupportLevel,
 )
+from selfrag.schemas.settings import COLLECTION_NAME
 from selfrag.schemas.text import has_visible_text
 
 StopReason = Literal["timeout_s", "max_prefill_tokens"]
@@ -25,6 +26,12 @@ class AnswerRequest(BaseModel):
 
     question: str = Field(..., min_length=1, max_length=MAX_QUESTION_CHARS)
     config: DecodingOverrides = Field(default_factory=DecodingOverrides)
+    collection: str | None = Field(
+        None,
+        pattern=COLLECTION_NAME,
+        description="The index collection to answer from (default: the served one, "
+        "retrieval.collection).",
+    )
     max_tokens: int | None = Field(
         None,
         ge=4,

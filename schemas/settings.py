@@ -32,6 +32,8 @@ WaitPolicy = Literal["passive", "active", "inherit"]
 SupportRead = Literal["verify", "source"]
 
 MASK = "**********"
+COLLECTION_NAME = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
+"""What a collection may be called: also a folder name, so no path separators or `..`."""
 
 
 def mask_url(url: str) -> str:
@@ -161,7 +163,12 @@ class RetrievalSettings(BaseModel):
     qdrant_api_key: Annotated[SecretStr | None, BlankIsUnset] = Field(
         None, description="Qdrant server API key; shown masked, never logged."
     )
-    collection: str = "passages"
+    collection: str = Field(
+        "passages",
+        pattern=COLLECTION_NAME,
+        description="The index collection (a corpus of its own: its embedded folder "
+        "HOME/edge/<name>, or the server's collection); `--collection` on the commands.",
+    )
     embedding_model: str | None = Field(
         None,
         description="sentence-transformers BERT model folder (safetensors), converted to GGUF "

@@ -466,6 +466,19 @@ def test_no_answer_cites_a_removed_document_even_cached_or_after_a_restart(
     with SelfRAG.open(home=home, model={"n_threads": 1}) as rag:
         assert [d.id for d in rag.documents()] == ["apples"]
         assert "rollo" not in cites(rag.answer(question, **dials))
+        # Another collection of the home, chosen per call: its own documents and answers.
+        other = tmp_path / "other.jsonl"
+        row = {"id": "paris", "title": "Paris", "text": "Paris is the capital of France."}
+        other.write_text(json.dumps(row) + "\n", encoding="utf-8")
+        rag.index(other, collection="cities")
+        assert [d.id for d in rag.documents(collection="cities")] == ["paris"]
+        assert [d.id for d in rag.documents()] == ["apples"]
+        assert cites(rag.answer(question, collection="cities", **dials)) == {"paris"}
+        assert "paris" not in cites(rag.answer(question, **dials))
+        with pytest.raises(ValueError, match="collection"):
+            rag.answer(question, collection="../escape", **dials)
+        with pytest.raises(ValueError, match="collection"):
+            rag.documents(collection="../escape")
 
 
 # --- the CLI while a server holds the store (issue 38, item 5) -------------------------------
