@@ -277,8 +277,8 @@ def _name(pid: int) -> str:
 
 def shutdown_private_ray(tidy: bool = True) -> None:
     """End the private instance this process started, Serve included, leaving no process of it
-    behind: its workers (Serve's proxy, controller and replicas) are killed first, then Ray
-    stops its GCS and raylet, then anything left is killed. Serve's graceful shutdown is not
+    behind: this process disconnects (`tidy`), then the workers (Serve's proxy, controller and
+    replicas) are killed, then the GCS, raylet and anything left. Serve's graceful shutdown is not
     attempted: after a signal to the whole process group, which reaches the raylet too, it
     hung past 5 s, beyond the usual 8 s grace of a stop; requests in flight end with it.
     `tidy`: this process disconnects (ray.shutdown, bounded) before the GCS and raylet are
