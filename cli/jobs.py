@@ -27,9 +27,22 @@ def cmd_index(args: argparse.Namespace) -> int:
     with SelfRAG(settings) as rag:
         for path in args.paths:
             # Each skipped record is logged (WARNING) once by the indexing job itself.
-            [report] = rag.index(
-                path, progress=not args.no_progress, follow_links=args.follow_links
-            )
+            if args.ray:
+                from selfrag.jobs.ray_indexing import index_corpus_ray
+
+                report = index_corpus_ray(
+                    path,
+                    rag.system.store,
+                    retrieval=settings.retrieval,
+                    actors=args.actors,
+                    address=args.address,
+                    follow_links=args.follow_links,
+                    progress=not args.no_progress,
+                )
+            else:
+                [report] = rag.index(
+                    path, progress=not args.no_progress, follow_links=args.follow_links
+                )
             failed += len(report.errors)
             print(
                 f"{path}: {report.documents} documents, {report.passages} passages indexed"

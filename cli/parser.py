@@ -86,6 +86,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="Also read files and folders that symbolic links in a folder point to outside it "
         "(by default they are reported and not read; /proc, /sys and /dev never are).",
     )
+    p_index.add_argument(
+        "--ray",
+        action="store_true",
+        help="Embed on Ray Data (one embedder per actor, over the cluster's nodes); the store "
+        "is written from this process (a Qdrant server for a real cluster).",
+    )
+    p_index.add_argument(
+        "--address", help="With --ray: the cluster to join (default: a private local instance)."
+    )
+    p_index.add_argument(
+        "--actors", type=int, default=2, help="With --ray: embedding actors, one CPU each."
+    )
     _collection_flag(p_index)
     _model_flag(p_index)
     p_index.add_argument(

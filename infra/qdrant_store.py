@@ -181,23 +181,43 @@ class QdrantStore(Closeable):
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         if not passages:
             return 0
-        with self._lock:
-            self._ensure_collection()
         written = 0
-        for batch in _document_batches(passages, batch_size):
+        for batch in document_batches(passages, batch_size):
             vectors = self._embedder.embed([embedded_text(p) for p in batch])
-            points = [point_data(p, v.tolist()) for p, v in zip(batch, vectors, strict=True)]
-            with self._lock:
-                self._engine.upsert(points)
-                if replace_documents:
-                    doc_ids = sorted({doc_id(p) for p in batch})
-                    self._engine.delete_stale(doc_ids, [p.id for p in points])
-            written += len(points)
-        with self._lock:
-            self._engine.finish_writes()
+            written += self.write(batch, vectors, replace_documents=replace_documents)
+        self.finish_writes()
         if bump_version:
             self.bump_index_version()
         return written
+
+    def write(
+        self,
+        passages: Sequence[Passage],
+        vectors: Sequence[Sequence[float]] | Any,
+        *,
+        replace_documents: bool = False,
+    ) -> int:
+        """Write `passages` with their dense `vectors`, embedded already (by this store's
+        embedder model: `embedded_text` of each, elsewhere, as `selfrag index --ray` does);
+        `replace_documents` as in `upsert`. Call `finish_writes` after the last one."""
+        if len(passages) != len(vectors):
+            raise ValueError(f"{len(passages)} passages but {len(vectors)} vectors")
+        with self._lock:
+            self._ensure_collection()
+        rows = zip(passages, vectors, strict=True)
+        points = [point_data(p, [float(x) for x in v]) for p, v in rows]
+        with self._lock:
+            self._engine.upsert(points)
+            if replace_documents:
+                doc_ids = sorted({doc_id(p) for p in passages})
+                self._engine.delete_stale(doc_ids, [p.id for p in points])
+        return len(points)
+
+    def finish_writes(self) -> None:
+        """Let the engine build its indexes after writes (embedded: HNSW once large enough)."""
+        with self._lock:
+            if self._collection_exists():
+                self._engine.finish_writes()
 
     def search(self, query: str, k: int) -> list[Passage]:
         """The `k` best passages for `query`, best first; [] when nothing is indexed.
@@ -351,7 +371,7 @@ def point_data(passage: Passage, dense: list[float]) -> PointData:
 _KEPT = (COLLECTION, "source", "doc_title", "section", "indexed_at")
 
 
-def _document_batches(passages: Sequence[Passage], size: int) -> Iterator[list[Passage]]:
+def document_batches(passages: Sequence[Passage], size: int) -> Iterator[list[Passage]]:
     batch: list[Passage] = []
     for i, passage in enumerate(passages):
         batch.append(passage)

@@ -120,6 +120,18 @@ def tagged(passage: Passage, path: Path, indexed_at: str | None = None) -> Passa
     return passage
 
 
+def remove_gone(store: QdrantStore, path: Path, seen: set[str], report: IndexReport) -> bool:
+    """Remove the documents indexed from `path` before that this read of it did not find
+    (`seen`), except those of files that failed to read now; counted in `report`. True when
+    any was removed (the caller bumps the index version)."""
+    failed = {file_source(Path(error.path)) for error in report.errors}
+    gone = store.stale_documents(corpus_root(path), seen, failed)
+    if gone:
+        report.removed = len(gone)
+        report.removed_passages = store.remove_documents(gone, bump_version=False)
+    return bool(gone)
+
+
 def index_corpus(
     path: str | Path,
     store: QdrantStore,
@@ -186,16 +198,10 @@ def index_corpus(
             if len(pending) >= embedder_batch:
                 flush()
         flush()
-        failed = {file_source(Path(error.path)) for error in report.errors}
-        gone = store.stale_documents(corpus_root(Path(path)), seen, failed)
-        if gone:
-            report.removed = len(gone)
-            report.removed_passages = store.remove_documents(gone, bump_version=False)
-            changed = True
+        changed = remove_gone(store, Path(path), seen, report)
     finally:
         bar.close()
         if report.passages or changed:
             store.bump_index_version()
         report.seconds = time.perf_counter() - started
     return report
-

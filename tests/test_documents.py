@@ -554,3 +554,36 @@ def test_cli_goes_through_the_server_that_holds_the_store_or_names_the_holder(
         finally:
             child.kill()
             child.wait(30)
+
+
+# --- indexing on Ray (issue 38, item 7) -------------------------------------------------------
+
+
+@pytest.mark.real
+def test_index_on_ray_writes_what_one_process_writes(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from selfrag.cli import main
+
+    folder = _folder(tmp_path)
+    base = ["index", "--no-progress", "--no-calibrate"]
+    assert main(["--home", str(tmp_path / "one"), *base, str(folder)]) == 0
+    assert (
+        main(["--home", str(tmp_path / "ray"), *base, "--ray", "--actors", "2", str(folder)]) == 0
+    )
+    out = capsys.readouterr().out
+    assert "3 documents" in out
+
+    def searched(home: Path) -> tuple[dict[str, str], list[list[tuple[str, float]]]]:
+        dense = RetrievalSettings(hybrid=False)  # scores are cosines: equal vectors, equal scores
+        with QdrantStore.open(dense, home, SentenceEmbedder()) as store:
+            texts = {p.id: p.text for p in store.passages()}
+            queries = sorted(texts.values())
+            hits = [[(p.id, p.score) for p in found] for found in store.search_many(queries, 3)]
+        return texts, hits
+
+    one, ray = searched(tmp_path / "one"), searched(tmp_path / "ray")
+    assert one[0] == ray[0] and len(one[0]) > 3
+    for a, b in zip(one[1], ray[1], strict=True):
+        assert [pid for pid, _ in a] == [pid for pid, _ in b]
+        assert [s for _, s in a] == pytest.approx([s for _, s in b], abs=1e-4)

@@ -1,0 +1,136 @@
+"""`selfrag index --ray`: documents read and split here, their passages embedded on Ray Data
+(one embedder per actor, spread over the cluster's nodes), written to the store here.
+
+The store stays in this process: the embedded one (one machine) or a Qdrant server (a real
+cluster). Only texts go to the actors and only vectors come back; every vector is put back at
+its passage's place, so the result is the same as `jobs.indexing.index_corpus` gives, written
+in whole documents.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from datetime import UTC, datetime
+from pathlib import Path
+
+import numpy as np
+
+from selfrag.infra.corpus import CorpusError, read_documents
+from selfrag.infra.qdrant_store import QdrantStore, document_batches, embedded_text
+from selfrag.jobs.indexing import IndexReport, passage_splitter, remove_gone, tagged
+from selfrag.pipeline.protocols import Passage
+from selfrag.schemas.settings import RetrievalSettings
+
+log = logging.getLogger(__name__)
+WRITE_BATCH = 256
+
+
+class PassageEmbedder:
+    """A Ray Data actor: one embedding model, loaded once, embedding batches of texts."""
+
+    def __init__(self, model: str | None, threads: int) -> None:
+        from selfrag.infra.embedder import SentenceEmbedder
+
+        self._embedder = SentenceEmbedder(model, threads=threads)
+
+    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        vectors = self._embedder.embed([str(t) for t in batch["text"]])
+        return {"i": batch["i"], "vector": vectors}
+
+
+def embed_on_ray(
+    texts: Sequence[str],
+    model: str | None,
+    dim: int,
+    *,
+    actors: int,
+    batch_size: int = 64,
+    progress: bool = True,
+) -> np.ndarray:
+    """The vectors of `texts`, in their order, embedded by `actors` Ray Data actors of one CPU
+    each (one llama.cpp thread)."""
+    import ray.data
+
+    if not texts:
+        return np.zeros((0, dim), dtype=np.float32)
+    context = ray.data.DataContext.get_current()
+    context.enable_progress_bars = progress
+    rows = [{"i": i, "text": t} for i, t in enumerate(texts)]
+    blocks = max(1, min(len(rows) // batch_size, actors * 8))
+    ds = ray.data.from_items(rows, override_num_blocks=blocks).map_batches(
+        PassageEmbedder,
+        fn_constructor_kwargs={"model": model, "threads": 1},
+        batch_size=batch_size,
+        batch_format="numpy",
+        concurrency=actors,
+        num_cpus=1,
+    )
+    out = np.zeros((len(texts), dim), dtype=np.float32)
+    seen = 0
+    for batch in ds.iter_batches(batch_size=None, batch_format="numpy"):
+        out[batch["i"]] = np.stack(batch["vector"])
+        seen += len(batch["i"])
+    if seen != len(texts):
+        raise RuntimeError(f"Ray Data returned {seen} vectors for {len(texts)} passages")
+    return out
+
+
+def index_corpus_ray(
+    path: str | Path,
+    store: QdrantStore,
+    *,
+    retrieval: RetrievalSettings,
+    actors: int = 2,
+    address: str | None = None,
+    follow_links: bool = False,
+    progress: bool = True,
+) -> IndexReport:
+    """`index_corpus` with the embedding on Ray (a private local instance, or the cluster at
+    `address`): the same passages, vectors, removals and report."""
+    from selfrag.jobs.ray_pool import ensure_ray
+    from selfrag.runtime.ray_cluster import shutdown_private_ray
+
+    if actors < 1:
+        raise ValueError(f"actors must be >= 1, got {actors}")
+    started = time.perf_counter()
+    report = IndexReport()
+    items = read_documents(path, retrieval.max_document_bytes, follow_links=follow_links)
+    split = passage_splitter(retrieval, store.embedder)
+    indexed_at = datetime.now(UTC).isoformat(timespec="seconds")
+    passages: list[Passage] = []
+    seen: set[str] = set()
+    for item in items:
+        if isinstance(item, CorpusError):
+            log.warning("skipped %s", item)
+            report.errors.append(item)
+            continue
+        seen.add(item.id)
+        passages.extend(tagged(p, Path(path), indexed_at) for p in split(item))
+    started_ray = ensure_ray(address)
+    try:
+        vectors = embed_on_ray(
+            [embedded_text(p) for p in passages],
+            retrieval.embedding_model,
+            store.embedder.dim,
+            actors=actors,
+            progress=progress,
+        )
+    finally:
+        if started_ray:
+            shutdown_private_ray()
+    changed = False
+    try:
+        done = 0
+        for batch in document_batches(passages, WRITE_BATCH):
+            store.write(batch, vectors[done : done + len(batch)], replace_documents=True)
+            done += len(batch)
+        store.finish_writes()
+        report.documents, report.passages = len(seen), len(passages)
+        changed = remove_gone(store, Path(path), seen, report)
+    finally:
+        if report.passages or changed:
+            store.bump_index_version()
+        report.seconds = time.perf_counter() - started
+    return report
