@@ -49,9 +49,10 @@ class VerifyReader:
     """Builds the verification prompt of a drafted branch and reads p(yes) after it."""
 
     def __init__(self, model: LanguageModel, drafting: ChatCritic | None = None) -> None:
-        """With `drafting` (the source that drafts, in the chat layout) the question is a user
-        turn after the draft on the branch's drafting sequence, whose KV state the engine
-        still holds; without, a conversation of its own after the system + passage head."""
+        """Without `drafting` the question is a conversation of its own after the system +
+        passage head (the critique's read); with it (the source that drafts, in the chat
+        layout) a user turn after the draft on the branch's drafting sequence, whose KV state
+        the engine still holds (measured as an alternative by bench/support_verdict.py)."""
         self._model = model
         self._drafting = drafting
         self._glue = chat_glue(model.chat_template)
@@ -108,7 +109,9 @@ class VerifiedCritic:
     def __init__(self, inner: Critic, model: LanguageModel) -> None:
         self.inner = inner
         self.name = inner.name
-        self._reader = VerifyReader(model, inner if isinstance(inner, ChatCritic) else None)
+        # A conversation of its own, not a turn on the drafting sequence: asked after its own
+        # answer the model mostly agrees with itself (bench/support_verdict.py).
+        self._reader = VerifyReader(model)
 
     def __getattr__(self, attribute: str) -> object:
         # Reads that only some sources have (hidden states, layer taps) stay the source's.
