@@ -479,6 +479,16 @@ def test_no_answer_cites_a_removed_document_even_cached_or_after_a_restart(
             rag.answer(question, collection="../escape", **dials)
         with pytest.raises(ValueError, match="collection"):
             rag.documents(collection="../escape")
+        # A PDF's passages cite their page.
+        pdf = write_pdf(
+            tmp_path / "atlas.pdf",
+            [["Lyon lies on the Rhone."], ["Rouen is the capital of Normandy."]],
+        )
+        rag.index(pdf, collection="pdfs")
+        r = rag.answer("What is the capital of Normandy?", collection="pdfs", **dials)
+        pages = {s.citation.passage_id: s.citation.page for s in r.segments if s.citation}
+        assert pages and all(page in (1, 2) for page in pages.values()), r.segments
+        assert pages.get(next(p.id for p in r.passages if "Rouen" in p.text), 2) == 2
 
 
 # --- the CLI while a server holds the store (issue 38, item 5) -------------------------------
