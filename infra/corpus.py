@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import re
 import stat
 import sys
@@ -30,6 +29,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from selfrag.infra.corpus_files import (
+    file_source,
+    folder_files,
+    is_pseudo,
+    read_bounded,
+    too_big,
+)
 from selfrag.infra.corpus_formats import (
     HTML_SUFFIXES,
     PDF_SUFFIXES,
@@ -60,8 +66,7 @@ TEXT_SUFFIXES = frozenset({".txt", ".md", ".markdown"})
 JSONL_SUFFIXES = frozenset({".jsonl", ".ndjson"})
 FILE_SUFFIXES = TEXT_SUFFIXES | PDF_SUFFIXES | HTML_SUFFIXES
 """What a folder's files are read as (each a document); any other file is reported."""
-# Pseudo filesystems: their files say size 0 and may be endless or secret (/proc/self/environ).
-_PSEUDO_ROOTS = ("/proc", "/sys", "/dev")
+
 
 # A FlashRAG `contents` field starts with `"Title"` alone on its first line.
 _QUOTED_TITLE = re.compile(r'\A"(?P<title>[^"\n]*)"[ \t]*\r?\n(?P<text>.*)\Z', re.DOTALL)
@@ -221,7 +226,7 @@ def read_documents(
     if source.is_dir():
         return _read_folder(source, max_bytes, follow_links)
     real = source.resolve()
-    if _pseudo(real) or not stat.S_ISREG(real.stat().st_mode):
+    if is_pseudo(real) or not stat.S_ISREG(real.stat().st_mode):
         raise CorpusFormatError(f"{source} is not a regular file ({real}): never read")
     suffix = source.suffix.lower()
     if suffix in JSONL_SUFFIXES:
@@ -236,10 +241,6 @@ def read_documents(
     )
 
 
-def _too_big(size: int, max_bytes: int) -> str:
-    return f"document too large ({size} bytes, limit {max_bytes}; retrieval.max_document_bytes)"
-
-
 def _read_jsonl(path: Path, max_bytes: int) -> Iterator[Document | CorpusError]:
     seen: dict[str, int] = {}
     file_id = source_id(path)
@@ -248,7 +249,7 @@ def _read_jsonl(path: Path, max_bytes: int) -> Iterator[Document | CorpusError]:
         for raw_line in read_lines(file, max_bytes):
             number, raw = raw_line.number, raw_line.data
             if raw is None:
-                yield CorpusError(str(path), number, _too_big(raw_line.size, max_bytes))
+                yield CorpusError(str(path), number, too_big(raw_line.size, max_bytes))
                 continue
             try:
                 line = raw.decode("utf-8")
@@ -360,7 +361,7 @@ def _read_squad(
                 yield CorpusError(
                     str(path),
                     None,
-                    f"article {raw_title!r} paragraph {p}: {_too_big(size, max_bytes)}",
+                    f"article {raw_title!r} paragraph {p}: {too_big(size, max_bytes)}",
                 )
                 continue
             yield Document(
@@ -374,7 +375,10 @@ def _read_squad(
 def _read_folder(
     folder: Path, max_bytes: int, follow_links: bool
 ) -> Iterator[Document | CorpusError]:
-    items = list(_folder_files(folder, follow_links))
+    items = [
+        item if isinstance(item, Path) else CorpusError(item.path, None, item.reason)
+        for item in folder_files(folder, follow_links, FILE_SUFFIXES)
+    ]
     if not items:
         raise CorpusFormatError(
             f"folder {folder} holds no {'/'.join(sorted(FILE_SUFFIXES))} files to index"
@@ -392,102 +396,9 @@ def _read_items(
             yield from _read_files([item], max_bytes)
 
 
-def _folder_files(folder: Path, follow_links: bool) -> Iterator[Path | CorpusError]:
-    """The files of `folder` to read, sorted, and a CorpusError for each one passed over: a
-    symbolic link that leaves the folder (unless `follow_links`), a special file, a file of
-    another format. Hidden files and folders (editor and VCS state) are passed over quietly,
-    and so are links that stay inside (their targets are read where they are). Never follows
-    a link into a pseudo filesystem (/proc, /sys, /dev); a link loop is never walked twice."""
-    root = folder.resolve()
-    seen_dirs = {root}
-    todo = [folder]
-    found: list[Path | CorpusError] = []
-    while todo:
-        current = todo.pop()
-        try:
-            entries = sorted(os.scandir(current), key=lambda e: e.name)
-        except OSError as error:
-            found.append(CorpusError(str(current), None, f"cannot list the folder ({error})"))
-            continue
-        for entry in entries:
-            if entry.name.startswith("."):
-                continue
-            path = Path(entry.path)
-            if entry.is_symlink():
-                target = path.resolve()
-                inside = target == root or root in target.parents
-                if inside:
-                    continue  # read where it lies in the folder
-                if not follow_links or _pseudo(target):
-                    why = "a pseudo filesystem" if _pseudo(target) else "outside the folder"
-                    found.append(
-                        CorpusError(
-                            str(path),
-                            None,
-                            f"symbolic link to {target}, {why}: not followed"
-                            + ("" if _pseudo(target) else " (--follow-links reads it)"),
-                        )
-                    )
-                    continue
-            try:
-                is_dir = entry.is_dir()  # follows a link allowed above
-            except OSError:
-                is_dir = False
-            if is_dir:
-                real = path.resolve()
-                if real not in seen_dirs:
-                    seen_dirs.add(real)
-                    todo.append(path)
-                continue
-            if path.suffix.lower() not in FILE_SUFFIXES:
-                found.append(
-                    CorpusError(
-                        str(path),
-                        None,
-                        f"not a format selfrag reads ({'/'.join(sorted(FILE_SUFFIXES))})",
-                    )
-                )
-                continue
-            found.append(path)
-    return iter(sorted(found, key=_item_path))
-
-
-def _item_path(item: Path | CorpusError) -> str:
-    return item.path if isinstance(item, CorpusError) else str(item)
-
-
-def _pseudo(path: Path) -> bool:
-    text = str(path)
-    return any(text == r or text.startswith(r + "/") for r in _PSEUDO_ROOTS)
-
-
-def _read_bounded(file: Path, max_bytes: int) -> bytes | str:
-    """The bytes of a regular file, or why they are not read: a special file (FIFO, device,
-    socket), a file of a pseudo filesystem, or one over `max_bytes`. The file is opened without
-    blocking and checked on its descriptor, then read to at most `max_bytes` + 1 bytes, so a
-    file that lies about its size cannot make this read on."""
-    real = file.resolve()
-    if _pseudo(real):
-        return f"{real} is in a pseudo filesystem: never read"
-    try:
-        fd = os.open(file, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
-    except OSError as error:
-        return f"cannot open ({error.strerror or error})"
-    with os.fdopen(fd, "rb") as handle:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            return "not a regular file (a FIFO, device or socket): never read"
-        if info.st_size > max_bytes:
-            return _too_big(info.st_size, max_bytes)
-        data = handle.read(max_bytes + 1)
-    if len(data) > max_bytes:
-        return _too_big(len(data), max_bytes)
-    return data
-
-
 def _read_files(files: list[Path], max_bytes: int) -> Iterator[Document | CorpusError]:
     for file in files:
-        data = _read_bounded(file, max_bytes)
+        data = read_bounded(file, max_bytes)
         if isinstance(data, str):
             yield CorpusError(str(file), None, data)
             continue
@@ -520,18 +431,6 @@ def _read_files(files: list[Path], max_bytes: int) -> Iterator[Document | Corpus
             source=file_source(file),
             markdown=markdown,
         )
-
-
-def file_source(file: Path) -> str:
-    """A file's `Document.source`: its absolute path, the folders resolved but not the file
-    itself, so a link followed out of a folder is still found under it."""
-    return str(file.parent.resolve() / file.name)
-
-
-def corpus_root(path: Path) -> str:
-    """The `Document.source` of a corpus file, or the folder every source under a corpus
-    folder starts with."""
-    return str(path.resolve()) if path.is_dir() else file_source(path)
 
 
 def _extracted_document(file: Path, found: Extracted) -> Document:

@@ -17,12 +17,11 @@ from tqdm import tqdm
 from selfrag.infra.corpus import (
     CorpusError,
     Document,
-    corpus_root,
-    file_source,
     read_documents,
     split_document,
     split_passages,
 )
+from selfrag.infra.corpus_files import corpus_root, file_source
 from selfrag.infra.passages import Counter
 from selfrag.infra.qdrant_store import QdrantStore
 from selfrag.pipeline.protocols import COLLECTION, Passage
