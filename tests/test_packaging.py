@@ -18,9 +18,13 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _run(*cmd: str | Path, **kwargs: object) -> subprocess.CompletedProcess[str]:
+def _run(
+    *cmd: str | Path, cwd: Path | None = None, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    # Without PYTHONPATH: a fresh venv must find selfrag in its own site folder only.
+    clean = {k: v for k, v in (os.environ if env is None else env).items() if k != "PYTHONPATH"}
     done = subprocess.run(
-        [str(c) for c in cmd], capture_output=True, text=True, timeout=600, **kwargs
+        [str(c) for c in cmd], cwd=cwd, env=clean, capture_output=True, text=True, timeout=600
     )
     assert done.returncode == 0, f"{cmd}:\n{done.stdout}\n{done.stderr}"
     return done
