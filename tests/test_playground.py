@@ -92,8 +92,13 @@ HOSTILE = '<img src=x onerror="window.pwned = 1"> Rollo founded Normandy.'
 class HostilePassageService(FakeService):
     """The scripted answer, its passage's text HTML that must show as text."""
 
-    async def run(self, request: AnswerRequest, on_step: StepListener | None = None) -> Answer:
-        result = await super().run(request, on_step)
+    async def run(
+        self,
+        request: AnswerRequest,
+        on_step: StepListener | None = None,
+        config: DecodingConfig | None = None,
+    ) -> Answer:
+        result = await super().run(request, on_step, config)
         result.response.passages[0].text = HOSTILE
         return result
 
@@ -161,6 +166,18 @@ def test_the_page_streams_an_answer_with_citations(page: Page, tmp_path: Path):
         )
         assert page.evaluate(f"{replace}(1)") == ["Rollo founded it.", "X."]
         assert page.evaluate(f"{replace}(0)") == ["X."]
+        # A segment's flags show as warnings, the terms its source lacks on hover.
+        flagged = (
+            "(() => { handleEvent('segment', {index: 1, hypothesis_score: 0, segment: {text:"
+            " ' In 932.', citation: null, s_rel: null, s_sup: null, s_use: null, is_sup: null,"
+            " flags: ['uncited', 'unsupported_terms'], unsupported_terms: ['932']}});"
+            " return [...document.querySelectorAll('#answer .segment [data-testid=flag]')]"
+            ".map(e => [e.textContent, e.title]); })()"
+        )
+        assert page.evaluate(flagged) == [
+            ["⚠ cites no source", ""],
+            ["⚠ not in the source", "932"],
+        ]
     assert shot.read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
 
 
