@@ -355,6 +355,31 @@ def test_batch_on_two_nodes_places_engine_actors_on_both_and_a_rerun_completes(
     assert sorted(ids) == sorted(f"q{i}" for i in range(12))  # one record per id
 
 
+def test_index_on_two_nodes_embeds_on_both_and_answers_from_it(
+    cluster: Cluster, normans_squad: Path, tmp_path: Path
+):
+    """Issue 38, item 7: `selfrag index --ray --address` spreads the embedding actors over
+    the nodes (one CPU each: one per node here) and the index answers."""
+    home = tmp_path / "home"
+    before = {a[0] for a in _actors(cluster)["actors"]}
+    done, _ = _selfrag(
+        cluster, home, "index", "--ray", "--address", cluster.address, "--actors", "2",
+        "--no-progress", "--no-calibrate", str(normans_squad), timeout_s=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    assert "passages indexed" in done.stdout, done.stdout
+    seen = _actors(cluster)
+    embedders = {node for aid, cls, node in seen["actors"] if aid not in before and "Map" in cls}
+    assert embedders == set(seen["nodes"]), seen["actors"]
+    asked, _ = _selfrag(
+        cluster, home, "ask", "Who was the Norse leader who founded Normandy?", "--json",
+        "--mode", "always", "--top-k", "2", "--max-segments", "1", timeout_s=300,
+    )  # fmt: skip
+    assert asked.returncode == 0, asked.stderr[-3000:]
+    passages = json.loads(asked.stdout)["passages"]
+    assert passages and all(p["id"].startswith("squad:Normans:") for p in passages)
+
+
 def _records_skipping_torn(path: Path) -> list[dict[str, Any]]:
     records = []
     for line in path.read_text().splitlines():
