@@ -29,7 +29,7 @@ def test_the_chat_model_chooses_the_cpu_backend_before_the_embedder_loads(
     )
     rag = LocalRuntime(Settings(home=tmp_path))
     rag.__dict__["model_path"] = tmp_path / "chat.gguf"
-    rag.embedder
+    assert rag.embedder is not None
     assert order == ["backend chat.gguf", "embedder"]
 
 
