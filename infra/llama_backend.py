@@ -239,6 +239,11 @@ class ProbeCache:
         lib = variant.path if variant.path is not None else library_dir() / "libggml.so"
         return self.key("probe", _file_id(model), variant.name, _file_id(lib))
 
+    def illegal_key(self, variant: Variant) -> str:
+        """The key of "some model died of an illegal instruction on `variant` here"."""
+        lib = variant.path if variant.path is not None else library_dir() / "libggml.so"
+        return self.key("illegal", variant.name, _file_id(lib))
+
     def get(self, key: str) -> object | None:
         try:
             return json.loads((self.folder / f"{key}.json").read_text(encoding="utf-8"))
@@ -353,27 +358,43 @@ def candidates(cache: ProbeCache) -> list[Variant]:
 
 
 def probe_cached(model: Path, variant: Variant, cache: ProbeCache, n_threads: int) -> ProbeResult:
-    """`probe`, remembered: successes and illegal-instruction deaths are kept on disk."""
+    """`probe`, remembered: successes and illegal-instruction deaths are kept on disk, and an
+    illegal-instruction death also as a fact of the backend on this CPU (`choose_backend`
+    skips it for every model)."""
     key = cache.model_key(model, variant)
     stored = cache.get(key)
+    result: ProbeResult | None = None
     if isinstance(stored, dict):
         try:
-            return ProbeResult(**stored)
+            result = ProbeResult(**stored)
         except TypeError:
-            pass
-    result = probe(model, variant, n_threads=n_threads)
-    if result.ok or result.signal_name in _CACHED_FAILURES:
-        cache.put(key, asdict(result))
+            result = None
+    if result is None:
+        result = probe(model, variant, n_threads=n_threads)
+        if result.ok or result.signal_name in _CACHED_FAILURES:
+            cache.put(key, asdict(result))
+    if result.signal_name == "SIGILL" and cache.get(cache.illegal_key(variant)) is None:
+        # An instruction this CPU cannot run is the backend's and the CPU's, not the model's:
+        # another model may reach it too, after the process has loaded the backend.
+        cache.put(cache.illegal_key(variant), {"model": str(model), "detail": result.detail})
     return result
 
 
 def choose_backend(
     model: Path, ranked: Sequence[Variant], cache: ProbeCache, n_threads: int
 ) -> Variant:
-    """The best of `ranked` that runs `model` in a probe; `BackendError` naming every crash
-    (with the CPU features only the crashed backend needs) when none does."""
+    """The best of `ranked` that runs `model` in a probe, skipping a backend that any model died
+    of an illegal instruction on here (but the last); `BackendError` naming every crash (with
+    the CPU features only the crashed backend needs) when none does."""
     failures: list[str] = []
     for variant in ranked:
+        crashed = cache.get(cache.illegal_key(variant))
+        if isinstance(crashed, dict) and variant is not ranked[-1]:
+            failures.append(
+                f"the '{variant.name}' CPU backend crashed {crashed.get('model')} on this CPU "
+                f"({crashed.get('detail')}), so no model uses it"
+            )
+            continue
         result = probe_cached(model, variant, cache, n_threads)
         if not result.ok and result.signal_name is None and result.detail.startswith("exit"):
             # The child ended itself (the file does not load): no other backend helps.
