@@ -18,8 +18,10 @@ Candidates: `source` (the critique source's own s_sup: heads, answerability mode
 passage), `verify_followup` (the same question as a user turn after the draft, on the drafting
 sequence), `grounding` (the share of the draft's
 numbers and names found in the passage or question, `pipeline.grounding`; 1 when it states
-none), `relevance` (s_rel of the branch), and `verify*grounding`. Printed: AUROC of supported
-against each unsupported kind and against all of them, and seconds per read. The last line
+none), `relevance` (s_rel of the branch), `verify*grounding`, and with `--critic-model` that
+preset's verification read of the same drafts (`critic_model`, in a conversation of its own).
+Printed: AUROC of supported against each unsupported kind and against all of them, and seconds
+per read. The last line
 holds the figures as name=value pairs.
 
     .venv/bin/python -m bench.support_verdict [--model qwen2.5-coder-0.5b] [--article Normans]
@@ -125,7 +127,9 @@ def timed(
     return values
 
 
-def score(rag: LocalRuntime, critic: Critic, items: Sequence[Triple]) -> tuple[dict, dict]:
+def score(
+    rag: LocalRuntime, critic: Critic, items: Sequence[Triple], judge: LocalRuntime | None = None
+) -> tuple[dict, dict]:
     branches = [t.branch for t in items]
     drafts = [t.draft for t in items]
     reader = VerifyReader(rag.engine)
@@ -153,6 +157,14 @@ def score(rag: LocalRuntime, critic: Critic, items: Sequence[Triple]) -> tuple[d
         clock,
         "relevance",
     )
+    if judge is not None:
+        other = VerifyReader(judge.engine)
+        values_judge = timed(
+            lambda: [v.probs["yes"] for v in other.read(branches, drafts)],
+            n,
+            clock,
+            "critic_model",
+        )
     grounding = [
         g
         if (g := grounding_score(t.draft.text, t.branch.passage.text, t.branch.question))
@@ -171,6 +183,11 @@ def score(rag: LocalRuntime, critic: Critic, items: Sequence[Triple]) -> tuple[d
         "verify*grounding": [v * g for v, g in zip(verify, grounding, strict=True)],
         "followup*grounding": [v * g for v, g in zip(followed, grounding, strict=True)],
     }
+    if judge is not None:
+        values["critic_model"] = values_judge
+        values["critic_model*grounding"] = [
+            v * g for v, g in zip(values_judge, grounding, strict=True)
+        ]
     return values, clock
 
 
@@ -207,6 +224,11 @@ def main() -> None:
     parser.add_argument("--data", type=Path, default=Path("../shared/data"))
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, help="also write each triple's scores here (JSON)")
+    parser.add_argument(
+        "--critic-model",
+        help="another preset that reads the verification question too (critic_model: the "
+        "larger model as the critic of the served one's drafts)",
+    )
     args = parser.parse_args()
     # The data folder's model files and heads; no index is read.
     settings = load_settings(overrides={"model": {"preset": args.model, "support_read": "source"}})
@@ -216,7 +238,12 @@ def main() -> None:
         items = triples(
             critic, rag.engine.tokenize, args.data, args.article, args.questions, args.seed
         )
-        values, clock = score(rag, critic, items)
+        if args.critic_model:
+            judge_settings = load_settings(overrides={"model": {"preset": args.critic_model}})
+            with LocalRuntime(judge_settings) as judge:
+                values, clock = score(rag, critic, items, judge)
+        else:
+            values, clock = score(rag, critic, items)
         if args.out is not None:
             rows = [
                 {"kind": t.kind, "question": t.branch.question, "draft": t.draft.text}
