@@ -41,7 +41,11 @@ from selfrag.runtime.answering import AnswerPath, Deadline
 from selfrag.runtime.engine_worker import EngineWorker
 from selfrag.runtime.merging import MergedCritic
 from selfrag.runtime.passage_service import PassageService
-from selfrag.runtime.ray_logs import serve_logs_to_files_only, terminal_handler
+from selfrag.runtime.ray_logs import (
+    is_terminal_handler,
+    serve_logs_to_files_only,
+    terminal_handler,
+)
 from selfrag.schemas.decoding import DecodingConfig
 from selfrag.schemas.errors import Unprocessable
 from selfrag.schemas.settings import Settings
@@ -69,7 +73,7 @@ def adopt_serve_logging(
         if handler not in target.handlers:
             target.addHandler(handler)
     target.propagate = False  # the worker's root handler would print each record a second time
-    if serve_logs_to_files_only():
+    if serve_logs_to_files_only() and not any(is_terminal_handler(h) for h in target.handlers):
         # Serve's own records stay in its files; selfrag's warnings still reach the terminal.
         target.addHandler(terminal_handler())
     return True

@@ -44,6 +44,16 @@ def terminal_handler(level: int = logging.WARNING) -> logging.Handler:
     Serve replica replaces `sys.stderr` with a logger when its logs go to files only), where
     Ray forwards them to the terminal of the command that started it."""
     handler = logging.StreamHandler(sys.__stderr__)
+    handler.set_name(TERMINAL_HANDLER)
     handler.setLevel(level)
     handler.setFormatter(logging.Formatter("selfrag: %(levelname)s: %(message)s"))
     return handler
+
+
+TERMINAL_HANDLER = "selfrag-terminal"
+"""The name of the handlers `terminal_handler` makes."""
+
+
+def is_terminal_handler(handler: logging.Handler) -> bool:
+    """Whether `handler` is one `terminal_handler` made."""
+    return handler.get_name() == TERMINAL_HANDLER

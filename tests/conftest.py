@@ -22,6 +22,21 @@ for _name, _value in SUITE_ENV.items():
     os.environ.setdefault(_name, _value)
 
 
+@pytest.fixture(autouse=True)
+def selfrag_logger_as_it_was() -> Iterator[None]:
+    """The `selfrag` logger's handlers, level and propagation back as they were after each
+    test: a replica's logging set up in this process (`adopt_serve_logging`) would otherwise
+    keep records from the next tests' caplog."""
+    import logging
+
+    logger = logging.getLogger("selfrag")
+    handlers, level, propagate = list(logger.handlers), logger.level, logger.propagate
+    yield
+    logger.handlers[:] = handlers
+    logger.setLevel(level)
+    logger.propagate = propagate
+
+
 @pytest.fixture
 def no_selfrag_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     """No SELFRAG_ setting of this session's in the environment, but the suite's own."""

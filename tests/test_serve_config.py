@@ -83,10 +83,15 @@ def test_serve_logging_settings_reach_rays_logging_config():
         Settings(home=Path("/nonexistent"), serve={"log_encoding": "XML"})
 
 
-def test_a_replica_logs_selfrags_records_where_serve_logs_its_own():
+def test_a_replica_logs_selfrags_records_where_serve_logs_its_own(
+    monkeypatch: pytest.MonkeyPatch,
+):
     """`adopt_serve_logging`: selfrag's loggers use Serve's handlers (its replica log file, in
     the configured encoding) at serve.log_level; outside a replica nothing changes."""
     from selfrag.actors.deployments import adopt_serve_logging
+    from selfrag.runtime.ray_logs import SERVE_TO_STDERR_ENV, is_terminal_handler
+
+    monkeypatch.delenv(SERVE_TO_STDERR_ENV, raising=False)  # Serve logs to stderr too
 
     serve_logger = logging.getLogger("test.adopt.serve")
     ours = logging.getLogger("test.adopt.selfrag")
@@ -108,6 +113,11 @@ def test_a_replica_logs_selfrags_records_where_serve_logs_its_own():
         logging.getLogger("test.adopt.selfrag.http").warning("kept once")
         assert [r.getMessage() for r in records] == ["kept once"]
         assert ours.handlers == [handler] and not ours.propagate
+        # With Serve's records in its files only, one terminal handler, however often adopted.
+        monkeypatch.setenv(SERVE_TO_STDERR_ENV, "0")
+        adopt_serve_logging("WARNING", serve_logger=serve_logger.name, ours=ours.name)
+        adopt_serve_logging("WARNING", serve_logger=serve_logger.name, ours=ours.name)
+        assert sum(map(is_terminal_handler, ours.handlers)) == 1
     finally:
         serve_logger.removeHandler(handler)
         ours.handlers.clear()
