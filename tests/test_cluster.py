@@ -270,7 +270,8 @@ print(json.dumps({{"head": head[0], "nodes": [n["NodeID"] for n in ray.nodes() i
 
 def _driver_json(cluster: Cluster, script: str) -> Any:
     """Run `script` (formatted with the cluster's address) as a driver of the cluster; the JSON
-    of its last output line."""
+    of its last output line that is JSON (Ray may print its own notes after it, such as a
+    lagging raylet's heartbeats on a loaded machine)."""
     done = subprocess.run(
         [sys.executable, "-c", script.format(address=cluster.address)],
         env=cluster.env,
@@ -279,7 +280,10 @@ def _driver_json(cluster: Cluster, script: str) -> Any:
         timeout=60,
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.splitlines()[-1])
+    for line in reversed(done.stdout.splitlines()):
+        if line.startswith(("{", "[")):
+            return json.loads(line)
+    raise AssertionError(f"no JSON in the driver's output: {done.stdout[-3000:]}")
 
 
 def _actors(cluster: Cluster) -> dict[str, Any]:

@@ -39,6 +39,7 @@ def test_eval_reports_every_system_and_column(
         str(out),
         "--no-progress",
         "--plot",
+        "--table",  # every column: the short summary is the default
         "--top-k",
         "2",
         "--max-segments",
