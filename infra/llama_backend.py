@@ -240,9 +240,9 @@ class ProbeCache:
         return self.key("probe", _file_id(model), variant.name, _file_id(lib))
 
     def illegal_key(self, variant: Variant) -> str:
-        """The key of "some model died of an illegal instruction on `variant` here"."""
-        lib = variant.path if variant.path is not None else library_dir() / "libggml.so"
-        return self.key("illegal", variant.name, _file_id(lib))
+        """The key of "some model died of an illegal instruction on `variant` here": the
+        backend's name, this llama.cpp build and this CPU (whichever install holds the file)."""
+        return self.key("illegal", variant.name)
 
     def get(self, key: str) -> object | None:
         try:

@@ -393,9 +393,22 @@ def _loaded(source: Path, settings: ModelSettings, home: Path, active: bool) -> 
     }
 
 
+def probe_backends(path: Path) -> str:
+    """The CPU backend `path` runs on, found by probing in child processes (best first): a
+    backend that dies of an illegal instruction here is remembered, so that no process later
+    chooses it for another model it would kill after loading (`llama_backend.choose_backend`)."""
+    from selfrag.infra.llama_backend import BackendError, check_backend
+
+    try:
+        return check_backend(path, n_threads=1).name
+    except BackendError as exc:
+        return f"none ({exc})"
+
+
 def main(argv: Iterable[str] | None = None) -> int:
     """`requirements NAMES`: the pip requirements of the presets (the default's included);
-    `verify NAMES`: check the installed files of the split ones against their pinned hashes."""
+    `verify NAMES`: check the installed files of the split ones against their pinned hashes,
+    and probe the CPU backends with the others (`probe_backends`)."""
     args = list(sys.argv[1:] if argv is None else argv)
     if len(args) not in (1, 2) or args[0] not in ("requirements", "verify"):
         print(
@@ -413,6 +426,8 @@ def main(argv: Iterable[str] | None = None) -> int:
                 verify_preset(p)
                 size = f"{p.size:,} bytes"
                 print(f"{p.name}: {len(p.parts)} parts, {size}, sha256 {p.sha256[:12]} ok")
+            elif (path := part_path(p.parts[0])) is not None:
+                print(f"{p.name}: runs on the '{probe_backends(path)}' llama.cpp CPU backend")
     except ModelFileError as exc:
         print(f"selfrag: {exc}", file=sys.stderr)
         return 1

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,19 +23,30 @@ for _name, _value in SUITE_ENV.items():
     os.environ.setdefault(_name, _value)
 
 
-@pytest.fixture(autouse=True)
-def selfrag_logger_as_it_was() -> Iterator[None]:
-    """The `selfrag` logger's handlers, level and propagation back as they were after each
-    test: a replica's logging set up in this process (`adopt_serve_logging`) would otherwise
-    keep records from the next tests' caplog."""
-    import logging
+_SELFRAG_LOGGER = logging.getLogger("selfrag")
+_SELFRAG_LOGGER_AT_START = (
+    list(_SELFRAG_LOGGER.handlers),
+    _SELFRAG_LOGGER.level,
+    _SELFRAG_LOGGER.propagate,
+)
 
-    logger = logging.getLogger("selfrag")
-    handlers, level, propagate = list(logger.handlers), logger.level, logger.propagate
+
+@pytest.fixture(autouse=True)
+def selfrag_logger_as_at_start() -> Iterator[None]:
+    """The `selfrag` logger's handlers, level and propagation as they were when the suite
+    started, before and after each test: a replica's logging set up in this process
+    (`adopt_serve_logging`, in a test or a module's fixture) would otherwise keep records from
+    later tests' caplog."""
+
+    def reset() -> None:
+        handlers, level, propagate = _SELFRAG_LOGGER_AT_START
+        _SELFRAG_LOGGER.handlers[:] = handlers
+        _SELFRAG_LOGGER.setLevel(level)
+        _SELFRAG_LOGGER.propagate = propagate
+
+    reset()
     yield
-    logger.handlers[:] = handlers
-    logger.setLevel(level)
-    logger.propagate = propagate
+    reset()
 
 
 @pytest.fixture
