@@ -23,10 +23,9 @@ WeightFormat = Literal["auto", "original", "bf16", "f16", "q8_0", "q4_0"]
 Backend = Literal["llama_cpp", "vllm"]
 # The model presets (infra/model_presets.py holds their files, checksums and licenses).
 ModelPresetName = Literal["smollm2", "qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b"]
-# The preset served when settings name none. SmolLM2 until the default is chosen by
-# measurement (issue 24, item 5); its weights are always installed (scripts/install.sh).
-# Chosen by measurement (issue 24, docs/evaluation.md "Choosing the default model"): the best
-# held-out overall among the presets whose warm p50 per answer stays within 3x SmolLM2's.
+# The preset served when settings name none, chosen by measurement (docs/evaluation.md,
+# "Choosing the default model"): the best held-out overall among the presets whose warm p50
+# per answer stays within 3x SmolLM2's. Its weights are always installed (scripts/install.sh).
 DEFAULT_PRESET: ModelPresetName = "qwen2.5-coder-0.5b"
 WaitPolicy = Literal["passive", "active", "inherit"]
 SupportRead = Literal["verify", "source"]
