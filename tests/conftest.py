@@ -34,15 +34,19 @@ _SELFRAG_LOGGER_AT_START = (
 @pytest.fixture(autouse=True)
 def selfrag_logger_as_at_start() -> Iterator[None]:
     """The `selfrag` logger's handlers, level and propagation as they were when the suite
-    started, before and after each test: a replica's logging set up in this process
-    (`adopt_serve_logging`, in a test or a module's fixture) would otherwise keep records from
-    later tests' caplog."""
+    started, and every selfrag logger enabled, before and after each test: a replica's logging
+    set up in this process (`adopt_serve_logging`, in a test or a module's fixture), or another
+    library's logging configuration, would otherwise keep records from later tests' caplog."""
 
     def reset() -> None:
         handlers, level, propagate = _SELFRAG_LOGGER_AT_START
         _SELFRAG_LOGGER.handlers[:] = handlers
         _SELFRAG_LOGGER.setLevel(level)
         _SELFRAG_LOGGER.propagate = propagate
+        # A library's logging.config (disable_existing_loggers) turns ours off for good.
+        for name, logger in list(logging.Logger.manager.loggerDict.items()):
+            if name.startswith("selfrag") and isinstance(logger, logging.Logger):
+                logger.disabled = False
 
     reset()
     yield
