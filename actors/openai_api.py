@@ -10,7 +10,8 @@ Each request becomes one `AnswerRequest` on the same answer service as `/v1/answ
 - `temperature`, `top_p` and `seed` sample the drafts (greedy at 0, the default); the
   critique's reads stay deterministic;
 - `max_tokens` / `max_completion_tokens` cap the answer (`DecodingConfig.within_tokens`);
-- the dials come in the `selfrag` extension object (`DecodingOverrides`).
+- the dials come in the `selfrag` extension object (`DecodingOverrides`), with the
+  `collection` to answer from (a server answers from its own only: another is a 400).
 Each choice carries the `AnswerResponse` in `selfrag`; `usage` counts every token the engine
 computed (all branches). A chat message's citations are also OpenAI `url_citation`
 annotations, and the completion's top-level `citations` lists their URLs (`actors/citations.py`).
@@ -163,8 +164,9 @@ def _answer_request(
 ) -> AnswerRequest:
     """The answer path's request; a refusal names the field as the client sent it: the
     question as `question_param` (`prompt`, `prompt.1`, `messages`), the dials under
-    `selfrag`, the token cap as `max_tokens` or `max_completion_tokens`. The sampling
-    parameters and `instructions` apply unless the `selfrag` object sets them itself."""
+    `selfrag` (the collection as `selfrag.collection`), the token cap as `max_tokens` or
+    `max_completion_tokens`. The sampling parameters and `instructions` apply unless the
+    `selfrag` object sets them itself."""
 
     def field(loc: Loc) -> str:
         head, rest = (loc[0], loc[1:]) if loc else ("", ())
@@ -172,6 +174,8 @@ def _answer_request(
             return question_param
         if head == "config":
             return dotted(("selfrag", *rest))
+        if head == "collection":
+            return "selfrag.collection"
         if head == "max_tokens":
             return body.token_param
         return dotted(loc)
@@ -180,8 +184,13 @@ def _answer_request(
         config = body.sampling_overrides()
         if instructions:
             config["instructions"] = instructions
-        config.update(body.selfrag.model_dump(exclude_none=True))
-        return AnswerRequest(question=question, config=config, max_tokens=body.token_cap)
+        config.update(body.selfrag.dials())
+        return AnswerRequest(
+            question=question,
+            config=config,
+            collection=body.selfrag.collection,
+            max_tokens=body.token_cap,
+        )
     except ValidationError as exc:
         raise invalid(exc, field) from exc
 

@@ -1,7 +1,8 @@
 """The OpenAI-compatible API's types: `/v1/models`, `/v1/chat/completions`, `/v1/completions`.
 
 Requests accept the standard fields that mean something for Self-RAG decoding, and the dials
-in a `selfrag` extension object (a `DecodingOverrides`; the `openai` client sends it with
+in a `selfrag` extension object (a `SelfragExtension`: the `DecodingOverrides` and the
+`collection` to answer from; the `openai` client sends it with
 `extra_body={"selfrag": {...}}`). A standard field selfrag cannot honour is refused, never
 ignored. Every choice carries the full `AnswerResponse` (citations and per-segment scores)
 in its `selfrag` field; a chat message carries the citations as OpenAI `url_citation`
@@ -23,6 +24,7 @@ from pydantic import (
 
 from selfrag.schemas.answer import AnswerResponse, SegmentFlag, SegmentOut
 from selfrag.schemas.decoding import MAX_ANSWER_TOKENS, DecodingOverrides
+from selfrag.schemas.settings import COLLECTION_NAME
 from selfrag.schemas.text import has_visible_text
 
 MAX_MESSAGES = 64
@@ -60,6 +62,21 @@ class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     include_usage: bool = False
+
+
+class SelfragExtension(DecodingOverrides):
+    """The `selfrag` extension object of a completion request: the dials, and the collection."""
+
+    collection: str | None = Field(
+        None,
+        pattern=COLLECTION_NAME,
+        description="The index collection to answer from (default: the served one); "
+        "`AnswerRequest.collection`.",
+    )
+
+    def dials(self) -> dict[str, Any]:
+        """The `DecodingOverrides` fields the request set."""
+        return self.model_dump(exclude_none=True, exclude={"collection"})
 
 
 def _refuse(value: Any, allowed: tuple[Any, ...], why: str) -> Any:
@@ -104,8 +121,9 @@ class _CompletionFields(BaseModel):
         description="The same seed and request give the same answer (with temperature > 0).",
     )
     user: str | None = Field(None, max_length=256, description="Accepted and not used.")
-    selfrag: DecodingOverrides = Field(
-        default_factory=DecodingOverrides, description="Self-RAG dials for this request."
+    selfrag: SelfragExtension = Field(
+        default_factory=SelfragExtension,
+        description="Self-RAG dials for this request, and the collection to answer from.",
     )
 
     @field_validator("n")

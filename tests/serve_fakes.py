@@ -230,8 +230,10 @@ def make_service(
     settings: Settings | None = None,
     affinity: bool = True,
     decider: Decider | None = None,
+    collection: str | None = None,
 ) -> Rig:
-    """The answer service over fakes (one segment per answer by default)."""
+    """The answer service over fakes (one segment per answer by default); `collection`: the
+    one it serves (None: it answers only requests that name none)."""
     pool = pool or Pool(ScriptedCritic(relevance_of={"p1": 0.9}))
     store = store or Store(list(NORMANS))
     metrics = Metrics()
@@ -253,5 +255,6 @@ def make_service(
         metrics=metrics,
         index_version_ttl_s=index_version_ttl_s,
         affinity=affinity,
+        collection=collection,
     )
     return Rig(service, metrics, pool, pool_handle, store, store_handle)

@@ -18,6 +18,7 @@ from selfrag.schemas.decoding import MAX_ANSWER_TOKENS, DecodingConfig
 from selfrag.schemas.errors import DeadlineExceeded, Overloaded
 from selfrag.schemas.openai import ChatMessage
 from tests.http_fakes import FakeService, live_server
+from tests.serve_fakes import make_service
 
 KEY = "sk-test-key"
 
@@ -72,6 +73,55 @@ def test_chat_completion_carries_citations_scores_and_dials(
     assert extension["passages"][0]["id"] == "p1"
     assert extension["config"]["max_segment_tokens"] == 20  # max_tokens capped the answer
     assert r.usage is not None and r.object == "chat.completion" and r.model == "selfrag"
+
+
+def test_the_collection_rides_in_the_selfrag_extension(client: openai.OpenAI, service: FakeService):
+    client.chat.completions.create(
+        model="selfrag",
+        messages=[{"role": "user", "content": "q"}],
+        extra_body={"selfrag": {"collection": "docs", "top_k": 2}},
+    )
+    assert (service.seen[-1].collection, service.seen[-1].config.top_k) == ("docs", 2)
+    client.completions.create(model="selfrag", prompt="q", extra_body={"selfrag": {}})
+    assert service.seen[-1].collection is None
+    client.completions.create(
+        model="selfrag", prompt=["a", "b"], extra_body={"selfrag": {"collection": "docs"}}
+    )
+    assert [s.collection for s in service.seen[-2:]] == ["docs", "docs"]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(
+            model="selfrag",
+            messages=[{"role": "user", "content": "q"}],
+            extra_body={"selfrag": {"collection": "../escape"}},
+        )
+    assert _error(e.value)["param"] == "selfrag.collection"
+
+
+def test_a_collection_the_server_does_not_serve_is_refused_saying_so():
+    """The answer service itself (over fakes) serving `passages`: another collection is a
+    400 on the OpenAI routes, streamed or not, as it is a 422 on /v1/answer."""
+    rig = make_service(collection="passages")
+    with live_server(build_http_app(rig.service, rig.metrics)) as base:
+        client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0)
+        chat = {"model": "selfrag", "messages": [{"role": "user", "content": "Who?"}]}
+        served = client.chat.completions.create(
+            **chat, extra_body={"selfrag": {"collection": "passages", "mode": "never"}}
+        )
+        assert served.choices[0].message.content
+        for stream in (False, True):
+            with pytest.raises(openai.BadRequestError) as e:
+                client.chat.completions.create(
+                    **chat, stream=stream, extra_body={"selfrag": {"collection": "other"}}
+                )
+            error = _error(e.value)
+            assert error["code"] == "unprocessable"
+            assert "'other'" in error["message"] and "'passages'" in error["message"]
+        with pytest.raises(openai.BadRequestError):
+            client.completions.create(
+                model="selfrag", prompt="Who?", extra_body={"selfrag": {"collection": "other"}}
+            )
+        native = httpx.post(base + "/v1/answer", json={"question": "Who?", "collection": "other"})
+        assert native.status_code == 422 and "'other'" in native.json()["detail"]
 
 
 def test_chat_stream_sends_each_segment_with_its_citation(client: openai.OpenAI):
