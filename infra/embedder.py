@@ -44,7 +44,7 @@ _CONFIG_FILES = (
     "1_Pooling/config.json",
 )
 DEFAULT_FORMAT: BertFormat = "f16"
-"""Weights of the converted file: F16 embeds 1.5x faster than F32 on one thread, with the same
+"""Weights of the converted file: F16 embeds faster than F32 on one thread, with the same
 agreement with sentence-transformers (docs/benchmarks.md, *Embeddings through llama.cpp*)."""
 BATCH_TOKENS = 512
 """Tokens per llama.cpp call. Sequences of one call attend within a mask over all its tokens,

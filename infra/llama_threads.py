@@ -3,10 +3,10 @@
 A small call (a generation step of a few sequences, a short prompt extension) is often faster
 on one thread than on all of them: ggml meets its threads at a barrier after every operation,
 several hundred times per call, and with OpenMP's passive wait each meeting wakes a sleeping
-thread. On the 2-core development VM (docs/benchmarks.md) a one-token step of SmolLM2-135M
-took 13 ms on one thread against 34 ms on two, a three-token step 28 against 59, while a
-200-token prompt went 1.6x faster on two. Qwen2.5-Coder-0.5B gained from one thread only at
-one token. Where the crossing lies depends on the model, the CPU and the load from other
+thread. On a 2-core machine (docs/benchmarks.md, "Threads per call") the generation steps of
+a small model ran faster on one thread than on two while a prompt ran faster on two; a larger
+model gained from one thread only at one-sequence steps. Where the crossing lies depends on the
+model, the CPU and the load from other
 processes, so it is measured here, per call size, while the engine works. Only where the
 crossing may lie is measured: a class larger than one that all threads won, or smaller than one
 that one thread won, follows it unmeasured (more tokens per call only favour more threads), so

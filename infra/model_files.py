@@ -52,12 +52,11 @@ FORMAT_FTYPE: dict[DerivedFormat, int] = {
     "q4_0": FTYPE_MOSTLY_Q4_0,
 }
 
-# What `weights="auto"` converts a file of a given type to. Measured on the 2-core AVX2
-# development VM with SmolLM2-135M, 2 threads (docs/benchmarks.md): an F16 copy of the shipped
-# Q4_1 file prefills ~2x faster (~530 vs ~250 tok/s) and decodes as fast, and its scores are
-# the closest to the exactly dequantised weights (mean |delta logprob| 0.002, against 0.059 for
-# the Q4_1 kernels, which quantise activations to 8 bits). BF16 is slower on CPUs without
-# AVX512-BF16; Q4_0 is fast but changes the outputs (mean |delta| 0.6). Types not measured stay.
+# What `weights="auto"` converts a file of a given type to, by measurement (docs/benchmarks.md,
+# "Weight formats"): an F16 copy of a Q4_1 file prefills faster and decodes as fast, and its
+# scores are the closest to the exactly dequantised weights (the Q4_1 kernels quantise
+# activations to 8 bits). BF16 is slower on CPUs without AVX512-BF16; Q4_0 is fast but changes
+# the outputs. Types not measured stay as they are.
 AUTO_FORMAT: dict[int, DerivedFormat] = {FTYPE_MOSTLY_Q4_1: "f16"}
 
 
@@ -242,7 +241,8 @@ _sha_lock = threading.Lock()
 def file_sha256(path: Path) -> str:
     """Hex SHA-256 of a file, remembered per (resolved path, size, mtime, inode) for this
     process and on disk (`sha256_cache_dir`): a command that starts would otherwise hash the
-    model files again (some 460 MB for `selfrag ask` on the embedded default, 0.3-0.5 s)."""
+    model files again, hundreds of megabytes for `selfrag ask` (docs/benchmarks.md, "CLI
+    start-up")."""
     try:
         resolved = path.resolve()
         stat = resolved.stat()
@@ -349,7 +349,7 @@ def read_gguf_metadata(path: Path, key: str) -> object | None:
 def read_gguf_arrays(path: Path, keys: Collection[str]) -> dict[str, list[object]]:
     """The array values (lists of strings or numbers) of metadata `keys` in a GGUF file's
     header, read sequentially, stopping once all are read; keys absent are left out. gguf's
-    GGUFReader maps every tensor and field too: ~10 s of CPU for a 151k-token vocabulary."""
+    GGUFReader maps every tensor and field too, seconds of CPU for a large vocabulary."""
     found = _read_header(path, set(keys), arrays=True)
     return {k: v for k, v in found.items() if isinstance(v, list)}
 

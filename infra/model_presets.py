@@ -371,7 +371,7 @@ def _heads_of(sha: str, settings: ModelSettings, home: Path, active: bool) -> st
 
 def _loaded(source: Path, settings: ModelSettings, home: Path, active: bool) -> dict[str, Any]:
     """The row of the file the engine loads from `source`. A derived copy not made yet is not
-    made here (an F16 copy of SmolLM2 is 258 MiB): it is listed as `derives_to`, with its
+    made here (a conversion costs time and disk): it is listed as `derives_to`, with its
     source's size and hash, and heads None (the copy's own hash names its heads)."""
     fmt = derived_format(source, settings.weights)
     path = source if fmt is None else derived_path(source, fmt, home)

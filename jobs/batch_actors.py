@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from selfrag.infra.qdrant_store import QdrantStore
 
 # Seconds a critique call waits for the other decoder threads of its actor before it runs
-# alone. The threads' searches queue at one retriever (~0.1 s each on a loaded 2-core box),
+# alone. The threads' searches queue at one retriever (a fraction of a second each),
 # while a merged engine call takes seconds, so waiting for stragglers pays.
 MERGE_WAIT_S = 0.3
 # Seconds the store actor has to say which index it serves when an engine actor starts.

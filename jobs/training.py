@@ -76,8 +76,8 @@ class TrainingError(ValueError):
 @dataclass(frozen=True)
 class TrainingPlan:
     """How many examples to draw; the defaults train on the shared corpus and the Normans
-    questions in under 15 minutes on 2 cores (hidden states cost ~0.6 s per passage prompt;
-    docs/benchmarks.md has the measured time)."""
+    questions in minutes on 2 cores, most of it the hidden states of the passage prompts
+    (docs/benchmarks.md, "`selfrag train` time", has the measured time)."""
 
     seed: int = 0
     relevance_passages: int = 120

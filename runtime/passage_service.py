@@ -60,7 +60,7 @@ class PassageService:
     def _store(self) -> QdrantStore:
         """The open store with an index that fits the embedder; DependencyDown (503) when
         the server does not answer, Misconfigured (500) when the index cannot serve."""
-        # Imported here: qdrant-client costs every other replica process 0.6 s at import.
+        # Imported here: qdrant-client is slow to import, a cost other replicas need not pay.
         from selfrag.infra.qdrant_store import IndexMissing, StoreMisconfigured, StoreUnavailable
 
         if self._refused is not None and time.monotonic() < self._refused[0]:

@@ -280,7 +280,7 @@ def shutdown_private_ray(tidy: bool = True) -> None:
     behind: this process disconnects (`tidy`), then the workers (Serve's proxy, controller and
     replicas) are killed, then the GCS, raylet and anything left. Serve's graceful shutdown is not
     attempted: after a signal to the whole process group, which reaches the raylet too, it
-    hung past 5 s, beyond the usual 8 s grace of a stop; requests in flight end with it.
+    hung beyond the grace a supervisor usually gives a stop; requests in flight end with it.
     `tidy`: this process disconnects (ray.shutdown, bounded) before the GCS and raylet are
     killed, so that it is not told its node died; without it the caller had better exit at
     once (`os._exit`)."""

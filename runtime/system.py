@@ -60,7 +60,8 @@ class LocalRuntime(Closeable):
 
     def __init__(self, settings: Settings, *, layer_tap: bool | None = None) -> None:
         """`layer_tap`: whether the engine can read middle layers; None: when an answerability
-        model of the model file reads one (the tap costs ~10% of generation speed)."""
+        model of the model file reads one (the tap slows generation: docs/benchmarks.md,
+        "Reading middle layers")."""
         self.settings = settings
         self._layer_tap = layer_tap
         settings.home.mkdir(parents=True, exist_ok=True)

@@ -37,16 +37,16 @@ class CalibrationSettings(BaseModel):
     - relevance: x = mean per-token query-likelihood gain log p(q | d) − log p(q);
     - support: x = mean per-token segment-likelihood gain log p(y | x, d) − log p(y | x);
     - retrieval: x = mean token log-probability of the closed-book first segment
-      (low confidence should mean retrieve; for SmolLM2 the closed-book answer was right for 1
-      of 40 dev questions, so the fit is ≈ "always retrieve" and its slope is noise);
+      (low confidence should mean retrieve; for SmolLM2 the closed-book answer was almost never
+      right on the dev questions, so the fit is ≈ "always retrieve" and its slope is noise);
     - utility: x = mean token log-probability of the drafted segment (p = "the draft is right").
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     # Fitted by `selfrag calibrate --article Normans --limit 40 --top-k 3
-    # --max-segment-tokens 32` for SmolLM2-135M-Instruct (AUC: relevance 0.66, support 0.53,
-    # retrieval 0.72 on one negative, utility 0.54; docs/evaluation.md).
+    # --max-segment-tokens 32` for SmolLM2-135M-Instruct (docs/evaluation.md has how well
+    # each separates).
     relevance: LogisticParams = Field(default_factory=lambda: LogisticParams(a=0.983, b=-2.115))
     support: LogisticParams = Field(default_factory=lambda: LogisticParams(a=-0.126, b=-2.336))
     retrieval: LogisticParams = Field(default_factory=lambda: LogisticParams(a=1.219, b=4.670))

@@ -31,9 +31,9 @@ class DecodingConfig(BaseModel):
     mode: RetrievalMode = Field(
         "adaptive", description="adaptive: retrieve when p_ret > threshold; always; never."
     )
-    # 0.1, measured on the Normans questions with the embedded SmolLM2 (docs/evaluation.md):
-    # retrieval is almost always needed there, and the prompted critique's p_ret stays in
-    # 0.13-0.24, so δ = 0.5 never retrieved (7% accuracy vs 21% when retrieving).
+    # Low, by measurement on the Normans questions with the embedded SmolLM2
+    # (docs/evaluation.md): retrieval is almost always needed there, and the prompted
+    # critique's p_ret stays well below 0.5, so δ = 0.5 never retrieved.
     threshold: float = Field(0.1, ge=0.0, le=1.0, description="δ for adaptive retrieval.")
     top_k: int = Field(3, ge=1, le=50, description="Passages retrieved per step (K).")
     beam: int = Field(1, ge=1, le=8, description="Segment-level beam width (B).")
@@ -65,11 +65,10 @@ class DecodingConfig(BaseModel):
         "hypothesis are pruned before drafting (0: only the best drafts). None: calibrated on "
         "the served corpus for the model and critique source, else 1 (off).",
     )
-    # 1, measured (docs/benchmarks.md, "A draft budget"): on Normans within one answer of no
-    # budget (SmolLM2: the same answers), decoding a fifth to a quarter fewer tokens; on
-    # held-out text, where s_rel keeps most passages, it is what brings Self-RAG to vanilla
-    # RAG's price (docs/evaluation.md has what it costs there: nothing of Qwen's accuracy, 4 of
-    # 49 answers of SmolLM2's).
+    # 1, by measurement (docs/benchmarks.md, "A draft budget"): on Normans about as accurate as
+    # no budget while decoding fewer tokens; on held-out text, where s_rel keeps most passages,
+    # it is what brings Self-RAG to vanilla RAG's price (docs/evaluation.md has what it costs
+    # there).
     max_drafts: int = Field(
         1,
         ge=1,

@@ -175,8 +175,8 @@ class RetrievalSettings(BaseModel):
     )
     hybrid: bool = Field(
         True,
-        description="Fuse dense and BM25 sparse results with RRF (hit@1 0.72 vs 0.63 dense-only "
-        "on the Normans questions, bench/retrieval.py).",
+        description="Fuse dense and BM25 sparse results with RRF (a better hit@1 than "
+        "dense-only on the Normans questions: bench/retrieval.py, docs/benchmarks.md).",
     )
     chunking: Literal["structure", "words"] = Field(
         "structure",
@@ -279,8 +279,8 @@ class ServeSettings(BaseModel):
     ray_access_log: bool = Field(
         False,
         description="Ray Serve's own access log line per request in the proxy and every "
-        "replica. selfrag logs each answer itself; Ray's lines cost ~4 ms of a cache hit's "
-        "latency on 2 cores (docs/benchmarks.md).",
+        "replica. selfrag logs each answer itself; Ray's lines add measurably to a cache "
+        "hit's latency (docs/http.md).",
     )
     log_questions: bool = Field(
         False,
