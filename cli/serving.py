@@ -5,9 +5,16 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from selfrag.cli.common import settings_from_args
+from selfrag.runtime.ray_cluster import PORT_WAIT_S, starts_private, wait_for_port
+from selfrag.schemas.settings import Settings
+
+if TYPE_CHECKING:
+    from selfrag.actors.starting import StartingResponder
 
 
 def _check_model_runs(model: Path, n_threads: int) -> None:
@@ -29,17 +36,52 @@ def start_line(host: str, port: int) -> str:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     """Start the Serve application and block until SIGINT/SIGTERM, then shut it down (and
-    the local Ray instance when this command started it)."""
-    import signal
-    import threading
-
+    the local Ray instance when this command started it). Meanwhile a private instance's port
+    answers 503 with Retry-After."""
     settings = settings_from_args(args)
     host = args.host or settings.serve.host
     port = args.port or settings.serve.port
     from selfrag.actors.app import warn_if_open
+    from selfrag.actors.starting import StartingResponder
 
     # Loud and early, before the model check and Ray: an open port without keys answers anyone.
     warn_if_open(host)
+    starting = StartingResponder(host, port, settings.serve.retry_after_s)
+    if starts_private(args.address):
+        # Serve's proxy binds with SO_REUSEPORT: on a port a stale proxy still holds (a server
+        # stopped a moment ago), both would take connections. Wait for it instead.
+        wait_for_port(host, port, PORT_WAIT_S, _waiting_for(port))
+        # Until Serve's proxy takes the port: 503 with Retry-After, not a refused connection.
+        starting.open()
+    try:
+        return _serve(args, settings, host, port, starting)
+    finally:
+        starting.close()
+
+
+def _waiting_for(port: int) -> Callable[[str], None]:
+    def waiting(holder: str) -> None:
+        print(
+            f"selfrag: port {port} is held by {holder}; waiting up to {PORT_WAIT_S:.0f} s",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    return waiting
+
+
+def _serve(
+    args: argparse.Namespace,
+    settings: Settings,
+    host: str,
+    port: int,
+    starting: StartingResponder,
+) -> int:
+    """Check the model, start Ray and the application (freeing the port from `starting` just
+    before Serve's proxy binds it), and block until SIGINT/SIGTERM."""
+    import signal
+    import threading
+
     if settings.model.backend == "llama_cpp":
         from selfrag.infra.model_presets import recheck_model
         from selfrag.runtime.system import LocalRuntime
@@ -51,26 +93,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from ray import serve
 
     from selfrag.actors.app import APP_NAME, DRAIN_S, build_app, drain, serve_logging
-    from selfrag.runtime.ray_cluster import (
-        PORT_WAIT_S,
-        init_ray,
-        shutdown_private_ray,
-        starts_private,
-        wait_for_port,
-    )
+    from selfrag.runtime.ray_cluster import init_ray, shutdown_private_ray
     from selfrag.runtime.ray_logs import quiet_ray
 
-    if starts_private(args.address):
-        # Serve's proxy binds with SO_REUSEPORT: on a port a stale proxy still holds (a server
-        # stopped a moment ago), both would take connections. Wait for it instead.
-        def waiting(holder: str) -> None:
-            print(
-                f"selfrag: port {port} is held by {holder}; waiting up to {PORT_WAIT_S:.0f} s",
-                file=sys.stderr,
-                flush=True,
-            )
-
-        wait_for_port(host, port, PORT_WAIT_S, waiting)
     quiet_ray(args.verbose)
     local = init_ray(args.address, log_to_driver=True)  # True: a private instance, ours
     stop = threading.Event()
@@ -80,6 +105,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     try:
         # Built before the proxy takes the port: it answers 404 until the app's route exists.
         app = build_app(settings)
+        starting.close()
         serve.start(
             http_options={"host": host, "port": port}, logging_config=serve_logging(settings)
         )

@@ -94,6 +94,18 @@ class Server:
             time.sleep(0.5)
         raise AssertionError(f"not ready within {limit_s:.0f} s: {self.log.read_text()[-3000:]}")
 
+    def first_answer(self, body: dict[str, object], limit_s: float = 120.0) -> httpx.Response:
+        """The first response to `body` on /v1/answer, asked from the moment the process
+        starts (connection errors are retried)."""
+        deadline = time.monotonic() + limit_s
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, self.log.read_text()[-3000:]
+            try:
+                return httpx.post(self.url + "/v1/answer", json=body, timeout=120)
+            except httpx.TransportError:
+                time.sleep(0.1)
+        raise AssertionError(f"nothing answered within {limit_s:.0f} s")
+
     def stop(self) -> float:
         """SIGTERM to the group, SIGKILL after STOP_GRACE_S; the seconds the stop took."""
         started = time.monotonic()
@@ -127,6 +139,11 @@ def test_a_server_restarted_on_the_same_port_answers(
     for n in (1, 2):
         server = Server(normans_api_home, port, tmp_path / f"serve{n}.log")
         servers.append(server)
+        # While it starts (the model check, Ray), the port answers 503 with Retry-After: a
+        # client retries instead of meeting a refused connection or Serve's 404.
+        starting = server.first_answer(body)
+        assert starting.status_code == 503, starting.text
+        assert starting.json()["error"] == "not_ready" and starting.headers["retry-after"]
         server.wait_ready()
         with httpx.Client(base_url=server.url, timeout=120) as client:
             for _ in range(2):  # the first answer, and the next one after it
