@@ -54,7 +54,6 @@ log = logging.getLogger("selfrag.http")
 
 MAX_BODY_BYTES = 64 * 1024
 PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
-REQUEST_ID_HEADER = "X-Request-Id"
 
 # A client's request id is echoed (and logged) only if it is a short plain token.
 _REQUEST_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}")

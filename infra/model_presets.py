@@ -31,7 +31,6 @@ from selfrag.infra.model_files import (
     ModelFileError,
     check_gguf,
     derive_once,
-    derive_weights,
     derived_format,
     derived_path,
     download_model,
@@ -298,11 +297,6 @@ def resolve_model(settings: ModelSettings, home: Path) -> Path:
     if settings.path.startswith(("http://", "https://")):
         return download_model(settings.path, home)
     return check_gguf(Path(settings.path).expanduser())
-
-
-def prepare_model(settings: ModelSettings, home: Path) -> Path:
-    """Resolve the model file and derive the configured weight format: the file to load."""
-    return derive_weights(resolve_model(settings, home), settings.weights, home)
 
 
 def model_title(settings: ModelSettings) -> str:

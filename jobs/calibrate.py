@@ -35,7 +35,6 @@ if TYPE_CHECKING:
     from selfrag.runtime.system import LocalRuntime
 
 SIGNALS = ("relevance", "support", "retrieval", "utility")
-SAMPLES_FILE = "calibration_samples.jsonl"
 
 
 def collect_samples(

@@ -110,9 +110,6 @@ class Outcome:
         return not self.abstained and (self.s_sup is None or self.s_sup >= 0.5)
 
 
-CONFIDENT_SUPPORT = 0.5
-
-
 @dataclass(frozen=True)
 class CoveragePoint:
     """One threshold of the accuracy–coverage curve (rates None where undefined)."""

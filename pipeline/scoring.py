@@ -101,9 +101,3 @@ def segment_score(
         if value is not None:
             total += weight * value
     return total
-
-
-def normalise_group(logprobs: Mapping[str, float]) -> dict[str, float]:
-    """Turn per-label log-probabilities into probabilities (not renormalised: mass outside the
-    group stays outside, the score functions normalise over the labels they use)."""
-    return {label: (math.exp(lp) if lp != -math.inf else 0.0) for label, lp in logprobs.items()}
