@@ -13,9 +13,10 @@ log = logging.getLogger("selfrag.cli")
 
 
 def calibrate_on_first_use(rag: LocalRuntime, critique: str, progress: bool = True) -> bool:
-    """Fit the support threshold of `critique` on the index once, with a progress bar, when
-    the model file has none for it (answers would never abstain for lack of support). True
-    when it ran. A corpus too small to calibrate on is logged, and abstention stays off."""
+    """Fit the support threshold of `critique` on `rag`'s collection once, with a progress
+    bar, when the model file has none for it there (answers would never abstain for lack of
+    support). True when it ran. A corpus too small to calibrate on is logged, and abstention
+    stays off."""
     from selfrag.jobs.support_calibration import (
         CalibrationSkipped,
         calibrate_support,
@@ -29,8 +30,9 @@ def calibrate_on_first_use(rag: LocalRuntime, critique: str, progress: bool = Tr
     if rag.calibrated.calibration(name) is not None:
         return False
     print(
-        f"selfrag: no support threshold for {rag.model_path.name} and critique '{name}' on this "
-        "index yet: calibrating it once now (`selfrag calibrate` does it alone)",
+        f"selfrag: no support threshold for {rag.model_path.name} and critique '{name}' on the "
+        f"collection '{rag.settings.retrieval.collection}' yet: calibrating it once now "
+        "(`selfrag calibrate` does it alone)",
         file=sys.stderr,
     )
     try:

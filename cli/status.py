@@ -74,7 +74,9 @@ def collect_status(settings: Settings) -> dict[str, Any]:
             from selfrag.jobs.support_calibration import threshold_status
 
             sha = file_sha256(system.model_path)
-            threshold = threshold_status(settings.home, sha, critique["resolved"], index["version"])
+            threshold = threshold_status(
+                settings.home, sha, critique["resolved"], index["version"], r.collection
+            )
     return {
         "selfrag": selfrag_version(),
         "home": str(settings.home),

@@ -45,6 +45,7 @@ from selfrag.pipeline.synthetic_qa import (
 )
 from selfrag.schemas.calibration import SupportCalibration
 from selfrag.schemas.decoding import DecodingConfig
+from selfrag.schemas.settings import DEFAULT_COLLECTION
 
 if TYPE_CHECKING:
     from selfrag.runtime.system import LocalRuntime
@@ -140,8 +141,9 @@ def calibrate_support(
     critique: str | None = None,
     progress: bool = True,
 ) -> tuple[SupportCalibration, Path]:
-    """Draw the pairs from the index, read them with the served critique (`critique`, default
-    the configured one), choose the threshold and save it for this model file and source.
+    """Draw the pairs from the index (`rag`'s collection), read them with the served critique
+    (`critique`, default the configured one), choose the threshold and save it for this model
+    file, collection and source.
     `CalibrationSkipped` when the corpus gives fewer than MIN_ANSWERABLE answerable pairs."""
     from selfrag.infra.model_files import file_sha256
 
@@ -167,6 +169,7 @@ def calibrate_support(
         model_sha256=file_sha256(rag.model_path),
         model_file=rag.model_path.name,
         critique=name,
+        index_collection=rag.settings.retrieval.collection,
         fingerprint=rag.model_fingerprint,
         min_support_score=round(choice.threshold, 6),
         max_answerable_abstain=plan.max_answerable_abstain,
@@ -294,7 +297,8 @@ def describe(cal: SupportCalibration, path: Path) -> str:
     unans = "-" if cal.unanswerable_abstain is None else f"{cal.unanswerable_abstain:.0%}"
     return "\n".join(
         [
-            f"support threshold ({cal.critique}, {cal.model_file}): min_support_score "
+            f"support threshold ({cal.critique}, {cal.model_file}, collection "
+            f"{cal.index_collection or DEFAULT_COLLECTION}): min_support_score "
             f"{cal.min_support_score:.4f} -> {path}",
             f"  {cal.questions} synthetic questions ({cal.style}); s_sup answerable "
             f"n={a.get('n')} p10 {a.get('p10', '-')} p50 {a.get('p50', '-')}, unanswerable "
@@ -307,7 +311,7 @@ def describe(cal: SupportCalibration, path: Path) -> str:
             f"  abstains on {cal.answerable_abstain:.0%} of answerable pairs (at most "
             f"{cal.max_answerable_abstain:.0%}), {unans} of unanswerable; {cal.seconds:.0f} s",
             *(
-                f"  collection {name or '(unnamed)'}: {c['threshold']:.4f}"
+                f"  corpus {name or '(unnamed)'}: {c['threshold']:.4f}"
                 + (" (kept: the lowest)" if name == cal.threshold_collection else "")
                 for name, c in sorted(cal.collections.items())
             ),
@@ -344,21 +348,21 @@ def run_calibration(
 
 
 def threshold_status(
-    home: Path, model_sha256: str, critique: str, index_version: str
+    home: Path, model_sha256: str, critique: str, index_version: str, collection: str
 ) -> dict[str, object]:
-    """Where the support threshold of `critique` on this model file comes from, for `selfrag
-    status`: the calibration (and whether the index changed since), else the source's
-    constant (or none). Reads no model."""
+    """Where the support threshold of `critique` on this model file and index `collection`
+    comes from, for `selfrag status`: the calibration (and whether the index changed since),
+    else the source's constant (or none). Reads no model."""
     from selfrag.infra.support_calibration import calibration_path, read_calibration
 
-    cal = read_calibration(home, model_sha256, critique)
+    cal = read_calibration(home, model_sha256, critique, collection)
     if cal is None:
         value = settle_filters(DecodingConfig(), critique).min_support_score
         return {"min_support_score": value, "calibrated": False}
     return {
         "min_support_score": cal.min_support_score,
         "calibrated": True,
-        "file": str(calibration_path(home, model_sha256, critique)),
+        "file": str(calibration_path(home, model_sha256, critique, collection)),
         "questions": cal.questions,
         "created": cal.created,
         "index_changed": cal.index_version != index_version,

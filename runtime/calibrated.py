@@ -1,10 +1,12 @@
 """The support thresholds calibrated on the served corpus, as one process reads them.
 
 `selfrag calibrate` (and the end of `selfrag index`) writes a `SupportCalibration` per model
-file and critique source; answers whose request leaves `min_support_score` unset take it
-when the answer path settles their config (`pipeline.critics.filters.settle_filters`).
-Without a calibration the threshold is off, which is logged once per process, model file and
-source (`selfrag ask` calibrates on first use instead: `cli/first_use.py`).
+file, index collection and critique source; answers whose request leaves `min_support_score`
+unset take their collection's when the answer path settles their config
+(`pipeline.critics.filters.settle_filters`, with the `CritiqueFacts` of the runtime on that
+collection). Without a calibration the threshold is off, which is logged once per process,
+model file, collection and source (`selfrag ask` calibrates on first use instead:
+`cli/first_use.py`).
 """
 
 from __future__ import annotations
@@ -16,41 +18,52 @@ from pathlib import Path
 
 from selfrag.infra.support_calibration import calibration_path, read_calibration
 from selfrag.schemas.calibration import SupportCalibration
+from selfrag.schemas.settings import DEFAULT_COLLECTION
 
 log = logging.getLogger(__name__)
 
 _warned_lock = threading.Lock()
-_warned: set[tuple[str, str]] = set()
+_warned: set[tuple[str, str, str]] = set()
 
 
 class CalibratedDefaults:
-    """The calibrated filter defaults of one home and model file, read once per process (and
-    again after `forget`, which the calibration job calls when it writes a new one)."""
+    """The calibrated filter defaults of one home, model file and index collection, read once
+    per process (and again after `forget`, which the calibration job calls when it writes a
+    new one)."""
 
     def __init__(
-        self, home: Path, model_sha256: Callable[[], str], fingerprint: Callable[[], str]
+        self,
+        home: Path,
+        model_sha256: Callable[[], str],
+        fingerprint: Callable[[], str],
+        collection: str = DEFAULT_COLLECTION,
     ) -> None:
         self._home = home
         self._sha = model_sha256
         self._fingerprint = fingerprint
+        self.collection = collection
         self._lock = threading.Lock()
         self._read: dict[str, SupportCalibration | None] = {}
 
+    def for_collection(self, collection: str) -> CalibratedDefaults:
+        """The calibrated defaults of the same home and model file on `collection`."""
+        return CalibratedDefaults(self._home, self._sha, self._fingerprint, collection)
+
     def calibration(self, critique: str) -> SupportCalibration | None:
-        """The calibration of `critique` on this model file; None when there is none, or it
-        was made with other heads or another answerability model (logged)."""
+        """The calibration of `critique` on this model file and collection; None when there
+        is none, or it was made with other heads or another answerability model (logged)."""
         with self._lock:
             if critique not in self._read:
                 self._read[critique] = self._load(critique)
             return self._read[critique]
 
     def _load(self, critique: str) -> SupportCalibration | None:
-        cal = read_calibration(self._home, self._sha(), critique)
+        cal = read_calibration(self._home, self._sha(), critique, self.collection)
         if cal is not None and cal.fingerprint != self._fingerprint():
             log.warning(
                 "not using the support threshold in %s: it was calibrated for %s, this model "
                 "is %s; rerun `selfrag calibrate`",
-                calibration_path(self._home, cal.model_sha256, critique),
+                calibration_path(self._home, cal.model_sha256, critique, self.collection),
                 cal.fingerprint,
                 self._fingerprint(),
             )
@@ -63,7 +76,7 @@ class CalibratedDefaults:
         cal = self.calibration(critique)
         if cal is not None:
             return {"min_support_score": cal.min_support_score}
-        warn_uncalibrated(self._sha(), critique)
+        warn_uncalibrated(self._sha(), critique, self.collection)
         return {}
 
     def forget(self) -> None:
@@ -72,15 +85,20 @@ class CalibratedDefaults:
             self._read.clear()
 
 
-def warn_uncalibrated(model_sha256: str, critique: str) -> None:
-    """Log (WARNING) once per process, model file and source that no support threshold was
-    calibrated on this corpus."""
+def warn_uncalibrated(
+    model_sha256: str, critique: str, collection: str = DEFAULT_COLLECTION
+) -> None:
+    """Log (WARNING) once per process, model file, collection and source that no support
+    threshold was calibrated on this corpus."""
     with _warned_lock:
-        if (model_sha256, critique) in _warned:
+        if (model_sha256, critique, collection) in _warned:
             return
-        _warned.add((model_sha256, critique))
+        _warned.add((model_sha256, critique, collection))
+    flag = "" if collection == DEFAULT_COLLECTION else f" --collection {collection}"
     log.warning(
-        "critique '%s': no support threshold was calibrated on this index for this model, so "
-        "answers do not abstain for lack of support: run `selfrag calibrate`",
+        "critique '%s': no support threshold was calibrated on the collection '%s' for this "
+        "model, so answers do not abstain for lack of support: run `selfrag calibrate%s`",
         critique,
+        collection,
+        flag,
     )

@@ -186,17 +186,18 @@ class LocalRuntime(Closeable):
 
     @cached_property
     def calibrated(self) -> CalibratedDefaults:
-        """The support thresholds calibrated on this home's corpus for the model file."""
+        """The support thresholds calibrated on this runtime's collection for the model file."""
         from selfrag.infra.model_files import file_sha256
 
         return CalibratedDefaults(
             self.settings.home,
             lambda: file_sha256(self.model_path),
             lambda: self.model_fingerprint,
+            self.settings.retrieval.collection,
         )
 
     def calibrated_filters(self, critique: str) -> dict[str, object]:
-        """The filter defaults calibrated on the served corpus for the critique source
+        """The filter defaults calibrated on the served collection for the critique source
         `critique` (`selfrag calibrate`); none on the vLLM backend (no model file to key by)."""
         if self.settings.model.backend == "vllm":
             return {}
@@ -383,8 +384,8 @@ class LocalRuntime(Closeable):
 
     def for_collection(self, name: str | None) -> LocalRuntime:
         """This runtime on the collection `name` of the home (None: its own): a store of its
-        own, and with it its own index version and query-cache scope; the same model,
-        embedder, critics, KV states and calibrations. Closed with this one."""
+        own, and with it its own index version, query-cache scope and support calibration;
+        the same model, embedder, critics and KV states. Closed with this one."""
         if name is None or name == self.settings.retrieval.collection:
             return self
         with self._lock:
@@ -404,8 +405,8 @@ class LocalRuntime(Closeable):
 
 class CollectionRuntime(LocalRuntime):
     """A `LocalRuntime` on another collection of the same home (`for_collection`): its own
-    store, answer path and decoder parts; the model, embedder, critics, KV-state store and
-    calibrations of the runtime it came from, which closes it."""
+    store, answer path, decoder parts and calibrations (`calibrated`: this collection's); the
+    model, embedder, critics and KV-state store of the runtime it came from, which closes it."""
 
     def __init__(self, parent: LocalRuntime, collection: str) -> None:
         if not re.fullmatch(COLLECTION_NAME, collection):
@@ -434,9 +435,9 @@ class CollectionRuntime(LocalRuntime):
     def prefix_store(self) -> TieredStateStore | None:
         return self._parent.prefix_store
 
-    @property  # type: ignore[override]
+    @cached_property
     def calibrated(self) -> CalibratedDefaults:
-        return self._parent.calibrated
+        return self._parent.calibrated.for_collection(self.settings.retrieval.collection)
 
     def for_collection(self, name: str | None) -> LocalRuntime:
         return self._parent.for_collection(name or self.settings.retrieval.collection)

@@ -66,7 +66,9 @@ class SupportCalibration(BaseModel):
     (answerable); with the retriever's best other passage lacking the answer, and perturbed on
     its own passage (a name or number swapped, negated, an antonym: unanswerable).
     The threshold is the highest one that abstains on at most `max_answerable_abstain` of the
-    answerable pairs. Kept in `$SELFRAG_HOME/calibration/<model sha256>/<critique>.json`.
+    answerable pairs. Kept per index collection: the default one's in
+    `$SELFRAG_HOME/calibration/<model sha256>/<critique>.json`, another's in
+    `.../<model sha256>/collections/<collection>/<critique>.json`.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -75,6 +77,11 @@ class SupportCalibration(BaseModel):
     model_sha256: str = Field(description="SHA-256 of the model file it was fitted with.")
     model_file: str
     critique: str = Field(description="The critique source s_sup was read from.")
+    index_collection: str | None = Field(
+        None,
+        description="The index collection it was fitted on (`retrieval.collection`); None in a "
+        "file written before calibrations were kept per collection (the default one's).",
+    )
     fingerprint: str = Field(
         description="The model's identity in query-cache keys when fitted (model file, heads, "
         "answerability model): a calibration of other heads is not used."

@@ -33,6 +33,8 @@ SupportRead = Literal["verify", "source"]
 MASK = "**********"
 COLLECTION_NAME = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
 """What a collection may be called: also a folder name, so no path separators or `..`."""
+DEFAULT_COLLECTION = "passages"
+"""The collection a home uses unless told otherwise (`retrieval.collection`)."""
 
 
 def mask_url(url: str) -> str:
@@ -163,7 +165,7 @@ class RetrievalSettings(BaseModel):
         None, description="Qdrant server API key; shown masked, never logged."
     )
     collection: str = Field(
-        "passages",
+        DEFAULT_COLLECTION,
         pattern=COLLECTION_NAME,
         description="The index collection (a corpus of its own: its embedded folder "
         "HOME/edge/<name>, or the server's collection); `--collection` on the commands.",

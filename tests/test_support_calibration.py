@@ -43,6 +43,7 @@ from selfrag.runtime.calibrated import CalibratedDefaults
 from selfrag.schemas.answer import AnswerResponse
 from selfrag.schemas.calibration import SupportCalibration
 from selfrag.schemas.decoding import DecodingConfig
+from selfrag.schemas.settings import DEFAULT_COLLECTION
 from tests.fakes import ListRetriever, ScriptedCritic
 
 TEXTS = [
@@ -307,21 +308,32 @@ class FakeStore:
         return "v7"
 
 
-def _fake_rag(tmp_path: Path, passages: list[Passage], critic: ScriptedCritic) -> Any:
+def _fake_rag(
+    tmp_path: Path,
+    passages: list[Passage],
+    critic: ScriptedCritic,
+    collection: str = DEFAULT_COLLECTION,
+) -> Any:
+    """A runtime on the index `collection` of the home `tmp_path`, over fakes."""
     from selfrag.infra.model_files import file_sha256
 
     model = tmp_path / "model.gguf"
     model.write_bytes(b"weights")
     rag = SimpleNamespace(
         settings=SimpleNamespace(
-            home=tmp_path, decoding=DecodingConfig(), model=SimpleNamespace(backend="llama_cpp")
+            home=tmp_path,
+            decoding=DecodingConfig(),
+            model=SimpleNamespace(backend="llama_cpp"),
+            retrieval=SimpleNamespace(collection=collection),
         ),
         store=FakeStore(passages),
         critic=lambda source: critic,
         model_path=model,
         model_fingerprint="fake-fp",
     )
-    rag.calibrated = CalibratedDefaults(tmp_path, lambda: file_sha256(model), lambda: "fake-fp")
+    rag.calibrated = CalibratedDefaults(
+        tmp_path, lambda: file_sha256(model), lambda: "fake-fp", collection
+    )
     return rag
 
 
@@ -348,6 +360,24 @@ def test_the_job_reads_each_pair_as_a_first_step_branch_and_saves_the_threshold(
     # Every read is a first-step branch: the question, nothing written yet, one passage.
     assert critic.asked and all(b.prefix == "" and b.passage is not None for b in critic.asked)
     # Answers through this system now take it.
+    assert rag.calibrated.filters("learned") == {"min_support_score": cal.min_support_score}
+
+
+def test_the_job_saves_under_the_index_collection_it_ran_on(tmp_path: Path) -> None:
+    from selfrag.infra.model_files import file_sha256
+    from selfrag.jobs.support_calibration import CorpusCalibrationPlan, calibrate_support
+
+    passages = [
+        Passage(f"p{i}-{j}", text.replace("the", f"the{j}" if j else "the"), f"T{i}")
+        for j in range(4)
+        for i, text in enumerate(TEXTS)
+    ]
+    rag = _fake_rag(tmp_path, passages, OverlapCritic(name="learned"), collection="docs")
+    cal, path = calibrate_support(rag, CorpusCalibrationPlan(questions=12), progress=False)
+    sha = file_sha256(rag.model_path)
+    assert cal.index_collection == "docs"
+    assert path == calibration_path(tmp_path, sha, "learned", "docs")
+    assert read_calibration(tmp_path, sha, "learned") is None  # the default collection's
     assert rag.calibrated.filters("learned") == {"min_support_score": cal.min_support_score}
 
 

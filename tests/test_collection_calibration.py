@@ -1,0 +1,171 @@
+"""The support threshold is fitted and applied per index collection (issue 38, item 4): where
+each collection's calibration is kept, that a home's existing files still serve the default
+collection, that the answer path settles a request on collection C with C's threshold, and
+`selfrag calibrate --collection` on the real model."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from selfrag.infra.support_calibration import (
+    calibration_path,
+    list_calibrations,
+    read_calibration,
+    save_calibration,
+)
+from selfrag.runtime.calibrated import CalibratedDefaults
+from selfrag.runtime.system import LocalRuntime
+from selfrag.schemas.calibration import SupportCalibration
+from selfrag.schemas.decoding import DecodingConfig
+from selfrag.schemas.settings import DEFAULT_COLLECTION, Settings
+
+SHA = "a" * 64
+
+
+def _calibration(threshold: float, collection: str | None, sha: str = SHA) -> SupportCalibration:
+    return SupportCalibration(
+        model_sha256=sha,
+        model_file="m.gguf",
+        critique="learned",
+        index_collection=collection,
+        fingerprint="model-fp",
+        min_support_score=threshold,
+        max_answerable_abstain=0.15,
+        answerable_abstain=0.15,
+        unanswerable_abstain=0.4,
+        auroc=0.7,
+        questions=40,
+        answerable={"n": 40},
+        unanswerable={"n": 38},
+        pruned={"answerable": 1, "unanswerable": 5},
+        style="wh",
+        seed=0,
+        index_version="v1",
+        passages=1000,
+        seconds=100.0,
+        created="2026-12-04T00:00:00+00:00",
+    )
+
+
+def _write_legacy(home: Path, threshold: float) -> Path:
+    """A calibration as the code before collections wrote it: no `index_collection` field, at
+    `calibration/<sha>/<critique>.json`."""
+    path = home / "calibration" / SHA / "learned.json"
+    path.parent.mkdir(parents=True)
+    doc = _calibration(threshold, None).model_dump(mode="json", exclude={"index_collection"})
+    path.write_text(json.dumps(doc, indent=2))
+    return path
+
+
+def test_an_existing_homes_calibration_still_serves_the_default_collection(tmp_path: Path):
+    legacy = _write_legacy(tmp_path, 0.52)
+    assert calibration_path(tmp_path, SHA, "learned") == legacy
+    assert read_calibration(tmp_path, SHA, "learned", DEFAULT_COLLECTION) is not None
+    default = CalibratedDefaults(tmp_path, lambda: SHA, lambda: "model-fp")
+    assert default.filters("learned") == {"min_support_score": 0.52}
+    # Another collection does not take the default one's threshold.
+    assert read_calibration(tmp_path, SHA, "learned", "docs") is None
+    assert default.for_collection("docs").filters("learned") == {}
+
+
+def test_each_collection_keeps_its_own_calibration(tmp_path: Path):
+    save_calibration(tmp_path, _calibration(0.52, DEFAULT_COLLECTION))
+    docs_path = save_calibration(tmp_path, _calibration(0.31, "docs"))
+    # A collection may be called like a critique's file: its folder cannot collide with one.
+    odd_path = save_calibration(tmp_path, _calibration(0.44, "learned.json"))
+    assert docs_path == tmp_path / "calibration" / SHA / "collections" / "docs" / "learned.json"
+    assert docs_path == calibration_path(tmp_path, SHA, "learned", "docs")
+    assert odd_path.parent.name == "learned.json" and odd_path.is_file()
+    thresholds = {
+        c: CalibratedDefaults(tmp_path, lambda: SHA, lambda: "model-fp", c).filters("learned")
+        for c in (DEFAULT_COLLECTION, "docs", "learned.json", "other")
+    }
+    assert thresholds == {
+        DEFAULT_COLLECTION: {"min_support_score": 0.52},
+        "docs": {"min_support_score": 0.31},
+        "learned.json": {"min_support_score": 0.44},
+        "other": {},
+    }
+    assert [c.index_collection for c in list_calibrations(tmp_path, SHA)] == [DEFAULT_COLLECTION]
+    assert [c.min_support_score for c in list_calibrations(tmp_path, SHA, "docs")] == [0.31]
+
+
+def test_a_calibration_moved_to_another_collections_folder_is_not_used(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+):
+    docs_path = save_calibration(tmp_path, _calibration(0.31, "docs"))
+    moved = calibration_path(tmp_path, SHA, "learned", "wiki")
+    moved.parent.mkdir(parents=True)
+    shutil.copy(docs_path, moved)
+    with caplog.at_level("WARNING"):
+        assert read_calibration(tmp_path, SHA, "learned", "wiki") is None
+    assert "another model file, critique or collection" in caplog.text
+
+
+def _runtime(home: Path) -> LocalRuntime:
+    """A runtime whose model file is a stand-in: nothing here loads it."""
+    rt = LocalRuntime(Settings(home=home))
+    model = home / "m.gguf"
+    model.write_bytes(b"weights")
+    rt.__dict__["model_path"] = model
+    rt.__dict__["model_fingerprint"] = "model-fp"
+    return rt
+
+
+def test_the_answer_path_settles_a_request_with_its_collections_threshold(tmp_path: Path):
+    from selfrag.infra.model_files import file_sha256
+
+    with _runtime(tmp_path) as rt:
+        sha = file_sha256(rt.model_path)
+        save_calibration(tmp_path, _calibration(0.52, DEFAULT_COLLECTION, sha))
+        save_calibration(tmp_path, _calibration(0.31, "docs", sha))
+        asked = DecodingConfig(critique="learned")
+
+        def settled(collection: str | None) -> float | None:
+            path = rt.for_collection(collection).answer_path
+            return path.settle(asked).min_support_score
+
+        assert (settled(None), settled("docs"), settled("empty")) == (0.52, 0.31, 0.0)
+        # A threshold the request sets wins over every collection's.
+        mine = DecodingConfig(critique="learned", min_support_score=0.9)
+        assert rt.for_collection("docs").answer_path.settle(mine).min_support_score == 0.9
+        # A new calibration of one collection is read at its next answer, not the other's.
+        save_calibration(tmp_path, _calibration(0.2, "docs", sha))
+        rt.for_collection("docs").calibrated.forget()
+        assert (settled(None), settled("docs")) == (0.52, 0.2)
+
+
+@pytest.mark.real
+def test_selfrag_calibrate_and_ask_on_another_collection_with_the_real_model(
+    normans_api_home: Path, normans_squad: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    from selfrag.cli import main
+
+    home = tmp_path / "home"
+    shutil.copytree(normans_api_home, home)
+    flags = ["--home", str(home)]
+    other = ["--collection", "normans2"]
+    index = [*flags, "index", "--no-progress", "--no-calibrate", *other, str(normans_squad)]
+    assert main(index) == 0
+    assert main([*flags, "calibrate", "--no-progress", "--questions", "10", *other]) == 0
+    assert "collection normans2" in capsys.readouterr().out
+    [path] = (home / "calibration").glob("*/collections/normans2/learned.json")
+    cal = SupportCalibration.model_validate_json(path.read_text())
+    assert cal.index_collection == "normans2" and cal.questions == 10
+    assert not list((home / "calibration").glob("*/learned.json"))  # the default one: none
+
+    def status(*more: str) -> dict[str, Any]:
+        assert main([*flags, "status", "--json", *more]) == 0
+        return json.loads(capsys.readouterr().out)["support_threshold"]
+
+    assert status(*other)["min_support_score"] == cal.min_support_score
+    assert status()["calibrated"] is False
+    ask = [*flags, "ask", "--json", "--mode", "always", *other, "Who led the Normans?"]
+    assert main(ask) == 0
+    response = json.loads(capsys.readouterr().out)
+    assert response["config"]["min_support_score"] == cal.min_support_score
