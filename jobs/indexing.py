@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -119,16 +119,50 @@ def tagged(passage: Passage, path: Path, indexed_at: str | None = None) -> Passa
     return passage
 
 
-def remove_gone(store: QdrantStore, path: Path, seen: set[str], report: IndexReport) -> bool:
-    """Remove the documents indexed from `path` before that this read of it did not find
-    (`seen`), except those of files that failed to read now; counted in `report`. True when
-    any was removed (the caller bumps the index version)."""
-    failed = {file_source(Path(error.path)) for error in report.errors}
-    gone = store.stale_documents(corpus_root(path), seen, failed)
-    if gone:
-        report.removed = len(gone)
-        report.removed_passages = store.remove_documents(gone, bump_version=False)
-    return bool(gone)
+class CorpusRead:
+    """One read of a corpus file or folder for indexing, whichever way it is embedded
+    (`index_corpus` here, `jobs.ray_indexing` on Ray): its documents cut by `retrieval`'s
+    splitter in `embedder`'s word pieces and tagged with the path and one `indexed_at`; each
+    bad record logged (WARNING) and kept in `report.errors`. Raises FileNotFoundError /
+    CorpusFormatError for a missing path or an unknown format when made, before any write."""
+
+    def __init__(
+        self,
+        path: str | Path,
+        retrieval: RetrievalSettings,
+        embedder: Any,
+        report: IndexReport,
+        *,
+        follow_links: bool = False,
+    ) -> None:
+        self.path = Path(path)
+        self._items = read_documents(path, retrieval.max_document_bytes, follow_links=follow_links)
+        self._split = passage_splitter(retrieval, embedder)
+        self._report = report
+        self.indexed_at = datetime.now(UTC).isoformat(timespec="seconds")
+        self.seen: set[str] = set()
+        """The ids of the documents read so far."""
+
+    def documents(self) -> Iterator[list[Passage]]:
+        """Each readable document's passages, in the corpus's order."""
+        for item in self._items:
+            if isinstance(item, CorpusError):
+                log.warning("skipped %s", item)
+                self._report.errors.append(item)
+                continue
+            self.seen.add(item.id)
+            yield [tagged(p, self.path, self.indexed_at) for p in self._split(item)]
+
+    def remove_gone(self, store: QdrantStore) -> bool:
+        """Once every document was read: remove those indexed from the path before that this
+        read did not find, except those of files that failed to read now; counted in the
+        report. True when any was removed (the caller bumps the index version)."""
+        failed = {file_source(Path(error.path)) for error in self._report.errors}
+        gone = store.stale_documents(corpus_root(self.path), self.seen, failed)
+        if gone:
+            self._report.removed = len(gone)
+            self._report.removed_passages = store.remove_documents(gone, bump_version=False)
+        return bool(gone)
 
 
 def index_corpus(
@@ -157,13 +191,9 @@ def index_corpus(
         raise ValueError(f"embedder_batch must be >= 1, got {embedder_batch}")
     started = time.perf_counter()
     report = IndexReport()
-    # Raises here, before any write, for a bad path.
-    items = read_documents(path, retrieval.max_document_bytes, follow_links=follow_links)
-    split = passage_splitter(retrieval, store.embedder)
-    indexed_at = datetime.now(UTC).isoformat(timespec="seconds")
+    corpus = CorpusRead(path, retrieval, store.embedder, report, follow_links=follow_links)
     pending: list[Passage] = []
     pending_docs = 0
-    seen: set[str] = set()
     bar = tqdm(
         desc=f"indexing {Path(path).name}",
         unit="doc",
@@ -186,18 +216,13 @@ def index_corpus(
 
     changed = False
     try:
-        for item in items:
-            if isinstance(item, CorpusError):
-                log.warning("skipped %s", item)
-                report.errors.append(item)
-                continue
-            seen.add(item.id)
-            pending.extend(tagged(p, Path(path), indexed_at) for p in split(item))
+        for passages in corpus.documents():
+            pending.extend(passages)
             pending_docs += 1
             if len(pending) >= embedder_batch:
                 flush()
         flush()
-        changed = remove_gone(store, Path(path), seen, report)
+        changed = corpus.remove_gone(store)
     finally:
         bar.close()
         if report.passages or changed:

@@ -9,21 +9,16 @@ in whole documents.
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Sequence
-from datetime import UTC, datetime
 from pathlib import Path
 
 import numpy as np
 
-from selfrag.infra.corpus import CorpusError, read_documents
 from selfrag.infra.qdrant_store import QdrantStore, document_batches, embedded_text
-from selfrag.jobs.indexing import IndexReport, passage_splitter, remove_gone, tagged
-from selfrag.pipeline.protocols import Passage
+from selfrag.jobs.indexing import CorpusRead, IndexReport
 from selfrag.schemas.settings import RetrievalSettings
 
-log = logging.getLogger(__name__)
 WRITE_BATCH = 256
 
 
@@ -96,18 +91,8 @@ def index_corpus_ray(
         raise ValueError(f"actors must be >= 1, got {actors}")
     started = time.perf_counter()
     report = IndexReport()
-    items = read_documents(path, retrieval.max_document_bytes, follow_links=follow_links)
-    split = passage_splitter(retrieval, store.embedder)
-    indexed_at = datetime.now(UTC).isoformat(timespec="seconds")
-    passages: list[Passage] = []
-    seen: set[str] = set()
-    for item in items:
-        if isinstance(item, CorpusError):
-            log.warning("skipped %s", item)
-            report.errors.append(item)
-            continue
-        seen.add(item.id)
-        passages.extend(tagged(p, Path(path), indexed_at) for p in split(item))
+    corpus = CorpusRead(path, retrieval, store.embedder, report, follow_links=follow_links)
+    passages = [p for document in corpus.documents() for p in document]
     started_ray = ensure_ray(address)
     try:
         vectors = embed_on_ray(
@@ -127,8 +112,8 @@ def index_corpus_ray(
             store.write(batch, vectors[done : done + len(batch)], replace_documents=True)
             done += len(batch)
         store.finish_writes()
-        report.documents, report.passages = len(seen), len(passages)
-        changed = remove_gone(store, Path(path), seen, report)
+        report.documents, report.passages = len(corpus.seen), len(passages)
+        changed = corpus.remove_gone(store)
     finally:
         if report.passages or changed:
             store.bump_index_version()
