@@ -5,11 +5,13 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
 from selfrag.pipeline.critics import Branch, LabelProbs
 from selfrag.pipeline.protocols import Generation, Passage
+from selfrag.schemas.calibration import SupportCalibration
 
 
 @dataclass
@@ -210,3 +212,33 @@ class HashEmbedder:
             row = np.random.default_rng(seed).standard_normal(8).astype(np.float32)
             rows.append(row / np.linalg.norm(row))
         return np.array(rows, dtype=np.float32).reshape(len(texts), 8)
+
+
+def support_calibration(
+    sha: str = "a" * 64, critique: str = "learned", **fields: Any
+) -> SupportCalibration:
+    """A support calibration as `selfrag calibrate` writes one (threshold 0.52), `fields`
+    changed."""
+    values: dict[str, Any] = dict(
+        model_sha256=sha,
+        model_file="m.gguf",
+        critique=critique,
+        fingerprint="model-fp",
+        min_support_score=0.52,
+        max_answerable_abstain=0.15,
+        answerable_abstain=0.15,
+        unanswerable_abstain=0.4,
+        auroc=0.7,
+        questions=40,
+        answerable={"n": 40},
+        unanswerable={"n": 38},
+        pruned={"answerable": 1, "unanswerable": 5},
+        style="wh",
+        seed=0,
+        index_version="v1",
+        passages=1000,
+        seconds=100.0,
+        created="2026-12-03T00:00:00+00:00",
+    )
+    values.update(fields)
+    return SupportCalibration(**values)

@@ -23,33 +23,13 @@ from selfrag.runtime.system import LocalRuntime
 from selfrag.schemas.calibration import SupportCalibration
 from selfrag.schemas.decoding import DecodingConfig
 from selfrag.schemas.settings import DEFAULT_COLLECTION, Settings
+from tests.fakes import support_calibration
 
 SHA = "a" * 64
 
 
 def _calibration(threshold: float, collection: str | None, sha: str = SHA) -> SupportCalibration:
-    return SupportCalibration(
-        model_sha256=sha,
-        model_file="m.gguf",
-        critique="learned",
-        index_collection=collection,
-        fingerprint="model-fp",
-        min_support_score=threshold,
-        max_answerable_abstain=0.15,
-        answerable_abstain=0.15,
-        unanswerable_abstain=0.4,
-        auroc=0.7,
-        questions=40,
-        answerable={"n": 40},
-        unanswerable={"n": 38},
-        pruned={"answerable": 1, "unanswerable": 5},
-        style="wh",
-        seed=0,
-        index_version="v1",
-        passages=1000,
-        seconds=100.0,
-        created="2026-12-04T00:00:00+00:00",
-    )
+    return support_calibration(sha, min_support_score=threshold, index_collection=collection)
 
 
 def _write_legacy(home: Path, threshold: float) -> Path:

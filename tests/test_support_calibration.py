@@ -45,6 +45,7 @@ from selfrag.schemas.calibration import SupportCalibration
 from selfrag.schemas.decoding import DecodingConfig
 from selfrag.schemas.settings import DEFAULT_COLLECTION
 from tests.fakes import ListRetriever, ScriptedCritic
+from tests.fakes import support_calibration as _calibration
 
 TEXTS = [
     "The duchy was founded when the Norse raiders under their leader Rollo, settled in the "
@@ -164,32 +165,6 @@ def test_threshold_abstains_on_at_most_the_allowed_share_of_answerable_pairs() -
 
 
 # --- storage ----------------------------------------------------------------------------------
-
-
-def _calibration(sha: str = "a" * 64, critique: str = "learned", **kw: Any) -> SupportCalibration:
-    fields: dict[str, Any] = dict(
-        model_sha256=sha,
-        model_file="m.gguf",
-        critique=critique,
-        fingerprint="model-fp",
-        min_support_score=0.52,
-        max_answerable_abstain=0.15,
-        answerable_abstain=0.15,
-        unanswerable_abstain=0.4,
-        auroc=0.7,
-        questions=40,
-        answerable={"n": 40},
-        unanswerable={"n": 38},
-        pruned={"answerable": 1, "unanswerable": 5},
-        style="wh",
-        seed=0,
-        index_version="v1",
-        passages=1000,
-        seconds=100.0,
-        created="2026-12-03T00:00:00+00:00",
-    )
-    fields.update(kw)
-    return SupportCalibration(**fields)
 
 
 def test_a_calibration_is_kept_per_model_file_and_critique(tmp_path: Path) -> None:
