@@ -1,9 +1,13 @@
-"""An exclusive lock between processes on one file (flock), and a durable atomic file write.
+"""An exclusive lock between processes on one file (flock), and the atomic file write: the one
+implementation of each for the package.
 
 The OS drops a flock when its holder exits, however it exits, so a killed process never leaves a
 stale lock; the lock file itself stays (removing it would race with a process opening it).
 Linux emulates flock with byte-range locks on NFS, so it also holds between the hosts of a
 share.
+
+A file is replaced atomically by writing a temporary file beside it (`TEMP_SUFFIX`, hidden) and
+renaming it over the old one, so a reader sees the old content or the new, never a mix.
 """
 
 from __future__ import annotations
@@ -13,10 +17,14 @@ import os
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from types import TracebackType
 
 _POLL_S = 0.05
+TEMP_SUFFIX = ".tmp"
+"""How a temporary file of `atomic_output` ends (after a leading dot and the target's name)."""
 
 
 class FileLock:
@@ -97,20 +105,42 @@ def fsync_dir(folder: Path) -> None:
         os.close(fd)
 
 
-def write_atomic(path: Path, data: bytes, mode: int | None = None) -> None:
-    """Replace `path` with `data` so that a reader, or the file after a crash, is the old
-    content or the new one, never a mix: a synced temporary file renamed into place. The file
-    is private (0600, as mkstemp makes it) unless `mode` says otherwise."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+@contextmanager
+def atomic_output(path: Path, *, mode: int | None = None, durable: bool = True) -> Iterator[Path]:
+    """A new empty temporary file beside `path` for the block to write, by name (a library that
+    opens its own output can write it too); when the block ends without an exception the file
+    replaces `path` in one rename, so a reader sees the old content or the new one, never a
+    mix; on an exception it is removed and `path` is left as it was.
+
+    The file is private (0600, as mkstemp makes it) unless `mode` says otherwise. `durable`:
+    its data is synced before the rename and the folder after it, so after a crash `path` is
+    the old content or the whole new one; without it a crash can leave a torn file, which only
+    a cache that checks what it reads can accept. The folder must exist.
+    """
+    fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=TEMP_SUFFIX)
+    os.close(fd)
+    tmp = Path(name)
     try:
-        with os.fdopen(fd, "wb") as f:
-            if mode is not None:
-                os.fchmod(f.fileno(), mode)
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
+        yield tmp
+        if mode is not None:
+            os.chmod(tmp, mode)
+        if durable:
+            # Opened again by name: the block may have replaced the file mkstemp made.
+            fd = os.open(tmp, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
         os.replace(tmp, path)
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
         raise
-    fsync_dir(path.parent)
+    if durable:
+        fsync_dir(path.parent)
+
+
+def write_atomic(path: Path, data: bytes, mode: int | None = None, durable: bool = True) -> None:
+    """Replace `path` with `data` through `atomic_output` (private unless `mode` says
+    otherwise; synced unless not `durable`)."""
+    with atomic_output(path, mode=mode, durable=durable) as tmp:
+        tmp.write_bytes(data)

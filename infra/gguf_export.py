@@ -17,7 +17,6 @@ F16 copy of a quantised model (`model.weights = "f16"`).
 from __future__ import annotations
 
 import os
-import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 from typing import get_args
@@ -25,6 +24,7 @@ from typing import get_args
 import gguf
 import numpy as np
 
+from selfrag.infra.file_lock import atomic_output
 from selfrag.infra.heads_store import heads_matrix
 from selfrag.infra.model_files import (
     DerivedFormat,
@@ -121,10 +121,8 @@ def export_reflection_model(
         return np.concatenate([base, extra])
 
     target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        writer = gguf.GGUFWriter(tmp, arch=arch)
+    with atomic_output(target, mode=0o666 & ~current_umask()) as tmp:
+        writer = gguf.GGUFWriter(str(tmp), arch=arch)
         for key, field in reader.fields.items():
             if key.startswith("GGUF.") or key == "general.architecture":
                 continue
@@ -152,29 +150,7 @@ def export_reflection_model(
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file()
         writer.close()
-        publish(Path(tmp), target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
     return target
-
-
-def publish(tmp: Path, target: Path) -> None:
-    """Rename the written file `tmp` onto `target` durably: its data synced first, the folder
-    after, so a crash leaves the old `target` or the whole new one. mkstemp made `tmp` 0600;
-    it gets the mode any new file gets under this process's umask (0644 under 022)."""
-    fd = os.open(tmp, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.chmod(tmp, 0o666 & ~current_umask())
-    os.replace(tmp, target)
-    folder = os.open(target.parent, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(folder)
-    finally:
-        os.close(folder)
 
 
 def current_umask() -> int:

@@ -25,13 +25,12 @@ import hashlib
 import logging
 import os
 import struct
-import tempfile
 import threading
 import time
 from collections.abc import Mapping
 from pathlib import Path
 
-from selfrag.infra.file_lock import FileLock
+from selfrag.infra.file_lock import TEMP_SUFFIX, FileLock, atomic_output
 
 log = logging.getLogger("selfrag.kv_cache")
 
@@ -52,7 +51,6 @@ _RECOUNT_S = 60.0
 STALE_TEMP_S = 600.0
 """A temporary file older than this was left by a killed writer (a live one renames its file
 within seconds): it is deleted when the folder is counted."""
-_TEMP_SUFFIX = ".tmp"
 
 
 class DiskTier:
@@ -127,17 +125,13 @@ class DiskTier:
         path = self._path(digest)
         try:
             path.parent.mkdir(exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".", suffix=_TEMP_SUFFIX)
-            try:
-                with os.fdopen(fd, "wb") as f:
+            # Not synced: a cache, and a file torn by a crash fails its checksum on read.
+            with atomic_output(path, durable=False) as tmp:
+                with tmp.open("wb") as f:
                     f.write(_HEADER.pack(MAGIC, FILE_FORMAT, len(bind), n_state, h.digest()))
                     f.write(bind)
                     f.write(state)
                 replaced = path.stat().st_size if path.exists() else 0
-                os.replace(tmp, path)
-            except BaseException:
-                Path(tmp).unlink(missing_ok=True)
-                raise
         except OSError as exc:
             self._count_error(path, exc)
             return False
@@ -226,7 +220,7 @@ class DiskTier:
             if not sub.is_dir():
                 continue
             for entry in os.scandir(sub.path):
-                temp = entry.name.endswith(_TEMP_SUFFIX)
+                temp = entry.name.endswith(TEMP_SUFFIX)
                 if not (temp or entry.name.endswith(SUFFIX)):
                     continue
                 try:

@@ -27,13 +27,13 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from importlib import metadata
 from pathlib import Path
 
+from selfrag.infra.file_lock import write_atomic
 from selfrag.infra.llama_init import init_llama, route_llama_log
 
 logger = logging.getLogger(__name__)
@@ -253,10 +253,7 @@ class ProbeCache:
     def put(self, key: str, value: object) -> None:
         try:
             self.folder.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=self.folder, prefix=f".{key}.", suffix=".tmp")
-            with os.fdopen(fd, "w", encoding="utf-8") as fh:
-                json.dump(value, fh)
-            os.replace(tmp, self.folder / f"{key}.json")
+            write_atomic(self.folder / f"{key}.json", json.dumps(value).encode())
         except OSError as exc:  # a read-only cache only costs a probe next time
             logger.warning("cannot keep the llama.cpp probe result in %s: %s", self.folder, exc)
 

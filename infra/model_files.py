@@ -9,7 +9,6 @@ and actors start together, one process converts and the others wait and reuse it
 from __future__ import annotations
 
 import ctypes
-import fcntl
 import hashlib
 import importlib.util
 import json
@@ -17,7 +16,6 @@ import logging
 import os
 import shutil
 import struct
-import tempfile
 import threading
 import urllib.error
 import urllib.request
@@ -26,6 +24,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import BinaryIO, Literal, get_args
 
+from selfrag.infra.file_lock import FileLock, atomic_output, write_atomic
 from selfrag.schemas.settings import WeightFormat
 
 GGUF_MAGIC = b"GGUF"
@@ -120,11 +119,13 @@ def download_model(url: str, home: Path) -> Path:
     if target.is_file():
         return check_gguf(target)
     try:
+        target.parent.mkdir(parents=True, exist_ok=True)
         with urllib.request.urlopen(url, timeout=DOWNLOAD_TIMEOUT_S) as response:
-            with _atomic_write(target) as (tmp_path, fh):
-                while chunk := response.read(1 << 20):
-                    fh.write(chunk)
-                fh.flush()
+            # As readable as the packaged files (atomic_output's file is private).
+            with atomic_output(target, mode=0o644) as tmp_path:
+                with tmp_path.open("wb") as fh:
+                    while chunk := response.read(1 << 20):
+                        fh.write(chunk)
                 _check_magic_of(tmp_path, source=url)
     except (urllib.error.URLError, OSError, ValueError) as exc:
         if isinstance(exc, ModelFileError):
@@ -176,10 +177,8 @@ def derive_once(target: Path, make: Callable[[Path], None]) -> Path:
         # Another process may have finished the copy while this one waited for the lock.
         if target.is_file():
             return target
-        fd, tmp_name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
-        os.close(fd)
-        tmp_path = Path(tmp_name)
-        try:
+        # The copy is as readable as a download (atomic_output's file is private).
+        with atomic_output(target, mode=0o644) as tmp_path:
             try:
                 make(tmp_path)
             except (OSError, ModelFileError) as exc:
@@ -187,10 +186,6 @@ def derive_once(target: Path, make: Callable[[Path], None]) -> Path:
                     f"could not write {target}: {exc}{_space_left(target)}"
                 ) from exc
             _check_magic_of(tmp_path, source=f"the file made for {target}")
-            tmp_path.chmod(0o644)  # mkstemp creates 0600; the copy is as readable as a download
-            os.replace(tmp_path, target)
-        finally:
-            tmp_path.unlink(missing_ok=True)
     return target
 
 
@@ -205,26 +200,21 @@ def _space_left(target: Path) -> str:
 
 @contextmanager
 def derivation_lock(target: Path) -> Iterator[None]:
-    """Hold `.<target name>.lock` beside `target` (flock, exclusive) while `target` is made.
+    """Hold `.<target name>.lock` beside `target` (a `FileLock`) while `target` is made.
 
     Every replica and actor a node starts derives the same copy at once; without the lock each
     would convert the whole model (minutes and gigabytes for a 7B one) and all but one copy
-    would be thrown away. The OS drops the lock when its holder exits, however it exits, so a
-    killed conversion never blocks the next. flock also holds between the hosts of an NFS
-    share (Linux emulates it with NFS byte-range locks), so a shared `home` converts once.
+    would be thrown away. A killed conversion never blocks the next, and a `home` on an NFS
+    share converts once (`infra.file_lock`).
     """
-    target.parent.mkdir(parents=True, exist_ok=True)
-    lock = target.with_name(f".{target.name}.lock")
-    fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+    lock = FileLock(target.with_name(f".{target.name}.lock"))
+    if not lock.acquire(timeout_s=0):
+        log.info("waiting for another process to finish deriving %s", target.name)
+        lock.acquire()
     try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            log.info("waiting for another process to finish deriving %s", target.name)
-            fcntl.flock(fd, fcntl.LOCK_EX)
         yield
     finally:
-        os.close(fd)  # releases the lock; the lock file stays (removing it would race)
+        lock.release()
 
 
 def derived_path(src: Path, fmt: DerivedFormat, home: Path) -> Path:
@@ -295,8 +285,8 @@ def _remembered_sha(record: Path, stamp: dict[str, object]) -> str | None:
 
 def _remember_sha(record: Path, data: dict[str, object]) -> None:
     try:
-        with _atomic_write(record) as (_, fh):
-            fh.write(json.dumps(data).encode())
+        record.parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(record, json.dumps(data).encode(), mode=0o644)
     except OSError as exc:  # a read-only cache only costs hashing again next time
         log.debug("cannot keep the SHA-256 of %s in %s: %s", data["path"], record.parent, exc)
 
@@ -460,21 +450,6 @@ def _skip_value(fh: BinaryIO, vtype: int) -> None:
         fh.seek(struct.calcsize(_GGUF_SCALARS[vtype]), os.SEEK_CUR)
     else:
         raise struct.error(f"unknown GGUF value type {vtype}")
-
-
-@contextmanager
-def _atomic_write(target: Path) -> Iterator[tuple[Path, BinaryIO]]:
-    """Open a temporary file beside `target`; rename it onto `target` only on success."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
-    tmp_path = Path(tmp_name)
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            yield tmp_path, fh
-        tmp_path.chmod(0o644)
-        os.replace(tmp_path, target)
-    finally:
-        tmp_path.unlink(missing_ok=True)
 
 
 def _check_magic_of(path: Path, *, source: str) -> None:

@@ -3,9 +3,9 @@ resume from the last record of each id, and the final compaction to one record p
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
+import stat
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from selfrag.infra.corpus import load_json
+from selfrag.infra.file_lock import FileLock, atomic_output
 from selfrag.jobs.batch_inputs import InputProblem
 from selfrag.runtime.answering import (
     query_key,
@@ -98,44 +99,39 @@ def compact_records(path: Path) -> int:
     if records == len(last):
         return 0  # one record per id already: nothing to rewrite
     dropped = 0
-    tmp = path.with_name(path.name + ".compact")
-    with path.open("rb") as src, tmp.open("wb") as dst:
+    mode = stat.S_IMODE(path.stat().st_mode)  # the output keeps its permissions
+    with atomic_output(path, mode=mode) as tmp, path.open("rb") as src, tmp.open("wb") as dst:
         for n, line in enumerate(src):
             ident = _record_id(line)
             if ident is not None and last[ident] != n:
                 dropped += 1
                 continue
             dst.write(line)
-        dst.flush()
-        os.fsync(dst.fileno())
-    os.replace(tmp, path)
     return dropped
 
 
 @contextmanager
 def lock_output(out: Path) -> Iterator[Path]:
-    """Hold `<out>.lock` (flock) while writing `out`; raise OutputLockedError at once when
-    another process holds it. The OS drops the lock when the holder exits, however it exits,
-    so a killed run never leaves a stale lock. The lock file itself stays (removing it would
-    race with a run that is opening it)."""
-    lock = out.with_name(out.name + ".lock")
-    lock.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
+    """Hold `<out>.lock` (a `FileLock`, which holds in this process too) while writing `out`;
+    raise OutputLockedError at once when another run holds it. The holder's pid is kept in the
+    lock file, for the message another run gets."""
+    lock = FileLock(out.with_name(out.name + ".lock"))
+    if not lock.acquire(timeout_s=0):
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
-            raise OutputLockedError(
-                f"{out} is being written by another `selfrag batch` run"
-                + (f" (pid {holder})" if holder.isdigit() else "")
-                + f": it holds {lock}. Wait for it to finish, or write to another --out."
-            ) from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-        yield lock
+            holder = lock.path.read_bytes()[:32].decode("ascii", "replace").strip()
+        except OSError:
+            holder = ""
+        raise OutputLockedError(
+            f"{out} is being written by another `selfrag batch` run"
+            + (f" (pid {holder})" if holder.isdigit() else "")
+            + f": it holds {lock.path}. Wait for it to finish, or write to another --out."
+        )
+    try:
+        os.ftruncate(lock.fd, 0)
+        os.pwrite(lock.fd, f"{os.getpid()}\n".encode(), 0)
+        yield lock.path
     finally:
-        os.close(fd)  # releases the flock
+        lock.release()
 
 
 class RecordSink:

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from tqdm import tqdm
 
+from selfrag.infra.file_lock import write_atomic
 from selfrag.infra.settings import CALIBRATION_FILE
 from selfrag.jobs.evaluation import EvalQuestion
 from selfrag.pipeline.calibration import auc, fit_logistic
@@ -123,7 +124,8 @@ def calibration_toml(cal: CalibrationSettings) -> str:
 
 def write_calibration(home: Path, cal: CalibrationSettings) -> Path:
     path = home / CALIBRATION_FILE
-    path.write_text(calibration_toml(cal), encoding="utf-8")
+    # Atomic: a server starting meanwhile reads the old calibration or the new one.
+    write_atomic(path, calibration_toml(cal).encode(), mode=0o644)
     return path
 
 

@@ -8,7 +8,7 @@ import random
 import pytest
 
 from selfrag.infra.settings import load_settings
-from selfrag.jobs.calibrate import calibration_toml, fit_samples
+from selfrag.jobs.calibrate import fit_samples, write_calibration
 from selfrag.pipeline.calibration import auc, fit_logistic
 from selfrag.schemas.calibration import CalibrationSettings, LogisticParams
 
@@ -57,7 +57,10 @@ def test_fitted_calibration_round_trips_through_the_home(tmp_path):
     cal, stats = fit_samples(samples, "synthetic")
     assert stats["relevance"]["n"] == 500 and stats["support"]["n"] == 0
     assert cal.support == CalibrationSettings().support  # no samples: default kept
-    (tmp_path / "calibration.toml").write_text(calibration_toml(cal))
+    (tmp_path / "calibration.toml").write_text("# an earlier calibration\n")
+    path = write_calibration(tmp_path, cal)  # replaced in one rename, readable by a server
+    assert path == tmp_path / "calibration.toml" and path.stat().st_mode & 0o777 == 0o644
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["calibration.toml"]
     loaded = load_settings(environ={"SELFRAG_HOME": str(tmp_path)}).calibration
     assert loaded == cal
     assert loaded.fitted_on == "synthetic"

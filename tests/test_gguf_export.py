@@ -201,35 +201,6 @@ def test_the_export_has_the_umask_mode_and_leaves_no_temporary_file(exported: Pa
     assert [p.name for p in exported.parent.iterdir()] == [exported.name]
 
 
-def test_publish_syncs_the_file_then_renames_then_syncs_the_folder(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    import os
-    import stat
-
-    import selfrag.infra.gguf_export as export_module
-
-    tmp, target = tmp_path / ".out.gguf.x.tmp", tmp_path / "out.gguf"
-    tmp.write_bytes(b"GGUF new")
-    tmp.chmod(0o600)  # as mkstemp makes it
-    target.write_bytes(b"GGUF old")
-    synced: list[tuple[str, bool]] = []
-    real_fsync = os.fsync
-
-    def fsync(fd: int) -> None:
-        is_dir = stat.S_ISDIR(os.fstat(fd).st_mode)
-        synced.append(("dir" if is_dir else "file", target.read_bytes() == b"GGUF new"))
-        real_fsync(fd)
-
-    monkeypatch.setattr(export_module.os, "fsync", fsync)
-    monkeypatch.setattr(export_module, "current_umask", lambda: 0o022)
-    export_module.publish(tmp, target)
-    # The data is synced before the rename, the folder's entry after it.
-    assert synced == [("file", False), ("dir", True)]
-    assert target.read_bytes() == b"GGUF new" and not tmp.exists()
-    assert target.stat().st_mode & 0o777 == 0o644
-
-
 def test_train_refuses_to_export_onto_the_model_or_a_copy_derived_from_it(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
