@@ -443,6 +443,11 @@ def test_selfrag_index_calibrates_at_its_end_unless_told_not_to(
     assert main(["--home", str(home), "index", "--no-progress", "--no-calibrate", str(corpus)]) == 0
     assert len(recorded_calibrations) == 1
     assert "support threshold" not in capsys.readouterr().out
+    # Another collection's index calibrates that collection.
+    docs = ["--home", str(home), "index", "--no-progress", "--collection", "docs", str(corpus)]
+    assert main(docs) == 0
+    [_, (rag, _)] = recorded_calibrations
+    assert rag.settings.retrieval.collection == "docs"
 
 
 @pytest.mark.real
