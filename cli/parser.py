@@ -18,7 +18,7 @@ def _decoding_flags(parser: argparse.ArgumentParser) -> None:
         flag = "--" + name.replace("_", "-")
         inner = [a for a in typing.get_args(field.annotation) if a is not type(None)]
         kind = inner[0] if inner else field.annotation
-        help_text = field.description or _DESCRIPTIONS.get(name, "")
+        help_text = field.description or ""
         if kind is bool:
             group.add_argument(
                 flag, action=argparse.BooleanOptionalAction, default=None, help=help_text
@@ -29,15 +29,6 @@ def _decoding_flags(parser: argparse.ArgumentParser) -> None:
             group.add_argument(flag, type=kind, default=None, help=help_text)
         else:  # pragma: no cover - guards new field types
             raise TypeError(f"no CLI flag type for {name}: {kind}")
-
-
-def _field_docs() -> dict[str, str]:
-    from selfrag.schemas.decoding import DecodingConfig
-
-    return {n: f.description or "" for n, f in DecodingConfig.model_fields.items()}
-
-
-_DESCRIPTIONS = _field_docs()
 
 
 class _Version(argparse.Action):

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, create_model
+from pydantic.fields import FieldInfo
 
 RetrievalMode = Literal["adaptive", "always", "never"]
 CritiqueSource = Literal["auto", "native", "learned", "prompted", "likelihood"]
@@ -157,38 +158,40 @@ class DecodingConfig(BaseModel):
         return self.model_copy(update={"max_segment_tokens": seg, "max_segments": segments})
 
 
-class DecodingOverrides(BaseModel):
-    """A partial `DecodingConfig`: only the fields a request wants to change."""
+class _Overrides(BaseModel):
+    """What `DecodingOverrides` adds to the fields it takes from `DecodingConfig`."""
 
     model_config = ConfigDict(extra="forbid")
 
-    mode: RetrievalMode | None = None
-    threshold: float | None = Field(None, ge=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=1, le=50)
-    beam: int | None = Field(None, ge=1, le=8)
-    max_segments: int | None = Field(None, ge=1, le=MAX_SEGMENTS)
-    max_segment_tokens: int | None = Field(None, ge=4, le=MAX_SEGMENT_TOKENS)
-    w_rel: float | None = Field(None, ge=0.0, le=100.0)
-    w_sup: float | None = Field(None, ge=0.0, le=100.0)
-    w_use: float | None = Field(None, ge=0.0, le=100.0)
-    length_normalize: bool | None = None
-    min_relevance: float | None = Field(None, ge=0.0, le=1.0)
-    relevance_margin: float | None = Field(None, ge=0.0, le=1.0)
-    max_drafts: int | None = Field(None, ge=1, le=50)
-    min_support: SupportLevel | None = None
-    min_support_score: float | None = Field(None, ge=0.0, le=1.0)
-    require_relevant: bool | None = None
-    keep_unsupported_segments: bool | None = None
-    on_unsupported: UnsupportedPolicy | None = None
-    critique: CritiqueSource | None = None
-    max_retrievals: int | None = Field(None, ge=0, le=64)
-    max_prefill_tokens: int | None = Field(None, ge=1, le=MAX_PREFILL_TOKENS)
-    timeout_s: float | None = Field(None, gt=0.0, le=3600.0)
-    temperature: float | None = Field(None, ge=0.0, le=2.0)
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
-    seed: int | None = Field(None, ge=0, le=MAX_SEED)
-    instructions: str | None = Field(None, max_length=MAX_INSTRUCTIONS_CHARS)
-
     def apply_to(self, base: DecodingConfig) -> DecodingConfig:
+        """`base` with the fields this request set (validated again as a whole)."""
         changes = self.model_dump(exclude_none=True)
         return DecodingConfig.model_validate({**base.model_dump(), **changes})
+
+
+def _optional_fields(model: type[BaseModel]) -> dict[str, Any]:
+    """Each field of `model` as `create_model` takes it: its type or None, default None, with
+    its bounds and description (so the JSON schema and the CLI help show them)."""
+    fields: dict[str, Any] = {}
+    for name, info in model.model_fields.items():
+        optional = FieldInfo.merge_field_infos(info, default=None, default_factory=None)
+        fields[name] = (info.annotation | None, optional)
+    return fields
+
+
+if TYPE_CHECKING:
+    # What type checkers see: the fields are made at import time below, so they are not
+    # spelled out here (that would restate them); a field reads as `Any`.
+    class DecodingOverrides(_Overrides):
+        """A partial `DecodingConfig`: only the fields a request wants to change."""
+
+        def __getattr__(self, name: str) -> Any: ...
+
+else:
+    DecodingOverrides = create_model(
+        "DecodingOverrides",
+        __base__=_Overrides,
+        __module__=__name__,
+        __doc__="A partial `DecodingConfig`: only the fields a request wants to change.",
+        **_optional_fields(DecodingConfig),
+    )
