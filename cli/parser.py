@@ -101,7 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--no-calibrate",
         action="store_true",
         help="Skip fitting the support threshold on the index afterwards (`selfrag calibrate` "
-        "does it alone; about 2 min with the default model, whatever the corpus size).",
+        "does it alone; minutes, whatever the corpus size).",
     )
 
     _docs_parser(sub)

@@ -64,8 +64,8 @@ class CalibrationSkipped(ValueError):
 
 @dataclass(frozen=True)
 class CorpusCalibrationPlan:
-    """How many pairs, drawn how. The defaults take about 2 minutes with SmolLM2-135M on one
-    thread (docs/evaluation.md, *The support threshold*)."""
+    """How many pairs, drawn how. The defaults take minutes on one thread, whatever the corpus
+    size (docs/evaluation.md, *The support threshold*, has the measured time)."""
 
     questions: int = 40
     """Questions written; each gives an answerable pair and, mostly, an unanswerable one."""

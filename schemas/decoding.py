@@ -12,8 +12,8 @@ CritiqueSource = Literal["auto", "native", "learned", "prompted", "likelihood"]
 SupportLevel = Literal["none", "partial", "full"]
 UnsupportedPolicy = Literal["abstain", "no_retrieval"]
 
-# A bound on the work one request may ask for: ~3 minutes of prefill for the embedded model on
-# two cores, far above any answer the other bounds allow (K ≤ 50, B ≤ 8, 32 segments).
+# A bound on the work one request may ask for: minutes of prefill on a small machine, far above
+# any answer the other bounds allow (K ≤ 50, B ≤ 8, 32 segments).
 MAX_PREFILL_TOKENS = 2_000_000
 MAX_SEGMENTS = 32
 MAX_SEGMENT_TOKENS = 512

@@ -101,8 +101,8 @@ class ModelSettings(BaseModel):
     )
     calibrate_on_first_use: bool = Field(
         True,
-        description="`selfrag ask` fits the support threshold on the index once (about 2 min "
-        "with the default model, a progress bar) when the model file has none for the "
+        description="`selfrag ask` fits the support threshold on the index once (minutes, "
+        "with a progress bar) when the model file has none for the "
         "critique source in use; false: the source's constant, with a warning.",
     )
     answerability: bool = Field(
