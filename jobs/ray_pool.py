@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from selfrag.runtime.ray_cluster import init_ray
+from selfrag.runtime.ray_logs import spend_restart_notice
 
 log = logging.getLogger(__name__)
 
@@ -158,8 +159,11 @@ def plan_on_cluster(
 def ensure_ray(address: str | None) -> bool:
     """Connect to `address` or start a private local instance (unless Ray already runs in this
     process; `runtime.ray_cluster.init_ray`). True when this call started a private instance,
-    so the caller shuts it down."""
-    return init_ray(address, log_to_driver=False)
+    so the caller shuts it down. Ray Data's actor pools restart their actors with arguments in
+    the object store, which Ray notices on stderr unless -v (`spend_restart_notice`)."""
+    started = init_ray(address, log_to_driver=False)
+    spend_restart_notice()
+    return started
 
 
 class NodeWatch:

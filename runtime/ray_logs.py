@@ -57,3 +57,45 @@ TERMINAL_HANDLER = "selfrag-terminal"
 def is_terminal_handler(handler: logging.Handler) -> bool:
     """Whether `handler` is one `terminal_handler` made."""
     return handler.get_name() == TERMINAL_HANDLER
+
+
+class _RestartNoticeProbe:
+    """An actor of the kind Ray's restart notice is about; never needs to start."""
+
+    def __init__(self, arg: object) -> None:
+        del arg
+
+
+_restart_notice_spent = False
+
+
+def spend_restart_notice() -> None:
+    """Without -v (`quiet_ray`), keep Ray's notice that an actor which may restart has
+    constructor arguments in the object store out of this driver's stderr (call once Ray runs).
+
+    Ray's core worker logs that notice at ERROR once per process, to the driver's log file and,
+    like every error of a driver, to stderr. Every Ray Data actor pool meets it: the pool's
+    actors take their DataContext and transform as ObjectRefs and restart without limit, which
+    a batch needs (a lost node's engine actors restart on the others). The failed restart it
+    warns of does not happen here: the driver owns those objects, and Ray Data holds them while
+    the pool lives. So a probe actor of that kind is created, with fd 2 on /dev/null for the
+    call, and killed: its notice stays in the driver's log file, and Ray logs no other."""
+    global _restart_notice_spent
+    import ray
+
+    verbose = not serve_logs_to_files_only()
+    if _restart_notice_spent or verbose or ray.util.client.ray.is_connected():
+        return  # a Ray client's driver runs on the cluster: its log is not this stderr
+    _restart_notice_spent = True
+    probe = ray.remote(num_cpus=0, max_restarts=1)(_RestartNoticeProbe)
+    sys.stderr.flush()
+    stderr = os.dup(2)
+    null = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(null, 2)
+        actor = probe.remote(ray.put(None))
+    finally:
+        os.dup2(stderr, 2)
+        os.close(stderr)
+        os.close(null)
+    ray.kill(actor, no_restart=True)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -18,6 +19,11 @@ import pytest
 from tests.redis_proc import free_port
 
 pytestmark = pytest.mark.real
+
+RAY_NATIVE_ALARM = re.compile(r"\[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} [WEF] \d+ \d+\]")
+"""The prefix of a line that Ray's C++ processes log at warning severity or worse, glog-style
+("[2026-12-04 17:00:00,123 E 1234 5678] core_worker.cc:2465: ..."): no "WARNING" or "ERROR"
+in it, only the letter."""
 
 FACTS = {
     "normandy": "Rollo, a Viking leader, founded the Duchy of Normandy in 911.",
@@ -55,6 +61,7 @@ def _assert_quiet(stderr: str) -> None:
     assert "Traceback" not in stderr, stderr
     assert "\x1b[" not in stderr, stderr
     assert "WARNING" not in stderr and "ERROR" not in stderr, stderr
+    assert not RAY_NATIVE_ALARM.search(stderr), stderr
     assert "CPU backend" not in stderr, stderr  # shown with -v only
 
 
