@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from selfrag.runtime.system import LocalRuntime
+    from selfrag.schemas.settings import Settings
 
 log = logging.getLogger("selfrag.cli")
 
@@ -42,3 +43,19 @@ def calibrate_on_first_use(rag: LocalRuntime, critique: str, progress: bool = Tr
         return False
     print(describe(cal, path), file=sys.stderr)
     return True
+
+
+def calibrate_before_answering(settings: Settings) -> bool:
+    """`calibrate_on_first_use` for a server or a batch about to answer on `settings`'
+    collection with its default critique, in a runtime of its own that is closed before they
+    start (the embedded store admits one process). The progress bar only on a terminal; an
+    empty collection has nothing to calibrate on. True when it ran."""
+    from selfrag.runtime.system import LocalRuntime
+
+    model = settings.model
+    if model.backend != "llama_cpp" or not model.calibrate_on_first_use:
+        return False
+    with LocalRuntime(settings) as rag:
+        if rag.store.count() == 0:
+            return False
+        return calibrate_on_first_use(rag, settings.decoding.critique, progress=sys.stderr.isatty())

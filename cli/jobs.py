@@ -189,6 +189,7 @@ def _calibrate_corpus(args: argparse.Namespace) -> int:
 def cmd_batch(args: argparse.Namespace) -> int:
     import ray.data  # noqa: F401  (sets up its loggers when imported: before quiet_ray)
 
+    from selfrag.cli.first_use import calibrate_before_answering
     from selfrag.jobs.batch import run_batch
     from selfrag.jobs.batch_inputs import parse_shard
     from selfrag.runtime.ray_logs import quiet_ray
@@ -206,6 +207,7 @@ def cmd_batch(args: argparse.Namespace) -> int:
         from selfrag.infra.model_presets import recheck_model
 
         recheck_model(settings.model, settings.home)  # its bytes, not its remembered hash
+        calibrate_before_answering(settings)  # abstention needs the collection's threshold
     summary = run_batch(
         settings,
         args.questions,

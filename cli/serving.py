@@ -83,6 +83,7 @@ def _serve(
     import threading
 
     if settings.model.backend == "llama_cpp":
+        from selfrag.cli.first_use import calibrate_before_answering
         from selfrag.infra.model_presets import recheck_model
         from selfrag.runtime.system import LocalRuntime
 
@@ -90,6 +91,9 @@ def _serve(
         # CPU backend can run, would otherwise surface as a replica that keeps failing to start.
         recheck_model(settings.model, settings.home)  # its bytes, not its remembered hash
         _check_model_runs(LocalRuntime(settings).model_path, settings.model.n_threads)
+        # Abstention needs the served collection's support threshold: fitted now if missing,
+        # while the port answers 503, rather than served without one.
+        calibrate_before_answering(settings)
     from ray import serve
 
     from selfrag.actors.app import APP_NAME, DRAIN_S, build_app, drain, serve_logging

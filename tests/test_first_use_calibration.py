@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from selfrag.cli.first_use import calibrate_on_first_use
+from selfrag.cli.first_use import calibrate_before_answering, calibrate_on_first_use
 from selfrag.schemas.settings import Settings
 
 
@@ -60,3 +60,42 @@ def test_not_when_calibrated_or_turned_off(tmp_path: Path, runs: list[str]):
     # Every source without a threshold gets one: no source has a constant to fall back on.
     assert calibrate_on_first_use(_rag(tmp_path, has=False, source="likelihood"), "x") is True
     assert runs == ["x"]
+
+
+OPENED: list[Runtime] = []
+
+
+class Runtime:
+    """What `calibrate_before_answering` opens: a store of `count` passages."""
+
+    def __init__(self, settings: Settings, count: int) -> None:
+        self.settings = settings
+        self.store = SimpleNamespace(count=lambda: count)
+        self.calibrated = Calibrated(False)
+        self.critic = lambda critique: SimpleNamespace(name="learned")
+        self.model_path = settings.home / "m.gguf"
+        self.closed = False
+        OPENED.append(self)
+
+    def __enter__(self) -> Runtime:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.closed = True
+
+
+def test_a_server_or_batch_calibrates_its_collection_before_answering(
+    tmp_path: Path, runs: list[str], monkeypatch: pytest.MonkeyPatch
+):
+    import selfrag.runtime.system as system
+
+    OPENED.clear()
+    count = 5
+    monkeypatch.setattr(system, "LocalRuntime", lambda settings: Runtime(settings, count))
+    settings = Settings(home=tmp_path, decoding={"critique": "learned"})
+    assert calibrate_before_answering(settings) is True
+    assert runs == ["learned"] and OPENED[-1].closed  # the store is free again
+    count = 0  # an empty collection: nothing to calibrate on
+    assert calibrate_before_answering(settings) is False and runs == ["learned"]
+    off = Settings(home=tmp_path, model={"calibrate_on_first_use": False})
+    assert calibrate_before_answering(off) is False and len(OPENED) == 2
