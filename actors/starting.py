@@ -15,10 +15,6 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from types import TracebackType
 
-from selfrag.actors.openai_api import is_openai_path
-from selfrag.schemas.errors import ErrorBody
-from selfrag.schemas.openai import OpenAIErrorBody, OpenAIErrorDetail
-
 NOT_READY = "not_ready"
 # A request body is read (up to this much) before the answer, so the client is not cut off
 # mid-send; more than this and the connection is closed after the answer.
@@ -27,6 +23,12 @@ READ_LIMIT = 1 << 20
 
 def starting_body(path: str, retry_after_s: int) -> bytes:
     """The JSON error body for `path` while the server starts."""
+    # Imported at the first request, not before the port is held: the responder opens first
+    # thing in `selfrag serve`, ahead of the imports that take seconds.
+    from selfrag.actors.openai_api import is_openai_path
+    from selfrag.schemas.errors import ErrorBody
+    from selfrag.schemas.openai import OpenAIErrorBody, OpenAIErrorDetail
+
     detail = f"the server is starting; retry after {retry_after_s} s"
     if is_openai_path(path):
         body: ErrorBody | OpenAIErrorBody = OpenAIErrorBody(

@@ -8,8 +8,8 @@ not been asked with, which is a new cache key), and malformed requests (bad JSON
 question, unknown field, out-of-range dial, oversized body). Every response is classified:
 
 * succeeded: 200 to a valid request (a stream counts when it ends with its `answer` event);
-* rejected as designed: 422/413 to a malformed request, 503 (with Retry-After) or 504 to a
-  valid one under load;
+* rejected as designed: 422/413 to a malformed request, 503 with Retry-After to any request
+  (under load, or while the server starts or stops), 504 to a valid one;
 * dropped: a stream the client closes right after the response headers, before any event
   (the server must cancel its decode; the in-flight gauge must be back at 0 after the run);
 * disrupted by design: a request whose time overlaps a deliberate disruption and failed the
@@ -138,7 +138,10 @@ def one_request(
                 "/v1/answer", content=body, headers={"content-type": "application/json"}
             )
             elapsed = time.perf_counter() - start
-            if r.status_code in expected and "error" in r.json():
+            # A 503 with Retry-After may come before the body is read (the server is starting
+            # or stopping): "come back later" holds for any request.
+            later = r.status_code == 503 and "retry-after" in r.headers
+            if (r.status_code in expected or later) and "error" in r.json():
                 return f"malformed:{name}", "rejected", elapsed, ""
             return f"malformed:{name}", "failed", elapsed, f"HTTP {r.status_code}"
         if roll < 0.22:

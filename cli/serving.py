@@ -38,22 +38,25 @@ def cmd_serve(args: argparse.Namespace) -> int:
     """Start the Serve application and block until SIGINT/SIGTERM, then shut it down (and
     the local Ray instance when this command started it). Meanwhile a private instance's port
     answers 503 with Retry-After."""
+    from selfrag.actors.starting import StartingResponder
+
     settings = settings_from_args(args)
     host = args.host or settings.serve.host
     port = args.port or settings.serve.port
-    from selfrag.actors.app import warn_if_open
-    from selfrag.actors.starting import StartingResponder
-
-    # Loud and early, before the model check and Ray: an open port without keys answers anyone.
-    warn_if_open(host)
+    # Until Serve's proxy takes the port: 503 with Retry-After, not a refused connection. First
+    # thing, before the imports, checks and Ray that take seconds to minutes.
     starting = StartingResponder(host, port, settings.serve.retry_after_s)
-    if starts_private(args.address):
+    if not starting.open() and starts_private(args.address):
         # Serve's proxy binds with SO_REUSEPORT: on a port a stale proxy still holds (a server
         # stopped a moment ago), both would take connections. Wait for it instead.
         wait_for_port(host, port, PORT_WAIT_S, _waiting_for(port))
-        # Until Serve's proxy takes the port: 503 with Retry-After, not a refused connection.
         starting.open()
     try:
+        from selfrag.actors.app import warn_if_open
+
+        # Loud and early, before the model check and Ray: an open port without keys answers
+        # anyone.
+        warn_if_open(host)
         return _serve(args, settings, host, port, starting)
     finally:
         starting.close()
