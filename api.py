@@ -63,7 +63,7 @@ class SelfRAG:
         """Open a home (default: `SELFRAG_HOME`, else the user data folder). Settings come as
         for the CLI: `config` (a TOML file), the environment, then `settings` (sections as
         dicts, e.g. `model={"n_threads": 1}`); bad ones raise `SettingsError`."""
-        from selfrag.infra.settings import load_settings
+        from selfrag.infra.settings_loader import load_settings
 
         overrides = dict(settings)
         if home is not None:

@@ -1,5 +1,5 @@
 """The Ray Serve application: `serve run selfrag.ray_app:app`, `selfrag serve`, or
-`infra/serve.yaml`.
+`deploy/serve.yaml`.
 
 `app` is built on first access from the effective settings (`SELFRAG_*` environment, config
 file), so importing this module starts nothing. Building it warns (WARNING log and stderr) when
@@ -12,12 +12,12 @@ from typing import Any
 
 from ray.serve import Application
 
-from selfrag.actors.app import build_app
+from selfrag.actors.serve_app import build_app
 
 
 def app_builder(args: dict[str, Any]) -> Application:
     """`serve run selfrag.ray_app:app_builder home=/data`: settings overrides as `key=value`."""
-    from selfrag.infra.settings import load_settings
+    from selfrag.infra.settings_loader import load_settings
 
     return build_app(load_settings(overrides=args))
 

@@ -5,12 +5,13 @@
 * `RetrievalDecider` decides retrieval for a step's hypotheses on an engine of its own.
 * `Retriever` searches Qdrant. Embedded Qdrant locks its folder: keep it at one replica then.
 * `Ranker` applies critique weights, hard filters and the beam (`pipeline.ranking.rank_step`).
-* `SelfRAGIngress` serves the HTTP API (`actors.http`) and runs the decoder (`actors.service`).
+* `SelfRAGIngress` serves the HTTP API (`actors.http.routes`) and runs the decoder
+(`actors.http.service`).
 
 CPU requests are fractional so the whole application fits on a 2-core machine: Serve never
 schedules a replica asking for more CPUs than the cluster has, and `serve.run` would wait.
 
-Every replica records its metrics through `ray.serve.metrics` (`actors.metrics.RaySink`), which
+Every replica records its metrics through `ray.serve.metrics` (`actors.http.metrics.RaySink`), which
 Ray's metrics agent exports per node, tagged with the replica; the ingress also keeps them in a
 registry of its own for `GET /metrics`. Each replica's selfrag log records go where Serve's own
 go (`adopt_serve_logging`), at `serve.log_level` and in `serve.log_encoding`.
@@ -30,10 +31,10 @@ from ray import serve
 from ray.serve.config import RequestRouterConfig
 from ray.serve.handle import DeploymentHandle
 
-from selfrag.actors.http import build_http_app, parse_api_keys
-from selfrag.actors.metrics import EngineMetrics, Metrics, PrometheusSink, RaySink
-from selfrag.actors.service import ServeAnswerService
-from selfrag.infra.settings import API_KEYS_ENV
+from selfrag.actors.http.metrics import EngineMetrics, Metrics, PrometheusSink, RaySink
+from selfrag.actors.http.routes import build_http_app, parse_api_keys
+from selfrag.actors.http.service import ServeAnswerService
+from selfrag.infra.settings_loader import API_KEYS_ENV
 from selfrag.pipeline.branching import StepWork, expand
 from selfrag.pipeline.critics import Branch, Critic, CritiqueUnavailable, LabelProbs
 from selfrag.pipeline.ranking import Candidate, Drafted, Hypothesis, StepRanking, rank_step
@@ -132,7 +133,7 @@ AFFINITY = RequestRouterConfig(
 )
 
 
-# The pool's CPU reservation; `pool_replicas` > 1 replicas share it (actors/app.py).
+# The pool's CPU reservation; `pool_replicas` > 1 replicas share it (actors/serve_app.py).
 POOL_CPUS = 0.5
 
 
@@ -272,7 +273,7 @@ class SelfRAGIngress:
             log_questions=self._serve_settings.log_questions,
             model_name=self._serve_settings.model_name,
             documents=self._service,
-            # The address the proxies really bind (actors/app.py puts it in serve.host).
+            # The address the proxies really bind (actors/serve_app.py puts it in serve.host).
             bind_host=self._serve_settings.host,
             allowed_hosts=self._serve_settings.allowed_hosts,
             # Serve's proxy sets X-Request-Id on the request and echoes it on the response.

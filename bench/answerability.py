@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from selfrag.pipeline.answerability import (
+from selfrag.pipeline.answerability_model import (
     FEATURES,
     FeatureTable,
     fit_answerability,
@@ -32,7 +32,7 @@ from selfrag.pipeline.answerability import (
     predict,
     probe_site,
 )
-from selfrag.pipeline.calibration import auc
+from selfrag.pipeline.learning.logistic_fit import auc
 
 SQUAD = Path(__file__).resolve().parents[2] / "shared" / "data" / "squad_v2_small.json"
 PROBE_L2 = (30.0, 300.0)
@@ -41,8 +41,8 @@ PROBE_L2 = (30.0, 300.0)
 def collect(path: Path, model: str | None, home: Path | None, limit: int | None) -> None:
     """Collect the Normans features with the product's job and write them to `path`
     (`limit`: that many questions, evenly spaced over the article)."""
-    from selfrag.infra.settings import load_settings
-    from selfrag.jobs.answerability import collect_table, save_table
+    from selfrag.infra.settings_loader import load_settings
+    from selfrag.jobs.answerability_training import collect_table, save_table
     from selfrag.jobs.evaluation import load_questions
     from selfrag.runtime.system import LocalRuntime
 
@@ -104,7 +104,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--limit", type=int, help="Collect this many Normans questions only.")
     args = parser.parse_args(argv)
 
-    from selfrag.jobs.answerability import SHIPPED_PROBE_L2, default_features, load_table
+    from selfrag.jobs.answerability_training import SHIPPED_PROBE_L2, default_features, load_table
 
     if not args.features.is_file():
         collect(args.features, args.model, args.home, args.limit)

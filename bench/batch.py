@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from selfrag.infra.settings import load_settings
+from selfrag.infra.settings_loader import load_settings
 from selfrag.jobs.batch import run_batch
 from selfrag.jobs.ray_pool import ensure_ray
 from selfrag.runtime.system import LocalRuntime

@@ -33,8 +33,8 @@ from typing import Any
 import llama_cpp
 
 from bench.vs_vanilla import HELD_OUT, engine_reference, held_out_questions
-from selfrag.infra import llama_engine
-from selfrag.infra.kv_slots import KVJob
+from selfrag.infra.cache.kv_slots import KVJob
+from selfrag.infra.engine import llama_engine
 from selfrag.pipeline.branching import expand
 from selfrag.pipeline.critics import Branch, ChatCritic, LearnedCritic
 from selfrag.pipeline.heads import GROUP_LABELS, GroupHead, ReflectionHeads
@@ -135,7 +135,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--reps", type=int, default=2)
     args = p.parse_args(argv)
 
-    from selfrag.infra.settings import load_settings
+    from selfrag.infra.settings_loader import load_settings
     from selfrag.runtime.system import LocalRuntime
 
     settings = load_settings(environ={**os.environ, "SELFRAG_HOME": str(args.home)})

@@ -36,8 +36,8 @@ from pathlib import Path
 
 import llama_cpp
 
-from selfrag.infra.llama_engine import LlamaEngine
-from selfrag.infra.model_files import default_model_path, derive_weights
+from selfrag.infra.engine.llama_engine import LlamaEngine
+from selfrag.infra.models.model_files import default_model_path, derive_weights
 from selfrag.pipeline.protocols import GenerationRequest
 
 SYSTEM = (

@@ -88,7 +88,7 @@ def parse_candidate(text: str) -> Config:
 def worker(spec: dict[str, Any]) -> None:
     """Open the home with this configuration, warm up, then time what stdin asks for."""
     from selfrag import SelfRAG
-    from selfrag.infra.engine_threads import WAIT_POLICY_ENV, loaded_openmp
+    from selfrag.infra.engine.engine_threads import WAIT_POLICY_ENV, loaded_openmp
 
     rag = SelfRAG.open(
         spec["home"],

@@ -38,8 +38,8 @@ TEXT = (
 
 def measure(weights: Path, threads: int, prompt_tokens: int, gen: int) -> dict[str, object]:
     """One child's work: load, prefill once cold, decode greedily."""
-    from selfrag.infra.llama_backend import loaded_backend
-    from selfrag.infra.llama_engine import LlamaEngine
+    from selfrag.infra.engine.llama_cpu_builds import loaded_backend
+    from selfrag.infra.engine.llama_engine import LlamaEngine
     from selfrag.pipeline.protocols import GenerationRequest
 
     engine = LlamaEngine(
@@ -111,7 +111,7 @@ def main() -> None:
         print(json.dumps(measure(args.child, args.threads, args.prompt_tokens, args.gen)))
         return
 
-    from selfrag.infra.model_files import default_model_path, derive_weights
+    from selfrag.infra.models.model_files import default_model_path, derive_weights
 
     builds = dict(b.split("=", 1) for b in args.build) or {"installed": "installed"}
     home = Path(tempfile.mkdtemp(prefix="selfrag-cpu-build-"))

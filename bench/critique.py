@@ -6,7 +6,7 @@ the Normans article is the tuning and training split and is never read). With a 
 `--questions` questions of the article are drawn, answerable and unanswerable alike, and one
 draft per question is written from its gold paragraph by the learned critic's draft prompt
 (`--draft` tokens). Every source then scores the same pairs, and each group's AUC is
-`pipeline.calibration.auc` of its score:
+`pipeline.learning.logistic_fit.auc` of its score:
 
 * IsRel (s_rel): for answerable questions, the gold paragraph (positive) against
   `--negatives` other paragraphs of the same article (negative);
@@ -44,13 +44,12 @@ from pathlib import Path
 from typing import TypeVar
 
 from bench.kv_cache import branch_step
-from selfrag.infra.corpus import Document, read_documents
-from selfrag.infra.heads_store import find_heads, load_heads
-from selfrag.infra.llama_engine import LlamaEngine
-from selfrag.infra.model_files import default_model_path, derive_weights, file_sha256
-from selfrag.infra.settings import load_settings
+from selfrag.infra.corpus.reading import Document, read_documents
+from selfrag.infra.engine.llama_engine import LlamaEngine
+from selfrag.infra.models.heads_store import find_heads, load_heads
+from selfrag.infra.models.model_files import default_model_path, derive_weights, file_sha256
+from selfrag.infra.settings_loader import load_settings
 from selfrag.jobs.evaluation import EvalQuestion, load_questions
-from selfrag.pipeline.calibration import auc
 from selfrag.pipeline.critics import (
     Branch,
     Critic,
@@ -59,8 +58,9 @@ from selfrag.pipeline.critics import (
     make_critic,
     read_requests,
 )
+from selfrag.pipeline.evaluation.qa_metrics import contains_answer
 from selfrag.pipeline.heads import HeadsError, ReflectionHeads
-from selfrag.pipeline.metrics import contains_answer
+from selfrag.pipeline.learning.logistic_fit import auc
 from selfrag.pipeline.protocols import Generation, LanguageModel, Passage
 from selfrag.pipeline.scoring import (
     relevance_score,

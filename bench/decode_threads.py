@@ -4,7 +4,8 @@ in one process, taking turns question by question so that load hits both alike.
 
 The held-out questions are answered once first (the passage states are then warm in memory),
 then each is answered four ways, each from an empty KV cache (Self-RAG restores its passage
-states, vanilla RAG computes its prompt): Self-RAG and vanilla RAG (`pipeline.baselines`, the same
+states, vanilla RAG computes its prompt): Self-RAG and vanilla RAG (`pipeline.evaluation.baselines`,
+the same
 engine), each with adaptive threads off and on. Reported per way: p50 and mean seconds, and the
 seconds inside `llama_decode` by kind of call (prefill, hidden-state reads, generation steps
 by number of sequences; `bench.branch_step.DecodeClock`), next to the thread count the engine
@@ -25,8 +26,8 @@ from pathlib import Path
 from bench.branch_step import DecodeClock
 from bench.vs_vanilla import MAX_TOKENS, SELFRAG_CONFIG, K, held_out_questions
 from selfrag.api import SelfRAG
-from selfrag.pipeline.baselines import BaselineAnswerer
-from selfrag.pipeline.metrics import contains_answer
+from selfrag.pipeline.evaluation.baselines import BaselineAnswerer
+from selfrag.pipeline.evaluation.qa_metrics import contains_answer
 from selfrag.schemas.decoding import DecodingConfig
 
 WAYS = ("selfrag fixed", "selfrag adaptive", "vanilla fixed", "vanilla adaptive")

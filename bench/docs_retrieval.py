@@ -31,8 +31,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from selfrag.infra.embedder import SentenceEmbedder
-from selfrag.infra.qdrant_store import QdrantStore
+from selfrag.infra.embeddings.embedder import SentenceEmbedder
+from selfrag.infra.store.qdrant_store import QdrantStore
 from selfrag.jobs.indexing import index_corpus
 from selfrag.pipeline.protocols import Passage
 from selfrag.schemas.settings import RetrievalSettings

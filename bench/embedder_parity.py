@@ -1,5 +1,5 @@
 """Embedding parity: selfrag's llama.cpp embedder (the shipped all-MiniLM-L6-v2 converted to
-GGUF, `infra.embedder`) against sentence-transformers on the same folder, over the whole
+GGUF, `infra.embeddings.embedder`) against sentence-transformers on the same folder, over the whole
 sample corpus, side by side in one run.
 
 Texts: every passage `selfrag index` writes for `squad_v2_small.json` and
@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from selfrag.infra.embedder import SentenceEmbedder, default_model_dir
+from selfrag.infra.embeddings.embedder import SentenceEmbedder, default_model_dir
 from selfrag.jobs.indexing import corpus_passages
 
 TUNING_ARTICLE = "Normans"

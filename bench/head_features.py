@@ -35,11 +35,11 @@ from pathlib import Path
 
 import numpy as np
 
-from selfrag.infra.llama_backend import ensure_backend
-from selfrag.infra.model_files import default_model_path, derive_weights
+from selfrag.infra.engine.llama_cpu_builds import ensure_backend
+from selfrag.infra.models.model_files import default_model_path, derive_weights
 from selfrag.jobs.training import fit_softmax
-from selfrag.pipeline.calibration import auc
 from selfrag.pipeline.critics import PromptedQuestions
+from selfrag.pipeline.learning.logistic_fit import auc
 from selfrag.pipeline.prompts import SYSTEM_PROMPT
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data"

@@ -41,8 +41,8 @@ def make_corpus(source: Path, passages: int, out: Path) -> Path:
 
 def run_mode(mode: str, corpus: Path, actors: int) -> dict[str, float]:
     """Index `corpus` in this process (`one`) or with Ray (`ray`); seconds, passages, RSS."""
-    from selfrag.infra.embedder import SentenceEmbedder
-    from selfrag.infra.qdrant_store import QdrantStore
+    from selfrag.infra.embeddings.embedder import SentenceEmbedder
+    from selfrag.infra.store.qdrant_store import QdrantStore
     from selfrag.jobs.indexing import index_corpus
     from selfrag.jobs.ray_indexing import index_corpus_ray
     from selfrag.schemas.settings import RetrievalSettings

@@ -26,11 +26,11 @@ import tempfile
 import time
 from pathlib import Path
 
-from selfrag.infra.cache import MemoryLRU
-from selfrag.infra.kv_cache import TieredStateStore
-from selfrag.infra.llama_engine import LlamaEngine
-from selfrag.infra.model_files import default_model_path, derive_weights
-from selfrag.infra.settings import load_settings
+from selfrag.infra.cache.kv_cache import TieredStateStore
+from selfrag.infra.cache.tiers import MemoryLRU
+from selfrag.infra.engine.llama_engine import LlamaEngine
+from selfrag.infra.models.model_files import default_model_path, derive_weights
+from selfrag.infra.settings_loader import load_settings
 from selfrag.pipeline.critics import Branch, Critic, make_critic
 from selfrag.pipeline.protocols import Passage
 

@@ -1,4 +1,4 @@
-"""What installing the layer tap (llama.cpp's eval callback, `infra/llama_layers.py`) costs.
+"""What installing the layer tap (llama.cpp's eval callback, `infra/engine/llama_layers.py`) costs.
 
 Two engines on the same derived weights, threads and prompts, one created with
 `layer_tap=True`. With the callback installed, llama.cpp asks it about every graph node of
@@ -25,8 +25,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from selfrag.infra.llama_engine import LlamaEngine
-from selfrag.infra.model_files import default_model_path, derive_weights
+from selfrag.infra.engine.llama_engine import LlamaEngine
+from selfrag.infra.models.model_files import default_model_path, derive_weights
 from selfrag.pipeline.protocols import GenerationRequest, TokenScoreRequest
 
 PROMPT = (

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.contention import home_copy, normans_questions
-from selfrag.pipeline.metrics import percentile
+from selfrag.pipeline.evaluation.qa_metrics import percentile
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -82,7 +82,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     from selfrag import SelfRAG
     from selfrag.jobs.evaluation import load_questions, make_record, outcome
-    from selfrag.pipeline.metrics import percentile, summarize
+    from selfrag.pipeline.evaluation.qa_metrics import percentile, summarize
 
     names = [n.strip() for n in args.policies.split(",") if n.strip()]
     unknown = [n for n in names if n not in POLICIES]

@@ -29,8 +29,8 @@ from pathlib import Path
 
 import numpy as np
 
-from selfrag.infra.embedder import SentenceEmbedder
-from selfrag.infra.qdrant_store import QdrantStore
+from selfrag.infra.embeddings.embedder import SentenceEmbedder
+from selfrag.infra.store.qdrant_store import QdrantStore
 from selfrag.jobs.indexing import index_corpus
 from selfrag.schemas.settings import RetrievalSettings
 

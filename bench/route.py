@@ -117,7 +117,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.home:
         os.environ["SELFRAG_HOME"] = args.home
-    from selfrag.infra.settings import load_settings
+    from selfrag.infra.settings_loader import load_settings
     from selfrag.runtime.system import LocalRuntime
 
     config = DecodingConfig(**{**SMALL_CONFIG, "mode": "adaptive", "max_segments": 2})

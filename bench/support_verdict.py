@@ -38,13 +38,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from selfrag.infra.settings import load_settings
-from selfrag.pipeline.calibration import auc
+from selfrag.infra.settings_loader import load_settings
 from selfrag.pipeline.critics import Branch, Critic
 from selfrag.pipeline.critics.chat import ChatCritic
 from selfrag.pipeline.critics.verify import VerifyReader
+from selfrag.pipeline.evaluation.qa_metrics import contains_answer
 from selfrag.pipeline.grounding import grounding_score
-from selfrag.pipeline.metrics import contains_answer
+from selfrag.pipeline.learning.logistic_fit import auc
 from selfrag.pipeline.protocols import Generation, Passage
 from selfrag.pipeline.scoring import relevance_score, support_score
 from selfrag.runtime.system import LocalRuntime

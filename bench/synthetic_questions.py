@@ -3,7 +3,7 @@
 On one SQuAD article's paragraphs (Normans by default, the tuning article): s_sup of real
 questions with their gold paragraph (answerable, and SQuAD's unanswerable questions on the same
 paragraph) against synthetic questions drawn from the article's indexed passages in each form
-of `pipeline.synthetic_qa` (answerable with their own passage, unanswerable with a near
+of `pipeline.learning.synthetic_qa` (answerable with their own passage, unanswerable with a near
 neighbour lacking the answer). All pairs are read as the calibration job reads them
 (`jobs.support_calibration.score_pairs`: relevance, draft, support of a first-step branch) with
 the served critic, in one process. Reported per set: s_sup p10/p50/p90 and the AUROC of
@@ -20,17 +20,17 @@ import json
 import random
 from pathlib import Path
 
-from selfrag.infra.settings import load_settings
+from selfrag.infra.settings_loader import load_settings
 from selfrag.jobs.support_calibration import CorpusCalibrationPlan, score_pairs
-from selfrag.pipeline.calibration import auc
-from selfrag.pipeline.protocols import Passage
-from selfrag.pipeline.synthetic_qa import (
+from selfrag.pipeline.learning.logistic_fit import auc
+from selfrag.pipeline.learning.synthetic_qa import (
     STYLES,
     SyntheticPair,
     SyntheticQuestion,
     summary,
     synthetic_pairs,
 )
+from selfrag.pipeline.protocols import Passage
 from selfrag.runtime.system import LocalRuntime
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "squad_v2_small.json"

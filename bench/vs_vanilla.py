@@ -1,7 +1,7 @@
 """Self-RAG at the price of vanilla RAG? Four systems side by side in one run, each behind an
 HTTP endpoint, on the same questions, model, index and K = 3, at 1 and 4 concurrent clients:
 
-(a) vanilla RAG: the top 3 passages in one prompt, one generation (`pipeline.baselines`);
+(a) vanilla RAG: the top 3 passages in one prompt, one generation (`pipeline.evaluation.baselines`);
 (b) Self-RAG as the LlamaIndex pack runs it: one `create_completion` per branch, each with
     `logprobs` on a `Llama(logits_all=True)`, the question first and the passage after it, plus
     the retrieval-decision call; the branch with the best mean token log-probability wins;
@@ -42,7 +42,7 @@ from typing import Any
 import httpx
 
 from bench.serve_load import served, wait_ready
-from selfrag.pipeline.metrics import contains_answer
+from selfrag.pipeline.evaluation.qa_metrics import contains_answer
 
 K = 3
 MAX_TOKENS = 48
@@ -76,8 +76,8 @@ def serve_baselines(home: str, port: int) -> None:
     import uvicorn
     from fastapi import FastAPI
 
-    from selfrag.infra.settings import load_settings
-    from selfrag.pipeline.baselines import BaselineAnswerer
+    from selfrag.infra.settings_loader import load_settings
+    from selfrag.pipeline.evaluation.baselines import BaselineAnswerer
     from selfrag.runtime.system import LocalRuntime
     from selfrag.schemas.decoding import DecodingConfig
 

@@ -18,9 +18,9 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from selfrag.cli.answering import cmd_ask
+from selfrag.cli.ask import cmd_ask
 from selfrag.cli.common import EXIT_FAILED, EXIT_USAGE, CLIError
-from selfrag.cli.documents import cmd_docs
+from selfrag.cli.docs import cmd_docs
 from selfrag.cli.jobs import cmd_batch, cmd_calibrate, cmd_eval, cmd_index, cmd_train
 from selfrag.cli.parser import build_parser
 from selfrag.cli.serving import cmd_serve
@@ -94,7 +94,7 @@ def _run(args: argparse.Namespace) -> int:
     try:
         return COMMANDS[args.command](args)
     except ValidationError as exc:
-        from selfrag.infra.settings import describe_validation_error
+        from selfrag.infra.settings_loader import describe_validation_error
 
         print(f"selfrag: invalid request: {describe_validation_error(exc)}", file=sys.stderr)
     except AnswerError as exc:
@@ -106,9 +106,9 @@ def _run(args: argparse.Namespace) -> int:
         # The readers refuse deep nesting themselves; this is the last line, never a traceback.
         print(f"selfrag: input nested too deeply to process ({exc})", file=sys.stderr)
     except RuntimeError as exc:
-        from selfrag.infra.llama_backend import BackendError
-        from selfrag.infra.model_files import ModelFileError
-        from selfrag.infra.qdrant_store import StoreError
+        from selfrag.infra.engine.llama_cpu_builds import BackendError
+        from selfrag.infra.models.model_files import ModelFileError
+        from selfrag.infra.store.qdrant_store import StoreError
 
         if not isinstance(exc, ModelFileError | BackendError | StoreError):
             raise

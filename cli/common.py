@@ -19,7 +19,7 @@ class CLIError(Exception):
 
 def model_override(value: str) -> dict[str, Any]:
     """The `model` settings `--model VALUE` means: a preset by name, else a GGUF path or URL."""
-    from selfrag.infra.model_presets import PRESETS
+    from selfrag.infra.models.model_presets import PRESETS
 
     if value in PRESETS:
         return {"preset": value, "path": None}
@@ -32,7 +32,7 @@ def model_override(value: str) -> dict[str, Any]:
 
 def settings_from_args(args: argparse.Namespace) -> Settings:
     """The settings of a command: the files and environment, then `--home` and `--model`."""
-    from selfrag.infra.settings import load_settings
+    from selfrag.infra.settings_loader import load_settings
 
     overrides: dict[str, Any] = {}
     if args.home is not None:

@@ -204,7 +204,7 @@ def cmd_batch(args: argparse.Namespace) -> int:
         raise CLIError("--actor-cpus must be above 0")
     settings = settings_from_args(args)
     if settings.model.backend == "llama_cpp":
-        from selfrag.infra.model_presets import recheck_model
+        from selfrag.infra.models.model_presets import recheck_model
 
         recheck_model(settings.model, settings.home)  # its bytes, not its remembered hash
         calibrate_before_answering(settings)  # abstention needs the collection's threshold
@@ -236,8 +236,8 @@ def cmd_batch(args: argparse.Namespace) -> int:
 def cmd_train(args: argparse.Namespace) -> int:
     from dataclasses import replace
 
-    from selfrag.infra.heads_store import heads_path, save_heads
-    from selfrag.infra.model_files import file_sha256
+    from selfrag.infra.models.heads_store import heads_path, save_heads
+    from selfrag.infra.models.model_files import file_sha256
     from selfrag.jobs.evaluation import ensure_indexed, load_questions
     from selfrag.jobs.indexing import corpus_passages
     from selfrag.jobs.training import TrainingPlan, describe, train
@@ -265,7 +265,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     settings = settings_from_args(args)
     protected: list[Path] = []
     if args.export_gguf is not None:
-        from selfrag.infra.gguf_export import check_export_target, engine_model_files
+        from selfrag.infra.models.gguf_export import check_export_target, engine_model_files
 
         # Checked before training: a refusal after it would throw minutes of work away.
         protected = engine_model_files(settings.model, settings.home)
@@ -298,7 +298,7 @@ def cmd_train(args: argparse.Namespace) -> int:
             heads = save_heads(out, sha, weights, manifest)
             print(describe(manifest, out))
         if args.export_gguf is not None:
-            from selfrag.infra.gguf_export import export_reflection_model
+            from selfrag.infra.models.gguf_export import export_reflection_model
 
             written = export_reflection_model(rag.model_path, heads, args.export_gguf, protected)
             print(f"wrote {written} (critique 'native': reflection tokens with the learned rows)")
@@ -307,9 +307,9 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def train_answerability(args: argparse.Namespace) -> int:
     """`selfrag train --answerability`: collect (or read) the features, fit, write."""
-    from selfrag.infra.heads_store import answerability_path, save_answerability
-    from selfrag.infra.model_files import file_sha256
-    from selfrag.jobs.answerability import (
+    from selfrag.infra.models.heads_store import answerability_path, save_answerability
+    from selfrag.infra.models.model_files import file_sha256
+    from selfrag.jobs.answerability_training import (
         collect_table,
         describe,
         fit_model,

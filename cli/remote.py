@@ -12,11 +12,11 @@ from typing import TYPE_CHECKING, Any
 import httpx
 
 from selfrag.cli.common import CLIError
-from selfrag.infra.settings import API_KEYS_ENV
+from selfrag.infra.settings_loader import API_KEYS_ENV
 from selfrag.schemas.settings import Settings
 
 if TYPE_CHECKING:
-    from selfrag.infra.qdrant_store import StoreHeld
+    from selfrag.infra.store.qdrant_store import StoreHeld
 
 _TIMEOUT_S = 600.0
 
@@ -70,7 +70,7 @@ def call(settings: Settings, method: str, path: str, body: Any = None) -> Any:
 
 def held_store(rag: Any) -> StoreHeld | None:
     """Open `rag`'s store; the StoreHeld error when another process (a server) holds it."""
-    from selfrag.infra.qdrant_store import StoreHeld
+    from selfrag.infra.store.qdrant_store import StoreHeld
 
     try:
         rag.system.store  # noqa: B018  (opens it)

@@ -14,13 +14,13 @@ from selfrag.runtime.ray_cluster import PORT_WAIT_S, starts_private, wait_for_po
 from selfrag.schemas.settings import Settings
 
 if TYPE_CHECKING:
-    from selfrag.actors.starting import StartingResponder
+    from selfrag.actors.http.starting import StartingResponder
 
 
 def _check_model_runs(model: Path, n_threads: int) -> None:
     """Probe `model` on this machine's llama.cpp CPU backends (in child processes);
     `BackendError` with the reason when none runs it."""
-    from selfrag.infra.llama_backend import check_backend
+    from selfrag.infra.engine.llama_cpu_builds import check_backend
 
     check_backend(model, n_threads=n_threads or os.cpu_count() or 1)
 
@@ -38,7 +38,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     """Start the Serve application and block until SIGINT/SIGTERM, then shut it down (and
     the local Ray instance when this command started it). Meanwhile a private instance's port
     answers 503 with Retry-After."""
-    from selfrag.actors.starting import StartingResponder
+    from selfrag.actors.http.starting import StartingResponder
 
     settings = settings_from_args(args)
     host = args.host or settings.serve.host
@@ -52,7 +52,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         wait_for_port(host, port, PORT_WAIT_S, _waiting_for(port))
         starting.open()
     try:
-        from selfrag.actors.app import warn_if_open
+        from selfrag.actors.serve_app import warn_if_open
 
         # Loud and early, before the model check and Ray: an open port without keys answers
         # anyone.
@@ -87,7 +87,7 @@ def _serve(
 
     if settings.model.backend == "llama_cpp":
         from selfrag.cli.first_use import calibrate_before_answering
-        from selfrag.infra.model_presets import recheck_model
+        from selfrag.infra.models.model_presets import recheck_model
         from selfrag.runtime.system import LocalRuntime
 
         # Fail here, naming the file, before Ray starts: a missing or corrupt model, or one no
@@ -99,7 +99,7 @@ def _serve(
         calibrate_before_answering(settings)
     from ray import serve
 
-    from selfrag.actors.app import APP_NAME, DRAIN_S, build_app, drain, serve_logging
+    from selfrag.actors.serve_app import APP_NAME, DRAIN_S, build_app, drain, serve_logging
     from selfrag.runtime.ray_cluster import init_ray, shutdown_private_ray
     from selfrag.runtime.ray_logs import quiet_ray
 

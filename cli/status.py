@@ -40,7 +40,7 @@ def collect_status(settings: Settings) -> dict[str, Any]:
     critique the configured one resolves to. Opens the store, resolves (and, the first time,
     derives) the model file; never loads the language model."""
     from selfrag.api import SelfRAG
-    from selfrag.infra.qdrant_store import StoreError, StoreMisconfigured, StoreUnavailable
+    from selfrag.infra.store.qdrant_store import StoreError, StoreMisconfigured, StoreUnavailable
 
     r = settings.retrieval
     with SelfRAG(settings) as rag:
@@ -70,7 +70,7 @@ def collect_status(settings: Settings) -> dict[str, Any]:
         model, heads, critique = _model_status(settings, system)
         threshold = None
         if settings.model.backend != "vllm":
-            from selfrag.infra.model_files import file_sha256
+            from selfrag.infra.models.model_files import file_sha256
             from selfrag.jobs.support_calibration import threshold_status
 
             sha = file_sha256(system.model_path)
@@ -100,8 +100,8 @@ def _model_status(
         model = {"backend": "vllm", "url": m.vllm_url, "id": m.vllm_model, "path": None}
         resolved = configured if configured != "auto" else None  # the served model decides
         return model, None, {"configured": configured, "resolved": resolved, "usable": True}
-    from selfrag.infra.engine_threads import describe as describe_threads
-    from selfrag.infra.model_files import gguf_special_tokens
+    from selfrag.infra.engine.engine_threads import describe as describe_threads
+    from selfrag.infra.models.model_files import gguf_special_tokens
     from selfrag.pipeline.critics.base import RESERVED_PIECES
     from selfrag.runtime.system import missing_heads_message, model_id_for
 
@@ -174,7 +174,7 @@ def _thread_rows(threads: dict[str, Any] | None) -> list[tuple[str, str]]:
 
 
 def cmd_models(args: argparse.Namespace) -> int:
-    from selfrag.infra.model_presets import list_models
+    from selfrag.infra.models.model_presets import list_models
 
     settings = settings_from_args(args)
     rows = list_models(settings.model, settings.home)
@@ -184,7 +184,7 @@ def cmd_models(args: argparse.Namespace) -> int:
 
 def render_models(rows: Sequence[dict[str, Any]]) -> str:
     """`selfrag models` as text: a block per model, the configured one marked `*`."""
-    from selfrag.infra.model_presets import NO_LICENSE
+    from selfrag.infra.models.model_presets import NO_LICENSE
 
     lines = []
     for r in rows:

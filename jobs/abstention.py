@@ -10,7 +10,7 @@ Every system gets one number per question, higher meaning "answer" (`abstention_
 - closed-book and vanilla RAG: the answer's mean token log-probability, a confidence of the
   same kind. They abstain by replying "I don't know"; such a reply has no score.
 
-A question without a score ranks below every score (`pipeline.metrics`).
+A question without a score ranks below every score (`pipeline.evaluation.qa_metrics`).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from selfrag.pipeline.metrics import CoveragePoint
+from selfrag.pipeline.evaluation.qa_metrics import CoveragePoint
 from selfrag.schemas.answer import AnswerResponse
 
 CURVE_CSV = "accuracy_coverage.csv"

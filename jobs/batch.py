@@ -48,7 +48,7 @@ from typing import Any, TypeVar
 from pydantic import ValidationError
 from tqdm import tqdm
 
-from selfrag.infra.engine_threads import ray_runtime_env
+from selfrag.infra.engine.engine_threads import ray_runtime_env
 from selfrag.jobs.batch_actors import BatchAnswerer
 from selfrag.jobs.batch_inputs import BatchQuestion, InputProblem, read_questions, select
 from selfrag.jobs.batch_records import (
@@ -106,7 +106,7 @@ def plan_jobs(
         try:
             request = AnswerRequest.model_validate({"question": q.question, "config": q.config})
         except ValidationError as exc:
-            from selfrag.infra.settings import describe_validation_error
+            from selfrag.infra.settings_loader import describe_validation_error
 
             errors.append(error_record(q.id, q.question, "invalid", describe_validation_error(exc)))
             continue
@@ -173,7 +173,7 @@ def stream_answers(
         compute=ray.data.ActorPoolStrategy(size=plan.actors, max_concurrent_calls_per_actor=1),
         num_cpus=plan.actor_cpus,
         batch_format="numpy",
-        # OMP_WAIT_POLICY in each actor's process from its start (infra.engine_threads).
+        # OMP_WAIT_POLICY in each actor's process from its start (infra.engine.engine_threads).
         **ray_runtime_env(settings.model),
     )
     watch = NodeWatch(plan, RETRIEVER_CPUS if embedded else 0.0)

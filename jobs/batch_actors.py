@@ -23,7 +23,7 @@ from selfrag.schemas.errors import AnswerError
 from selfrag.schemas.settings import Settings
 
 if TYPE_CHECKING:
-    from selfrag.infra.qdrant_store import QdrantStore
+    from selfrag.infra.store.qdrant_store import QdrantStore
 
 # Seconds a critique call waits for the other decoder threads of its actor before it runs
 # alone. The threads' searches queue at one retriever (a fraction of a second each),

@@ -23,12 +23,12 @@ from typing import TYPE_CHECKING, Any
 from tqdm import tqdm
 
 from selfrag.infra.file_lock import write_atomic
-from selfrag.infra.settings import CALIBRATION_FILE
+from selfrag.infra.settings_loader import CALIBRATION_FILE
 from selfrag.jobs.evaluation import EvalQuestion
-from selfrag.pipeline.calibration import auc, fit_logistic
 from selfrag.pipeline.critics import Branch
 from selfrag.pipeline.critics.likelihood import LikelihoodCritic, mean
-from selfrag.pipeline.metrics import contains_answer
+from selfrag.pipeline.evaluation.qa_metrics import contains_answer
+from selfrag.pipeline.learning.logistic_fit import auc, fit_logistic
 from selfrag.pipeline.protocols import Passage
 from selfrag.schemas.calibration import CalibrationSettings
 
@@ -112,7 +112,7 @@ def fit_samples(
 
 
 def calibration_toml(cal: CalibrationSettings) -> str:
-    """The calibration as TOML, the way `infra.settings` reads `HOME/calibration.toml`."""
+    """The calibration as TOML, the way `infra.settings_loader` reads `HOME/calibration.toml`."""
     lines = ["# Written by `selfrag calibrate`; p = sigmoid(a*x + b) per likelihood signal."]
     if cal.fitted_on:
         lines.append(f"fitted_on = {json.dumps(cal.fitted_on)}")

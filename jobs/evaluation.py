@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from tqdm import tqdm
 
-from selfrag.infra.corpus import JSONInputError, load_json
+from selfrag.infra.corpus.reading import JSONInputError, load_json
 from selfrag.jobs.abstention import (
     abstention_score,
     curve_rows,
@@ -26,7 +26,12 @@ from selfrag.jobs.abstention import (
     write_curves,
 )
 from selfrag.pipeline.critics import Branch, native_token_ids
-from selfrag.pipeline.metrics import Outcome, accuracy_coverage, contains_answer, summarize
+from selfrag.pipeline.evaluation.qa_metrics import (
+    Outcome,
+    accuracy_coverage,
+    contains_answer,
+    summarize,
+)
 from selfrag.pipeline.scoring import retrieval_probability
 from selfrag.schemas.answer import AnswerResponse
 from selfrag.schemas.decoding import DecodingConfig
@@ -126,7 +131,7 @@ def _read_squad_questions(path: Path, article: str | None) -> Iterable[EvalQuest
                     answerable=not impossible and bool(golds),
                     article=raw_title,
                     context=para.get("context"),
-                    # Matches the document ids of infra.corpus for SQuAD files.
+                    # Matches the document ids of infra.corpus.reading for SQuAD files.
                     paragraph_id=f"squad:{raw_title}:{p}",
                 )
 
@@ -156,7 +161,7 @@ def _read_jsonl_questions(path: Path) -> Iterable[EvalQuestion]:
 def corpus_indexed(rag: LocalRuntime, corpus: Path) -> bool:
     """True when the first and last passages of `corpus` are found in the index by their own
     text (a cheap check through the public search API; re-indexing is idempotent anyway)."""
-    from selfrag.infra.corpus import CorpusError, read_documents
+    from selfrag.infra.corpus.reading import CorpusError, read_documents
     from selfrag.jobs.indexing import passage_splitter
 
     r = rag.settings.retrieval
@@ -222,7 +227,7 @@ def runner_for(
 ) -> Callable[[EvalQuestion], tuple[AnswerResponse, float | None, int]]:
     """A function answering one question with `system`: (response, first-step p_ret, extra
     prefill tokens spent on a p_ret probe)."""
-    from selfrag.pipeline.baselines import BaselineAnswerer
+    from selfrag.pipeline.evaluation.baselines import BaselineAnswerer
 
     if system in ("closed-book", "vanilla-rag"):
         baseline = BaselineAnswerer(rag.engine, rag.store)

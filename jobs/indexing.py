@@ -14,16 +14,16 @@ from typing import Any
 
 from tqdm import tqdm
 
-from selfrag.infra.corpus import (
+from selfrag.infra.corpus.passages import Counter
+from selfrag.infra.corpus.reading import (
     CorpusError,
     Document,
     read_documents,
     split_document,
     split_passages,
 )
-from selfrag.infra.corpus_files import corpus_root, file_source
-from selfrag.infra.passages import Counter
-from selfrag.infra.qdrant_store import QdrantStore
+from selfrag.infra.corpus.safe_files import corpus_root, file_source
+from selfrag.infra.store.qdrant_store import QdrantStore
 from selfrag.pipeline.protocols import COLLECTION, Passage
 from selfrag.schemas.settings import RetrievalSettings
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from selfrag.infra.qdrant_store import QdrantStore, document_batches, embedded_text
+from selfrag.infra.store.qdrant_store import QdrantStore, document_batches, embedded_text
 from selfrag.jobs.indexing import CorpusRead, IndexReport
 from selfrag.schemas.settings import RetrievalSettings
 
@@ -26,7 +26,7 @@ class PassageEmbedder:
     """A Ray Data actor: one embedding model, loaded once, embedding batches of texts."""
 
     def __init__(self, model: str | None, threads: int) -> None:
-        from selfrag.infra.embedder import SentenceEmbedder
+        from selfrag.infra.embeddings.embedder import SentenceEmbedder
 
         self._embedder = SentenceEmbedder(model, threads=threads)
 

@@ -1,6 +1,7 @@
 """Calibrate the support threshold on the served corpus, without labels.
 
-For each synthetic pair (`pipeline.synthetic_qa`: a question written from a sampled passage's
+For each synthetic pair (`pipeline.learning.synthetic_qa`: a question written from a sampled
+passage's
 sentence, with its own passage, with a near neighbour lacking its answer, or perturbed into a
 trap on its own passage) the system's own
 critique does what the decoder does for a first-step evidence branch, `Branch(question, "",
@@ -26,13 +27,11 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from selfrag.infra.support_calibration import save_calibration
-from selfrag.pipeline.calibration import auc
+from selfrag.infra.calibration_files import save_calibration
 from selfrag.pipeline.critics import Branch
 from selfrag.pipeline.critics.filters import settle_filters
-from selfrag.pipeline.protocols import COLLECTION
-from selfrag.pipeline.scoring import relevance_score, support_score
-from selfrag.pipeline.synthetic_qa import (
+from selfrag.pipeline.learning.logistic_fit import auc
+from selfrag.pipeline.learning.synthetic_qa import (
     QuestionStyle,
     SyntheticPair,
     ThresholdChoice,
@@ -43,6 +42,8 @@ from selfrag.pipeline.synthetic_qa import (
     synthetic_pairs,
     threshold_effect,
 )
+from selfrag.pipeline.protocols import COLLECTION
+from selfrag.pipeline.scoring import relevance_score, support_score
 from selfrag.schemas.calibration import SupportCalibration
 from selfrag.schemas.decoding import DecodingConfig
 from selfrag.schemas.settings import DEFAULT_COLLECTION
@@ -145,7 +146,7 @@ def calibrate_support(
     (`critique`, default the configured one), choose the threshold and save it for this model
     file, collection and source.
     `CalibrationSkipped` when the corpus gives fewer than MIN_ANSWERABLE answerable pairs."""
-    from selfrag.infra.model_files import file_sha256
+    from selfrag.infra.models.model_files import file_sha256
 
     started = time.monotonic()
     source = critique or rag.settings.decoding.critique
@@ -353,7 +354,7 @@ def threshold_status(
     """Where the support threshold of `critique` on this model file and index `collection`
     comes from, for `selfrag status`: the calibration (and whether the index changed since),
     else the source's constant (or none). Reads no model."""
-    from selfrag.infra.support_calibration import calibration_path, read_calibration
+    from selfrag.infra.calibration_files import calibration_path, read_calibration
 
     cal = read_calibration(home, model_sha256, critique, collection)
     if cal is None:

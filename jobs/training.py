@@ -1,6 +1,7 @@
 """`selfrag train`: fit the reflection heads of a model file on its own hidden states.
 
-Examples come from `pipeline.reflection_data` (self-supervised from the index, plus labelled QA
+Examples come from `pipeline.learning.reflection_data` (self-supervised from the index, plus
+labelled QA
 when given); each is turned into the prompt the learned critique reads at inference
 (`SequenceCritic`'s layout) and the engine returns the final hidden state there. Each group is a
 multinomial logistic regression without bias (rows of the output matrix, `pipeline.heads`),
@@ -25,11 +26,10 @@ from scipy.optimize import minimize
 from tqdm import tqdm
 
 from selfrag.jobs.evaluation import EvalQuestion
-from selfrag.pipeline.calibration import auc
 from selfrag.pipeline.critics import Branch, ChatCritic, SequenceCritic
 from selfrag.pipeline.heads import GROUP_LABELS
-from selfrag.pipeline.protocols import Generation, LanguageModel, Passage, TokenScoreRequest
-from selfrag.pipeline.reflection_data import (
+from selfrag.pipeline.learning.logistic_fit import auc
+from selfrag.pipeline.learning.reflection_data import (
     EntityPool,
     Example,
     inverse_cloze,
@@ -39,6 +39,7 @@ from selfrag.pipeline.reflection_data import (
     support_examples,
     utility_examples,
 )
+from selfrag.pipeline.protocols import Generation, LanguageModel, Passage, TokenScoreRequest
 from selfrag.pipeline.scoring import (
     relevance_score,
     retrieval_probability,

@@ -55,7 +55,7 @@ _BETWEEN_SENTENCES = re.compile(r"(?<=[.!?])\s+(?=[A-Z0-9\"'(])")
 
 def sentence_spans(text: str) -> list[tuple[int, int]]:
     """The sentences of a passage as (start, end) offsets into `text`, surrounding whitespace
-    left out; what training examples (`pipeline/reflection_data.py`) and evidence spans
+    left out; what training examples (`pipeline/learning/reflection_data.py`) and evidence spans
     (`pipeline/evidence.py`) both split passages with."""
     spans = []
     start = 0

@@ -42,7 +42,7 @@ changes so entries written by older code are never read as current."""
 
 
 class QueryCache(Protocol):
-    """The repeated-query cache (infra/cache.py): Redis when configured, else in-process."""
+    """The repeated-query cache (infra/cache/tiers.py): Redis when configured, else in-process."""
 
     def get(self, key: str) -> AnswerResponse | None: ...
 
@@ -248,7 +248,7 @@ class AnswerPath:
         the query cache (none when `cache.query` is off) keyed with the deployment's scope
         (`query_cache_scope`). The CLI and Python API, the Serve ingress and the batch actors
         all answer through one."""
-        from selfrag.infra.answer_cache import open_query_cache
+        from selfrag.infra.cache.answer_cache import open_query_cache
 
         return cls(
             settings.decoding,

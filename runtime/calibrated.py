@@ -16,7 +16,7 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
-from selfrag.infra.support_calibration import calibration_path, read_calibration
+from selfrag.infra.calibration_files import calibration_path, read_calibration
 from selfrag.schemas.calibration import SupportCalibration
 from selfrag.schemas.settings import DEFAULT_COLLECTION
 

@@ -17,7 +17,7 @@ from selfrag.schemas.errors import DependencyDown, Misconfigured
 from selfrag.schemas.settings import Settings
 
 if TYPE_CHECKING:
-    from selfrag.infra.qdrant_store import QdrantStore
+    from selfrag.infra.store.qdrant_store import QdrantStore
 
 log = logging.getLogger(__name__)
 _T = TypeVar("_T")
@@ -61,7 +61,11 @@ class PassageService:
         """The open store with an index that fits the embedder; DependencyDown (503) when
         the server does not answer, Misconfigured (500) when the index cannot serve."""
         # Imported here: qdrant-client is slow to import, a cost other replicas need not pay.
-        from selfrag.infra.qdrant_store import IndexMissing, StoreMisconfigured, StoreUnavailable
+        from selfrag.infra.store.qdrant_store import (
+            IndexMissing,
+            StoreMisconfigured,
+            StoreUnavailable,
+        )
 
         if self._refused is not None and time.monotonic() < self._refused[0]:
             raise Misconfigured(self._refused[1])
@@ -96,7 +100,7 @@ class PassageService:
 
     def _searching(self, search: Callable[[QdrantStore], _T]) -> _T:
         """`search` on the open store, its failures mapped to the errors clients see."""
-        from selfrag.infra.qdrant_store import StoreMisconfigured
+        from selfrag.infra.store.qdrant_store import StoreMisconfigured
 
         store = self._store()
         try:
@@ -151,7 +155,7 @@ _LOCATION = re.compile(r"(?<![\w.-])/[\w.~-]|://")
 def public_reason(exc: BaseException) -> str:
     """An index error's reason as a client may see it: without a folder or server it names
     (a reason that names one is replaced by a generic one; the caller logs the detail)."""
-    from selfrag.infra.qdrant_store import IndexMissing
+    from selfrag.infra.store.qdrant_store import IndexMissing
 
     if isinstance(exc, IndexMissing):
         return "no passages are indexed: run `selfrag index PATH` with these settings first"

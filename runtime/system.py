@@ -15,9 +15,9 @@ from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from selfrag.infra.engine_threads import apply_wait_policy
+from selfrag.infra.engine.engine_threads import apply_wait_policy
 from selfrag.infra.lifecycle import Closeable
-from selfrag.pipeline.answerability import AnswerabilityError, AnswerabilityModel
+from selfrag.pipeline.answerability_model import AnswerabilityError, AnswerabilityModel
 from selfrag.pipeline.critics import (
     RESERVED_PIECES,
     Critic,
@@ -47,11 +47,11 @@ log = logging.getLogger(__name__)
 CRITIQUE_SOURCES = ("learned", "likelihood", "prompted", "native")
 
 if TYPE_CHECKING:  # heavy modules (llama.cpp, Qdrant) load only when a component is built
-    from selfrag.infra.embedder import SentenceEmbedder
-    from selfrag.infra.kv_cache import TieredStateStore
-    from selfrag.infra.llama_engine import LlamaEngine
-    from selfrag.infra.qdrant_store import QdrantStore
-    from selfrag.infra.vllm_engine import VLLMEngine
+    from selfrag.infra.cache.kv_cache import TieredStateStore
+    from selfrag.infra.embeddings.embedder import SentenceEmbedder
+    from selfrag.infra.engine.llama_engine import LlamaEngine
+    from selfrag.infra.engine.vllm_engine import VLLMEngine
+    from selfrag.infra.store.qdrant_store import QdrantStore
 
 
 class LocalRuntime(Closeable):
@@ -73,21 +73,21 @@ class LocalRuntime(Closeable):
 
     @cached_property
     def embedder(self) -> SentenceEmbedder:
-        from selfrag.infra.embedder import SentenceEmbedder
+        from selfrag.infra.embeddings.embedder import SentenceEmbedder
 
         self._before_llama()  # an embedder may load llama.cpp (or torch's OpenMP) first
         if self.settings.model.backend == "llama_cpp":
             # A process loads one CPU backend, chosen by the first model it loads: let the chat
             # model choose it, since a backend the embedder runs on may crash the chat model
             # (an AMX build on a VM that reports AMX), not the other way round.
-            from selfrag.infra.llama_backend import ensure_backend
+            from selfrag.infra.engine.llama_cpu_builds import ensure_backend
 
             ensure_backend(self.model_path, n_threads=self.settings.model.n_threads or 1)
         return SentenceEmbedder(self.settings.retrieval.embedding_model)
 
     @cached_property
     def store(self) -> QdrantStore:
-        from selfrag.infra.qdrant_store import QdrantStore
+        from selfrag.infra.store.qdrant_store import QdrantStore
 
         return QdrantStore.open(self.settings.retrieval, self.settings.home, self.embedder)
 
@@ -99,8 +99,8 @@ class LocalRuntime(Closeable):
 
     @cached_property
     def model_path(self) -> Path:
-        from selfrag.infra.model_files import derive_weights
-        from selfrag.infra.model_presets import resolve_model
+        from selfrag.infra.models.model_files import derive_weights
+        from selfrag.infra.models.model_presets import resolve_model
 
         self._before_llama()  # deriving weights loads llama.cpp
         source = resolve_model(self.settings.model, self.settings.home)
@@ -113,7 +113,7 @@ class LocalRuntime(Closeable):
         only its name."""
         if self.settings.model.backend == "vllm":
             return self.engine.model_id
-        from selfrag.infra.model_files import file_sha256
+        from selfrag.infra.models.model_files import file_sha256
 
         # The engine's model id, without loading the engine (the batch driver has none).
         model_id = model_id_for(self.settings.model, self.model_path)
@@ -134,13 +134,13 @@ class LocalRuntime(Closeable):
     def engine(self) -> LlamaEngine | VLLMEngine:
         m = self.settings.model
         if m.backend == "vllm":
-            from selfrag.infra.vllm_engine import VLLMEngine
+            from selfrag.infra.engine.vllm_engine import VLLMEngine
 
             if not m.vllm_url:
                 raise ValueError("model.backend = 'vllm' needs model.vllm_url")
             return VLLMEngine(m.vllm_url, model=m.vllm_model, timeout_s=m.vllm_timeout_s)
         self._before_llama()
-        from selfrag.infra.llama_engine import LlamaEngine
+        from selfrag.infra.engine.llama_engine import LlamaEngine
 
         path = self.model_path
         return LlamaEngine(
@@ -170,7 +170,7 @@ class LocalRuntime(Closeable):
     @cached_property
     def prefix_store(self) -> TieredStateStore | None:
         """The passage KV-state store (memory LRU, then Redis when configured), or None."""
-        from selfrag.infra.kv_cache import open_prefix_store
+        from selfrag.infra.cache.kv_cache import open_prefix_store
 
         return open_prefix_store(self.settings)
 
@@ -187,7 +187,7 @@ class LocalRuntime(Closeable):
     @cached_property
     def calibrated(self) -> CalibratedDefaults:
         """The support thresholds calibrated on this runtime's collection for the model file."""
-        from selfrag.infra.model_files import file_sha256
+        from selfrag.infra.models.model_files import file_sha256
 
         return CalibratedDefaults(
             self.settings.home,
@@ -211,7 +211,7 @@ class LocalRuntime(Closeable):
             return source
         if self.settings.model.backend != "llama_cpp":
             return self.critic(source).name
-        from selfrag.infra.model_files import gguf_special_tokens
+        from selfrag.infra.models.model_files import gguf_special_tokens
 
         native = set(RESERVED_PIECES) <= gguf_special_tokens(self.model_path)
         name = auto_source(native=native, learned=self.heads_file is not None)
@@ -227,8 +227,8 @@ class LocalRuntime(Closeable):
             return None
         if self.settings.model.heads is not None:
             return self.settings.model.heads
-        from selfrag.infra.heads_store import find_heads
-        from selfrag.infra.model_files import file_sha256
+        from selfrag.infra.models.heads_store import find_heads
+        from selfrag.infra.models.model_files import file_sha256
 
         return find_heads(self.settings.home, file_sha256(self.model_path))
 
@@ -237,8 +237,8 @@ class LocalRuntime(Closeable):
         """The heads in `heads_file`; heads of another model file are refused (`HeadsError`)."""
         if self.heads_file is None:
             return None
-        from selfrag.infra.heads_store import load_heads
-        from selfrag.infra.model_files import file_sha256, gguf_hidden_size
+        from selfrag.infra.models.heads_store import load_heads
+        from selfrag.infra.models.model_files import file_sha256, gguf_hidden_size
 
         heads = load_heads(self.heads_file)
         try:
@@ -252,8 +252,8 @@ class LocalRuntime(Closeable):
         else shipped; None without one, when `model.answerability` is off, or on vLLM."""
         if self.settings.model.backend == "vllm" or not self.settings.model.answerability:
             return None
-        from selfrag.infra.heads_store import find_answerability
-        from selfrag.infra.model_files import file_sha256
+        from selfrag.infra.models.heads_store import find_answerability
+        from selfrag.infra.models.model_files import file_sha256
 
         return find_answerability(self.settings.home, file_sha256(self.model_path), source)
 
@@ -263,8 +263,8 @@ class LocalRuntime(Closeable):
         path = self.answerability_file(source)
         if path is None:
             return None
-        from selfrag.infra.heads_store import load_answerability
-        from selfrag.infra.model_files import file_sha256, gguf_hidden_size
+        from selfrag.infra.models.heads_store import load_answerability
+        from selfrag.infra.models.model_files import file_sha256, gguf_hidden_size
 
         model = load_answerability(path)
         try:
@@ -466,7 +466,7 @@ class KVPrecompute:
 def model_id_for(model: ModelSettings, path: Path) -> str:
     """A readable model id: the preset's or the configured file's name, and the file the
     engine loads."""
-    from selfrag.infra.model_presets import model_title
+    from selfrag.infra.models.model_presets import model_title
 
     return f"{model_title(model)} ({path.name})"
 

@@ -62,7 +62,8 @@ class SupportCalibration(BaseModel):
     and the end of `selfrag index`), for one model file and critique source.
 
     The critique's s_sup is read on synthetic pairs drawn from the index
-    (`pipeline.synthetic_qa`): a question made from a passage's sentence, with its own passage
+    (`pipeline.learning.synthetic_qa`): a question made from a passage's sentence, with its own
+    passage
     (answerable); with the retriever's best other passage lacking the answer, and perturbed on
     its own passage (a name or number swapped, negated, an antonym: unanswerable).
     The threshold is the highest one that abstains on at most `max_answerable_abstain` of the
@@ -94,7 +95,7 @@ class SupportCalibration(BaseModel):
     auroc_by_trap: dict[str, float | None] = Field(
         default_factory=dict,
         description="s_sup's AUROC, answerable pairs against each kind of unanswerable one "
-        "(`pipeline.synthetic_qa.SyntheticPair.trap`).",
+        "(`pipeline.learning.synthetic_qa.SyntheticPair.trap`).",
     )
     questions: int
     answerable: dict[str, float | int] = Field(description="Summary of their s_sup.")

@@ -156,7 +156,7 @@ class _CompletionFields(BaseModel):
 
 class ChatCompletionRequest(_CompletionFields):
     """`POST /v1/chat/completions`. The question is the last user message; the turns before
-    it become the question's context (see `actors/openai_api.py`)."""
+    it become the question's context (see `actors/http/openai_routes.py`)."""
 
     messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_completion_tokens: int | None = Field(
@@ -278,7 +278,7 @@ class URLCitation(BaseModel):
 
 
 class Annotation(BaseModel):
-    """OpenAI's `url_citation` annotation: one per cited segment (`actors/citations.py`)."""
+    """OpenAI's `url_citation` annotation: one per cited segment (`actors/http/citations.py`)."""
 
     type: Literal["url_citation"] = "url_citation"
     url_citation: URLCitation

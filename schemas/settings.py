@@ -1,4 +1,5 @@
-"""Deployment settings: where the model, index and caches live. Loaded by `infra.settings`."""
+"""Deployment settings: where the model, index and caches live. Loaded by
+`infra.settings_loader`."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from selfrag.schemas.decoding import DecodingConfig
 
 WeightFormat = Literal["auto", "original", "bf16", "f16", "q8_0", "q4_0"]
 Backend = Literal["llama_cpp", "vllm"]
-# The model presets (infra/model_presets.py holds their files, checksums and licenses).
+# The model presets (infra/models/model_presets.py holds their files, checksums and licenses).
 ModelPresetName = Literal["smollm2", "qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b"]
 # The preset served when settings name none, chosen by measurement (docs/evaluation.md,
 # "Choosing the default model"): the best held-out overall among the presets whose warm p50
@@ -130,7 +131,7 @@ class ModelSettings(BaseModel):
         True,
         description="Run small decode calls (generation steps) on one thread when that measures "
         "faster for calls of their size, as it does for small models with passive waiting "
-        "(infra/llama_threads.py); false: every call on n_threads.",
+        "(infra/engine/llama_threads.py); false: every call on n_threads.",
     )
     omp_wait_policy: WaitPolicy = Field(
         "passive",
@@ -263,7 +264,7 @@ class ServeSettings(BaseModel):
         1,
         ge=1,
         le=64,
-        description="BranchPool replicas `selfrag serve` starts (infra/serve.yaml autoscales).",
+        description="BranchPool replicas `selfrag serve` starts (deploy/serve.yaml autoscales).",
     )
     affinity: bool = Field(
         True,
@@ -337,7 +338,7 @@ class CacheSettings(BaseModel):
 
 
 class Settings(BaseModel):
-    """Everything a deployment configures: `infra.settings.load_settings` fills it (with
+    """Everything a deployment configures: `infra.settings_loader.load_settings` fills it (with
     pydantic-settings) from defaults < HOME/calibration.toml < a TOML file < SELFRAG_*
     environment < overrides. A plain model: constructing one reads no environment."""
 

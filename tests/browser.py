@@ -2,7 +2,7 @@
 own (its own process group, its own profile folder), one page, `evaluate`, real mouse and key
 input, and screenshots. Every wait is bounded; the process group is killed on exit.
 
-Also the steps of the playground page (actors/playground.html) that the tests share.
+Also the steps of the playground page (actors/http/playground.html) that the tests share.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ import uvicorn
 from fastapi import FastAPI
 from prometheus_client.parser import text_string_to_metric_families
 
-from selfrag.actors.metrics import Metrics
+from selfrag.actors.http.metrics import Metrics
 from selfrag.pipeline.decoder import StepListener
 from selfrag.pipeline.ranking import Hypothesis
 from selfrag.runtime.answering import Answer

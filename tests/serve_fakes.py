@@ -1,4 +1,5 @@
-"""In-process stand-ins for the Ray Serve deployment handles that `actors.service` calls, around
+"""In-process stand-ins for the Ray Serve deployment handles that `actors.http.service` calls,
+around
 the scripted critic of tests/fakes.py; for unit tests of the answer service and the HTTP layer.
 
 A call starts when `.remote()` is called, in a thread of its own, as a remote call runs
@@ -17,8 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from selfrag.actors.metrics import Metrics
-from selfrag.actors.service import ServeAnswerService
+from selfrag.actors.http.metrics import Metrics
+from selfrag.actors.http.service import ServeAnswerService
 from selfrag.pipeline.branching import expand
 from selfrag.pipeline.protocols import Passage
 from selfrag.pipeline.ranking import rank_step

@@ -1,4 +1,4 @@
-"""actors/service.py without Ray: deployment handles replaced by in-process stand-ins around
+"""actors/http/service.py without Ray: deployment handles replaced by in-process stand-ins around
 the scripted critic, to check the cache hook, the in-flight limit and the deadline."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
-from selfrag.actors.metrics import Metrics
-from selfrag.actors.service import ServeAnswerService, as_service_error
+from selfrag.actors.http.metrics import Metrics
+from selfrag.actors.http.service import ServeAnswerService, as_service_error
 from selfrag.pipeline.protocols import Passage
 from selfrag.runtime import answering as answering_module
 from selfrag.runtime.answering import query_cache_scope, query_key

@@ -10,13 +10,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from selfrag.infra.heads_store import (
+from selfrag.infra.models.heads_store import (
     answerability_path,
     find_answerability,
     load_answerability,
     save_answerability,
 )
-from selfrag.pipeline.answerability import (
+from selfrag.pipeline.answerability_model import (
     AnswerabilityError,
     AnswerabilityModel,
     FeatureTable,
@@ -27,7 +27,6 @@ from selfrag.pipeline.answerability import (
     linear_logits,
     predict,
 )
-from selfrag.pipeline.calibration import auc
 from selfrag.pipeline.critics import (
     READ_LAYOUT,
     AnswerabilityCritic,
@@ -39,6 +38,7 @@ from selfrag.pipeline.critics import (
     read_support,
 )
 from selfrag.pipeline.heads import GROUP_LABELS, GroupHead, ReflectionHeads
+from selfrag.pipeline.learning.logistic_fit import auc
 from selfrag.pipeline.protocols import (
     ContinuationRequest,
     ContinuationScores,
@@ -295,8 +295,8 @@ def test_a_model_reading_middle_layers_needs_an_engine_that_returns_them() -> No
 
 
 def test_the_system_finds_the_model_of_its_model_file_and_refuses_another(tmp_path: Path) -> None:
-    from selfrag.infra.model_files import file_sha256
-    from selfrag.infra.settings import load_settings
+    from selfrag.infra.models.model_files import file_sha256
+    from selfrag.infra.settings_loader import load_settings
     from selfrag.runtime.system import LocalRuntime
 
     weights = tmp_path / "model.gguf"
@@ -357,8 +357,8 @@ def test_a_degenerate_answerability_file_is_refused_naming_the_file(
 def test_probes_of_another_width_than_the_model_are_refused_naming_the_file(
     tmp_path: Path,
 ) -> None:
-    from selfrag.infra.model_files import default_model_path, file_sha256
-    from selfrag.infra.settings import load_settings
+    from selfrag.infra.models.model_files import default_model_path, file_sha256
+    from selfrag.infra.settings_loader import load_settings
     from selfrag.runtime.system import LocalRuntime
 
     model = default_model_path()  # hidden size 576; the probe reads 3 values

@@ -592,7 +592,7 @@ def test_batch_caches_answers_under_the_online_endpoints_key():
 
 
 def _offline_settings(tmp_path: Path) -> Any:
-    from selfrag.infra.settings import load_settings
+    from selfrag.infra.settings_loader import load_settings
 
     return load_settings(environ={"SELFRAG_HOME": str(tmp_path / "home"), **SUITE_ENV})
 
@@ -672,7 +672,7 @@ def _records(path: Path) -> list[dict[str, Any]]:
 def test_batch_kill_resume_duplicates_and_errors(
     ray_local: None, indexed_home: Path, normans_questions: list[str], tmp_path: Path
 ):
-    from selfrag.infra.settings import load_settings
+    from selfrag.infra.settings_loader import load_settings
 
     settings = load_settings(overrides={"home": str(indexed_home)})
     lines = [
@@ -741,7 +741,7 @@ def test_batch_kill_resume_duplicates_and_errors(
 def test_batch_retry_failed_answers_an_error_id_again(
     ray_local: None, indexed_home: Path, normans_questions: list[str], tmp_path: Path
 ):
-    from selfrag.infra.settings import load_settings
+    from selfrag.infra.settings_loader import load_settings
 
     settings = load_settings(overrides={"home": str(indexed_home)})
     src, out = tmp_path / "q.jsonl", tmp_path / "a.jsonl"

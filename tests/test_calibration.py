@@ -7,9 +7,9 @@ import random
 
 import pytest
 
-from selfrag.infra.settings import load_settings
+from selfrag.infra.settings_loader import load_settings
 from selfrag.jobs.calibrate import fit_samples, write_calibration
-from selfrag.pipeline.calibration import auc, fit_logistic
+from selfrag.pipeline.learning.logistic_fit import auc, fit_logistic
 from selfrag.schemas.calibration import CalibrationSettings, LogisticParams
 
 

@@ -1,5 +1,6 @@
-"""A document's URL from the corpus to the citation (infra/corpus.py, the Qdrant payload), and
-the citations in client shapes (actors/citations.py): annotation spans and passage URLs."""
+"""A document's URL from the corpus to the citation (infra/corpus/reading.py, the Qdrant payload),
+and
+the citations in client shapes (actors/http/citations.py): annotation spans and passage URLs."""
 
 from __future__ import annotations
 
@@ -8,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from selfrag.actors.citations import AnswerText, annotations, cited_urls, passage_url
-from selfrag.infra.corpus import CorpusError, Document, read_documents, split_passages
-from selfrag.infra.qdrant_store import QdrantStore
+from selfrag.actors.http.citations import AnswerText, annotations, cited_urls, passage_url
+from selfrag.infra.corpus.reading import CorpusError, Document, read_documents, split_passages
+from selfrag.infra.store.qdrant_store import QdrantStore
 from selfrag.jobs.indexing import index_corpus
 from selfrag.schemas.answer import AnswerResponse, Citation, SegmentOut, Usage
 from selfrag.schemas.decoding import DecodingConfig

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from selfrag.cli import main
-from selfrag.infra.settings import load_settings
+from selfrag.infra.settings_loader import load_settings
 from selfrag.runtime.system import LocalRuntime
 from tests.suite import SUITE_ENV
 

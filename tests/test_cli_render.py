@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from selfrag.cli.answering import render_answer
+from selfrag.cli.ask import render_answer
 from selfrag.schemas.answer import (
     AnswerResponse,
     Citation,

@@ -97,7 +97,7 @@ def test_each_skipped_record_is_reported_once(tmp_path: Path, capsys: pytest.Cap
 def test_status_shows_index_model_heads_and_critique_without_loading_the_model(
     indexed_home: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ):
-    from selfrag.infra import llama_engine
+    from selfrag.infra.engine import llama_engine
 
     def no_engine(*args, **kwargs):  # type: ignore[no-untyped-def]
         raise AssertionError("selfrag status loaded the language model")
@@ -149,7 +149,7 @@ def test_status_of_an_index_another_process_holds_is_a_clear_error(
             sys.executable,
             "-c",
             "import sys\n"
-            "from selfrag.infra.settings import load_settings\n"
+            "from selfrag.infra.settings_loader import load_settings\n"
             "from selfrag.runtime.system import LocalRuntime\n"
             f"rag = LocalRuntime(load_settings(overrides={{'home': {str(indexed_home)!r}}}))\n"
             "rag.store.count()\n"

@@ -5,9 +5,9 @@ and ports. The module runs in a network namespace of its own that holds only loo
 (tests/netns.py): Ray binds and reports the machine's address whatever --node-ip-address
 says, and there that address is 127.0.0.1, so nothing outside reaches the cluster or is
 reached by it. `selfrag batch --address`, `selfrag serve --address`, `serve deploy
-infra/serve.yaml` (through the head's dashboard) and `serve shutdown` run on it in child
+deploy/serve.yaml` (through the head's dashboard) and `serve shutdown` run on it in child
 processes (the driver is not this test process, as a user's is not). The worker carries the
-`selfrag-index` label infra/serve.yaml pins the Retriever to. The last tests kill the worker's
+`selfrag-index` label deploy/serve.yaml pins the Retriever to. The last tests kill the worker's
 raylet mid-batch, once with a pool the head alone still holds and once with one it does not,
 and start a new worker after each."""
 
@@ -588,7 +588,7 @@ class _Watcher:
 def test_the_branch_pool_autoscales_to_two_replicas_under_load_and_back_to_one(
     cluster: Cluster, indexed_home: Path, tmp_path: Path
 ):
-    """infra/serve.yaml, deployed with `serve deploy` through the head's dashboard, with the
+    """deploy/serve.yaml, deployed with `serve deploy` through the head's dashboard, with the
     BranchPool's CPUs halved (so that two replicas fit these 1-CPU nodes) and its autoscaling
     shortened for a test: target 1 ongoing call, at most 2 replicas, 2 s to scale up, 10 s to
     scale down, 5 s of look-back, metrics every second (production: target 24, max 8, 30 s
@@ -599,7 +599,7 @@ def test_the_branch_pool_autoscales_to_two_replicas_under_load_and_back_to_one(
     the head lists both in its Prometheus discovery file. `serve shutdown` removes the app."""
     import httpx
 
-    config = yaml.safe_load((ROOT / "infra" / "serve.yaml").read_text())
+    config = yaml.safe_load((ROOT / "deploy" / "serve.yaml").read_text())
     config["http_options"] = {"host": "127.0.0.1", "port": free_port()}
     app = config["applications"][0]
     app["runtime_env"] = {

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from selfrag.infra.support_calibration import (
+from selfrag.infra.calibration_files import (
     calibration_path,
     list_calibrations,
     read_calibration,
@@ -98,7 +98,7 @@ def _runtime(home: Path) -> LocalRuntime:
 
 
 def test_the_answer_path_settles_a_request_with_its_collections_threshold(tmp_path: Path):
-    from selfrag.infra.model_files import file_sha256
+    from selfrag.infra.models.model_files import file_sha256
 
     with _runtime(tmp_path) as rt:
         sha = file_sha256(rt.model_path)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from selfrag.infra.corpus import (
+from selfrag.infra.corpus.reading import (
     MAX_JSON_FILE_BYTES,
     CorpusError,
     CorpusFormatError,
@@ -393,8 +393,8 @@ def test_a_squad_file_over_the_bound_is_refused_before_reading(tmp_path: Path) -
 def test_indexing_keeps_same_named_files_apart_and_reports_the_oversized_line(
     tmp_path: Path,
 ) -> None:
-    from selfrag.infra.embedder import SentenceEmbedder
-    from selfrag.infra.qdrant_store import QdrantStore
+    from selfrag.infra.embeddings.embedder import SentenceEmbedder
+    from selfrag.infra.store.qdrant_store import QdrantStore
     from selfrag.jobs.indexing import index_corpus
     from selfrag.schemas.settings import RetrievalSettings
 

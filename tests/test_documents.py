@@ -13,10 +13,10 @@ from typing import Any
 
 import pytest
 
-from selfrag.infra.corpus import CorpusError, Document, read_documents, split_document
-from selfrag.infra.embedder import SentenceEmbedder
-from selfrag.infra.passages import CHARS_PER_PIECE, markdown_blocks
-from selfrag.infra.qdrant_store import QdrantStore
+from selfrag.infra.corpus.passages import CHARS_PER_PIECE, markdown_blocks
+from selfrag.infra.corpus.reading import CorpusError, Document, read_documents, split_document
+from selfrag.infra.embeddings.embedder import SentenceEmbedder
+from selfrag.infra.store.qdrant_store import QdrantStore
 from selfrag.jobs.indexing import PieceCounter, corpus_passages, index_corpus
 from selfrag.schemas.documents import DocumentInfo, Removal
 from selfrag.schemas.settings import RetrievalSettings
@@ -396,8 +396,8 @@ def test_http_lists_and_removes_documents_with_the_api_key(
 
     from fastapi.testclient import TestClient
 
-    from selfrag.actors.http import build_http_app, parse_api_keys
-    from selfrag.actors.metrics import Metrics
+    from selfrag.actors.http.metrics import Metrics
+    from selfrag.actors.http.routes import build_http_app, parse_api_keys
     from tests.http_fakes import FakeService
 
     folder = _folder(tmp_path)
@@ -496,9 +496,9 @@ def test_no_answer_cites_a_removed_document_even_cached_or_after_a_restart(
 _SERVER_CHILD = """
 import sys, time
 from pathlib import Path
-from selfrag.actors.http import build_http_app, parse_api_keys
-from selfrag.actors.metrics import Metrics
-from selfrag.infra.qdrant_store import QdrantStore
+from selfrag.actors.http.routes import build_http_app, parse_api_keys
+from selfrag.actors.http.metrics import Metrics
+from selfrag.infra.store.qdrant_store import QdrantStore
 from selfrag.jobs.indexing import index_corpus
 from selfrag.schemas.settings import RetrievalSettings
 from tests.fakes import HashEmbedder

@@ -1,5 +1,6 @@
-"""The llama.cpp embedder (`infra.embedder`, the shipped all-MiniLM-L6-v2 converted to GGUF by
-`infra.bert_gguf`): conversion once, truncation, and an index built by the
+"""The llama.cpp embedder (`infra.embeddings.embedder`, the shipped all-MiniLM-L6-v2 converted to
+GGUF by
+`infra.embeddings.bert_gguf`): conversion once, truncation, and an index built by the
 sentence-transformers embedder it replaces, reused or refused."""
 
 from __future__ import annotations
@@ -12,11 +13,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from selfrag.infra.bert_gguf import BertFolder, read_safetensors
-from selfrag.infra.embedder import SentenceEmbedder, default_model_dir
-from selfrag.infra.model_files import ModelFileError, read_gguf_metadata
-from selfrag.infra.qdrant_store import QdrantStore, StoreMisconfigured
-from selfrag.infra.wordpiece import WordPiece
+from selfrag.infra.embeddings.bert_gguf import BertFolder, read_safetensors
+from selfrag.infra.embeddings.embedder import SentenceEmbedder, default_model_dir
+from selfrag.infra.embeddings.wordpiece import WordPiece
+from selfrag.infra.models.model_files import ModelFileError, read_gguf_metadata
+from selfrag.infra.store.qdrant_store import QdrantStore, StoreMisconfigured
 from selfrag.pipeline.protocols import Passage
 from selfrag.schemas.settings import RetrievalSettings
 
@@ -191,7 +192,7 @@ def test_a_local_mode_index_of_the_replaced_embedder_is_migrated_then_reused(
     sentence-transformers embedder: its vectors are copied, then checked like any other."""
     from qdrant_client import QdrantClient, models
 
-    from selfrag.infra.qdrant_store import point_id
+    from selfrag.infra.store.qdrant_store import point_id
 
     [old_id] = embedder.replaces
     client = QdrantClient(path=str(tmp_path / "qdrant"))

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from selfrag.infra.embedder import SentenceEmbedder, default_model_dir
+from selfrag.infra.embeddings.embedder import SentenceEmbedder, default_model_dir
 from selfrag.jobs.indexing import corpus_passages
 
 pytest.importorskip(

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from selfrag.infra.settings import load_settings
+from selfrag.infra.settings_loader import load_settings
 from selfrag.runtime.system import LocalRuntime
 from selfrag.schemas.answer import AnswerRequest, AnswerResponse
 from tests.suite import SUITE_ENV

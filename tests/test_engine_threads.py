@@ -15,8 +15,8 @@ from typing import Any
 
 import pytest
 
-from selfrag.infra import engine_threads
-from selfrag.infra.engine_threads import (
+from selfrag.infra.engine import engine_threads
+from selfrag.infra.engine.engine_threads import (
     WAIT_POLICY_ENV,
     apply_wait_policy,
     describe,
@@ -25,7 +25,7 @@ from selfrag.infra.engine_threads import (
     loaded_openmp,
     ray_runtime_env,
 )
-from selfrag.infra.settings import SettingsError, load_settings
+from selfrag.infra.settings_loader import SettingsError, load_settings
 from selfrag.schemas.settings import ModelSettings, Settings
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -171,7 +171,7 @@ def _bound(app: object) -> Any:
 
 @pytest.mark.parametrize("replicas", [1, 2])
 def test_every_serve_replica_starts_with_the_wait_policy(tmp_path: Path, replicas: int):
-    from selfrag.actors.app import build_app
+    from selfrag.actors.serve_app import build_app
 
     settings = Settings(home=tmp_path, serve={"pool_replicas": replicas})
     ingress = _bound(build_app(settings))
@@ -197,14 +197,14 @@ def test_every_serve_replica_starts_with_the_wait_policy(tmp_path: Path, replica
 
 
 def test_the_deployment_files_set_the_default_policy_for_every_process():
-    """infra/serve.yaml's deployments replace the options `build_app` gives them, so the file
+    """deploy/serve.yaml's deployments replace the options `build_app` gives them, so the file
     sets the variable for the application; the KubeRay pods start every Ray process with it."""
     import yaml
 
     default = engine_environment(ModelSettings())
-    serve = yaml.safe_load((ROOT / "infra" / "serve.yaml").read_text())
+    serve = yaml.safe_load((ROOT / "deploy" / "serve.yaml").read_text())
     assert serve["applications"][0]["runtime_env"]["env_vars"] == default
-    manifest = next(yaml.safe_load_all((ROOT / "infra" / "k8s" / "rayservice.yaml").read_text()))
+    manifest = next(yaml.safe_load_all((ROOT / "deploy" / "k8s" / "rayservice.yaml").read_text()))
     cluster = manifest["spec"]["rayClusterConfig"]
     containers = [
         c
@@ -257,7 +257,7 @@ def test_a_ray_actor_process_starts_with_the_variable(tmp_path: Path):
     code = textwrap.dedent(
         """
         import json, os, ray
-        from selfrag.infra.engine_threads import ray_runtime_env
+        from selfrag.infra.engine.engine_threads import ray_runtime_env
         from selfrag.schemas.settings import ModelSettings
 
         @ray.remote
@@ -353,7 +353,7 @@ def test_a_runtime_loaded_before_the_setting_is_reported():
         import ctypes, logging
         logging.basicConfig()
         ctypes.CDLL("libgomp.so.1")  # as a library loaded before selfrag's engine would
-        from selfrag.infra.engine_threads import apply_wait_policy
+        from selfrag.infra.engine.engine_threads import apply_wait_policy
         assert apply_wait_policy("passive") is not None
         """,
         {},

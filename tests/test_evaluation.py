@@ -264,7 +264,7 @@ def test_cli_rejects_bad_input(squad_file: Path, tmp_path: Path, capsys):
 
 
 def test_baselines_put_passages_in_one_prompt_and_detect_abstention():
-    from selfrag.pipeline.baselines import BaselineAnswerer, is_abstention
+    from selfrag.pipeline.evaluation.baselines import BaselineAnswerer, is_abstention
 
     model = WordModel(draft_text=" I'm not sure.")
     passages = [Passage("a", "Rollo founded Normandy.", "N"), Passage("b", "Bees.", "B")]

@@ -9,9 +9,9 @@ import pytest
 
 from selfrag.pipeline.critics import Branch
 from selfrag.pipeline.evidence import evidence_span
+from selfrag.pipeline.learning.reflection_data import sentences
 from selfrag.pipeline.protocols import Generation, Passage
 from selfrag.pipeline.ranking import Candidate
-from selfrag.pipeline.reflection_data import sentences
 from selfrag.pipeline.segmenting import sentence_spans
 
 NORMANDY = (

@@ -10,10 +10,10 @@ import gguf
 import numpy as np
 import pytest
 
-from selfrag.infra.gguf_export import export_reflection_model
-from selfrag.infra.heads_store import load_heads, save_heads
-from selfrag.infra.llama_engine import LlamaEngine
-from selfrag.infra.model_files import (
+from selfrag.infra.engine.llama_engine import LlamaEngine
+from selfrag.infra.models.gguf_export import export_reflection_model
+from selfrag.infra.models.heads_store import load_heads, save_heads
+from selfrag.infra.models.model_files import (
     ModelFileError,
     default_model_path,
     derive_weights,
@@ -195,7 +195,7 @@ def _rows(heads):  # type: ignore[no-untyped-def]
 
 
 def test_the_export_has_the_umask_mode_and_leaves_no_temporary_file(exported: Path) -> None:
-    from selfrag.infra.gguf_export import current_umask
+    from selfrag.infra.models.gguf_export import current_umask
 
     assert exported.stat().st_mode & 0o777 == 0o666 & ~current_umask()  # 0644 under 022
     assert [p.name for p in exported.parent.iterdir()] == [exported.name]
@@ -207,7 +207,7 @@ def test_train_refuses_to_export_onto_the_model_or_a_copy_derived_from_it(
     import os
 
     from selfrag.cli import main
-    from selfrag.infra.model_files import derived_path
+    from selfrag.infra.models.model_files import derived_path
 
     models, home = tmp_path / "models", tmp_path / "home"
     models.mkdir()

@@ -10,8 +10,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import selfrag.infra.heads_store as heads_store
-from selfrag.infra.heads_store import find_heads, heads_path, load_heads, read_manifest, save_heads
+import selfrag.infra.models.heads_store as heads_store
+from selfrag.infra.models.heads_store import (
+    find_heads,
+    heads_path,
+    load_heads,
+    read_manifest,
+    save_heads,
+)
 from selfrag.pipeline.critics import READ_LAYOUT
 from selfrag.pipeline.heads import GROUP_LABELS, GroupHead, HeadsError, ReflectionHeads
 
@@ -255,8 +261,8 @@ def test_a_deeply_nested_heads_file_is_an_error_naming_the_file(tmp_path: Path) 
 def test_heads_of_another_width_are_refused_when_loaded_naming_the_file(tmp_path: Path) -> None:
     """Heads whose `model_sha256` was edited to the model file's passed the hash check and
     failed only at answer time; the width is read from the GGUF header when they load."""
-    from selfrag.infra.model_files import default_model_path, file_sha256
-    from selfrag.infra.settings import load_settings
+    from selfrag.infra.models.model_files import default_model_path, file_sha256
+    from selfrag.infra.settings_loader import load_settings
     from selfrag.runtime.system import LocalRuntime
 
     model = default_model_path()  # SmolLM2-135M: hidden size 576

@@ -24,7 +24,7 @@ from typing import Any
 
 import pytest
 
-from selfrag.infra.settings import load_settings
+from selfrag.infra.settings_loader import load_settings
 from selfrag.jobs.indexing import index_corpus
 from selfrag.pipeline.critics import Branch, LabelProbs, make_critic
 from selfrag.pipeline.prompts import neutralise

@@ -1,4 +1,5 @@
-"""The HTTP layer (actors/http.py) with FastAPI's TestClient and a scripted answer service."""
+"""The HTTP layer (actors/http/routes.py) with FastAPI's TestClient and a scripted answer
+service."""
 
 from __future__ import annotations
 
@@ -15,8 +16,8 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 
-from selfrag.actors.http import MAX_BODY_BYTES, build_http_app, parse_api_keys
-from selfrag.actors.metrics import Metrics
+from selfrag.actors.http.metrics import Metrics
+from selfrag.actors.http.routes import MAX_BODY_BYTES, build_http_app, parse_api_keys
 from selfrag.schemas.answer import MAX_QUESTION_CHARS, AnswerResponse
 from selfrag.schemas.errors import DeadlineExceeded, DependencyDown, Overloaded
 from tests.fakes import ScriptedCritic

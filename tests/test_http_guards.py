@@ -1,4 +1,4 @@
-"""The HTTP app's guards (actors/guards.py and the app's outer layer): JSON-only POSTs, the
+"""The HTTP app's guards (actors/http/guards.py and the app's outer layer): JSON-only POSTs, the
 Host check of a loopback server, request metrics whose series a client cannot multiply,
 bodies the JSON parser refuses, and one readiness check per second however many ask."""
 
@@ -12,9 +12,9 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 
-from selfrag.actors.guards import HostCheck, host_name
-from selfrag.actors.http import build_http_app
-from selfrag.actors.metrics import Metrics
+from selfrag.actors.http.guards import HostCheck, host_name
+from selfrag.actors.http.metrics import Metrics
+from selfrag.actors.http.routes import build_http_app
 from tests.http_fakes import FakeService, live_server
 
 BODY = json.dumps({"question": "Who founded Normandy?"}).encode()

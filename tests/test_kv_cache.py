@@ -19,16 +19,16 @@ import numpy as np
 import pytest
 import redis
 
-from selfrag.infra.cache import MemoryLRU, RedisTier
-from selfrag.infra.kv_cache import (
+from selfrag.infra.cache.kv_cache import (
     ContextLayout,
     TieredStateStore,
     open_prefix_store,
     prefix_state_key,
 )
-from selfrag.infra.llama_engine import LlamaEngine
-from selfrag.infra.model_files import default_model_path, derive_weights
-from selfrag.infra.settings import load_settings
+from selfrag.infra.cache.tiers import MemoryLRU, RedisTier
+from selfrag.infra.engine.llama_engine import LlamaEngine
+from selfrag.infra.models.model_files import default_model_path, derive_weights
+from selfrag.infra.settings_loader import load_settings
 from selfrag.pipeline.protocols import TokenScoreRequest
 from tests.redis_proc import RedisProcess
 from tests.suite import SUITE_ENV
@@ -158,7 +158,7 @@ def test_a_poisoned_state_in_redis_is_refused_counted_and_replaced(
 
 @pytest.mark.real
 def test_refused_states_are_counted_in_the_pool_metrics(redis_url: str, tmp_path: Path):
-    from selfrag.actors.metrics import EngineMetrics, PrometheusSink
+    from selfrag.actors.http.metrics import EngineMetrics, PrometheusSink
     from selfrag.runtime.system import LocalRuntime
 
     env = {"SELFRAG_HOME": str(tmp_path), "SELFRAG_REDIS_URL": redis_url, **SUITE_ENV}

@@ -1,4 +1,4 @@
-"""The disk tier of passage KV states (infra/kv_disk.py): checked files, LRU cap, shared by
+"""The disk tier of passage KV states (infra/cache/kv_disk.py): checked files, LRU cap, shared by
 processes and kept across restarts; and for real, a restarted engine starting warm."""
 
 from __future__ import annotations
@@ -14,11 +14,11 @@ from pathlib import Path
 
 import pytest
 
-from selfrag.infra import kv_disk
-from selfrag.infra.cache import MemoryLRU
+from selfrag.infra.cache import kv_disk
+from selfrag.infra.cache.kv_cache import PrefixKey, TieredStateStore
+from selfrag.infra.cache.kv_disk import DiskTier
+from selfrag.infra.cache.tiers import MemoryLRU
 from selfrag.infra.file_lock import FileLock
-from selfrag.infra.kv_cache import PrefixKey, TieredStateStore
-from selfrag.infra.kv_disk import DiskTier
 from tests.suite import SUITE_ENV
 
 TOKENS = b"\x01\x00\x00\x00\x02\x00\x00\x00"
@@ -102,7 +102,7 @@ def test_a_restarted_engine_starts_warm_from_disk(tmp_path: Path, normans_squad:
     """States saved by one process restore in the next; a corrupt one is recomputed, and the
     scores are the same either way."""
     from selfrag.cli import main
-    from selfrag.infra.settings import load_settings
+    from selfrag.infra.settings_loader import load_settings
     from selfrag.pipeline.critics import Branch
     from selfrag.runtime.system import LocalRuntime
 
@@ -183,9 +183,9 @@ def _folder_bytes(folder: Path) -> int:
 _CHILD = """
 import os, signal, sys
 from pathlib import Path
-from selfrag.infra.cache import MemoryLRU
-from selfrag.infra.kv_cache import PrefixKey, TieredStateStore
-from selfrag.infra.kv_disk import DiskTier
+from selfrag.infra.cache.tiers import MemoryLRU
+from selfrag.infra.cache.kv_cache import PrefixKey, TieredStateStore
+from selfrag.infra.cache.kv_disk import DiskTier
 folder = Path(sys.argv[1])
 TOKENS = b"\\x01\\x00\\x00\\x00\\x02\\x00\\x00\\x00"
 """

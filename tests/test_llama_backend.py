@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from selfrag.infra.llama_backend import (
+from selfrag.infra.engine.llama_cpu_builds import (
     BUILTIN,
     VARIANT_FEATURES,
     BackendError,
@@ -32,7 +32,7 @@ from selfrag.infra.llama_backend import (
     probe_cached,
     variant_files,
 )
-from selfrag.infra.model_files import default_model_path, derive_weights
+from selfrag.infra.models.model_files import default_model_path, derive_weights
 
 REPO = Path(__file__).resolve().parents[1]
 ILLEGAL_INSTRUCTION_BACKEND = r"""
@@ -65,7 +65,7 @@ def test_a_crashed_backend_falls_back_and_names_the_feature(
     )
     cache.put(cache.model_key(model, avx512), asdict(ProbeResult(True, "")))
     # A working fallback is a DEBUG record (shown with -v).
-    with caplog.at_level(logging.DEBUG, logger="selfrag.infra.llama_backend"):
+    with caplog.at_level(logging.DEBUG, logger="selfrag.infra.engine.llama_cpu_builds"):
         chosen = choose_backend(model, [amx, avx512], cache, n_threads=1)
     assert chosen == avx512
     message = caplog.text
@@ -92,7 +92,7 @@ def test_a_backend_another_model_died_on_is_skipped_for_every_model(
     assert choose_backend(survived, [amx, avx512], cache, n_threads=1) == amx  # nothing known
     assert choose_backend(crashed, [amx, avx512], cache, n_threads=1) == avx512
     assert cache.get(cache.illegal_key(amx))["model"] == str(crashed)
-    with caplog.at_level(logging.DEBUG, logger="selfrag.infra.llama_backend"):
+    with caplog.at_level(logging.DEBUG, logger="selfrag.infra.engine.llama_cpu_builds"):
         assert choose_backend(survived, [amx, avx512], cache, n_threads=1) == avx512
     assert f"crashed {crashed} on this CPU" in caplog.text
 
@@ -179,7 +179,7 @@ def test_a_backend_dying_of_sigill_is_skipped_for_the_next(
     real = [v for v in candidates(cache) if v.name != crashing.name]
     usable = next(v for v in real if probe_cached(model, v, cache, n_threads=1).ok)
     # A working fallback is a DEBUG record (shown with -v).
-    with caplog.at_level(logging.DEBUG, logger="selfrag.infra.llama_backend"):
+    with caplog.at_level(logging.DEBUG, logger="selfrag.infra.engine.llama_cpu_builds"):
         chosen = choose_backend(model, [crashing, *real], cache, n_threads=1)
     assert chosen == usable
     assert "crashed the 'sapphirerapids' CPU backend" in caplog.text
@@ -190,7 +190,7 @@ def test_a_backend_dying_of_sigill_is_skipped_for_the_next(
 
 @pytest.mark.real
 def test_engine_process_uses_a_probed_variant() -> None:
-    from selfrag.infra.llama_engine import LlamaEngine
+    from selfrag.infra.engine.llama_engine import LlamaEngine
 
     with LlamaEngine(
         default_model_path(), n_ctx=512, n_seq_max=1, n_threads=1, n_batch=64, model_id="q4"

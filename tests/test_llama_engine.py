@@ -20,16 +20,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from selfrag.infra.llama_batch import EngineError
-from selfrag.infra.llama_engine import LlamaEngine
-from selfrag.infra.model_files import (
+from selfrag.infra.engine.llama_batch import EngineError
+from selfrag.infra.engine.llama_engine import LlamaEngine
+from selfrag.infra.models.model_files import (
     ModelFileError,
     default_model_path,
     derive_weights,
     file_sha256,
     gguf_file_type,
 )
-from selfrag.infra.model_presets import resolve_model
+from selfrag.infra.models.model_presets import resolve_model
 from selfrag.pipeline.protocols import (
     ContinuationRequest,
     GenerationRequest,
@@ -273,7 +273,7 @@ def test_a_learned_branch_decodes_each_token_of_its_sequence_once(engine: LlamaE
     """Relevance read, draft, then support and utility on the one-sequence layout: the draft
     decodes only its task after the shared passage and question, the support read only the cue
     (`SequenceCritic`)."""
-    from selfrag.infra.kv_slots import common_prefix
+    from selfrag.infra.cache.kv_slots import common_prefix
     from selfrag.pipeline.critics import Branch, LearnedCritic
     from selfrag.pipeline.heads import GROUP_LABELS, GroupHead, ReflectionHeads
     from selfrag.pipeline.protocols import Passage
@@ -482,8 +482,8 @@ def test_reused_prefix_gives_the_fresh_layer_states(tap_engine: LlamaEngine, wei
             assert tap_engine.stats.prefill_tokens == 1
             assert_layers_close(want, got)
 
-    from selfrag.infra.cache import MemoryLRU
-    from selfrag.infra.kv_cache import TieredStateStore
+    from selfrag.infra.cache.kv_cache import TieredStateStore
+    from selfrag.infra.cache.tiers import MemoryLRU
 
     store = TieredStateStore(MemoryLRU(64 << 20))
     with LlamaEngine(
@@ -684,7 +684,7 @@ def test_close_waits_for_the_call_in_progress(weights: Path) -> None:
 
 
 def test_adaptive_threads_change_speed_not_answers(weights: Path) -> None:
-    """Small calls may run on one thread (`infra.llama_threads`): the same tokens as on all
+    """Small calls may run on one thread (`infra.engine.llama_threads`): the same tokens as on all
     threads, log-probabilities within the tolerance batch shapes already need."""
     outputs = []
     for adaptive in (True, False):

@@ -1,8 +1,8 @@
-"""The thread count of each llama.cpp call (`infra.llama_threads.ThreadChooser`)."""
+"""The thread count of each llama.cpp call (`infra.engine.llama_threads.ThreadChooser`)."""
 
 from __future__ import annotations
 
-from selfrag.infra.llama_threads import CHOSEN_MAX_TOKENS, ThreadChooser, size_class
+from selfrag.infra.engine.llama_threads import CHOSEN_MAX_TOKENS, ThreadChooser, size_class
 
 
 def run(chooser: ThreadChooser, n_tokens: int, seconds: dict[int, float], calls: int) -> list[int]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from selfrag.pipeline.metrics import (
+from selfrag.pipeline.evaluation.qa_metrics import (
     Outcome,
     best_f1,
     contains_answer,
@@ -122,7 +122,7 @@ def _scored(answerable: bool, score: float | None, *, right: bool = True, abstai
 
 
 def test_abstention_auroc_by_hand():
-    from selfrag.pipeline.metrics import abstention_auroc
+    from selfrag.pipeline.evaluation.qa_metrics import abstention_auroc
 
     rows = [_scored(True, s) for s in (0.9, 0.6, 0.4)] + [_scored(False, s) for s in (0.7, 0.2)]
     # Answerable above unanswerable in 4 of the 6 pairs: (0.9 > 0.7, 0.2), (0.6, 0.4 > 0.2).
@@ -137,7 +137,7 @@ def test_abstention_auroc_by_hand():
 
 
 def test_abstention_auroc_undefined_says_why():
-    from selfrag.pipeline.metrics import abstention_auroc
+    from selfrag.pipeline.evaluation.qa_metrics import abstention_auroc
 
     assert abstention_auroc([_scored(True, 0.5)]) == (None, "no unanswerable questions")
     assert abstention_auroc([_scored(False, 0.5)]) == (None, "no answerable questions")
@@ -150,7 +150,7 @@ def test_abstention_auroc_undefined_says_why():
 
 
 def test_accuracy_coverage_curve_by_hand():
-    from selfrag.pipeline.metrics import CoveragePoint, accuracy_coverage
+    from selfrag.pipeline.evaluation.qa_metrics import CoveragePoint, accuracy_coverage
 
     rows = [
         _scored(True, 0.9),
@@ -185,7 +185,7 @@ def test_accuracy_coverage_curve_by_hand():
 def test_accuracy_coverage_never_loses_coverage():
     import random
 
-    from selfrag.pipeline.metrics import accuracy_coverage
+    from selfrag.pipeline.evaluation.qa_metrics import accuracy_coverage
 
     rng = random.Random(7)
     for _ in range(50):

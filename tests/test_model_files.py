@@ -1,5 +1,5 @@
 """Derived weights on a node where several processes start at once: one converts, the others
-wait for its lock and load its file (`infra.model_files.derivation_lock`)."""
+wait for its lock and load its file (`infra.models.model_files.derivation_lock`)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from selfrag.infra.model_files import (
+from selfrag.infra.models.model_files import (
     FTYPE_MOSTLY_F16,
     default_model_path,
     derived_path,
@@ -26,7 +26,7 @@ pytestmark = pytest.mark.real
 RACER = """
 import json, sys, time
 from pathlib import Path
-from selfrag.infra import model_files
+from selfrag.infra.models import model_files
 
 home, log, start = Path(sys.argv[1]), Path(sys.argv[2]), float(sys.argv[3])
 convert = model_files._quantize
@@ -80,7 +80,7 @@ def test_a_files_sha256_is_remembered_on_disk_until_the_file_changes(
 ) -> None:
     import hashlib
 
-    from selfrag.infra import model_files
+    from selfrag.infra.models import model_files
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     monkeypatch.setattr(model_files, "_sha_cache", {})

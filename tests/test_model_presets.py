@@ -14,10 +14,10 @@ import pytest
 
 from selfrag.cli import main
 from selfrag.cli.common import CLIError
-from selfrag.infra import model_presets
-from selfrag.infra.heads_store import SHIPPED_DIR, find_heads, load_heads
-from selfrag.infra.model_files import ModelFileError
-from selfrag.infra.model_presets import (
+from selfrag.infra.models import model_presets
+from selfrag.infra.models.heads_store import SHIPPED_DIR, find_heads, load_heads
+from selfrag.infra.models.model_files import ModelFileError
+from selfrag.infra.models.model_presets import (
     PRESETS,
     ModelPreset,
     PresetPart,
@@ -27,7 +27,7 @@ from selfrag.infra.model_presets import (
     resolve_model,
     verify_preset,
 )
-from selfrag.infra.settings import SettingsError, load_settings
+from selfrag.infra.settings_loader import SettingsError, load_settings
 from selfrag.pipeline.critics import READ_LAYOUT, CritiqueUnavailable, LikelihoodCritic
 from selfrag.runtime.system import LocalRuntime
 from selfrag.schemas.settings import DEFAULT_PRESET, ModelPresetName, ModelSettings, Settings
@@ -317,7 +317,7 @@ def _header(path: Path) -> dict[str, object]:
     GGUFReader maps every tensor too, a minute for the 0.5B file on a busy 2-core VM)."""
     import gguf
 
-    from selfrag.infra.model_files import read_gguf_metadata
+    from selfrag.infra.models.model_files import read_gguf_metadata
 
     def field(key: str) -> object:
         return read_gguf_metadata(path, key)
@@ -354,7 +354,7 @@ def qwen_home(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.mark.real
 def test_the_smollm2_preset_is_the_test_models_file_with_its_header(tmp_path: Path) -> None:
-    from selfrag.infra.model_files import default_model_path, file_sha256
+    from selfrag.infra.models.model_files import default_model_path, file_sha256
 
     p = PRESETS["smollm2"]
     path = resolve_model(ModelSettings(preset="smollm2"), tmp_path)
@@ -426,7 +426,7 @@ def test_status_warns_when_the_model_file_has_no_heads(
 ) -> None:
     """SmolLM2's Q4_1 file loaded as it is (`--model PATH`, weights original): the shipped
     heads are for its F16 copy, so `auto` is likelihood, and status says why."""
-    from selfrag.infra.model_files import default_model_path
+    from selfrag.infra.models.model_files import default_model_path
 
     monkeypatch.setenv("SELFRAG_MODEL__WEIGHTS", "original")
     q4 = str(default_model_path())
@@ -445,7 +445,7 @@ def test_the_special_tokens_read_from_the_header_are_ggufs_own() -> None:
     pieces as gguf's GGUFReader, without its seconds per 100k-token vocabulary."""
     import gguf
 
-    from selfrag.infra.model_files import default_model_path, gguf_special_tokens
+    from selfrag.infra.models.model_files import default_model_path, gguf_special_tokens
 
     path = default_model_path()
     reader = gguf.GGUFReader(str(path))
@@ -462,7 +462,7 @@ def test_a_joined_file_overwritten_with_its_mtime_restored_is_caught_when_a_serv
     the old mtime were served with no warning. `recheck_model` reads the bytes again."""
     import os
 
-    from selfrag.infra.model_files import file_sha256
+    from selfrag.infra.models.model_files import file_sha256
 
     monkeypatch.syspath_prepend(str(tmp_path / "site"))
     p = _fake_preset(tmp_path / "site", PIECES, name="split")
@@ -506,9 +506,9 @@ def test_a_packaged_model_file_that_changed_is_refused_when_a_server_starts(
 FULL_DISK = """
 import sys, subprocess
 from pathlib import Path
-from selfrag.infra import model_files
-from selfrag.infra.model_files import ModelFileError
-from selfrag.infra.model_presets import preset_file
+from selfrag.infra.models import model_files
+from selfrag.infra.models.model_files import ModelFileError
+from selfrag.infra.models.model_presets import preset_file
 from tests.test_model_presets import _fake_preset
 
 site, home = Path(sys.argv[1]), Path(sys.argv[2])

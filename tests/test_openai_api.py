@@ -1,4 +1,4 @@
-"""The OpenAI-compatible routes (actors/openai_api.py) with the official `openai` client and
+"""The OpenAI-compatible routes (actors/http/openai_routes.py) with the official `openai` client and
 LangChain's `ChatOpenAI`, against the HTTP app under a real uvicorn socket and a scripted
 answer service."""
 
@@ -10,9 +10,9 @@ import httpx
 import openai
 import pytest
 
-from selfrag.actors.http import build_http_app, parse_api_keys
-from selfrag.actors.metrics import Metrics
-from selfrag.actors.openai_api import conversation_question
+from selfrag.actors.http.metrics import Metrics
+from selfrag.actors.http.openai_routes import conversation_question
+from selfrag.actors.http.routes import build_http_app, parse_api_keys
 from selfrag.schemas.answer import MAX_QUESTION_CHARS
 from selfrag.schemas.decoding import MAX_ANSWER_TOKENS, DecodingConfig
 from selfrag.schemas.errors import DeadlineExceeded, Overloaded

@@ -1,4 +1,4 @@
-"""Citations on `/v1/chat/completions` in the shapes clients render (actors/citations.py):
+"""Citations on `/v1/chat/completions` in the shapes clients render (actors/http/citations.py):
 OpenAI `url_citation` annotations, parsed by the official `openai` client, streamed or not,
 and the Perplexity-style top-level `citations` list where LobeChat reads it."""
 
@@ -11,8 +11,8 @@ import httpx
 import openai
 import pytest
 
-from selfrag.actors.http import build_http_app, parse_api_keys
-from selfrag.actors.metrics import Metrics
+from selfrag.actors.http.metrics import Metrics
+from selfrag.actors.http.routes import build_http_app, parse_api_keys
 from selfrag.schemas.answer import AnswerResponse, Citation
 from selfrag.schemas.decoding import DecodingConfig
 from tests.http_fakes import FakeService, live_server, scripted_response

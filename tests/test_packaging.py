@@ -74,8 +74,8 @@ def test_the_wheel_holds_the_package_and_its_data(dist: Path):
     (wheel,) = dist.glob("selfrag-*.whl")
     (sdist,) = dist.glob("selfrag-*.tar.gz")
     names = zipfile.ZipFile(wheel).namelist()
-    assert "selfrag/actors/playground.html" in names
-    assert any(n.startswith("selfrag/infra/shipped_heads/") for n in names)
+    assert "selfrag/actors/http/playground.html" in names
+    assert any(n.startswith("selfrag/infra/models/shipped_heads/") for n in names)
     assert not any(n.startswith(("tests/", "bench/", "selfrag/tests/")) for n in names)
     assert sdist.stat().st_size > 0
 

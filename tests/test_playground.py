@@ -1,4 +1,4 @@
-"""The playground page at `GET /` (actors/playground.py): served, self-contained, open without
+"""The playground page at `GET /` (actors/http/playground.py): served, self-contained, open without
 a key; and driven in a real headless Chromium against the HTTP app over the scripted service."""
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 from fastapi.testclient import TestClient
 
-from selfrag.actors.http import build_http_app, parse_api_keys
-from selfrag.actors.metrics import Metrics
-from selfrag.actors.playground import PAGE
+from selfrag.actors.http.metrics import Metrics
+from selfrag.actors.http.playground import PAGE
+from selfrag.actors.http.routes import build_http_app, parse_api_keys
 from selfrag.pipeline.decoder import StepListener
 from selfrag.runtime.answering import Answer
 from selfrag.schemas.answer import AnswerRequest, AnswerResponse, Evidence
@@ -80,8 +80,8 @@ def test_no_page_of_this_origin_loads_a_cdn():
 
 def test_the_page_is_package_data():
     data = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
-    assert PAGE in data["package-data"]["selfrag.actors"]
-    assert (ROOT / "actors" / PAGE).is_file()
+    assert PAGE in data["package-data"]["selfrag.actors.http"]
+    assert (ROOT / "actors" / "http" / PAGE).is_file()
 
 
 # --- in a real browser --------------------------------------------------------------------------

@@ -19,8 +19,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from selfrag.infra.embedder import SentenceEmbedder
-from selfrag.infra.qdrant_store import QdrantStore, StoreError, point_id
+from selfrag.infra.embeddings.embedder import SentenceEmbedder
+from selfrag.infra.store.qdrant_store import QdrantStore, StoreError, point_id
 from selfrag.jobs.indexing import index_corpus
 from selfrag.pipeline.protocols import Passage, PassageSearch
 from selfrag.schemas.settings import RetrievalSettings
@@ -282,7 +282,7 @@ def test_a_qdrant_server_down_at_start_is_503_not_ready_then_connects(
     the store answers (here: an embedded store standing in for the returned server, since no
     Qdrant server binary exists on this machine), the next call connects and searches."""
     from selfrag.actors.deployments import Retriever
-    from selfrag.infra.settings import load_settings
+    from selfrag.infra.settings_loader import load_settings
     from selfrag.schemas.errors import DependencyDown
     from tests.redis_proc import free_port
 
@@ -317,7 +317,7 @@ def test_an_embedded_store_that_cannot_open_stops_the_replica(
     home: Path, embedder: SentenceEmbedder
 ) -> None:
     from selfrag.actors.deployments import Retriever
-    from selfrag.infra.settings import load_settings
+    from selfrag.infra.settings_loader import load_settings
 
     settings = load_settings(environ={"SELFRAG_HOME": str(home)})
     with QdrantStore.open(settings.retrieval, home, embedder):
@@ -410,7 +410,7 @@ def test_another_process_cannot_open_the_embedded_store(
             f"""
             import sys
             from pathlib import Path
-            from selfrag.infra.qdrant_store import QdrantStore, StoreError
+            from selfrag.infra.store.qdrant_store import QdrantStore, StoreError
             from selfrag.schemas.settings import RetrievalSettings
             class E:
                 dim = {embedder.dim}
@@ -453,7 +453,7 @@ def test_the_server_engine_indexes_and_searches_alike(
     Qdrant server binary can be had here): same layout, facts in the collection metadata."""
     from qdrant_client import QdrantClient
 
-    from selfrag.infra.qdrant_server import ServerEngine
+    from selfrag.infra.store.qdrant_server import ServerEngine
 
     settings = RetrievalSettings(hybrid=True)
     engine = ServerEngine(settings, client=QdrantClient(":memory:"))
@@ -478,8 +478,8 @@ _CHILD = """
 import hashlib, os, signal, sys, time
 from pathlib import Path
 import numpy as np
-from selfrag.infra.qdrant_edge import EdgeEngine
-from selfrag.infra.qdrant_store import QdrantStore
+from selfrag.infra.store.qdrant_edge import EdgeEngine
+from selfrag.infra.store.qdrant_store import QdrantStore
 from selfrag.pipeline.protocols import Passage
 from selfrag.schemas.settings import RetrievalSettings
 

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 import redis
 
-from selfrag.infra.answer_cache import MAX_ANSWER_BYTES, AnswerCache, open_query_cache
-from selfrag.infra.cache import MB, MemoryLRU, RedisTier
-from selfrag.infra.settings import load_settings
+from selfrag.infra.cache.answer_cache import MAX_ANSWER_BYTES, AnswerCache, open_query_cache
+from selfrag.infra.cache.tiers import MB, MemoryLRU, RedisTier
+from selfrag.infra.settings_loader import load_settings
 from selfrag.runtime.answering import query_key
 from selfrag.schemas.answer import AnswerResponse, Usage
 from selfrag.schemas.decoding import DecodingConfig

@@ -21,7 +21,7 @@ from typing import Any
 import httpx
 import pytest
 
-from selfrag.infra.settings import load_settings
+from selfrag.infra.settings_loader import load_settings
 from tests.browser import CHROMIUM, NO_CHROMIUM, ask_in_playground, chromium
 from tests.redis_proc import RedisProcess, free_port
 from tests.suite import SUITE_ENV
@@ -68,7 +68,7 @@ def api(
 ) -> Iterator[httpx.Client]:
     from ray import serve
 
-    from selfrag.actors.app import APP_NAME, build_app
+    from selfrag.actors.serve_app import APP_NAME, build_app
 
     env = {"SELFRAG_HOME": str(indexed_home), **SUITE_ENV}
     if redis_for_app is not None:

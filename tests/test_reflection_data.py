@@ -8,8 +8,7 @@ import re
 import pytest
 
 from selfrag.pipeline.critics import Branch
-from selfrag.pipeline.protocols import Passage
-from selfrag.pipeline.reflection_data import (
+from selfrag.pipeline.learning.reflection_data import (
     EntityPool,
     Example,
     inverse_cloze,
@@ -21,6 +20,7 @@ from selfrag.pipeline.reflection_data import (
     topic_question,
     utility_examples,
 )
+from selfrag.pipeline.protocols import Passage
 
 NORMANS = Passage(
     "n1",

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from selfrag.infra.token_choice import TokenChooser
+from selfrag.infra.engine.token_choice import TokenChooser
 from selfrag.pipeline.critics import Branch, settle_filters
 from selfrag.pipeline.decoder import BeamDecoder, asked_question, draft_sampling
 from selfrag.pipeline.protocols import GenerationRequest, Passage, Sampling
@@ -100,8 +100,8 @@ def test_greedy_by_default_and_blank_instructions_change_nothing():
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]:
-    from selfrag.infra.llama_engine import LlamaEngine
-    from selfrag.infra.model_files import default_model_path, derive_weights
+    from selfrag.infra.engine.llama_engine import LlamaEngine
+    from selfrag.infra.models.model_files import default_model_path, derive_weights
 
     home: Path = tmp_path_factory.mktemp("selfrag-home")
     weights = derive_weights(default_model_path(), "auto", home)

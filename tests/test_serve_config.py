@@ -1,4 +1,4 @@
-"""infra/serve.yaml and the KubeRay manifest name the deployments that exist, validly, and do
+"""deploy/serve.yaml and the KubeRay manifest name the deployments that exist, validly, and do
 not expose the API or the Ray dashboard silently; `selfrag serve` and the app build warn when
 the API binds a public address without API keys."""
 
@@ -17,9 +17,9 @@ import yaml
 from pydantic import SecretStr
 from ray.serve.schema import ServeDeploySchema
 
-from selfrag.actors.app import serve_logging
+from selfrag.actors.serve_app import serve_logging
 from selfrag.cli import main
-from selfrag.infra.settings import (
+from selfrag.infra.settings_loader import (
     API_KEYS_ENV,
     SettingsError,
     exposure_warning,
@@ -45,7 +45,7 @@ def _check(config: dict) -> None:
 
 
 def test_serve_yaml_is_a_valid_serve_config():
-    config = yaml.safe_load((ROOT / "infra" / "serve.yaml").read_text())
+    config = yaml.safe_load((ROOT / "deploy" / "serve.yaml").read_text())
     _check(config)
     retriever = next(
         d for d in config["applications"][0]["deployments"] if d["name"] == "Retriever"
@@ -126,8 +126,8 @@ def test_a_replica_logs_selfrags_records_where_serve_logs_its_own(
 
 
 def _manifest() -> tuple[dict[str, Any], str]:
-    """The RayService of infra/k8s/rayservice.yaml, and the file's text."""
-    text = (ROOT / "infra" / "k8s" / "rayservice.yaml").read_text()
+    """The RayService of deploy/k8s/rayservice.yaml, and the file's text."""
+    text = (ROOT / "deploy" / "k8s" / "rayservice.yaml").read_text()
     return next(d for d in yaml.safe_load_all(text) if d["kind"] == "RayService"), text
 
 
@@ -274,14 +274,14 @@ def _run_python(code: str, env: dict[str, str], timeout: float = 120) -> str:
 
 
 BUILD_ON_PUBLIC_HOST = """
-    from selfrag.actors.app import build_app
-    from selfrag.infra.settings import load_settings
+    from selfrag.actors.serve_app import build_app
+    from selfrag.infra.settings_loader import load_settings
     build_app(load_settings())
 """
 
 
 def test_app_build_binding_a_public_address_without_keys_warns(tmp_path: Path):
-    """What `serve deploy infra/serve.yaml` runs when no Serve answers for the address."""
+    """What `serve deploy deploy/serve.yaml` runs when no Serve answers for the address."""
     env = {"SELFRAG_HOME": str(tmp_path), "SELFRAG_SERVE__HOST": "0.0.0.0"}
     err = _run_python(BUILD_ON_PUBLIC_HOST, env)
     assert "WARNING" in err and "binds 0.0.0.0" in err and API_KEYS_ENV in err
@@ -291,15 +291,15 @@ def test_app_build_binding_a_public_address_without_keys_warns(tmp_path: Path):
 
 @pytest.mark.real
 def test_app_build_checks_the_address_serve_really_binds(tmp_path: Path):
-    """infra/serve.yaml and KubeRay set the proxies' address themselves: the build asks the
+    """deploy/serve.yaml and KubeRay set the proxies' address themselves: the build asks the
     running Serve controller (here a loopback one, so no warning even though serve.host says
     0.0.0.0)."""
     code = """
         import ray
         from ray import serve
         from tests.redis_proc import free_port
-        from selfrag.actors.app import build_app, serve_http_host
-        from selfrag.infra.settings import load_settings
+        from selfrag.actors.serve_app import build_app, serve_http_host
+        from selfrag.infra.settings_loader import load_settings
 
         ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False)
         try:
@@ -323,7 +323,7 @@ def _bound(app: object) -> Any:
 @pytest.mark.parametrize(("replicas", "cpus"), [(1, 0.5), (2, 0.25), (4, 0.125)])
 def test_pool_replicas_share_the_pools_cpu_reservation(tmp_path: Path, replicas, cpus):
     """Two pools at 0.5 CPU each would not fit a 2-CPU machine beside the other deployments."""
-    from selfrag.actors.app import build_app
+    from selfrag.actors.serve_app import build_app
 
     settings = Settings(home=tmp_path, serve={"pool_replicas": replicas})
     pool = _bound(_bound(build_app(settings)).init_args[0])
@@ -335,9 +335,9 @@ def test_pool_replicas_share_the_pools_cpu_reservation(tmp_path: Path, replicas,
 def test_the_ingress_gets_the_address_serve_really_binds(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ):
-    """infra/serve.yaml binds 0.0.0.0 while serve.host says 127.0.0.1: the ingress must not
+    """deploy/serve.yaml binds 0.0.0.0 while serve.host says 127.0.0.1: the ingress must not
     take itself for a loopback server (its Host check would refuse every remote client)."""
-    from selfrag.actors import app
+    from selfrag.actors import serve_app as app
 
     settings = Settings(home=tmp_path, serve={"allowed_hosts": ["rag.internal"]})
     monkeypatch.setattr(app, "serve_http_host", lambda: "0.0.0.0")

@@ -1,4 +1,4 @@
-"""The Serve application's metrics (actors/metrics.py) without Ray: the definitions follow
+"""The Serve application's metrics (actors/http/metrics.py) without Ray: the definitions follow
 Prometheus' conventions, each event reaches every sink once, the ingress's `/metrics` renders
 prometheus_client's exposition with the process metrics, and the Grafana dashboard queries
 only series the code defines."""
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from selfrag.actors.metrics import (
+from selfrag.actors.http.metrics import (
     METRICS,
     RAY_SERVE_TAGS,
     EngineMetrics,
@@ -26,7 +26,7 @@ from selfrag.schemas.decoding import DecodingConfig
 from tests.http_fakes import metric_value as value
 from tests.http_fakes import scripted_response
 
-DASHBOARD = Path(__file__).resolve().parents[1] / "infra" / "grafana" / "selfrag.json"
+DASHBOARD = Path(__file__).resolve().parents[1] / "deploy" / "grafana" / "selfrag.json"
 
 
 class ListSink:

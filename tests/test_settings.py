@@ -5,9 +5,9 @@ from pathlib import Path
 
 import pytest
 
-from selfrag.actors.http import parse_api_keys
+from selfrag.actors.http.routes import parse_api_keys
 from selfrag.cli import main
-from selfrag.infra.settings import SettingsError, load_settings
+from selfrag.infra.settings_loader import SettingsError, load_settings
 from selfrag.schemas.settings import Settings, mask_url
 
 

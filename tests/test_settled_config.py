@@ -13,9 +13,9 @@ import gguf
 import pytest
 
 import selfrag.jobs.batch as batch_module
-from selfrag.infra.model_files import file_sha256
-from selfrag.infra.settings import load_settings
-from selfrag.infra.support_calibration import save_calibration
+from selfrag.infra.calibration_files import save_calibration
+from selfrag.infra.models.model_files import file_sha256
+from selfrag.infra.settings_loader import load_settings
 from selfrag.jobs.batch import run_batch
 from selfrag.pipeline.critics import RESERVED_PIECES, CritiqueUnavailable, settle_filters
 from selfrag.pipeline.critics.filters import unsettled_filters
@@ -231,8 +231,8 @@ def test_the_streamed_openai_route_hands_run_the_config_it_checked() -> None:
     config instead of working it out again."""
     import httpx
 
-    from selfrag.actors.http import build_http_app, parse_api_keys
-    from selfrag.actors.metrics import Metrics
+    from selfrag.actors.http.metrics import Metrics
+    from selfrag.actors.http.routes import build_http_app, parse_api_keys
     from tests.http_fakes import FakeService, live_server
 
     service = FakeService()

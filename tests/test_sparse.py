@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from selfrag.infra.sparse import AVERAGE_LENGTH, K1, SCHEME, B, document_vector, query_vector
+from selfrag.infra.store.sparse import AVERAGE_LENGTH, K1, SCHEME, B, document_vector, query_vector
 
 
 def _weight(text: str, term: str) -> float:
@@ -26,7 +26,10 @@ def test_stop_words_drop_and_inflections_stem_to_one_term() -> None:
 
 
 def test_vectors_do_not_depend_on_the_process() -> None:
-    code = "from selfrag.infra.sparse import query_vector; print(query_vector('normans').indices)"
+    code = (
+        "from selfrag.infra.store.sparse import query_vector; "
+        "print(query_vector('normans').indices)"
+    )
     outputs = {
         subprocess.run(
             [sys.executable, "-c", code],

@@ -1,4 +1,4 @@
-"""`actors/starting.py`: while `selfrag serve` starts, its port answers 503 with Retry-After in
+"""`actors/http/starting.py`: while `selfrag serve` starts, its port answers 503 with Retry-After in
 the app's own error shapes, then frees the port for Serve's proxy."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from selfrag.actors.starting import StartingResponder
+from selfrag.actors.http.starting import StartingResponder
 from tests.redis_proc import free_port
 
 

@@ -18,10 +18,10 @@ import pytest
 from fastapi.testclient import TestClient
 
 from selfrag.actors.deployments import Retriever
-from selfrag.actors.http import build_http_app
-from selfrag.infra.embedder import SentenceEmbedder
-from selfrag.infra.qdrant_store import IndexMissing, QdrantStore, StoreMisconfigured
-from selfrag.infra.settings import load_settings
+from selfrag.actors.http.routes import build_http_app
+from selfrag.infra.embeddings.embedder import SentenceEmbedder
+from selfrag.infra.settings_loader import load_settings
+from selfrag.infra.store.qdrant_store import IndexMissing, QdrantStore, StoreMisconfigured
 from selfrag.pipeline.protocols import Passage
 from selfrag.schemas.errors import DependencyDown, Misconfigured
 from selfrag.schemas.settings import RetrievalSettings, Settings
@@ -121,7 +121,7 @@ def test_a_retriever_started_on_an_empty_home_serves_an_index_built_by_another_p
             import hashlib, sys
             from pathlib import Path
             import numpy as np
-            from selfrag.infra.qdrant_store import QdrantStore
+            from selfrag.infra.store.qdrant_store import QdrantStore
             from selfrag.pipeline.protocols import Passage
             from selfrag.schemas.settings import RetrievalSettings
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from selfrag.infra.support_calibration import (
+from selfrag.infra.calibration_files import (
     calibration_path,
     read_calibration,
     save_calibration,
@@ -24,9 +24,8 @@ from selfrag.infra.support_calibration import (
 from selfrag.pipeline.critics import Branch, LabelProbs
 from selfrag.pipeline.critics.filters import settle_filters
 from selfrag.pipeline.decoder import BeamDecoder
-from selfrag.pipeline.metrics import contains_answer
-from selfrag.pipeline.protocols import Generation, Passage
-from selfrag.pipeline.synthetic_qa import (
+from selfrag.pipeline.evaluation.qa_metrics import contains_answer
+from selfrag.pipeline.learning.synthetic_qa import (
     SyntheticQuestion,
     ThresholdChoice,
     choose_threshold,
@@ -37,6 +36,7 @@ from selfrag.pipeline.synthetic_qa import (
     sample_by_collection,
     synthetic_pairs,
 )
+from selfrag.pipeline.protocols import Generation, Passage
 from selfrag.runtime import calibrated as calibrated_module
 from selfrag.runtime.answering import AnswerPath, KnownCritique
 from selfrag.runtime.calibrated import CalibratedDefaults
@@ -290,7 +290,7 @@ def _fake_rag(
     collection: str = DEFAULT_COLLECTION,
 ) -> Any:
     """A runtime on the index `collection` of the home `tmp_path`, over fakes."""
-    from selfrag.infra.model_files import file_sha256
+    from selfrag.infra.models.model_files import file_sha256
 
     model = tmp_path / "model.gguf"
     model.write_bytes(b"weights")
@@ -315,7 +315,7 @@ def _fake_rag(
 def test_the_job_reads_each_pair_as_a_first_step_branch_and_saves_the_threshold(
     tmp_path: Path,
 ) -> None:
-    from selfrag.infra.model_files import file_sha256
+    from selfrag.infra.models.model_files import file_sha256
     from selfrag.jobs.support_calibration import CorpusCalibrationPlan, calibrate_support
 
     passages = [
@@ -339,7 +339,7 @@ def test_the_job_reads_each_pair_as_a_first_step_branch_and_saves_the_threshold(
 
 
 def test_the_job_saves_under_the_index_collection_it_ran_on(tmp_path: Path) -> None:
-    from selfrag.infra.model_files import file_sha256
+    from selfrag.infra.models.model_files import file_sha256
     from selfrag.jobs.support_calibration import CorpusCalibrationPlan, calibrate_support
 
     passages = [

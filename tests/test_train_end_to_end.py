@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 
 from selfrag.cli import main
-from selfrag.infra.heads_store import load_heads, read_manifest
-from selfrag.infra.model_files import file_sha256
-from selfrag.infra.settings import load_settings
+from selfrag.infra.models.heads_store import load_heads, read_manifest
+from selfrag.infra.models.model_files import file_sha256
+from selfrag.infra.settings_loader import load_settings
 from selfrag.pipeline.heads import GROUP_LABELS
 from selfrag.runtime.system import LocalRuntime
 
@@ -67,7 +67,7 @@ def test_ask_refuses_heads_of_another_model_file(
 ) -> None:
     import numpy as np
 
-    from selfrag.infra.heads_store import save_heads
+    from selfrag.infra.models.heads_store import save_heads
 
     other = "ab" * 32
     weights = {g: np.zeros((len(labels), 576)) for g, labels in GROUP_LABELS.items()}

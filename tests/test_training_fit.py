@@ -25,8 +25,8 @@ from selfrag.jobs.training import (
 )
 from selfrag.pipeline.critics import Branch, ChatCritic
 from selfrag.pipeline.heads import GROUP_LABELS
+from selfrag.pipeline.learning.reflection_data import Example
 from selfrag.pipeline.protocols import Passage
-from selfrag.pipeline.reflection_data import Example
 from tests.fakes import WordModel
 
 DIM = 6

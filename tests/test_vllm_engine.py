@@ -18,7 +18,7 @@ from typing import Any, ClassVar
 
 import pytest
 
-from selfrag.infra.vllm_engine import VLLMEngine, VLLMError
+from selfrag.infra.engine.vllm_engine import VLLMEngine, VLLMError
 from selfrag.pipeline.critics import PromptedCritic
 from selfrag.pipeline.prompts import chat_glue
 from selfrag.pipeline.protocols import ContinuationRequest, GenerationRequest, TokenScoreRequest
@@ -255,7 +255,7 @@ def test_server_errors_are_vllm_errors(server: str):
 
 
 def test_settings_select_the_vllm_backend(server: str, tmp_path: Path):
-    from selfrag.infra.settings import load_settings
+    from selfrag.infra.settings_loader import load_settings
     from selfrag.runtime.system import LocalRuntime
 
     env = {

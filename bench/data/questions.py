@@ -19,7 +19,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from selfrag.pipeline.metrics import contains_answer
+from selfrag.pipeline.evaluation.qa_metrics import contains_answer
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent

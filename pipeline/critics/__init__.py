@@ -9,7 +9,7 @@ returns label probabilities that `pipeline.scoring` turns into p_ret, s_rel, s_s
 * `likelihood`: likelihood gains of the generator itself (`LikelihoodCritic`).
 * `learned`: reflection heads on the final hidden state (`LearnedCritic`).
 
-`AnswerabilityCritic` wraps any of them, replacing s_sup by `pipeline.answerability`'s p.
+`AnswerabilityCritic` wraps any of them, replacing s_sup by `pipeline.answerability_model`'s p.
 """
 
 from selfrag.pipeline.critics.answerability import (

@@ -1,7 +1,8 @@
-"""The answerability critique: any source, with s_sup replaced by `pipeline.answerability`'s p.
+"""The answerability critique: any source, with s_sup replaced by `pipeline.answerability_model`'s
+p.
 
 `read_support` is the one place the combiner's features are read, for the critique at answer
-time and for fitting (`jobs.answerability`): the source's own support probabilities, the
+time and for fitting (`jobs.answerability_training`): the source's own support probabilities, the
 blocks' output at the chat layout's support and relevance prompts (in the same engine request
 as the learned heads' reads; one extra request each for other sources), and the draft's
 log-probability without its passage (one continuation request per grounded branch).
@@ -14,7 +15,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from selfrag.pipeline.answerability import AnswerabilityModel, draft_features, probe_name
+from selfrag.pipeline.answerability_model import AnswerabilityModel, draft_features, probe_name
 from selfrag.pipeline.critics.base import Branch, Critic, LabelProbs, read_requests
 from selfrag.pipeline.critics.chat import ChatCritic, SequenceCritic
 from selfrag.pipeline.critics.learned import LearnedCritic

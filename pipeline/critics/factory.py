@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from selfrag.pipeline.answerability import AnswerabilityModel
+from selfrag.pipeline.answerability_model import AnswerabilityModel
 from selfrag.pipeline.critics.answerability import AnswerabilityCritic
 from selfrag.pipeline.critics.base import NATIVE_CHAT_LAYOUT, NATIVE_EARLIER_LAYOUTS, Critic
 from selfrag.pipeline.critics.learned import LearnedCritic

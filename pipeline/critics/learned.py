@@ -75,7 +75,7 @@ class LearnedCritic(SequenceCritic):
     ) -> list[tuple[LabelProbs, TokenScores]]:
         """The group's label probabilities after each prompt and the engine's reply to the
         same request, which also carries the output of the middle blocks `layers` there
-        (`pipeline.answerability` probes it) and the final hidden state."""
+        (`pipeline.answerability_model` probes it) and the final hidden state."""
         if not prompts:
             return []
         out = []

@@ -1,0 +1,491 @@
+"""The answer service of the HTTP ingress: the CLI's `BeamDecoder`, reaching the other
+deployments through proxies.
+
+The decoder is synchronous, so each answer runs in a worker thread; the proxies block on
+`handle.method.remote(...).result(timeout_s=...)` there while the replica's event loop keeps
+serving. Every wait on another deployment is bounded by the request's deadline and ends early
+when the request is abandoned (the client went away), so an admitted answer never holds its
+in-flight slot past its deadline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import pickle
+import time
+import uuid
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from typing import Any
+
+from ray.exceptions import RayActorError, RayTaskError
+from ray.serve.exceptions import BackPressureError, RayServeException
+from ray.serve.handle import DeploymentHandle, DeploymentResponse
+
+from selfrag.actors.http.metrics import Metrics
+from selfrag.pipeline.branching import StepWork
+from selfrag.pipeline.critics import Branch, LabelProbs
+from selfrag.pipeline.decoder import StepListener
+from selfrag.pipeline.ranking import Candidate, Drafted, Hypothesis, StepRanking
+from selfrag.runtime.answering import (
+    Answer,
+    AnswerPath,
+    CacheIdentity,
+    Deadline,
+    KnownCritique,
+)
+from selfrag.runtime.assembly import DecoderParts
+from selfrag.runtime.remote_retriever import POLL_S, RemoteRetriever
+from selfrag.schemas.answer import AnswerRequest, AnswerResponse
+from selfrag.schemas.decoding import DecodingConfig
+from selfrag.schemas.documents import DocumentInfo, Removal
+from selfrag.schemas.errors import (
+    AnswerError,
+    DeadlineExceeded,
+    DependencyDown,
+    Overloaded,
+    Unprocessable,
+)
+
+log = logging.getLogger("selfrag.service")
+
+READY_PROBE_KEY = "selfrag:readyz-probe"
+
+
+def _cancel_call(response: DeploymentResponse[Any]) -> None:
+    """Best-effort cancel of an abandoned handle call (it may already have finished)."""
+    try:
+        response.cancel()
+    except Exception as exc:
+        log.debug("cancelling an abandoned call failed: %s", exc)
+
+
+async def _awaited(response: DeploymentResponse[Any]) -> Any:
+    """Await a handle call from the event loop; abandoning the wait cancels the call too."""
+    try:
+        return await response
+    except asyncio.CancelledError:
+        _cancel_call(response)
+        raise
+
+
+class _Remote:
+    """Blocking calls to deployment handles from a decoder thread, each bounded by the
+    request's `Deadline` and ended early when it is cancelled; each counted in `metrics` with
+    the pickled size of what it moved."""
+
+    def __init__(self, deadline: Deadline, metrics: Metrics) -> None:
+        self._deadline = deadline
+        self._metrics = metrics
+
+    def call(self, handle: DeploymentHandle, method: str, *args: Any) -> Any:
+        self._deadline.check()
+        response = getattr(handle, method).remote(*args)
+        result = self._wait(response)
+        self._metrics.count_remote(
+            str(getattr(handle, "deployment_name", "?")),
+            method,
+            len(pickle.dumps(args, protocol=5)),
+            len(pickle.dumps(result, protocol=5)),
+        )
+        return result
+
+    def _wait(self, response: DeploymentResponse[Any]) -> Any:
+        while True:
+            remaining = self._deadline.remaining()
+            if remaining > 0:
+                try:
+                    # Short slices, so a cancelled request stops waiting within POLL_S.
+                    return response.result(timeout_s=min(remaining, POLL_S))
+                except TimeoutError as exc:
+                    if isinstance(exc, RayTaskError):  # the remote code's own TimeoutError
+                        raise
+            if remaining <= 0 or self._deadline.cancelled:
+                _cancel_call(response)
+                self._deadline.check()
+
+
+class PoolBranchWorker:
+    """The decoder's `BranchWorker` in the ingress: the retrieval decision goes to the
+    `RetrievalDecider`, a step's branch work to the `BranchPool`, one call each per step,
+    each with what is left of the request's deadline."""
+
+    def __init__(
+        self,
+        remote: _Remote,
+        pool: DeploymentHandle,
+        decider: DeploymentHandle,
+        source: str,
+        name: str,
+        deadline: Deadline,
+    ) -> None:
+        self._remote = remote
+        self._pool = pool
+        self._decider = decider
+        self._source = source
+        self._deadline = deadline
+        self.name = name
+
+    def retrieval(self, branches: Sequence[Branch]) -> list[LabelProbs]:
+        if not branches:
+            return []
+        return self._remote.call(
+            self._decider, "decide", self._source, list(branches), self._deadline.remaining()
+        )
+
+    def expand(self, candidates: Sequence[Candidate], cfg: DecodingConfig) -> StepWork:
+        return self._remote.call(
+            self._pool, "expand", self._source, list(candidates), cfg, self._deadline.remaining()
+        )
+
+
+class RemoteRanker:
+    """The decoder's `ranker` through the `Ranker` deployment (`pipeline.ranking.rank_step`)."""
+
+    def __init__(self, remote: _Remote, handle: DeploymentHandle) -> None:
+        self._remote = remote
+        self._handle = handle
+
+    def __call__(
+        self,
+        beam: Sequence[Hypothesis],
+        live: Sequence[Hypothesis],
+        drafted: Sequence[Drafted],
+        cfg: DecodingConfig,
+    ) -> StepRanking:
+        return self._remote.call(self._handle, "rank", list(beam), list(live), list(drafted), cfg)
+
+
+def _cause(exc: BaseException) -> BaseException:
+    """The user-code exception inside a Ray task error."""
+    while isinstance(exc, RayTaskError) and getattr(exc, "cause", None) is not None:
+        exc = exc.cause  # type: ignore[assignment]
+    return exc
+
+
+class InternalFailure(RuntimeError):
+    """A failure without a meaning for the client (a bug, or a fault of a deployment): a
+    generic 500 whose cause goes to the log. Not a ValueError, so that the answer path does
+    not take it for a request it cannot answer."""
+
+
+def as_service_error(exc: BaseException) -> AnswerError | None:
+    """The HTTP meaning of a failure raised while answering, or None if it is a bug. A
+    deployment's ValueError is one too: what a client may not ask for is refused where the
+    request is checked (`AnswerPath.config`, the pool's `critic_name`), as an AnswerError;
+    its raw message may name internals."""
+    if isinstance(exc, AnswerError):
+        return exc
+    cause = _cause(exc)
+    if isinstance(cause, AnswerError):  # raised by a deployment (e.g. the store is down)
+        return cause
+    if isinstance(exc, BackPressureError) or isinstance(cause, BackPressureError):
+        # A deployment's queue is full (`max_queued_requests`): shed load now, never pile up.
+        return Overloaded("a deployment's request queue is full; retry later")
+    if isinstance(exc, RayActorError | RayServeException):
+        # A replica died or restarts (e.g. a killed BranchPool): the client retries later.
+        return DependencyDown(f"a deployment is unavailable: {type(exc).__name__}")
+    if isinstance(cause, RayActorError | RayServeException):
+        return DependencyDown(f"a deployment is unavailable: {type(cause).__name__}")
+    return None
+
+
+@contextmanager
+def service_errors() -> Iterator[None]:
+    """Failures with a known meaning raised as `AnswerError`s; anything else (a bug) as is,
+    but a ValueError as an `InternalFailure` (never a 422 with its raw message)."""
+    try:
+        yield
+    except (AnswerError, asyncio.CancelledError, InternalFailure):
+        raise
+    except Exception as exc:
+        mapped = as_service_error(exc)
+        if mapped is not None:
+            raise mapped from exc
+        if isinstance(exc, ValueError):  # a Ray task error is an instance of its cause's class
+            raise InternalFailure(f"{type(_cause(exc)).__name__} while answering") from exc
+        raise
+
+
+class _Admission:
+    """One admitted answer's place in the in-flight count."""
+
+    def __init__(self, service: ServeAnswerService) -> None:
+        self._service = service
+        self.deferred = False
+        self._released = False
+
+    def release(self) -> None:
+        if not self._released:
+            self._released = True
+            self._service._inflight -= 1
+            self._service._metrics.set_inflight(self._service._inflight)
+
+
+class ServeAnswerService:
+    """`actors.http.streaming.AnswerService` over deployment handles: the answer path (`AnswerPath`:
+    defaults, query cache, deadline, error kinds) decoding through the pool."""
+
+    def __init__(
+        self,
+        *,
+        pool: DeploymentHandle,
+        decider: DeploymentHandle,
+        retriever: DeploymentHandle,
+        ranker: DeploymentHandle,
+        path: AnswerPath,
+        max_inflight: int,
+        metrics: Metrics,
+        index_version_ttl_s: float = 0.0,
+        affinity: bool = True,
+        collection: str | None = None,
+    ) -> None:
+        """`path` is the deployment's `AnswerPath.for_settings` (its events: `metrics`). With
+        `affinity` every call of one answer carries the same session id (the pool and decider
+        route by it)."""
+        self._affinity = affinity
+        self._collection = collection
+        self._pool = pool
+        self._decider = decider
+        self._retriever = retriever
+        self._ranker = ranker
+        self._path = path
+        self._cache = path.cache
+        self._max_inflight = max_inflight
+        self._inflight = 0
+        self._draining = False
+        self._metrics = metrics
+        # A thread per admitted answer: the default executor has only cpu+4 threads.
+        self._executor = ThreadPoolExecutor(max_inflight, thread_name_prefix="selfrag-decoder")
+        self._model_id: str | None = None
+        self._model_fingerprint: str | None = None
+        self._critic_names: dict[str, str] = {}
+        self._calibrated: dict[str, dict[str, object]] = {}
+        self._index_version_ttl_s = index_version_ttl_s
+        # (version, time.monotonic() when read); a hit needs no Retriever call while it is fresh.
+        self._index_version: tuple[str, float] | None = None
+
+    @property
+    def inflight(self) -> int:
+        """Admitted answers whose decoder has not ended yet."""
+        return self._inflight
+
+    def drain(self) -> int:
+        """Admit no more answers (each is a 503 with Retry-After: the server is stopping) and
+        return how many admitted ones are still running; `selfrag serve` calls it on a stop
+        until that is 0 or its grace period ends."""
+        self._draining = True
+        return self._inflight
+
+    # --- answering -------------------------------------------------------------------------------
+
+    def config(self, request: AnswerRequest) -> DecodingConfig:
+        """The config of `request` before it is settled (`AnswerPath.requested`): its critique
+        source resolved and filters filled only in `run`, with the pool's facts."""
+        self._check_collection(request)
+        return self._path.requested(request)
+
+    def _check_collection(self, request: AnswerRequest) -> None:
+        """A server answers from the one collection its Retriever serves: another is a 422."""
+        if request.collection not in (None, self._collection):
+            raise Unprocessable(
+                f"collection {request.collection!r}: this server answers from "
+                f"{self._collection!r} only (start one with --collection NAME for another, or "
+                "use the CLI or the Python API, which answer from any collection of the home)"
+            )
+
+    async def run(
+        self,
+        request: AnswerRequest,
+        on_step: StepListener | None = None,
+        config: DecodingConfig | None = None,
+    ) -> Answer:
+        self._check_collection(request)
+        if self._draining:
+            raise Overloaded("the server is stopping; retry in a moment")
+        if self._inflight >= self._max_inflight:
+            self._metrics.count_overload()
+            raise Overloaded(f"{self._max_inflight} answers in progress; retry later")
+        self._inflight += 1
+        self._metrics.set_inflight(self._inflight)
+        slot = _Admission(self)
+        try:
+            with service_errors():
+                return await self._answer(request, on_step, slot, config)
+        finally:
+            if not slot.deferred:
+                slot.release()
+            self.collect_metrics_now()  # so Ray's export has the cache tiers without a scrape
+
+    async def _answer(
+        self,
+        request: AnswerRequest,
+        on_step: StepListener | None,
+        slot: _Admission,
+        requested: DecodingConfig | None,
+    ) -> Answer:
+        config = requested if requested is not None else self._path.requested(request)
+        loop = asyncio.get_running_loop()
+        # One deadline for everything before the answer exists: the lookups that precede
+        # decoding wait on other deployments too. The loop's timer and the decoder thread's
+        # own checks share it; whichever sees it pass first ends the answer.
+        deadline = Deadline(config.timeout_s)
+        try:
+            async with asyncio.timeout_at(loop.time() + config.timeout_s):
+                model_id = await self._get_model_id()
+                critic_name = await self._get_critic_name(config.critique)
+                calibrated = await self._get_calibrated(critic_name)
+                facts = KnownCritique(config.critique, critic_name, calibrated)
+                config = self._path.settle(config, facts)
+                identity: CacheIdentity | None = None
+                if self._cache is not None:
+                    identity = CacheIdentity(
+                        await self._get_index_version(), await self._get_model_fingerprint()
+                    )
+                decode = functools.partial(self._decode, model_id)
+                future = self._executor.submit(
+                    self._path.run,
+                    request.question,
+                    config,
+                    decode,
+                    identity=(lambda: identity) if identity is not None else None,
+                    deadline=deadline,
+                    on_step=on_step,
+                )
+                # The slot stays taken until the thread really ends, even after a 504.
+                slot.deferred = True
+                future.add_done_callback(lambda _: loop.call_soon_threadsafe(slot.release))
+                answer = await asyncio.wrap_future(future)
+        except TimeoutError:
+            # The loop's timer came first (the decoder thread counts its own).
+            deadline.expire()
+            self._metrics.count_deadline()
+            raise DeadlineExceeded(f"no answer within timeout_s={config.timeout_s:g}") from None
+        except asyncio.CancelledError:
+            deadline.cancel()
+            raise
+        if answer.cache != "hit":
+            self._metrics.observe_answer(answer.response)
+        return answer
+
+    def _decode(
+        self,
+        model_id: str,
+        question: str,
+        config: DecodingConfig,
+        deadline: Deadline,
+        on_step: StepListener | None,
+    ) -> AnswerResponse:
+        remote = _Remote(deadline, self._metrics)
+        pool, decider = self._pool, self._decider
+        if self._affinity:
+            # One session per answer: all its steps reach the same pool and decider replicas.
+            session = uuid.uuid4().hex
+            pool = pool.options(session_id=session)
+            decider = decider.options(session_id=session)
+        parts = DecoderParts(
+            # A settled config names the concrete source: the pool's critic is that one.
+            lambda source: PoolBranchWorker(remote, pool, decider, source, source, deadline),
+            RemoteRetriever(functools.partial(remote.call, self._retriever)),
+            model_id,
+            ranker=RemoteRanker(remote, self._ranker),
+        )
+        with service_errors():
+            return parts.decode(question, config, on_step)
+
+    async def _get_model_id(self) -> str:
+        if self._model_id is None:
+            self._model_id = await _awaited(self._pool.model_id.remote())
+        return self._model_id
+
+    async def _get_model_fingerprint(self) -> str:
+        if self._model_fingerprint is None:
+            self._model_fingerprint = await _awaited(self._pool.model_fingerprint.remote())
+        return self._model_fingerprint
+
+    async def _get_index_version(self) -> str:
+        now = time.monotonic()
+        if self._index_version is None or now - self._index_version[1] >= self._index_version_ttl_s:
+            self._index_version = (await _awaited(self._retriever.index_version.remote()), now)
+        return self._index_version[0]
+
+    async def _get_critic_name(self, source: str) -> str:
+        # Also validates the source up front, so a bad one never reaches a shared batch.
+        if source not in self._critic_names:
+            self._critic_names[source] = await _awaited(self._pool.critic_name.remote(source))
+        return self._critic_names[source]
+
+    async def _get_calibrated(self, critic_name: str) -> dict[str, object]:
+        # The pool's calibrated filter defaults of the source, read once per ingress (as the
+        # pool reads its calibration once per replica: a new one needs a restart).
+        if critic_name not in self._calibrated:
+            self._calibrated[critic_name] = await _awaited(
+                self._pool.calibrated_filters.remote(critic_name)
+            )
+        return self._calibrated[critic_name]
+
+    # --- probes --------------------------------------------------------------------------------
+
+    # --- documents -------------------------------------------------------------------------------
+
+    async def documents(self) -> list[DocumentInfo]:
+        """The indexed documents (the Retriever's store)."""
+        with service_errors():
+            return await _awaited(self._retriever.documents.remote())  # type: ignore[no-any-return]
+
+    async def remove(self, refs: list[str]) -> Removal:
+        """Remove documents; the next answer reads the new index version (no cached answer
+        citing them is served)."""
+        with service_errors():
+            removal: Removal = await _awaited(self._retriever.remove.remote(refs))
+        self._index_version = None
+        return removal
+
+    async def readiness(self) -> dict[str, bool]:
+        async def probe(handle: DeploymentHandle, timeout_s: float) -> bool:
+            try:
+                return bool(await asyncio.wait_for(_awaited(handle.ready.remote()), timeout_s))
+            except Exception as exc:
+                log.warning("readiness: %s", exc)
+                return False
+
+        # A call to a deployment whose replica is gone waits for its replacement, so the probe's
+        # timeout decides whether a restart shows as "not ready". The store answers in
+        # milliseconds: 1 s. The pool may be busy with a batch of seconds: 5 s. An answer needs
+        # both engines, the pool's and the decider's: "model" is both.
+        pool, decider, store = await asyncio.gather(
+            probe(self._pool, 5.0), probe(self._decider, 5.0), probe(self._retriever, 1.0)
+        )
+        model = pool and decider
+        cache = True
+        if self._cache is not None:
+            # A cache with a `ping` (infra.cache.tiers.AnswerCache) says whether its Redis answers;
+            # its get/put never raise, so a probe get would always pass.
+            ping = getattr(self._cache, "ping", None)
+            try:
+                if callable(ping):
+                    cache = bool(await asyncio.wait_for(asyncio.to_thread(ping), 2.0))
+                else:
+                    await asyncio.wait_for(asyncio.to_thread(self._cache.get, READY_PROBE_KEY), 2.0)
+            except Exception as exc:
+                log.warning("readiness: cache: %s", exc)
+                cache = False
+        return {"model": model, "store": store, "cache": cache}
+
+    async def collect_metrics(self) -> None:
+        """Before a scrape: the query cache's tier counters, as they are now. (The engine
+        replicas' batch sizes reach Prometheus through Ray's metrics export, from every
+        replica; this process does not ask them.)"""
+        self.collect_metrics_now()
+
+    def collect_metrics_now(self) -> None:
+        """`collect_metrics` from synchronous code."""
+        counters = getattr(self._cache, "counters", None)
+        if callable(counters):
+            self._metrics.sync_query_cache(counters())
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)

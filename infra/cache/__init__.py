@@ -1,0 +1,1 @@
+"""Caches: the two-tier (in-process, Redis) store, the query cache and the passage KV states."""

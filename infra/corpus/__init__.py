@@ -1,0 +1,1 @@
+"""Reading corpora: safe file access, document formats, structure-aware passages."""

@@ -1,0 +1,1 @@
+"""The passage embedder (MiniLM through llama.cpp's BERT support) and its tokenizer."""

@@ -1,0 +1,2 @@
+"""The model engine: llama.cpp (its CPU builds, batches, KV groups, threads, vocabulary) and
+vLLM."""

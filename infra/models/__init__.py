@@ -1,0 +1,1 @@
+"""Model files: presets, downloads and joins, GGUF export, the reflection heads on disk."""

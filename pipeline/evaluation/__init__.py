@@ -1,0 +1,1 @@
+"""Evaluation: QA metrics and the baselines Self-RAG is compared with."""

@@ -1,0 +1,1 @@
+"""Training and calibration data built from a corpus (label-free pairs, head examples, fits)."""

@@ -1,0 +1,51 @@
+"""The package's rooms stay small and its module names say one thing: no folder holds more than
+15 modules, and no two modules share a name (`docs/architecture.md` maps the folders)."""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+OUTSIDE = {"tests", "bench", "scripts", "docs", ".venv", ".git"}
+MAX_MODULES = 15
+ENTRY_NAMES = {"__init__.py", "__main__.py"}
+
+
+def _package_modules() -> list[Path]:
+    return [
+        p
+        for p in ROOT.rglob("*.py")
+        if not OUTSIDE & set(p.relative_to(ROOT).parts)
+        and "__pycache__" not in p.parts
+        and p.name not in ENTRY_NAMES
+    ]
+
+
+def test_no_folder_holds_more_than_fifteen_modules():
+    per_folder = Counter(p.parent.relative_to(ROOT).as_posix() for p in _package_modules())
+    crowded = {folder: n for folder, n in per_folder.items() if n > MAX_MODULES}
+    assert not crowded, f"split these folders into subpackages: {crowded}"
+
+
+def test_no_two_modules_share_a_name():
+    names = Counter(p.name for p in _package_modules())
+    twins = sorted(p.relative_to(ROOT).as_posix() for p in _package_modules() if names[p.name] > 1)
+    assert not twins, f"modules named alike in different folders: {twins}"
+
+
+def test_every_package_folder_is_an_installed_package():
+    import tomllib
+
+    declared = set(
+        tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
+    )
+    folders = {p.parent for p in _package_modules()} | {
+        p.parent for p in ROOT.rglob("__init__.py") if not OUTSIDE & set(p.parts)
+    }
+    expected = {
+        ".".join(["selfrag", *f.relative_to(ROOT).parts])
+        for f in folders
+        if "__pycache__" not in f.parts and not OUTSIDE & set(f.relative_to(ROOT).parts)
+    }
+    assert expected == declared, (expected - declared, declared - expected)
