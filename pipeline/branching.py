@@ -2,8 +2,8 @@
 
 This is what the branch-generation pool does for a step, in one call: every evidence branch is
 read for relevance and pruned under `min_relevance` (or `relevance_margin` below the best
-passage of its hypothesis, or past the `max_drafts` most relevant) before it drafts; a branch
-the hard filters would reject whatever it drafts is skipped; the rest draft a segment (a
+passage of its hypothesis, or past the first `max_drafts` in `draft_order`) before it drafts;
+a branch the hard filters would reject whatever it drafts is skipped; the rest draft a segment (a
 no-retrieval branch reuses the closed-book draft its retrieval decision was read from, when
 there is one); drafts are critiqued for support (evidence branches) and utility. What comes
 back is small: `Drafted` scores for the ranker, and the step's token counts.
@@ -72,14 +72,30 @@ def pruned_by_relevance(c: Candidate, best: dict[int, float], cfg: DecodingConfi
     return cfg.relevance_margin is not None and s_rel < best[c.parent] - cfg.relevance_margin
 
 
+def draft_order(evidence: Sequence[Candidate], margin: float) -> list[Candidate]:
+    """`evidence` (in the retriever's order per hypothesis) in the order it drafts under a
+    budget: the retriever's, except that a branch whose s_rel is more than `margin` above that
+    of its hypothesis's first retrieved passage goes first, the most relevant first."""
+    first: dict[int, float] = {}
+    for c in evidence:
+        first.setdefault(c.parent, _s_rel(c))
+    promoted = [c for c in evidence if _s_rel(c) > first[c.parent] + margin]
+    # A stable sort: equal s_rel (a saturated read) leaves the retriever's order.
+    promoted.sort(key=_s_rel, reverse=True)
+    chosen = {id(c) for c in promoted}
+    return promoted + [c for c in evidence if id(c) not in chosen]
+
+
+def _s_rel(c: Candidate) -> float:
+    return relevance_score(c.rel.probs) if c.rel is not None else 0.0
+
+
 def within_draft_budget(
     kept: Sequence[Candidate], cfg: DecodingConfig
 ) -> tuple[list[Candidate], int]:
-    """`kept` with at most `cfg.max_drafts` evidence branches per hypothesis, the most
-    relevant first (no-retrieval branches are not counted), and how many were left out."""
-    evidence = [c for c in kept if c.rel is not None]
-    # A stable sort: equal s_rel (a saturated read) leaves the retriever's order.
-    evidence.sort(key=lambda c: relevance_score(c.rel.probs), reverse=True)  # type: ignore[union-attr]
+    """`kept` with at most `cfg.max_drafts` evidence branches per hypothesis, chosen in
+    `draft_order` (no-retrieval branches are not counted), and how many were left out."""
+    evidence = draft_order([c for c in kept if c.rel is not None], cfg.draft_order_margin)
     budget = Counter[int]()
     allowed: set[int] = set()
     for c in evidence:

@@ -74,10 +74,21 @@ class DecodingConfig(BaseModel):
         1,
         ge=1,
         le=50,
-        description="Evidence branches drafted per hypothesis and step, the most relevant first, "
-        "after min_relevance and relevance_margin (measured); 50, top_k's bound: every branch "
-        "they keep. Each draft fewer is a sequence fewer in every decode step "
-        "(docs/benchmarks.md).",
+        description="Evidence branches drafted per hypothesis and step, in the order "
+        "draft_order_margin gives, after min_relevance and relevance_margin; 50, top_k's "
+        "bound: every branch they keep. Each draft fewer is a sequence fewer in every decode "
+        "step (docs/benchmarks.md).",
+    )
+    # The retriever's order transfers across corpora and models where a reading of s_rel on
+    # its own scale does not: the critique reorders it only on a clear call.
+    draft_order_margin: float = Field(
+        0.5,
+        ge=0.0,
+        le=1.0,
+        description="Under max_drafts, branches draft in the retriever's order, except that "
+        "one whose s_rel is more than this above that of the retriever's first passage drafts "
+        "before it (the most relevant first). 0: by s_rel alone; 1: the retriever's order "
+        "(docs/evaluation.md).",
     )
     min_support: SupportLevel | None = Field(
         None,

@@ -1,8 +1,10 @@
 import pytest
 
-from selfrag.pipeline.critics import settle_filters
+from selfrag.pipeline.branching import draft_order
+from selfrag.pipeline.critics import Branch, LabelProbs, settle_filters
 from selfrag.pipeline.decoder import ABSTAIN_MESSAGE, BeamDecoder
 from selfrag.pipeline.protocols import Passage
+from selfrag.pipeline.ranking import Candidate
 from selfrag.schemas.decoding import DecodingConfig
 from tests.fakes import ListRetriever, ScriptedCritic
 
@@ -96,7 +98,7 @@ def test_relevance_margin_drafts_only_passages_near_the_best():
 def test_max_drafts_drafts_the_most_relevant_passages_only():
     critic = ScriptedCritic(relevance_of={"p1": 0.7, "p2": 0.9, "p3": 0.8})
     decoder, _ = make(critic)
-    out = decoder.answer("q", cfg(max_drafts=2))
+    out = decoder.answer("q", cfg(max_drafts=2, draft_order_margin=0.0))
     assert out.usage.branches_pruned == 1  # p1, the least relevant of three
     assert "draft:3" in critic.calls  # p2, p3 and the no-retrieval branch
     critic.calls.clear()
@@ -106,14 +108,32 @@ def test_max_drafts_drafts_the_most_relevant_passages_only():
     assert out.segments[0].citation.passage_id == "p2"
 
 
-def test_by_default_only_the_most_relevant_passage_drafts():
+def test_by_default_the_retriever_s_first_passage_drafts_unless_another_reads_far_more_relevant():
     critic = ScriptedCritic(relevance_of={"p1": 0.8, "p2": 0.9, "p3": 0.85})
     decoder, _ = make(critic)
-    config = DecodingConfig(mode="always", max_segments=1, relevance_margin=1.0)
-    out = decoder.answer("q", settle_filters(config, "scripted"))
-    assert out.usage.branches_pruned == 2  # p1 and p3: the budget, not the filters
-    assert "draft:2" in critic.calls  # p2 and the no-retrieval branch
-    assert out.segments[0].citation.passage_id == "p2"
+    config = settle_filters(DecodingConfig(mode="always", max_segments=1), "scripted")
+    out = decoder.answer("q", config)
+    assert out.usage.branches_pruned == 2  # p2 and p3: the budget, not the filters
+    assert "draft:2" in critic.calls  # p1 and the no-retrieval branch
+    assert out.segments[0].citation.passage_id == "p1"
+    # p3's read is more than draft_order_margin (0.5) above p1's: the critique's clear call.
+    critic = ScriptedCritic(relevance_of={"p1": 0.3, "p2": 0.75, "p3": 0.85})
+    decoder, _ = make(critic)
+    assert decoder.answer("q", config).segments[0].citation.passage_id == "p3"
+
+
+def test_draft_order_keeps_the_retriever_s_order_below_the_margin():
+    def cand(parent: int, name: str, s_rel: float) -> Candidate:
+        c = Candidate(parent, Branch("q", "", Passage(name, "t")), True, None)
+        c.rel = LabelProbs({"relevant": s_rel, "irrelevant": 1 - s_rel}, 0)
+        return c
+
+    a, b, c, d = cand(0, "a", 0.1), cand(0, "b", 0.7), cand(0, "c", 0.65), cand(1, "d", 0.9)
+    e = cand(1, "e", 0.99)
+    names = [x.branch.passage.id for x in draft_order([a, b, c, d, e], 0.5)]
+    assert names == ["b", "c", "a", "d", "e"]  # b, c over a by > 0.5; e not over d
+    assert [x.branch.passage.id for x in draft_order([a, b, c], 1.0)] == ["a", "b", "c"]
+    assert [x.branch.passage.id for x in draft_order([a, c, b], 0.0)] == ["b", "c", "a"]
 
 
 def test_margin_is_measured_within_each_hypothesis():

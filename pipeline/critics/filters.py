@@ -2,7 +2,8 @@
 
 No source has constant defaults: a threshold chosen on one corpus pruned every passage of
 answerable questions on another (s_rel and s_sup move between corpora). The draft budget
-(`max_drafts`) keeps one evidence branch a step, the most relevant, without a threshold.
+(`max_drafts`) keeps one evidence branch a step: the retriever's first, unless the critique
+reads another far more relevant (`draft_order_margin`).
 """
 
 from __future__ import annotations
