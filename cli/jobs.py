@@ -24,6 +24,7 @@ def cmd_index(args: argparse.Namespace) -> int:
             raise CLIError(f"no such file or folder: {path}")
     settings = settings_from_args(args)
     failed = 0
+    changed = False
     with SelfRAG(settings) as rag:
         for path in args.paths:
             # Each skipped record is logged (WARNING) once by the indexing job itself.
@@ -44,8 +45,10 @@ def cmd_index(args: argparse.Namespace) -> int:
                     path, progress=not args.no_progress, follow_links=args.follow_links
                 )
             failed += len(report.errors)
+            changed |= report.changed
             print(
                 f"{path}: {report.documents} documents, {report.passages} passages indexed"
+                + (f", {report.unchanged} unchanged" if report.unchanged else "")
                 + (f", {len(report.errors)} skipped" if report.errors else "")
                 + (
                     f", {report.removed} removed ({report.removed_passages} passages: gone "
@@ -58,7 +61,12 @@ def cmd_index(args: argparse.Namespace) -> int:
         if args.paths and not args.no_calibrate and rag.count() > 0:
             from selfrag.jobs.support_calibration import corpus_plan, run_calibration
 
-            _, message = run_calibration(rag.system, corpus_plan(), progress=not args.no_progress)
+            system = rag.system
+            critique = system.critique_name(settings.decoding.critique)
+            if changed or system.calibrated.calibration(critique) is None:
+                _, message = run_calibration(system, corpus_plan(), progress=not args.no_progress)
+            else:
+                message = "support threshold: kept (the index did not change)"
             print(message)
         if args.precompute_kv:
             try:

@@ -3,10 +3,12 @@ take out of the index the documents of that file or folder that are gone from it
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -23,8 +25,10 @@ from selfrag.infra.corpus.reading import (
     split_passages,
 )
 from selfrag.infra.corpus.safe_files import corpus_root, file_source
+from selfrag.infra.store.qdrant_documents import DIGEST
 from selfrag.infra.store.qdrant_store import QdrantStore
 from selfrag.pipeline.protocols import COLLECTION, Passage
+from selfrag.schemas.documents import DocumentInfo
 from selfrag.schemas.settings import RetrievalSettings
 
 log = logging.getLogger(__name__)
@@ -44,6 +48,13 @@ class IndexReport:
     seconds: float = 0.0
     removed: int = 0
     removed_passages: int = 0
+    unchanged: int = 0
+    """Documents read with the digest they were indexed with: not embedded again."""
+
+    @property
+    def changed(self) -> bool:
+        """Whether the index changed: passages written or documents removed."""
+        return bool(self.passages or self.removed)
 
 
 class PieceCounter:
@@ -109,6 +120,21 @@ def corpus_passages(
     ]
 
 
+def document_digest(passages: Sequence[Passage], embedding_model: str) -> str:
+    """A digest of a document's passages as they would be indexed: ids, titles, texts and
+    metadata (not when or under which collection name), and the model embedding them."""
+    h = hashlib.sha256(embedding_model.encode())
+    for p in passages:
+        meta = {k: v for k, v in p.metadata.items() if k not in (COLLECTION, "indexed_at", DIGEST)}
+        h.update(json.dumps([p.id, p.title, p.text, meta], sort_keys=True).encode())
+    return h.hexdigest()[:32]
+
+
+def indexed_documents(store: QdrantStore) -> dict[str, DocumentInfo]:
+    """The documents `store` holds, by id (what `CorpusRead.documents` skips when unchanged)."""
+    return {d.id: d for d in store.documents()}
+
+
 def tagged(passage: Passage, path: Path, indexed_at: str | None = None) -> Passage:
     """`passage` with its collection: the name of the corpus file or folder it was indexed
     from (the support threshold is calibrated per collection, whose styles differ), and when
@@ -138,20 +164,34 @@ class CorpusRead:
         self.path = Path(path)
         self._items = read_documents(path, retrieval.max_document_bytes, follow_links=follow_links)
         self._split = passage_splitter(retrieval, embedder)
+        self._model = str(getattr(embedder, "model_id", None) or retrieval.embedding_model)
         self._report = report
         self.indexed_at = datetime.now(UTC).isoformat(timespec="seconds")
         self.seen: set[str] = set()
         """The ids of the documents read so far."""
 
-    def documents(self) -> Iterator[list[Passage]]:
-        """Each readable document's passages, in the corpus's order."""
+    def documents(
+        self, indexed: Mapping[str, DocumentInfo] | None = None
+    ) -> Iterator[list[Passage]]:
+        """Each readable document's passages, in the corpus's order; those of a document
+        `indexed` holds with the same digest and passage count are skipped (counted in the
+        report's `unchanged`), so a run after an interrupted one goes on where it stopped."""
+        indexed = indexed or {}
         for item in self._items:
             if isinstance(item, CorpusError):
                 log.warning("skipped %s", item)
                 self._report.errors.append(item)
                 continue
             self.seen.add(item.id)
-            yield [tagged(p, self.path, self.indexed_at) for p in self._split(item)]
+            passages = self._split(item)
+            digest = document_digest(passages, self._model)
+            known = indexed.get(item.id)
+            if known is not None and (known.digest, known.passages) == (digest, len(passages)):
+                self._report.unchanged += 1
+                continue
+            for p in passages:
+                p.metadata[DIGEST] = digest
+            yield [tagged(p, self.path, self.indexed_at) for p in passages]
 
     def remove_gone(self, store: QdrantStore) -> bool:
         """Once every document was read: remove those indexed from the path before that this
@@ -180,10 +220,12 @@ def index_corpus(
     folder that is not read) are logged (one WARNING each, the only report of them besides the
     report's `errors`) and skipped; the rest is indexed.
     Passages go to the store in groups of about `embedder_batch`, each group holding whole
-    documents, so an interrupted run never leaves a document half-written. Re-indexing the
-    same corpus overwrites its passages (stable ids) and drops passages a document no longer
-    has; once the whole path was read, the documents indexed from it before that it no longer
-    holds are removed (not those of a file that failed to read this time).
+    documents, so an interrupted run never leaves a document half-written, and a document
+    indexed already with the same passages and embedding model is not embedded again (so a
+    rerun goes on where an interrupted one stopped). A changed document's passages overwrite
+    its old ones (stable ids) and the passages it no longer has are dropped; once the whole
+    path was read, the documents indexed from it before that it no longer holds are removed
+    (not those of a file that failed to read this time).
     `index_version` is bumped at the end when anything was written, even after an error.
     Raises FileNotFoundError / CorpusFormatError for a missing path or an unknown format.
     """
@@ -216,7 +258,7 @@ def index_corpus(
 
     changed = False
     try:
-        for passages in corpus.documents():
+        for passages in corpus.documents(indexed_documents(store)):
             pending.extend(passages)
             pending_docs += 1
             if len(pending) >= embedder_batch:

@@ -10,16 +10,25 @@ in whole documents.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
 
-from selfrag.infra.store.qdrant_store import QdrantStore, document_batches, embedded_text
-from selfrag.jobs.indexing import CorpusRead, IndexReport
+from selfrag.infra.store.qdrant_store import (
+    QdrantStore,
+    doc_id,
+    document_batches,
+    embedded_text,
+)
+from selfrag.jobs.indexing import CorpusRead, IndexReport, indexed_documents
+from selfrag.pipeline.protocols import Passage
 from selfrag.schemas.settings import RetrievalSettings
 
 WRITE_BATCH = 256
+# Passages embedded per Ray Data run: what an interrupted run can lose, against each run's
+# start (its actors load the embedder).
+CHUNK_PASSAGES = 4096
 
 
 class PassageEmbedder:
@@ -81,9 +90,12 @@ def index_corpus_ray(
     address: str | None = None,
     follow_links: bool = False,
     progress: bool = True,
+    chunk_passages: int = CHUNK_PASSAGES,
 ) -> IndexReport:
     """`index_corpus` with the embedding on Ray (a private local instance, or the cluster at
-    `address`): the same passages, vectors, removals and report."""
+    `address`): the same passages, vectors, removals and report. Documents are embedded and
+    written `chunk_passages` at a time (whole documents), and those indexed already with the
+    same digest are skipped, so a run after an interrupted one goes on where it stopped."""
     from selfrag.jobs.ray_pool import ensure_ray
     from selfrag.runtime.ray_cluster import shutdown_private_ray
 
@@ -92,30 +104,44 @@ def index_corpus_ray(
     started = time.perf_counter()
     report = IndexReport()
     corpus = CorpusRead(path, retrieval, store.embedder, report, follow_links=follow_links)
-    passages = [p for document in corpus.documents() for p in document]
-    started_ray = ensure_ray(address)
+    documents = corpus.documents(indexed_documents(store))
+    connected = started_ray = changed = False
     try:
-        vectors = embed_on_ray(
-            [embedded_text(p) for p in passages],
-            retrieval.embedding_model,
-            store.embedder.dim,
-            actors=actors,
-            progress=progress,
-        )
+        for chunk in document_chunks(documents, chunk_passages):
+            if not connected:  # Ray only when there is something to embed
+                started_ray, connected = ensure_ray(address), True
+            vectors = embed_on_ray(
+                [embedded_text(p) for p in chunk],
+                retrieval.embedding_model,
+                store.embedder.dim,
+                actors=actors,
+                progress=progress,
+            )
+            done = 0
+            for batch in document_batches(chunk, WRITE_BATCH):
+                store.write(batch, vectors[done : done + len(batch)], replace_documents=True)
+                done += len(batch)
+            store.finish_writes()
+            report.documents += len({doc_id(p) for p in chunk})
+            report.passages += len(chunk)
+        changed = corpus.remove_gone(store)
     finally:
         if started_ray:
             shutdown_private_ray()
-    changed = False
-    try:
-        done = 0
-        for batch in document_batches(passages, WRITE_BATCH):
-            store.write(batch, vectors[done : done + len(batch)], replace_documents=True)
-            done += len(batch)
-        store.finish_writes()
-        report.documents, report.passages = len(corpus.seen), len(passages)
-        changed = corpus.remove_gone(store)
-    finally:
         if report.passages or changed:
             store.bump_index_version()
         report.seconds = time.perf_counter() - started
     return report
+
+
+def document_chunks(documents: Iterable[list[Passage]], size: int) -> Iterator[list[Passage]]:
+    """The passages of `documents` in chunks of whole documents, each `size` passages or more
+    (the last one less)."""
+    chunk: list[Passage] = []
+    for passages in documents:
+        chunk.extend(passages)
+        if len(chunk) >= size:
+            yield chunk
+            chunk = []
+    if chunk:
+        yield chunk

@@ -14,6 +14,11 @@ class DocumentInfo(BaseModel):
     url: str | None = None
     passages: int = Field(ge=0, description="Passages of it in the index.")
     indexed_at: str | None = Field(None, description="When it was last indexed (UTC, ISO 8601).")
+    digest: str | None = Field(
+        None,
+        description="A digest of its passages as indexed (their text and the embedding model): "
+        "a document read again with the same digest is not embedded again.",
+    )
 
 
 class Removal(BaseModel):

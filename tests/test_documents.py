@@ -271,7 +271,8 @@ def test_documents_are_listed_removed_and_gone_ones_leave_on_reindex(
     (folder / "notes.txt").unlink()
     version = store.index_version()
     report = index_corpus(folder, store, progress=False)
-    assert (report.documents, report.removed, report.removed_passages) == (2, 1, 1)
+    assert (report.documents, report.unchanged) == (0, 2)  # read again, not embedded again
+    assert (report.removed, report.removed_passages) == (1, 1)
     assert {Path(d.source or "").name for d in store.documents()} == {"guide.md", "paper.pdf"}
     assert store.index_version() != version
     assert not [p for p in store.passages() if "Notes about lava" in p.text]
@@ -283,6 +284,76 @@ def test_documents_are_listed_removed_and_gone_ones_leave_on_reindex(
     assert removal.unmatched == ["nope"]
     assert removal.passages > 0 and store.count() == 0 and store.documents() == []
     assert store.index_version() != version
+
+
+class CountingEmbedder(HashEmbedder):
+    """A `HashEmbedder` that counts the texts it embeds."""
+
+    def __init__(self) -> None:
+        self.texts: list[str] = []
+
+    def embed(self, texts: Any) -> Any:
+        self.texts.extend(texts)
+        return super().embed(texts)
+
+
+def test_only_new_or_changed_documents_are_embedded_again(tmp_path: Path) -> None:
+    folder = _folder(tmp_path)
+    embedder = CountingEmbedder()
+    with QdrantStore.open(RetrievalSettings(), tmp_path / "home", embedder) as store:
+        first = index_corpus(folder, store, progress=False)
+        assert first.unchanged == 0 and len(embedder.texts) == first.passages
+        digests = {d.id: d.digest for d in store.documents()}
+        assert all(digests.values())
+        version, embedder.texts = store.index_version(), []
+
+        again = index_corpus(folder, store, progress=False)
+        assert (again.documents, again.passages, again.unchanged) == (0, 0, 3)
+        assert embedder.texts == [] and store.index_version() == version  # caches stay valid
+
+        (folder / "notes.txt").write_text("Notes about basalt.", encoding="utf-8")
+        changed = index_corpus(folder, store, progress=False)
+        assert (changed.documents, changed.unchanged) == (1, 2)
+        assert embedder.texts == ["Notes about basalt."]
+        after = {d.id: d.digest for d in store.documents()}
+        assert [i for i in after if after[i] != digests[i]] == [
+            d.id for d in store.documents() if d.source and d.source.endswith("notes.txt")
+        ]
+        assert store.index_version() != version
+
+
+def test_an_interrupted_ray_index_goes_on_where_it_stopped(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`index --ray` writes chunk by chunk; a rerun embeds only what the killed run had not
+    written (the embedding on Ray replaced by this process's embedder: the resume is what
+    is tested; tests/test_cluster.py and the test below run the real Ray path)."""
+    import selfrag.jobs.ray_indexing as job
+    import selfrag.jobs.ray_pool as pool
+
+    folder = _folder(tmp_path)
+    embedder = CountingEmbedder()
+    calls = {"n": 0, "fail_at": 2}
+
+    def embed(texts: list[str], model: Any, dim: int, **_: Any) -> Any:
+        calls["n"] += 1
+        if calls["n"] == calls["fail_at"]:
+            raise KeyboardInterrupt  # the run killed mid-way
+        return embedder.embed(texts)
+
+    monkeypatch.setattr(job, "embed_on_ray", embed)
+    monkeypatch.setattr(pool, "ensure_ray", lambda address: False)
+    settings = RetrievalSettings()
+    with QdrantStore.open(settings, tmp_path / "home", embedder) as store:
+        with pytest.raises(KeyboardInterrupt):
+            job.index_corpus_ray(folder, store, retrieval=settings, chunk_passages=1)
+        assert len(store.documents()) == 1  # the first chunk: one whole document
+        embedded = len(embedder.texts)
+        calls["fail_at"] = 0
+        report = job.index_corpus_ray(folder, store, retrieval=settings, chunk_passages=1)
+        assert (report.documents, report.unchanged) == (2, 1)
+        assert len(store.documents()) == 3
+        assert len(embedder.texts) - embedded == report.passages  # nothing embedded twice
 
 
 def test_a_file_that_fails_to_read_keeps_its_old_document(

@@ -10,6 +10,9 @@ from typing import Any
 
 from selfrag.schemas.documents import DocumentInfo
 
+DIGEST = "doc_digest"
+"""The passage metadata (and payload) key of its document's digest (`DocumentInfo.digest`)."""
+
 
 def documents_of(payloads: Iterable[dict[str, Any]]) -> list[DocumentInfo]:
     """One entry per `doc_id`, sorted by source then id; the latest `indexed_at` of its
@@ -26,8 +29,11 @@ def documents_of(payloads: Iterable[dict[str, Any]]) -> list[DocumentInfo]:
                 "url": _text(payload.get("url")),
                 "passages": 0,
                 "indexed_at": _text(payload.get("indexed_at")),
+                "digest": _text(payload.get(DIGEST)),
             }
         entry["passages"] += 1
+        if entry["digest"] != _text(payload.get(DIGEST)):
+            entry["digest"] = None  # passages of two readings: not one document as indexed
         when = _text(payload.get("indexed_at"))
         if when and (entry["indexed_at"] is None or when > entry["indexed_at"]):
             entry["indexed_at"] = when

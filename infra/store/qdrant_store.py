@@ -16,7 +16,7 @@ from typing import Any
 
 from selfrag.infra.lifecycle import Closeable
 from selfrag.infra.store import sparse
-from selfrag.infra.store.qdrant_documents import documents_of, matching, stale
+from selfrag.infra.store.qdrant_documents import DIGEST, documents_of, matching, stale
 from selfrag.infra.store.qdrant_edge import EdgeEngine
 from selfrag.infra.store.qdrant_engine import (
     Embedder,
@@ -370,7 +370,7 @@ def point_data(passage: Passage, dense: list[float]) -> PointData:
 
 
 # Passage metadata kept in the payload as it is (besides `doc_id`, `url` and `page`).
-_KEPT = (COLLECTION, "source", "doc_title", "section", "indexed_at")
+_KEPT = (COLLECTION, "source", "doc_title", "section", "indexed_at", DIGEST)
 
 
 def document_batches(passages: Sequence[Passage], size: int) -> Iterator[list[Passage]]:
