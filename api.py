@@ -23,11 +23,13 @@ from types import TracebackType
 from typing import Any
 
 from selfrag.jobs.indexing import IndexReport, index_corpus
+from selfrag.jobs.kv_precompute import KVPrecompute, precompute_kv
 from selfrag.pipeline.decoder import StepListener
 from selfrag.pipeline.ranking import Hypothesis
+from selfrag.runtime.answer_client import LocalAnswerClient
 from selfrag.runtime.answering import Answer, LeaderSegments
 from selfrag.runtime.relevance import ranked_passages
-from selfrag.runtime.system import KVPrecompute, LocalRuntime
+from selfrag.runtime.system import LocalRuntime
 from selfrag.schemas.answer import AnswerRequest, AnswerResponse
 from selfrag.schemas.decoding import DecodingOverrides
 from selfrag.schemas.documents import DocumentInfo, Removal
@@ -50,6 +52,9 @@ class SelfRAG:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         self.system = LocalRuntime(settings)
+        self.client = LocalAnswerClient.for_runtime(self.system)
+        """The answer client of this process (`runtime.answer_client.AnswerClient`): what the
+        HTTP app (`actors.http.routes.build_http_app`) serves without Ray Serve."""
         self._runs: weakref.WeakSet[_Run] = weakref.WeakSet()
 
     @classmethod
@@ -120,7 +125,7 @@ class SelfRAG:
         """Save every indexed passage's KV state to the disk tier (`HOME/kv`), so answers
         start warm, in every process of the node and after a restart. ValueError when the
         configuration has no disk tier."""
-        return self.system.precompute_kv(progress=progress)
+        return precompute_kv(self.system, progress=progress)
 
     # --- answers ---------------------------------------------------------------------------------
 
@@ -208,9 +213,7 @@ class SelfRAG:
         )
 
     def _answer(self, request: AnswerRequest, on_step: StepListener | None = None) -> Answer:
-        system = self.system.for_collection(request.collection)
-        config = system.answer_path.config(request)
-        return system.answer_config(request.question, config, on_step)
+        return self.client.answer(request, on_step)
 
     # --- lifetime --------------------------------------------------------------------------------
 

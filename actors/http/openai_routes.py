@@ -1,7 +1,7 @@
 """OpenAI-compatible routes on the HTTP app: `GET /v1/models`, `GET /v1/models/{id}`,
 `POST /v1/chat/completions` and `POST /v1/completions`, streamed or not.
 
-Each request becomes one `AnswerRequest` on the same answer service as `/v1/answer`:
+Each request becomes one `AnswerRequest` on the same answer client as `/v1/answer`:
 - the question is the last user message; earlier user and assistant turns are prefixed to
   it as the conversation so far (the most recent that fit in `MAX_QUESTION_CHARS`), so
   retrieval and drafting both see them; system and developer messages are instructions the
@@ -44,7 +44,8 @@ from selfrag.actors.http.openai_format import (
     from_answer_error,
     usage_of,
 )
-from selfrag.actors.http.streaming import AnswerLog, AnswerService, AnswerStream, request_id
+from selfrag.actors.http.streaming import AnswerLog, AnswerStream, request_id
+from selfrag.runtime.answer_client import AnswerClient
 from selfrag.schemas.answer import MAX_QUESTION_CHARS, AnswerRequest, AnswerResponse
 from selfrag.schemas.decoding import MAX_INSTRUCTIONS_CHARS
 from selfrag.schemas.errors import AnswerError
@@ -202,7 +203,7 @@ class _Routes:
 
     def __init__(
         self,
-        service: AnswerService,
+        service: AnswerClient,
         metrics: Metrics,
         *,
         model_name: str,
@@ -353,7 +354,7 @@ def _json_body(schema: type[BaseModel]) -> dict[str, Any]:
 
 def add_openai_routes(
     app: FastAPI,
-    service: AnswerService,
+    service: AnswerClient,
     metrics: Metrics,
     *,
     model_name: str,

@@ -1,4 +1,5 @@
-"""The HTTP API as a FastAPI app around an answer service; no Ray here, so it tests quickly.
+"""The HTTP API as a FastAPI app around an answer client (`runtime.answer_client.AnswerClient`:
+in this process, or through Ray Serve's deployments); no Ray here, so it tests quickly.
 
 Routes: `POST /v1/answer`, `POST /v1/answer/stream` (server-sent events), `GET /healthz` (and
 `GET /health`, the name vLLM uses),
@@ -41,12 +42,12 @@ from selfrag.actors.http.streaming import (
     KEEPALIVE_S,
     REQUEST_ID_SCOPE_KEY,
     AnswerLog,
-    AnswerService,
     AnswerStream,
     NativeFormat,
     internal_error,
     request_id,
 )
+from selfrag.runtime.answer_client import AnswerClient
 from selfrag.schemas.answer import AnswerRequest, AnswerResponse
 from selfrag.schemas.errors import AnswerError, ErrorBody
 
@@ -276,7 +277,7 @@ def api_key_check(api_keys: Sequence[SecretStr]) -> Callable[[Request], None]:
 
 
 def build_http_app(
-    service: AnswerService,
+    service: AnswerClient,
     metrics: Metrics,
     *,
     api_keys: Sequence[SecretStr] = (),
@@ -350,7 +351,7 @@ def build_http_app(
 
 def _add_answer_routes(
     app: FastAPI,
-    service: AnswerService,
+    service: AnswerClient,
     metrics: Metrics,
     failures: _Failures,
     log_answer: AnswerLog,
@@ -402,7 +403,7 @@ def _add_answer_routes(
 
 def _add_probe_routes(
     app: FastAPI,
-    service: AnswerService,
+    service: AnswerClient,
     metrics: Metrics,
     failures: _Failures,
     readiness: SharedReadiness,

@@ -1,4 +1,4 @@
-"""The answer service of the HTTP ingress: the CLI's `BeamDecoder`, reaching the other
+"""The answer client of the Serve ingress: the CLI's `BeamDecoder`, reaching the other
 deployments through proxies.
 
 The decoder is synchronous, so each answer runs in a worker thread; the proxies block on
@@ -30,6 +30,7 @@ from selfrag.pipeline.branching import StepWork
 from selfrag.pipeline.critics import Branch, LabelProbs
 from selfrag.pipeline.decoder import StepListener
 from selfrag.pipeline.ranking import Candidate, Drafted, Hypothesis, StepRanking
+from selfrag.runtime.answer_client import probe, query_cache_ready
 from selfrag.runtime.answering import (
     Answer,
     AnswerPath,
@@ -51,8 +52,6 @@ from selfrag.schemas.errors import (
 )
 
 log = logging.getLogger("selfrag.service")
-
-READY_PROBE_KEY = "selfrag:readyz-probe"
 
 
 def _cancel_call(response: DeploymentResponse[Any]) -> None:
@@ -226,8 +225,8 @@ class _Admission:
 
 
 class ServeAnswerService:
-    """`actors.http.streaming.AnswerService` over deployment handles: the answer path (`AnswerPath`:
-    defaults, query cache, deadline, error kinds) decoding through the pool."""
+    """`runtime.answer_client.AnswerClient` over deployment handles: the answer path
+    (`AnswerPath`: defaults, query cache, deadline, error kinds) decoding through the pool."""
 
     def __init__(
         self,
@@ -445,7 +444,7 @@ class ServeAnswerService:
         return removal
 
     async def readiness(self) -> dict[str, bool]:
-        async def probe(handle: DeploymentHandle, timeout_s: float) -> bool:
+        async def ready(handle: DeploymentHandle, timeout_s: float) -> bool:
             try:
                 return bool(await asyncio.wait_for(_awaited(handle.ready.remote()), timeout_s))
             except Exception as exc:
@@ -457,22 +456,10 @@ class ServeAnswerService:
         # milliseconds: 1 s. The pool may be busy with a batch of seconds: 5 s. An answer needs
         # both engines, the pool's and the decider's: "model" is both.
         pool, decider, store = await asyncio.gather(
-            probe(self._pool, 5.0), probe(self._decider, 5.0), probe(self._retriever, 1.0)
+            ready(self._pool, 5.0), ready(self._decider, 5.0), ready(self._retriever, 1.0)
         )
         model = pool and decider
-        cache = True
-        if self._cache is not None:
-            # A cache with a `ping` (infra.cache.tiers.AnswerCache) says whether its Redis answers;
-            # its get/put never raise, so a probe get would always pass.
-            ping = getattr(self._cache, "ping", None)
-            try:
-                if callable(ping):
-                    cache = bool(await asyncio.wait_for(asyncio.to_thread(ping), 2.0))
-                else:
-                    await asyncio.wait_for(asyncio.to_thread(self._cache.get, READY_PROBE_KEY), 2.0)
-            except Exception as exc:
-                log.warning("readiness: cache: %s", exc)
-                cache = False
+        cache = await probe(functools.partial(query_cache_ready, self._cache), 2.0, "cache")
         return {"model": model, "store": store, "cache": cache}
 
     async def collect_metrics(self) -> None:

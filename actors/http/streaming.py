@@ -18,9 +18,9 @@ from fastapi.responses import Response, StreamingResponse
 from starlette.types import Receive
 
 from selfrag.actors.http.metrics import Metrics
-from selfrag.pipeline.decoder import StepListener
 from selfrag.pipeline.ranking import Hypothesis
-from selfrag.runtime.answering import Answer, LeaderSegments
+from selfrag.runtime.answer_client import AnswerClient
+from selfrag.runtime.answering import LeaderSegments
 from selfrag.schemas.answer import AnswerRequest, AnswerResponse
 from selfrag.schemas.decoding import DecodingConfig
 from selfrag.schemas.errors import AnswerError
@@ -34,35 +34,6 @@ KEEPALIVE = b": keep-alive\n\n"
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for "client went away"; only metrics see it
 REQUEST_ID_SCOPE_KEY = "selfrag.request_id"
 """Where the app's outer layer (`actors/http/routes.py`) keeps the request id in the ASGI scope."""
-
-
-class AnswerService(Protocol):
-    """What the HTTP layer needs from the system behind it."""
-
-    async def run(
-        self,
-        request: AnswerRequest,
-        on_step: StepListener | None = None,
-        config: DecodingConfig | None = None,
-    ) -> Answer:
-        """Answer one request along the answer path; `on_step` may be called from any thread.
-        `config`: what `config(request)` returned, when the caller has it (not worked out
-        again)."""
-        ...
-
-    def config(self, request: AnswerRequest) -> DecodingConfig:
-        """The config `request` asks for, before `run` settles it (its beam, bounds and dials
-        hold); raises `AnswerError` if refused."""
-        ...
-
-    async def readiness(self) -> dict[str, bool]:
-        """Each dependency (model, store, cache) and whether it answers now."""
-        ...
-
-    async def collect_metrics(self) -> None:
-        """Bring what the service counts outside the metrics (e.g. the query cache's tier
-        counters) into them, before `/metrics` renders them."""
-        ...
 
 
 def request_id(request: Request) -> str:
@@ -167,7 +138,7 @@ class AnswerStream:
 
     def __init__(
         self,
-        service: AnswerService,
+        service: AnswerClient,
         body: AnswerRequest,
         request: Request,
         fmt: StreamFormat,

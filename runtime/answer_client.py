@@ -1,0 +1,206 @@
+"""The answer client: one protocol for whatever answers requests, in this process or through
+Ray Serve's deployments.
+
+`AnswerClient` is what every way in talks to: answer a request (and stream its steps through
+`on_step`), the config it is answered with, and readiness. `LocalAnswerClient` answers in this
+process (the Python API, batch actors, evaluation, and the HTTP app without Serve);
+`actors.http.service.ServeAnswerService` answers through the deployments behind the Serve
+ingress. Both answer along `runtime.answering.AnswerPath`, the one place a request's config is
+settled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+from selfrag.pipeline.decoder import StepListener
+from selfrag.pipeline.ranking import Hypothesis
+from selfrag.runtime.answering import (
+    Answer,
+    AnswerPath,
+    CacheIdentity,
+    Deadline,
+    Decode,
+    QueryCache,
+)
+from selfrag.schemas.answer import AnswerRequest
+from selfrag.schemas.decoding import DecodingConfig
+from selfrag.schemas.errors import DeadlineExceeded
+
+if TYPE_CHECKING:
+    from selfrag.runtime.system import LocalRuntime
+
+log = logging.getLogger("selfrag.answer_client")
+
+READY_PROBE_KEY = "selfrag:readyz-probe"
+PROBE_TIMEOUT_S = 5.0
+"""How long a readiness probe in this process may take (a model still loading is not ready)."""
+
+
+class AnswerClient(Protocol):
+    """What answers requests: the HTTP app, the Python API, batch and evaluation talk to one."""
+
+    def config(self, request: AnswerRequest) -> DecodingConfig:
+        """The config `request` is answered with: its dials over the defaults, within this
+        client's limits, settled (`AnswerPath.config`) where the critique facts are at hand,
+        else settled by `run` (the Serve ingress fetches them from the pool). Raises
+        `AnswerError` if refused."""
+        ...
+
+    async def run(
+        self,
+        request: AnswerRequest,
+        on_step: StepListener | None = None,
+        config: DecodingConfig | None = None,
+    ) -> Answer:
+        """Answer one request along the answer path; `on_step` sees the leading hypothesis
+        after each step and may be called from any thread. `config`: what `config(request)`
+        returned, when the caller has it (not worked out again). Cancelling the call stops
+        the decode at its next step or wait."""
+        ...
+
+    async def readiness(self) -> dict[str, bool]:
+        """Each dependency (model, store, cache) and whether it answers now."""
+        ...
+
+    async def collect_metrics(self) -> None:
+        """Bring what the client counts outside the metrics (e.g. the query cache's tier
+        counters) into them, before `/metrics` renders them."""
+        ...
+
+
+def query_cache_ready(cache: QueryCache | None) -> bool:
+    """Whether the query cache answers: its `ping` when it has one (`infra.cache.tiers`: whether
+    its Redis answers; its get/put never raise, so a probe get would always pass), else a get.
+    No cache is ready."""
+    if cache is None:
+        return True
+    ping = getattr(cache, "ping", None)
+    if callable(ping):
+        return bool(ping())
+    cache.get(READY_PROBE_KEY)
+    return True
+
+
+async def probe(check: Callable[[], bool], timeout_s: float, name: str) -> bool:
+    """`check` in a thread within `timeout_s`; a failure or a timeout is not ready (logged)."""
+    try:
+        return bool(await asyncio.wait_for(asyncio.to_thread(check), timeout_s))
+    except Exception as exc:
+        log.warning("readiness: %s: %r", name, exc)
+        return False
+
+
+@dataclass(frozen=True)
+class AnswerSite:
+    """Where one collection's answers are made in this process: its answer path, how to
+    decode, and the cache identity (asked only when answers are cached)."""
+
+    path: AnswerPath
+    decode: Decode
+    identity: Callable[[], CacheIdentity] | None = None
+
+
+class LocalAnswerClient:
+    """`AnswerClient` in this process: each request along its collection's `AnswerSite`. The
+    blocking `answer` is for callers in threads (the Python API, batch actors, evaluation);
+    `run` answers in a worker thread for an event loop (the HTTP app without Serve)."""
+
+    def __init__(
+        self,
+        site: Callable[[str | None], AnswerSite],
+        *,
+        probes: Mapping[str, Callable[[], bool]] | None = None,
+    ) -> None:
+        """`site(collection)`: where a request on `collection` (None: the configured one) is
+        answered. `probes`: readiness checks by dependency name (the query cache's is added)."""
+        self._site = site
+        self._probes = dict(probes or {})
+
+    @classmethod
+    def for_runtime(cls, runtime: LocalRuntime) -> LocalAnswerClient:
+        """Answers with `runtime`'s engine, store and answer path (on any collection of its
+        home); ready when its model tokenizes and its store answers."""
+        return cls(
+            lambda collection: runtime_site(runtime.for_collection(collection)),
+            probes={
+                "model": lambda: bool(runtime.engine.tokenize("ready")),
+                "store": lambda: runtime.store.ready(),
+            },
+        )
+
+    def config(self, request: AnswerRequest) -> DecodingConfig:
+        return self._site(request.collection).path.config(request)
+
+    def answer(
+        self,
+        request: AnswerRequest,
+        on_step: StepListener | None = None,
+        config: DecodingConfig | None = None,
+        deadline: Deadline | None = None,
+    ) -> Answer:
+        """Answer `request`, blocking. `config`: a settled config (`config(request)`, or the
+        batch driver's). With `deadline`, the decode stops at its next step once it is
+        cancelled or expired; without one the decoder keeps to `timeout_s` itself."""
+        site = self._site(request.collection)
+        if config is None:
+            config = site.path.config(request)
+        if deadline is not None:
+            on_step = functools.partial(_checked_step, deadline, on_step)
+        return site.path.run(
+            request.question,
+            config,
+            site.decode,
+            identity=site.identity,
+            deadline=deadline,
+            on_step=on_step,
+        )
+
+    async def run(
+        self,
+        request: AnswerRequest,
+        on_step: StepListener | None = None,
+        config: DecodingConfig | None = None,
+    ) -> Answer:
+        if config is None:
+            config = await asyncio.to_thread(self.config, request)
+        deadline = Deadline(config.timeout_s)
+        try:
+            async with asyncio.timeout(config.timeout_s):
+                return await asyncio.to_thread(self.answer, request, on_step, config, deadline)
+        except TimeoutError:
+            deadline.expire()
+            raise DeadlineExceeded(f"no answer within timeout_s={config.timeout_s:g}") from None
+        except asyncio.CancelledError:
+            deadline.cancel()  # the decode thread stops at its next step
+            raise
+
+    async def readiness(self) -> dict[str, bool]:
+        cache = self._site(None).path.cache
+        checks = {**self._probes, "cache": functools.partial(query_cache_ready, cache)}
+        results = await asyncio.gather(
+            *(probe(check, PROBE_TIMEOUT_S, name) for name, check in checks.items())
+        )
+        return dict(zip(checks, results, strict=True))
+
+    async def collect_metrics(self) -> None:
+        """Nothing to collect: this client counts nothing outside the metrics."""
+
+
+def runtime_site(runtime: LocalRuntime) -> AnswerSite:
+    """`runtime`'s answer path, decoding in this process, keyed by its index and model."""
+    return AnswerSite(runtime.answer_path, runtime.decode, runtime.cache_identity)
+
+
+def _checked_step(deadline: Deadline, on_step: StepListener | None, h: Hypothesis) -> None:
+    """A step of a decode with `deadline`: ends it once the deadline was cancelled or expired
+    by whoever waits for it; an unexpired one the decoder keeps to itself."""
+    if deadline.cancelled:
+        deadline.check()
+    if on_step is not None:
+        on_step(h)
