@@ -87,7 +87,7 @@ def serve_baselines(home: str, port: int) -> None:
     config = DecodingConfig(top_k=K, max_segments=1, max_segment_tokens=MAX_TOKENS)
     # The pack's engine: llama-cpp-python's high-level Llama with every logit kept.
     llm = llama_cpp.Llama(
-        model_path=str(rag.model_path),
+        model_path=str(rag.model.path),
         n_ctx=settings.model.n_ctx,
         n_threads=settings.model.n_threads or os.cpu_count() or 1,
         logits_all=True,

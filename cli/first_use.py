@@ -31,7 +31,7 @@ def calibrate_on_first_use(rag: LocalRuntime, critique: str, progress: bool = Tr
     if rag.calibrated.calibration(name) is not None:
         return False
     print(
-        f"selfrag: no support threshold for {rag.model_path.name} and critique '{name}' on the "
+        f"selfrag: no support threshold for {rag.model.path.name} and critique '{name}' on the "
         f"collection '{rag.settings.retrieval.collection}' yet: calibrating it once now "
         "(`selfrag calibrate` does it alone)",
         file=sys.stderr,

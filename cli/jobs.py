@@ -279,12 +279,12 @@ def cmd_train(args: argparse.Namespace) -> int:
         protected = engine_model_files(settings.model, settings.home)
         check_export_target(args.export_gguf, protected)
     with LocalRuntime(settings) as rag:
-        sha = file_sha256(rag.model_path)
+        sha = file_sha256(rag.model.path)
         out = args.out or heads_path(settings.home, sha)
         if args.reuse:
-            heads = rag.heads
+            heads = rag.model.heads
             if heads is None:
-                raise CLIError(f"no reflection heads for {rag.model_path.name}: train them first")
+                raise CLIError(f"no reflection heads for {rag.model.path.name}: train them first")
         else:
             ensure_indexed(rag, args.corpus, progress=not args.no_progress)
             passages = None
@@ -308,7 +308,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         if args.export_gguf is not None:
             from selfrag.infra.models.gguf_export import export_reflection_model
 
-            written = export_reflection_model(rag.model_path, heads, args.export_gguf, protected)
+            written = export_reflection_model(rag.model.path, heads, args.export_gguf, protected)
             print(f"wrote {written} (critique 'native': reflection tokens with the learned rows)")
     return 0
 
@@ -332,7 +332,7 @@ def train_answerability(args: argparse.Namespace) -> int:
             "--export-gguf exports the heads only: the answerability model is not exportable"
         )
     with LocalRuntime(settings_from_args(args), layer_tap=True) as rag:
-        sha = file_sha256(rag.model_path)
+        sha = file_sha256(rag.model.path)
         if args.features is not None and args.features.is_file():
             table, meta = load_table(args.features)
         else:

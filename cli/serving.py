@@ -93,7 +93,7 @@ def _serve(
         # Fail here, naming the file, before Ray starts: a missing or corrupt model, or one no
         # CPU backend can run, would otherwise surface as a replica that keeps failing to start.
         recheck_model(settings.model, settings.home)  # its bytes, not its remembered hash
-        _check_model_runs(LocalRuntime(settings).model_path, settings.model.n_threads)
+        _check_model_runs(LocalRuntime(settings).model.path, settings.model.n_threads)
         # Abstention needs the served collection's support threshold: fitted now if missing,
         # while the port answers 503, rather than served without one.
         calibrate_before_answering(settings)

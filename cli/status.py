@@ -73,7 +73,7 @@ def collect_status(settings: Settings) -> dict[str, Any]:
             from selfrag.infra.models.model_files import file_sha256
             from selfrag.jobs.support_calibration import threshold_status
 
-            sha = file_sha256(system.model_path)
+            sha = file_sha256(system.model.path)
             threshold = threshold_status(
                 settings.home, sha, critique["resolved"], index["version"], r.collection
             )
@@ -103,10 +103,10 @@ def _model_status(
     from selfrag.infra.engine.engine_threads import describe as describe_threads
     from selfrag.infra.models.model_files import gguf_special_tokens
     from selfrag.pipeline.critics.base import RESERVED_PIECES
-    from selfrag.runtime.system import missing_heads_message, model_id_for
+    from selfrag.runtime.model_artefacts import missing_heads_message, model_id_for
 
-    path = system.model_path
-    heads = system.heads_file
+    path = system.model.path
+    heads = system.model.heads_file
     native = set(RESERVED_PIECES) <= gguf_special_tokens(path)
     usable = {"native": native, "learned": heads is not None}.get(configured, True)
     resolved = auto_source(native=native, learned=heads is not None)

@@ -84,7 +84,7 @@ def collect_table(
     if n_layers is None:
         raise AnswerabilityFitError("this engine cannot return middle layers: use llama.cpp")
     blocks = list(blocks) if blocks is not None else candidate_blocks(n_layers)
-    heads = rag.heads if source in ("auto", "learned") else None
+    heads = rag.model.heads if source in ("auto", "learned") else None
     inner = source_critic(engine, source, rag.settings.calibration, heads)
     labelled = [q for q in questions if q.context is not None]
     if not labelled:

@@ -167,8 +167,8 @@ def calibrate_support(
             choose_threshold(answerable, unanswerable, plan.max_answerable_abstain),
         )
     cal = SupportCalibration(
-        model_sha256=file_sha256(rag.model_path),
-        model_file=rag.model_path.name,
+        model_sha256=file_sha256(rag.model.path),
+        model_file=rag.model.path.name,
         critique=name,
         index_collection=rag.settings.retrieval.collection,
         fingerprint=rag.model_fingerprint,

@@ -372,7 +372,7 @@ def train(
     X = hidden_features(engine, critic, examples, batch=plan.batch, progress=progress)
     weights, stats = fit_heads(examples, X, plan.seed)
     manifest = {
-        "model_file": rag.model_path.name,
+        "model_file": rag.model.path.name,
         "hidden_size": engine.hidden_size,
         "seed": plan.seed,
         "plan": plan.__dict__,

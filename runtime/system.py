@@ -1,4 +1,4 @@
-"""Wires settings into a working Self-RAG system: engine, store, critique and decoder.
+"""Wires settings into a working Self-RAG system: model, store, critique and decoder.
 
 Components are built lazily, so `selfrag index` never loads the language model and
 `selfrag config` loads nothing.
@@ -6,29 +6,17 @@ Components are built lazily, so `selfrag index` never loads the language model a
 
 from __future__ import annotations
 
-import logging
 import re
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import cached_property
-from pathlib import Path
 from typing import TYPE_CHECKING
 
-from selfrag.infra.engine.engine_threads import apply_wait_policy
 from selfrag.infra.lifecycle import Closeable
-from selfrag.pipeline.answerability_model import AnswerabilityError, AnswerabilityModel
-from selfrag.pipeline.critics import (
-    RESERVED_PIECES,
-    Critic,
-    CritiqueUnavailable,
-    make_critic,
-    with_answerability,
-)
-from selfrag.pipeline.critics.factory import auto_source
+from selfrag.pipeline.critics import Critic, make_critic, with_answerability
 from selfrag.pipeline.critics.verify import VerifiedCritic
 from selfrag.pipeline.decoder import StepListener
-from selfrag.pipeline.heads import HeadsError, ReflectionHeads
 from selfrag.runtime.answering import (
     Answer,
     AnswerPath,
@@ -37,14 +25,10 @@ from selfrag.runtime.answering import (
 )
 from selfrag.runtime.assembly import DecoderParts
 from selfrag.runtime.calibrated import CalibratedDefaults
+from selfrag.runtime.model_artefacts import ModelArtefacts, model_artefacts, open_embedder
 from selfrag.schemas.answer import AnswerRequest, AnswerResponse
 from selfrag.schemas.decoding import DecodingConfig
-from selfrag.schemas.settings import COLLECTION_NAME, ModelSettings, Settings
-
-log = logging.getLogger(__name__)
-# The critique sources (all but `auto`): each may have an answerability model (part of the
-# model's cache identity) and a calibrated support threshold (part of a settled config).
-CRITIQUE_SOURCES = ("learned", "likelihood", "prompted", "native")
+from selfrag.schemas.settings import COLLECTION_NAME, Settings
 
 if TYPE_CHECKING:  # heavy modules (llama.cpp, Qdrant) load only when a component is built
     from selfrag.infra.cache.kv_cache import TieredStateStore
@@ -55,13 +39,12 @@ if TYPE_CHECKING:  # heavy modules (llama.cpp, Qdrant) load only when a componen
 
 
 class LocalRuntime(Closeable):
-    """The parts of Self-RAG in this process (engine, store, critics, decoder parts, answer path),
-    built lazily from the settings. Thread-safe; the engine serialises its own calls."""
+    """The parts of Self-RAG in this process (model, store, critics, decoder parts, answer
+    path), built lazily from the settings. Thread-safe; the engine serialises its own calls."""
 
     def __init__(self, settings: Settings, *, layer_tap: bool | None = None) -> None:
         """`layer_tap`: whether the engine can read middle layers; None: when an answerability
-        model of the model file reads one (the tap slows generation: docs/benchmarks.md,
-        "Reading middle layers")."""
+        model of the model file reads one (`model_artefacts`)."""
         self.settings = settings
         self._layer_tap = layer_tap
         settings.home.mkdir(parents=True, exist_ok=True)
@@ -72,18 +55,15 @@ class LocalRuntime(Closeable):
     # --- components -----------------------------------------------------------------------------
 
     @cached_property
+    def model(self) -> ModelArtefacts:
+        """The model's file, identity, heads, answerability models and engine."""
+        return model_artefacts(
+            self.settings, layer_tap=self._layer_tap, prefix_store=lambda: self.prefix_store
+        )
+
+    @cached_property
     def embedder(self) -> SentenceEmbedder:
-        from selfrag.infra.embeddings.embedder import SentenceEmbedder
-
-        self._before_llama()  # an embedder may load llama.cpp (or torch's OpenMP) first
-        if self.settings.model.backend == "llama_cpp":
-            # A process loads one CPU backend, chosen by the first model it loads: let the chat
-            # model choose it, since a backend the embedder runs on may crash the chat model
-            # (an AMX build on a VM that reports AMX), not the other way round.
-            from selfrag.infra.engine.llama_cpu_builds import ensure_backend
-
-            ensure_backend(self.model_path, n_threads=self.settings.model.n_threads or 1)
-        return SentenceEmbedder(self.settings.retrieval.embedding_model)
+        return open_embedder(self.settings, self.model)
 
     @cached_property
     def store(self) -> QdrantStore:
@@ -91,81 +71,14 @@ class LocalRuntime(Closeable):
 
         return QdrantStore.open(self.settings.retrieval, self.settings.home, self.embedder)
 
-    def _before_llama(self) -> None:
-        """Put OpenMP's wait policy (`model.omp_wait_policy`) into this process's environment:
-        the runtime reads it once, when llama.cpp's CPU backend loads it. Called before
-        anything here that may load llama.cpp: the embedder, the model file, the engine."""
-        apply_wait_policy(self.settings.model.omp_wait_policy)
-
-    @cached_property
-    def model_path(self) -> Path:
-        from selfrag.infra.models.model_files import derive_weights
-        from selfrag.infra.models.model_presets import resolve_model
-
-        self._before_llama()  # deriving weights loads llama.cpp
-        source = resolve_model(self.settings.model, self.settings.home)
-        return derive_weights(source, self.settings.model.weights, self.settings.home)
-
-    @cached_property
-    def model_fingerprint(self) -> str:
-        """The model's identity in query-cache keys: its id, the GGUF file's SHA-256 (hashed
-        once per file and process) and its reflection heads file's; a vLLM server's model has
-        only its name."""
-        if self.settings.model.backend == "vllm":
-            return self.engine.model_id
-        from selfrag.infra.models.model_files import file_sha256
-
-        # The engine's model id, without loading the engine (the batch driver has none).
-        model_id = model_id_for(self.settings.model, self.model_path)
-        fingerprint = f"{model_id} sha256:{file_sha256(self.model_path)}"
-        if self.heads_file is not None:
-            # Retrained heads change the learned critique's answers.
-            fingerprint += f" heads:{file_sha256(self.heads_file)}"
-        if self.settings.model.support_read == "verify":
-            return fingerprint + " support:verify"
-        for source in CRITIQUE_SOURCES:
-            # A fitted answerability model changes s_sup, hence abstentions.
-            path = self.answerability_file(source)
-            if path is not None:
-                fingerprint += f" answerability-{source}:{file_sha256(path)}"
-        return fingerprint
-
-    @cached_property
+    @property
     def engine(self) -> LlamaEngine | VLLMEngine:
-        m = self.settings.model
-        if m.backend == "vllm":
-            from selfrag.infra.engine.vllm_engine import VLLMEngine
+        return self.model.engine
 
-            if not m.vllm_url:
-                raise ValueError("model.backend = 'vllm' needs model.vllm_url")
-            return VLLMEngine(m.vllm_url, model=m.vllm_model, timeout_s=m.vllm_timeout_s)
-        self._before_llama()
-        from selfrag.infra.engine.llama_engine import LlamaEngine
-
-        path = self.model_path
-        return LlamaEngine(
-            path,
-            n_ctx=m.n_ctx,
-            n_seq_max=m.n_seq_max,
-            n_threads=m.n_threads,
-            n_batch=m.n_batch,
-            model_id=model_id_for(m, path),
-            prefix_store=self.prefix_store,
-            prefix_min_tokens=self.settings.cache.kv_min_tokens,
-            layer_tap=self._layer_tap if self._layer_tap is not None else self.reads_layers,
-            adaptive_threads=m.adaptive_threads,
-        )
-
-    @cached_property
-    def reads_layers(self) -> bool:
-        """Whether an answerability model of the model file probes a block's output (none
-        is used while s_sup is the verification read)."""
-        if self.settings.model.support_read == "verify":
-            return False
-        return any(
-            (m := self.answerability(source)) is not None and m.blocks
-            for source in CRITIQUE_SOURCES
-        )
+    @property
+    def model_fingerprint(self) -> str:
+        """The model's identity in query-cache keys (`ModelArtefacts.fingerprint`)."""
+        return self.model.fingerprint
 
     @cached_property
     def prefix_store(self) -> TieredStateStore | None:
@@ -187,114 +100,40 @@ class LocalRuntime(Closeable):
     @cached_property
     def calibrated(self) -> CalibratedDefaults:
         """The support thresholds calibrated on this runtime's collection for the model file."""
-        from selfrag.infra.models.model_files import file_sha256
-
         return CalibratedDefaults(
             self.settings.home,
-            lambda: file_sha256(self.model_path),
-            lambda: self.model_fingerprint,
+            lambda: self.model.sha256,
+            lambda: self.model.fingerprint,
             self.settings.retrieval.collection,
         )
 
     def calibrated_filters(self, critique: str) -> dict[str, object]:
         """The filter defaults calibrated on the served collection for the critique source
-        `critique` (`selfrag calibrate`); none on the vLLM backend (no model file to key by)."""
-        if self.settings.model.backend == "vllm":
-            return {}
-        return self.calibrated.filters(critique)
+        `critique` (`selfrag calibrate`); none for a model without a file to key them by."""
+        return self.model.calibrated_filters(self.calibrated, critique)
 
     def critique_name(self, source: str) -> str:
-        """The concrete critique source `source` stands for on this model: `auto` as
-        `auto_source` decides, from the model file's header (reflection tokens) and whether it
-        has a heads file, without loading llama.cpp; a vLLM server's model is asked."""
+        """The concrete critique source `source` stands for on this model: `auto` as the model
+        artefacts tell (`ModelArtefacts.auto_critique`), else as its critic says."""
         if source != "auto":
             return source
-        if self.settings.model.backend != "llama_cpp":
-            return self.critic(source).name
-        from selfrag.infra.models.model_files import gguf_special_tokens
-
-        native = set(RESERVED_PIECES) <= gguf_special_tokens(self.model_path)
-        name = auto_source(native=native, learned=self.heads_file is not None)
-        if name == "likelihood":
-            warn_missing_heads(self.model_path)
-        return name
-
-    @cached_property
-    def heads_file(self) -> Path | None:
-        """The reflection heads file of the model: configured, else trained here for the model
-        file, else shipped for it; None without one (or on the vLLM backend)."""
-        if self.settings.model.backend == "vllm":
-            return None
-        if self.settings.model.heads is not None:
-            return self.settings.model.heads
-        from selfrag.infra.models.heads_store import find_heads
-        from selfrag.infra.models.model_files import file_sha256
-
-        return find_heads(self.settings.home, file_sha256(self.model_path))
-
-    @cached_property
-    def heads(self) -> ReflectionHeads | None:
-        """The heads in `heads_file`; heads of another model file are refused (`HeadsError`)."""
-        if self.heads_file is None:
-            return None
-        from selfrag.infra.models.heads_store import load_heads
-        from selfrag.infra.models.model_files import file_sha256, gguf_hidden_size
-
-        heads = load_heads(self.heads_file)
-        try:
-            heads.check_model(file_sha256(self.model_path), gguf_hidden_size(self.model_path))
-        except HeadsError as exc:
-            raise HeadsError(f"{self.heads_file}: {exc}") from None
-        return heads
-
-    def answerability_file(self, source: str) -> Path | None:
-        """The answerability model file of the model file and critique `source`: fitted here,
-        else shipped; None without one, when `model.answerability` is off, or on vLLM."""
-        if self.settings.model.backend == "vllm" or not self.settings.model.answerability:
-            return None
-        from selfrag.infra.models.heads_store import find_answerability
-        from selfrag.infra.models.model_files import file_sha256
-
-        return find_answerability(self.settings.home, file_sha256(self.model_path), source)
-
-    def answerability(self, source: str) -> AnswerabilityModel | None:
-        """The model in `answerability_file`; one of another model file or source is refused
-        (`AnswerabilityError`)."""
-        path = self.answerability_file(source)
-        if path is None:
-            return None
-        from selfrag.infra.models.heads_store import load_answerability
-        from selfrag.infra.models.model_files import file_sha256, gguf_hidden_size
-
-        model = load_answerability(path)
-        try:
-            model.check(file_sha256(self.model_path), source, gguf_hidden_size(self.model_path))
-        except AnswerabilityError as exc:
-            raise AnswerabilityError(f"{path}: {exc}") from None
-        return model
+        name = self.model.auto_critique()
+        return name if name is not None else self.critic(source).name
 
     def critic(self, source: str) -> Critic:
-        """The critique `source` names on this model. `learned` without heads for the model file
-        is `CritiqueUnavailable` saying so; `auto` without them is `likelihood`, with a warning
-        logged once per process and model file."""
+        """The critique `source` names on this model (`CritiqueUnavailable` when it cannot run
+        there), its s_sup the verification read or the source's answerability model."""
         with self._lock:
             if source not in self._critics:
-                heads = self.heads if source in ("auto", "learned") else None
-                llama = self.settings.model.backend == "llama_cpp"
-                if source == "learned" and heads is None and llama:
-                    raise CritiqueUnavailable(
-                        f"critique 'learned' needs reflection heads for the model file "
-                        f"{self.model_path.name}, and it has none: train them with `selfrag "
-                        "train`, or use critique 'auto' or 'likelihood'"
-                    )
-                critic = make_critic(self.engine, source, self.settings.calibration, heads)
+                model = self.model
+                heads = model.critique_heads(source)
+                critic = make_critic(model.engine, source, self.settings.calibration, heads)
                 if self.settings.model.support_read == "verify":
-                    critic = VerifiedCritic(critic, self.engine)
+                    critic = VerifiedCritic(critic, model.engine)
                 else:
-                    answerability = self.answerability(critic.name)
-                    critic = with_answerability(critic, self.engine, answerability)
-                if source == "auto" and heads is None and llama and critic.name == "likelihood":
-                    warn_missing_heads(self.model_path)
+                    answerability = model.answerability(critic.name)
+                    critic = with_answerability(critic, model.engine, answerability)
+                model.note_critic(source, critic)
                 self._critics[source] = critic
             return self._critics[source]
 
@@ -397,7 +236,7 @@ class LocalRuntime(Closeable):
         for sibling in self._siblings.values():
             sibling.close()
         self._siblings.clear()
-        for name in ("engine", "store", "prefix_store"):
+        for name in ("model", "store", "prefix_store"):  # the model closes its engine
             component = self.__dict__.pop(name, None)
             if component is not None:
                 component.close()
@@ -415,10 +254,7 @@ class CollectionRuntime(LocalRuntime):
                 "64 at most, starting with a letter or digit"
             )
         retrieval = parent.settings.retrieval.model_copy(update={"collection": collection})
-        super().__init__(
-            parent.settings.model_copy(update={"retrieval": retrieval}),
-            layer_tap=parent._layer_tap,
-        )
+        super().__init__(parent.settings.model_copy(update={"retrieval": retrieval}))
         self._parent = parent
         self._critics = parent._critics
         self._lock = parent._lock
@@ -428,8 +264,8 @@ class CollectionRuntime(LocalRuntime):
         return self._parent.embedder
 
     @property  # type: ignore[override]
-    def engine(self) -> LlamaEngine | VLLMEngine:
-        return self._parent.engine
+    def model(self) -> ModelArtefacts:
+        return self._parent.model
 
     @property  # type: ignore[override]
     def prefix_store(self) -> TieredStateStore | None:
@@ -461,32 +297,3 @@ class KVPrecompute:
     computed: int
     disk_bytes: int
     seconds: float
-
-
-def model_id_for(model: ModelSettings, path: Path) -> str:
-    """A readable model id: the preset's or the configured file's name, and the file the
-    engine loads."""
-    from selfrag.infra.models.model_presets import model_title
-
-    return f"{model_title(model)} ({path.name})"
-
-
-def missing_heads_message(model_file: Path) -> str:
-    """What `auto` does on a model file without reflection heads, and how to give it some."""
-    return (
-        f"no reflection heads for the model file {model_file.name}: critique 'auto' falls back to "
-        "'likelihood' (train heads for this file with `selfrag train` to use 'learned')"
-    )
-
-
-_warned_lock = threading.Lock()
-_warned_files: set[Path] = set()
-
-
-def warn_missing_heads(model_file: Path) -> None:
-    """Log `missing_heads_message` (WARNING) once per process and model file."""
-    with _warned_lock:
-        if model_file in _warned_files:
-            return
-        _warned_files.add(model_file)
-    log.warning("%s", missing_heads_message(model_file))

@@ -307,23 +307,23 @@ def test_the_system_finds_the_model_of_its_model_file_and_refuses_another(tmp_pa
 
     def system(**model: object) -> LocalRuntime:
         rag = LocalRuntime(load_settings(environ={}, overrides={"home": home, "model": model}))
-        rag.__dict__["model_path"] = weights  # no llama.cpp: the file only needs a SHA-256
+        rag.model.__dict__["path"] = weights  # no llama.cpp: the file only needs a SHA-256
         return rag
 
     rag = system(support_read="source")
-    fitted = rag.answerability("learned")
+    fitted = rag.model.answerability("learned")
     assert fitted is not None and fitted.blocks == (1,)
-    assert rag.answerability("likelihood") is None
-    assert rag.reads_layers  # the engine installs the layer tap for it
+    assert rag.model.answerability("likelihood") is None
+    assert rag.model.reads_layers  # the engine installs the layer tap for it
     # While s_sup is the verification read no answerability model is read: no tap.
-    assert not system().reads_layers
-    assert system(answerability=False).answerability("learned") is None
-    assert not system(answerability=False).reads_layers
+    assert not system().model.reads_layers
+    assert system(answerability=False).model.answerability("learned") is None
+    assert not system(answerability=False).model.reads_layers
     save_answerability(
         answerability_path(home, sha, "likelihood"), combiner("likelihood", "b" * 64)
     )
     with pytest.raises(AnswerabilityError, match="not for sha256"):
-        rag.answerability("likelihood")
+        rag.model.answerability("likelihood")
 
 
 @pytest.mark.parametrize(
@@ -365,10 +365,10 @@ def test_probes_of_another_width_than_the_model_are_refused_naming_the_file(
     sha = file_sha256(model)
     path = save_answerability(answerability_path(tmp_path, sha, "learned"), combiner(sha=sha))
     rag = LocalRuntime(load_settings(environ={}, overrides={"home": tmp_path}))
-    rag.__dict__["model_path"] = model
+    rag.model.__dict__["path"] = model
     with pytest.raises(AnswerabilityError, match=r"width \[3\] for a model of hidden size 576"):
-        rag.answerability("learned")
+        rag.model.answerability("learned")
     with pytest.raises(AnswerabilityError) as err:
-        rag.answerability("learned")
+        rag.model.answerability("learned")
     assert str(answerability_path(tmp_path, sha, "learned")) in str(err.value)
     assert path.blocks == (1,)

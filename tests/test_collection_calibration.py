@@ -92,8 +92,7 @@ def _runtime(home: Path) -> LocalRuntime:
     rt = LocalRuntime(Settings(home=home))
     model = home / "m.gguf"
     model.write_bytes(b"weights")
-    rt.__dict__["model_path"] = model
-    rt.__dict__["model_fingerprint"] = "model-fp"
+    rt.model.__dict__.update(path=model, fingerprint="model-fp")
     return rt
 
 
@@ -101,7 +100,7 @@ def test_the_answer_path_settles_a_request_with_its_collections_threshold(tmp_pa
     from selfrag.infra.models.model_files import file_sha256
 
     with _runtime(tmp_path) as rt:
-        sha = file_sha256(rt.model_path)
+        sha = file_sha256(rt.model.path)
         save_calibration(tmp_path, _calibration(0.52, DEFAULT_COLLECTION, sha))
         save_calibration(tmp_path, _calibration(0.31, "docs", sha))
         asked = DecodingConfig(critique="learned")

@@ -27,7 +27,7 @@ def _rag(tmp_path: Path, *, has: bool, source: str = "learned", **model: Any) ->
         settings=settings,
         calibrated=Calibrated(has),
         critic=lambda critique: SimpleNamespace(name=source),
-        model_path=tmp_path / "m.gguf",
+        model=SimpleNamespace(path=tmp_path / "m.gguf"),
     )
 
 
@@ -73,7 +73,7 @@ class Runtime:
         self.store = SimpleNamespace(count=lambda: count)
         self.calibrated = Calibrated(False)
         self.critic = lambda critique: SimpleNamespace(name="learned")
-        self.model_path = settings.home / "m.gguf"
+        self.model = SimpleNamespace(path=settings.home / "m.gguf")
         self.closed = False
         OPENED.append(self)
 

@@ -269,7 +269,7 @@ def test_heads_of_another_width_are_refused_when_loaded_naming_the_file(tmp_path
     path = heads_path(tmp_path, file_sha256(model))
     save_heads(path, file_sha256(model), weights(896), {})
     rag = LocalRuntime(load_settings(environ={}, overrides={"home": tmp_path}))
-    rag.__dict__["model_path"] = model
+    rag.model.__dict__["path"] = model
     with pytest.raises(HeadsError, match="hidden size 896 for a model of hidden size 576") as e:
-        _ = rag.heads
+        _ = rag.model.heads
     assert str(path) in str(e.value)

@@ -119,7 +119,7 @@ def _score(
     engine = rag.engine
     engine.clear_cache()
     model = Recording(engine)
-    critic = make_critic(model, source, rag.settings.calibration, rag.heads)  # type: ignore[arg-type]
+    critic = make_critic(model, source, rag.settings.calibration, rag.model.heads)  # type: ignore[arg-type]
     branch = Branch(question, "", passage)
     scores = {"relevance": critic.relevance([branch])[0]}
     drafted = critic.draft([branch], 12)[0]

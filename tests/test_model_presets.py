@@ -242,8 +242,8 @@ def _system_without_heads(tmp_path: Path) -> LocalRuntime:
     # No answerability model either: looking one up needs the (absent) model file's SHA-256.
     system = LocalRuntime(Settings(home=tmp_path, model=ModelSettings(answerability=False)))
     # The components the critique needs, without loading a model: a toy engine, no heads.
-    system.__dict__.update(
-        engine=WordModel(), model_path=tmp_path / f"m-{uuid.uuid4().hex}.gguf", heads=None
+    system.model.__dict__.update(
+        engine=WordModel(), path=tmp_path / f"m-{uuid.uuid4().hex}.gguf", heads=None
     )
     return system
 
@@ -252,7 +252,7 @@ def test_auto_without_heads_is_likelihood_with_one_warning(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     system = _system_without_heads(tmp_path)
-    with caplog.at_level(logging.WARNING, logger="selfrag.runtime.system"):
+    with caplog.at_level(logging.WARNING, logger="selfrag.runtime.model_artefacts"):
         critic = system.critic("auto")  # its s_sup the verification read (support_read)
         assert isinstance(getattr(critic, "inner", critic), LikelihoodCritic)
         system.critic("auto")
@@ -260,7 +260,7 @@ def test_auto_without_heads_is_likelihood_with_one_warning(
     warnings = [r.getMessage() for r in caplog.records]
     assert len(warnings) == 2, warnings
     assert "no reflection heads for the model file" in warnings[0]
-    assert system.model_path.name in warnings[0] and "'likelihood'" in warnings[0]
+    assert system.model.path.name in warnings[0] and "'likelihood'" in warnings[0]
     assert "selfrag train" in warnings[0]
     assert not any("heads" in w for w in _likelihood_warnings(tmp_path, caplog))
 
@@ -268,7 +268,7 @@ def test_auto_without_heads_is_likelihood_with_one_warning(
 def _likelihood_warnings(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> list[str]:
     """Asking for `likelihood` itself warns about nothing."""
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="selfrag.runtime.system"):
+    with caplog.at_level(logging.WARNING, logger="selfrag.runtime.model_artefacts"):
         _system_without_heads(tmp_path).critic("likelihood")
     return [r.getMessage() for r in caplog.records]
 
@@ -279,7 +279,7 @@ def test_learned_without_heads_is_a_clear_error(tmp_path: Path) -> None:
         CritiqueUnavailable, match="critique 'learned' needs reflection heads"
     ) as err:
         system.critic("learned")
-    assert system.model_path.name in str(err.value) and "selfrag train" in str(err.value)
+    assert system.model.path.name in str(err.value) and "selfrag train" in str(err.value)
     # Over HTTP the pool turns it into the request's 422, not the deployment's 500.
     from selfrag.actors.deployments import requested_critic
     from selfrag.schemas.errors import Unprocessable

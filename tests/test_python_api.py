@@ -27,7 +27,7 @@ def rag(normans_api_home: Path) -> Iterator[SelfRAG]:
     with SelfRAG.open(home=normans_api_home, model={"n_threads": 1}) as rag:
         assert rag.count() > 0
         yield rag
-    assert "engine" not in rag.system.__dict__ and "store" not in rag.system.__dict__
+    assert "model" not in rag.system.__dict__ and "store" not in rag.system.__dict__
 
 
 def _cited(r: AnswerResponse) -> None:

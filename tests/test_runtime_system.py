@@ -28,7 +28,7 @@ def test_the_chat_model_chooses_the_cpu_backend_before_the_embedder_loads(
         embedder_module, "SentenceEmbedder", lambda name: order.append("embedder") or object()
     )
     rag = LocalRuntime(Settings(home=tmp_path))
-    rag.__dict__["model_path"] = tmp_path / "chat.gguf"
+    rag.model.__dict__["path"] = tmp_path / "chat.gguf"
     assert rag.embedder is not None
     assert order == ["backend chat.gguf", "embedder"]
 
@@ -42,7 +42,7 @@ def test_the_verification_read_is_every_source_s_support_unless_configured_off(
             home=tmp_path, model={"support_read": support_read, "answerability": False}
         )
         rag = LocalRuntime(settings)
-        rag.__dict__["engine"] = model
+        rag.model.__dict__["engine"] = model
         critic = rag.critic("prompted")
         assert isinstance(critic, VerifiedCritic) is wrapped
         assert critic.name == "prompted"

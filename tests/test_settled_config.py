@@ -137,7 +137,7 @@ def test_auto_is_resolved_from_the_model_files_without_loading_the_engine(tmp_pa
         with LocalRuntime(settings) as rag:
             assert rag.critique_name("auto") == expected
             assert rag.critique_name("prompted") == "prompted"
-            assert "engine" not in rag.__dict__  # llama.cpp never loaded
+            assert "engine" not in rag.model.__dict__  # llama.cpp never loaded
 
 
 # --- batch resume with a calibration present ---------------------------------------------------
@@ -154,8 +154,8 @@ def _calibrate(settings: Settings, threshold: float) -> str:
         name = rag.critique_name("auto")
         cal = SupportCalibration.model_validate(
             {
-                "model_sha256": file_sha256(rag.model_path),
-                "model_file": rag.model_path.name,
+                "model_sha256": file_sha256(rag.model.path),
+                "model_file": rag.model.path.name,
                 "critique": name,
                 "fingerprint": rag.model_fingerprint,
                 "min_support_score": threshold,

@@ -303,7 +303,7 @@ def _fake_rag(
         ),
         store=FakeStore(passages),
         critic=lambda source: critic,
-        model_path=model,
+        model=SimpleNamespace(path=model),
         model_fingerprint="fake-fp",
     )
     rag.calibrated = CalibratedDefaults(
@@ -326,7 +326,7 @@ def test_the_job_reads_each_pair_as_a_first_step_branch_and_saves_the_threshold(
     critic = OverlapCritic(name="learned")
     rag = _fake_rag(tmp_path, passages, critic)
     cal, path = calibrate_support(rag, CorpusCalibrationPlan(questions=12), progress=False)
-    assert path == calibration_path(tmp_path, file_sha256(rag.model_path), "learned")
+    assert path == calibration_path(tmp_path, file_sha256(rag.model.path), "learned")
     assert json.loads(path.read_text())["min_support_score"] == cal.min_support_score
     assert cal.critique == "learned" and cal.fingerprint == "fake-fp"
     assert cal.questions == 12 and cal.answerable["n"] == 12
@@ -349,7 +349,7 @@ def test_the_job_saves_under_the_index_collection_it_ran_on(tmp_path: Path) -> N
     ]
     rag = _fake_rag(tmp_path, passages, OverlapCritic(name="learned"), collection="docs")
     cal, path = calibrate_support(rag, CorpusCalibrationPlan(questions=12), progress=False)
-    sha = file_sha256(rag.model_path)
+    sha = file_sha256(rag.model.path)
     assert cal.index_collection == "docs"
     assert path == calibration_path(tmp_path, sha, "learned", "docs")
     assert read_calibration(tmp_path, sha, "learned") is None  # the default collection's

@@ -34,7 +34,7 @@ def test_train_small_corpus_then_answer_with_the_heads(
     assert manifest["seed"] == 3 and manifest["data"]["qa_questions"] == 0
     assert all(g["examples"] >= 20 for g in manifest["groups"].values())
     with LocalRuntime(load_settings(overrides={"home": str(indexed_home)})) as rag:
-        assert heads.model_sha256 == file_sha256(rag.model_path)
+        assert heads.model_sha256 == file_sha256(rag.model.path)
 
     monkeypatch.setenv("SELFRAG_MODEL__HEADS", str(out))
     ask = ["--home", str(indexed_home), "ask", "Who founded Normandy?", "--json"]
@@ -78,5 +78,5 @@ def test_ask_refuses_heads_of_another_model_file(
     assert code == 2
     err = capsys.readouterr().err
     with LocalRuntime(load_settings(overrides={"home": str(indexed_home)})) as rag:
-        mine = file_sha256(rag.model_path)
+        mine = file_sha256(rag.model.path)
     assert other in err and mine in err
