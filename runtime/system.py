@@ -9,7 +9,6 @@ from __future__ import annotations
 import re
 import threading
 from collections.abc import Mapping
-from dataclasses import dataclass
 from functools import cached_property
 from typing import TYPE_CHECKING
 
@@ -169,58 +168,6 @@ class LocalRuntime(Closeable):
     def answer(self, request: AnswerRequest) -> AnswerResponse:
         return self.answer_config(request.question, self.answer_path.config(request)).response
 
-    def precompute_kv(self, progress: bool = True, batch: int = 8) -> KVPrecompute:
-        """Compute and save to the disk tier the KV state of every indexed passage's prompt
-        head, as answers reuse it (a relevance call per passage; a state already saved is
-        restored instead, so a second run is quick). Prints the disk it will take after the
-        first batch."""
-        import shutil
-        import sys
-        import time
-
-        from tqdm import tqdm
-
-        from selfrag.pipeline.critics import Branch
-
-        store = self.prefix_store
-        if self.settings.model.backend != "llama_cpp" or store is None or store.disk is None:
-            raise ValueError(
-                "--precompute-kv needs the llama.cpp backend, cache.passage_kv on and "
-                "cache.kv_disk_mb > 0"
-            )
-        disk = store.disk
-        passages = list(self.store.passages())
-        critic = self.critic("auto")
-        started, before = time.perf_counter(), disk.size_bytes()
-        bar = tqdm(total=len(passages), unit="passage", disable=not progress)
-        for start in range(0, len(passages), batch):
-            chunk = passages[start : start + batch]
-            critic.relevance([Branch(KV_WARM_QUESTION, "", p) for p in chunk])
-            store.flush()
-            bar.update(len(chunk))
-            if start == 0 and progress:
-                per = (disk.size_bytes() - before) / len(chunk)
-                need, free = per * len(passages), shutil.disk_usage(disk.folder).free
-                bar.write(
-                    f"about {need / 2**20:,.0f} MiB for {len(passages)} passages "
-                    f"({per / 2**20:.1f} MiB each; cap {disk.max_bytes / 2**20:,.0f} MiB, "
-                    f"{free / 2**20:,.0f} MiB free)",
-                    file=sys.stderr,
-                )
-                if need > disk.max_bytes:
-                    bar.write(
-                        "the cap is smaller: the least recently used states will go",
-                        file=sys.stderr,
-                    )
-        bar.close()
-        counters = store.counters()
-        return KVPrecompute(
-            passages=len(passages),
-            computed=counters.get("put", 0),
-            disk_bytes=disk.size_bytes(),
-            seconds=time.perf_counter() - started,
-        )
-
     def for_collection(self, name: str | None) -> LocalRuntime:
         """This runtime on the collection `name` of the home (None: its own): a store of its
         own, and with it its own index version, query-cache scope and support calibration;
@@ -283,17 +230,3 @@ class CollectionRuntime(LocalRuntime):
         store = self.__dict__.pop("store", None)
         if store is not None:
             store.close()
-
-
-# Any question: what is saved is the prompt head before it (template + passage).
-KV_WARM_QUESTION = "What does this passage say?"
-
-
-@dataclass(frozen=True)
-class KVPrecompute:
-    """What `LocalRuntime.precompute_kv` did."""
-
-    passages: int
-    computed: int
-    disk_bytes: int
-    seconds: float
