@@ -30,6 +30,7 @@ from typing import Any
 from selfrag.infra.settings_loader import load_settings
 from selfrag.jobs.batch import run_batch
 from selfrag.jobs.ray_pool import ensure_ray
+from selfrag.runtime.answer_client import LocalAnswerClient
 from selfrag.runtime.system import LocalRuntime
 from selfrag.schemas.answer import AnswerRequest
 
@@ -47,10 +48,11 @@ def squad_questions(n: int) -> list[str]:
 def one_at_a_time(home: Path, questions: list[str]) -> float:
     settings = load_settings(overrides={"home": str(home)})
     with LocalRuntime(settings) as rag:
-        rag.answer(AnswerRequest.model_validate({"question": questions[0], "config": SMALL}))
+        client = LocalAnswerClient.for_runtime(rag)
+        client.answer(AnswerRequest.model_validate({"question": questions[0], "config": SMALL}))
         started = time.perf_counter()
         for q in questions[1:]:
-            rag.answer(AnswerRequest.model_validate({"question": q, "config": SMALL}))
+            client.answer(AnswerRequest.model_validate({"question": q, "config": SMALL}))
         return time.perf_counter() - started
 
 

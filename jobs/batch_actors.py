@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import json
 from concurrent.futures import ThreadPoolExecutor
+from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
 from selfrag.pipeline.decoder import StepListener
+from selfrag.runtime.answer_client import AnswerSite, LocalAnswerClient
 from selfrag.runtime.answering import (
     AnswerPath,
     CacheIdentity,
@@ -17,7 +19,7 @@ from selfrag.runtime.answering import (
 from selfrag.runtime.assembly import DecoderParts
 from selfrag.runtime.merging import MergedCritic
 from selfrag.runtime.remote_retriever import RemoteRetriever, actor_call
-from selfrag.schemas.answer import AnswerResponse
+from selfrag.schemas.answer import AnswerRequest, AnswerResponse
 from selfrag.schemas.decoding import DecodingConfig
 from selfrag.schemas.errors import AnswerError
 from selfrag.schemas.settings import Settings
@@ -48,7 +50,13 @@ class BatchAnswerer:
         self._retriever = retriever
         self._index_version = self._store(Deadline(STORE_TIMEOUT_S)).index_version()
         # The key the online endpoint uses too: a Redis shared with it serves both.
-        self._path = AnswerPath.for_settings(settings)
+        self._path = AnswerPath.for_settings(settings, facts=self._rag)
+
+    @cached_property
+    def _client(self) -> LocalAnswerClient:
+        """The actor's answer client: the answer path around its merged-critic decode."""
+        site = AnswerSite(self._path, self._decode, self._identity)
+        return LocalAnswerClient(lambda _collection: site)
 
     def __call__(self, batch: dict[str, Any]) -> dict[str, list[str]]:
         keys = [str(k) for k in batch["key"]]
@@ -62,7 +70,8 @@ class BatchAnswerer:
         """The outcome of one question, with the config the driver settled, as JSON:
         {status: ok, response, cache} or {status: error, error: {type, message}}."""
         try:
-            answer = self._path.run(question, config, self._decode, identity=self._identity)
+            request = AnswerRequest(question=question)
+            answer = self._client.answer(request, config=config)
         except AnswerError as exc:
             return _error(exc.kind, exc.detail)
         except Exception as exc:  # any failure is this question's record, not the run's end

@@ -33,7 +33,8 @@ from selfrag.pipeline.evaluation.qa_metrics import (
     summarize,
 )
 from selfrag.pipeline.scoring import retrieval_probability
-from selfrag.schemas.answer import AnswerResponse
+from selfrag.runtime.answer_client import LocalAnswerClient
+from selfrag.schemas.answer import AnswerRequest, AnswerResponse
 from selfrag.schemas.decoding import DecodingConfig
 from selfrag.schemas.records import SYSTEMS, EvalRecord
 
@@ -237,6 +238,7 @@ def runner_for(
     if source == "native" and native_token_ids(rag.engine) is None:
         raise EvalError("selfrag-native needs a Self-RAG checkpoint; this model has no tokens")
     cfg = rag.answer_path.settle(config.model_copy(update={"critique": source}))
+    client = LocalAnswerClient.for_runtime(rag)
 
     def run(q: EvalQuestion) -> tuple[AnswerResponse, float | None, int]:
         extra = 0
@@ -246,7 +248,7 @@ def runner_for(
             # critic caches this closed-book draft and reuses it as the no-retrieval branch.
             (decision,) = rag.critic(source).retrieval([Branch(q.question, "", None)])
             p_ret, extra = retrieval_probability(decision.probs), decision.prefill_tokens
-        response = rag.answer_config(q.question, cfg).response
+        response = client.answer(AnswerRequest(question=q.question), config=cfg).response
         if p_ret is None and response.segments and response.segments[0].p_ret is not None:
             p_ret = response.segments[0].p_ret
         return response, p_ret, extra

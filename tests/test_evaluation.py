@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -20,7 +21,8 @@ from selfrag.jobs.evaluation import (
 )
 from selfrag.pipeline.decoder import BeamDecoder
 from selfrag.pipeline.protocols import Passage
-from selfrag.runtime.answering import Answer, AnswerPath
+from selfrag.runtime.answering import AnswerPath, CacheIdentity
+from selfrag.schemas.answer import AnswerResponse
 from selfrag.schemas.decoding import DecodingConfig
 from tests.fakes import ListRetriever, ScriptedCritic, WordModel
 
@@ -77,7 +79,7 @@ SQUAD = {
 
 class FakeRag:
     """What the evaluation uses of `LocalRuntime`: engine, store, critic(), answer_path (its
-    critique facts), answer_config()."""
+    critique facts), and what its answer client decodes with (decode, cache_identity)."""
 
     def __init__(self) -> None:
         self.engine = WordModel(draft_text=" Rollo founded it.")
@@ -95,9 +97,16 @@ class FakeRag:
     def calibrated_filters(self, name: str) -> dict[str, object]:
         return {}
 
-    def answer_config(self, question: str, config: DecodingConfig) -> Answer:
-        path = AnswerPath(config)
-        return path.run(question, config, lambda q, c, _d, _s: self.decoder.answer(q, c))
+    def for_collection(self, name: str | None) -> FakeRag:
+        return self
+
+    def decode(
+        self, question: str, config: DecodingConfig, _deadline: Any, on_step: Any = None
+    ) -> AnswerResponse:
+        return self.decoder.answer(question, config, on_step)
+
+    def cache_identity(self) -> CacheIdentity:
+        return CacheIdentity("v", "fake")
 
 
 @pytest.fixture()
