@@ -7,16 +7,19 @@ from __future__ import annotations
 
 import logging
 import re
+import threading
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, TypeVar
 
 from selfrag.pipeline.protocols import Passage
+from selfrag.runtime.model_artefacts import open_embedder
 from selfrag.schemas.documents import DocumentInfo, Removal
 from selfrag.schemas.errors import DependencyDown, Misconfigured
 from selfrag.schemas.settings import Settings
 
 if TYPE_CHECKING:
+    from selfrag.infra.embeddings.embedder import SentenceEmbedder
     from selfrag.infra.store.qdrant_store import QdrantStore
 
 log = logging.getLogger(__name__)
@@ -41,9 +44,11 @@ class PassageService:
     RECHECK_S = 10.0
 
     def __init__(self, settings: Settings) -> None:
-        from selfrag.runtime.system import LocalRuntime
-
-        self._rag = LocalRuntime(settings)
+        settings.home.mkdir(parents=True, exist_ok=True)
+        self._settings = settings
+        self._lock = threading.Lock()
+        self._embedder: SentenceEmbedder | None = None
+        self._opened: QdrantStore | None = None
         self._refused: tuple[float, str] | None = None  # (until when, the 500's detail)
         self._down = False
         try:
@@ -56,6 +61,20 @@ class PassageService:
             log.warning("the Qdrant server does not answer yet; will connect when it does")
         except Misconfigured:
             pass  # logged by _store; every call answers 500 with the reason
+
+    def _open(self) -> QdrantStore:
+        """The store, opened on first use with the embedder of the settings (loaded after the
+        chat model chose the process's llama.cpp build, as `LocalRuntime.embedder` is); a
+        failed open is not kept: the next call tries again."""
+        from selfrag.infra.store.qdrant_store import QdrantStore
+
+        with self._lock:
+            if self._opened is None:
+                if self._embedder is None:
+                    self._embedder = open_embedder(self._settings)
+                s = self._settings
+                self._opened = QdrantStore.open(s.retrieval, s.home, self._embedder)
+            return self._opened
 
     def _store(self) -> QdrantStore:
         """The open store with an index that fits the embedder; DependencyDown (503) when
@@ -70,7 +89,7 @@ class PassageService:
         if self._refused is not None and time.monotonic() < self._refused[0]:
             raise Misconfigured(self._refused[1])
         try:
-            store = self._rag.store  # a failed open is not cached: each call tries again
+            store = self._open()  # a failed open is not kept: each call tries again
             store.require_index()
         except StoreUnavailable as exc:
             # The detail (it names the server) goes to the log, once per outage.
@@ -145,7 +164,10 @@ class PassageService:
         return self._searching(lambda store: store.count())
 
     def close(self) -> None:
-        self._rag.close()
+        with self._lock:
+            store, self._opened = self._opened, None
+        if store is not None:
+            store.close()
 
 
 # An absolute path (`/data/...`) or a URL (`http://...`) in a message.

@@ -310,7 +310,7 @@ def test_a_qdrant_server_down_at_start_is_503_not_ready_then_connects(
     monkeypatch.setattr(QdrantStore, "open", server_back)
     assert retriever.ready() is True
     assert retriever.search("Where does lava come from?", 1)[0].id.startswith("volcano")
-    retriever._rag.close()
+    retriever.close()
 
 
 def test_an_embedded_store_that_cannot_open_stops_the_replica(

@@ -105,7 +105,7 @@ def test_the_retriever_answers_500_misconfigured_for_an_index_of_another_size(
                 call()
             assert (err.value.status, err.value.kind) == (500, "misconfigured")
     finally:
-        retriever._rag.close()
+        retriever.close()
 
 
 def test_a_retriever_started_on_an_empty_home_serves_an_index_built_by_another_process(
@@ -142,7 +142,7 @@ def test_a_retriever_started_on_an_empty_home_serves_an_index_built_by_another_p
                 store.upsert(passages)
             """
         )
-        dim = retriever._rag.store.embedder.dim
+        dim = retriever._open().embedder.dim
         child = subprocess.run(
             [sys.executable, "-c", code, str(settings.home), real_model_id, str(dim)],
             capture_output=True,
@@ -160,7 +160,7 @@ def test_a_retriever_started_on_an_empty_home_serves_an_index_built_by_another_p
         assert one == retriever.search("Who ruled Normandy?", 2) and len(two) == 2
         assert retriever.index_version() != "empty"
     finally:
-        retriever._rag.close()
+        retriever.close()
 
 
 def test_the_retriever_with_no_index_answers_500_saying_to_index(settings: Settings):
@@ -174,14 +174,14 @@ def test_the_retriever_with_no_index_answers_500_saying_to_index(settings: Setti
             retriever.index_version()
         assert str(settings.home) not in err.value.detail
         # Indexed meanwhile (here through the same open store): served without a restart.
-        store = retriever._rag.store
+        store = retriever._open()
         store.upsert(PASSAGES)
         assert retriever.ready() is True
         assert [p.id for p in retriever.search("Rollo was the first ruler of Normandy.", 1)] == [
             "rollo#0"
         ]
     finally:
-        retriever._rag.close()
+        retriever.close()
 
 
 @pytest.fixture
@@ -194,7 +194,7 @@ def misconfigured_client(settings: Settings, real_model_id: str) -> Iterator[Tes
     try:
         yield TestClient(build_http_app(rig.service, rig.metrics))
     finally:
-        retriever._rag.close()
+        retriever.close()
 
 
 def test_over_http_a_permanent_store_error_is_500_without_retry_after(
@@ -266,6 +266,6 @@ def test_over_http_an_unreadable_index_description_does_not_show_the_folder(
             assert r.status_code == 500 and r.json()["error"] == "misconfigured", r.text
             assert str(settings.home) not in r.text and "index.json" not in r.text
     finally:
-        retriever._rag.close()
+        retriever.close()
     # The detail, with the folder, is in the server's log, once.
     assert sum(str(facts) in x.getMessage() for x in caplog.records) == 1
