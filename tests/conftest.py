@@ -105,7 +105,7 @@ def indexed_home(tmp_path_factory: pytest.TempPathFactory, indexed_corpus: list[
     from selfrag.cli import main
 
     home = tmp_path_factory.mktemp("home")
-    # Not calibrated: the tests on it expect the learned critique's constant threshold.
+    # Not calibrated: abstention stays off, as the tests on it expect.
     assert (
         main(["--home", str(home), "index", "--no-progress", "--no-calibrate", *indexed_corpus])
         == 0

@@ -162,6 +162,18 @@ def test_readiness_and_health(api: httpx.Client):
     assert "/v1/answer" in api.get("/openapi.json").json()["paths"]
 
 
+def test_documents_are_listed_through_serve_and_a_removal_needs_keys(api: httpx.Client):
+    """The documents routes on the real application: the listing comes from the Retriever
+    replica's store; with no API keys set, a removal (it changes the index) is refused."""
+    listed = api.get("/v1/documents")
+    assert listed.status_code == 200, listed.text
+    docs = listed.json()
+    assert docs and all(d["passages"] >= 1 and d["digest"] for d in docs)
+    refused = api.delete(f"/v1/documents/{docs[0]['id']}")
+    assert refused.status_code == 403, refused.text
+    assert api.get("/v1/documents").json() == docs  # nothing was removed
+
+
 def test_answer_end_to_end_with_the_real_model(api: httpx.Client):
     r = api.post(
         "/v1/answer",
