@@ -87,3 +87,19 @@ def test_bad_input_is_refused_before_any_work(rag: SelfRAG, tmp_path: Path):
         rag.answer("   ")
     with pytest.raises(FileNotFoundError):
         rag.index(tmp_path / "missing.jsonl")
+
+
+def test_the_http_app_answers_through_the_apis_client_without_serve(rag: SelfRAG):
+    from fastapi.testclient import TestClient
+
+    from selfrag.actors.http.metrics import Metrics
+    from selfrag.actors.http.routes import build_http_app
+
+    http = TestClient(build_http_app(rag.client, Metrics()))
+    body = {"question": "Who founded Normandy?", "config": {**SMALL, **OPEN}}
+    r = http.post("/v1/answer", json=body)
+    assert r.status_code == 200, r.text
+    _cited(AnswerResponse.model_validate(r.json()))
+    ready = http.get("/readyz")
+    assert ready.status_code == 200, ready.text
+    assert ready.json()["checks"] == {"model": True, "store": True, "cache": True}
