@@ -17,7 +17,6 @@ from selfrag.pipeline.critics import Critic, make_critic, with_answerability
 from selfrag.pipeline.critics.verify import VerifiedCritic
 from selfrag.pipeline.decoder import StepListener
 from selfrag.runtime.answering import (
-    Answer,
     AnswerPath,
     CacheIdentity,
     Deadline,
@@ -25,7 +24,7 @@ from selfrag.runtime.answering import (
 from selfrag.runtime.assembly import DecoderParts
 from selfrag.runtime.calibrated import CalibratedDefaults
 from selfrag.runtime.model_artefacts import ModelArtefacts, model_artefacts, open_embedder
-from selfrag.schemas.answer import AnswerRequest, AnswerResponse
+from selfrag.schemas.answer import AnswerResponse
 from selfrag.schemas.decoding import DecodingConfig
 from selfrag.schemas.settings import COLLECTION_NAME, Settings
 
@@ -156,17 +155,6 @@ class LocalRuntime(Closeable):
     ) -> AnswerResponse:
         """Decode in this process (the decoder keeps to `config.timeout_s` itself)."""
         return self.parts.decode(question, config, on_step)
-
-    def answer_config(
-        self, question: str, config: DecodingConfig, on_step: StepListener | None = None
-    ) -> Answer:
-        """Answer with a settled config (`answer_path.config`), through the answer path."""
-        return self.answer_path.run(
-            question, config, self.decode, identity=self.cache_identity, on_step=on_step
-        )
-
-    def answer(self, request: AnswerRequest) -> AnswerResponse:
-        return self.answer_config(request.question, self.answer_path.config(request)).response
 
     def for_collection(self, name: str | None) -> LocalRuntime:
         """This runtime on the collection `name` of the home (None: its own): a store of its
