@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, TypeVar
 
 from selfrag.pipeline.protocols import Passage
 from selfrag.runtime.model_artefacts import open_embedder
+from selfrag.runtime.system import open_store
 from selfrag.schemas.documents import DocumentInfo, Removal
 from selfrag.schemas.errors import DependencyDown, Misconfigured
 from selfrag.schemas.settings import Settings
@@ -66,14 +67,11 @@ class PassageService:
         """The store, opened on first use with the embedder of the settings (loaded after the
         chat model chose the process's llama.cpp build, as `LocalRuntime.embedder` is); a
         failed open is not kept: the next call tries again."""
-        from selfrag.infra.store.qdrant_store import QdrantStore
-
         with self._lock:
             if self._opened is None:
                 if self._embedder is None:
                     self._embedder = open_embedder(self._settings)
-                s = self._settings
-                self._opened = QdrantStore.open(s.retrieval, s.home, self._embedder)
+                self._opened = open_store(self._settings, self._embedder)
             return self._opened
 
     def _store(self) -> QdrantStore:

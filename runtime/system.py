@@ -36,6 +36,14 @@ if TYPE_CHECKING:  # heavy modules (llama.cpp, Qdrant) load only when a componen
     from selfrag.infra.store.qdrant_store import QdrantStore
 
 
+def open_store(settings: Settings, embedder: SentenceEmbedder) -> QdrantStore:
+    """The passage store of `settings`, searched with `embedder`: where every process opens
+    one (`LocalRuntime.store`, `PassageService`)."""
+    from selfrag.infra.store.qdrant_store import QdrantStore
+
+    return QdrantStore.open(settings.retrieval, settings.home, embedder)
+
+
 class LocalRuntime(Closeable):
     """The parts of Self-RAG in this process (model, store, critics, decoder parts, answer
     path), built lazily from the settings. Thread-safe; the engine serialises its own calls."""
@@ -65,9 +73,7 @@ class LocalRuntime(Closeable):
 
     @cached_property
     def store(self) -> QdrantStore:
-        from selfrag.infra.store.qdrant_store import QdrantStore
-
-        return QdrantStore.open(self.settings.retrieval, self.settings.home, self.embedder)
+        return open_store(self.settings, self.embedder)
 
     @property
     def engine(self) -> LlamaEngine | VLLMEngine:

@@ -11,7 +11,7 @@ libgomp reads `OMP_WAIT_POLICY` once, when it is loaded, which is when llama.cpp
 is. So the variable must be in the process's environment before that: Ray actors and Serve
 replicas get it in the `runtime_env` Ray starts them with (`ray_runtime_env`), and a process
 that loads the engine itself puts it into `os.environ` first (`apply_wait_policy`, called by
-`runtime.system` before anything imports llama_cpp); the backend probe's child processes
+`runtime.model_artefacts` before anything imports llama_cpp); the backend probe's child processes
 inherit it.
 """
 
