@@ -6,9 +6,13 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from selfrag.cli.common import EXIT_PARTIAL, CLIError, question_limit, settings_from_args
 from selfrag.schemas.decoding import DecodingOverrides
+
+if TYPE_CHECKING:
+    from selfrag.jobs.training import TrainingPlan
 
 SHOWN_ERRORS = 20
 """Error records `selfrag batch` lists on stderr; the rest are counted."""
@@ -242,13 +246,11 @@ def cmd_batch(args: argparse.Namespace) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from dataclasses import replace
-
     from selfrag.infra.models.heads_store import heads_path, save_heads
     from selfrag.infra.models.model_files import file_sha256
     from selfrag.jobs.evaluation import ensure_indexed, load_questions
     from selfrag.jobs.indexing import corpus_passages
-    from selfrag.jobs.training import TrainingPlan, describe, train
+    from selfrag.jobs.training import describe, train
     from selfrag.runtime.system import LocalRuntime
 
     if args.answerability:
@@ -260,16 +262,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     questions = []
     for path in args.qa:
         questions += load_questions(path, article=args.article if path.suffix == ".json" else None)
-    plan = TrainingPlan(seed=args.seed)
-    if args.passages is not None:
-        n = args.passages
-        plan = replace(
-            plan,
-            relevance_passages=n,
-            support_passages=max(n // 2, 5),
-            utility_passages=max(n // 3, 12),
-            retrieve_passages=max(n // 3, 12),
-        )
+    plan = training_plan(args)
     settings = settings_from_args(args)
     protected: list[Path] = []
     if args.export_gguf is not None:
@@ -311,6 +304,25 @@ def cmd_train(args: argparse.Namespace) -> int:
             written = export_reflection_model(rag.model.path, heads, args.export_gguf, protected)
             print(f"wrote {written} (critique 'native': reflection tokens with the learned rows)")
     return 0
+
+
+def training_plan(args: argparse.Namespace) -> TrainingPlan:
+    """The heads' training plan `--seed` and `--passages` ask for."""
+    from dataclasses import replace
+
+    from selfrag.jobs.training import TrainingPlan
+
+    plan = TrainingPlan(seed=args.seed)
+    if args.passages is None:
+        return plan
+    n = args.passages
+    return replace(
+        plan,
+        relevance_passages=n,
+        support_passages=max(n // 2, 5),
+        utility_passages=max(n // 3, 12),
+        retrieve_passages=max(n // 3, 12),
+    )
 
 
 def train_answerability(args: argparse.Namespace) -> int:
