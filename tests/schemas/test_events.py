@@ -10,10 +10,14 @@ from selfrag.schemas.answer import SegmentOut
 from selfrag.schemas.events import ErrorEvent, SegmentEvent
 
 
+def _segment(text: str = "Rollo founded it.") -> SegmentOut:
+    return SegmentOut(text=text, retrieved=True, s_sup=0.8, logprob=-2.0, n_tokens=4, score=0.5)
+
+
 def test_a_segment_event_round_trips_through_json():
     event = SegmentEvent(
         index=1,
-        segment=SegmentOut(text="Rollo founded it.", retrieved=True, s_sup=0.8),
+        segment=_segment(),
         hypothesis_score=-0.4,
     )
     assert SegmentEvent.model_validate_json(event.model_dump_json()) == event
@@ -21,14 +25,14 @@ def test_a_segment_event_round_trips_through_json():
 
 def test_a_segment_index_is_never_negative():
     with pytest.raises(ValidationError, match="index"):
-        SegmentEvent(index=-1, segment=SegmentOut(text="x", retrieved=False), hypothesis_score=0)
+        SegmentEvent(index=-1, segment=_segment(), hypothesis_score=0.0)
 
 
 def test_events_refuse_unknown_fields():
     with pytest.raises(ValidationError):
         SegmentEvent(
             index=0,
-            segment=SegmentOut(text="x", retrieved=False),
+            segment=_segment(),
             hypothesis_score=0.0,
             beam=[],  # type: ignore[call-arg]
         )
