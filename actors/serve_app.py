@@ -147,12 +147,7 @@ def serve_logging(settings: Settings) -> dict[str, Any]:
     }
 
 
-# How long a stop waits for the answers in progress: within a supervisor's usual 8 s of grace,
-# with the rest of the stop (under a second) after it.
-DRAIN_S = 6.0
-
-
-def drain(limit_s: float = DRAIN_S) -> int:
+def drain(limit_s: float) -> int:
     """Stop the application admitting answers (503 with Retry-After from then on) and wait up
     to `limit_s` for those in progress to end; how many were still running (0: all ended, -1:
     the ingress did not answer)."""

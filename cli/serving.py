@@ -99,7 +99,7 @@ def _serve(
         calibrate_before_answering(settings)
     from ray import serve
 
-    from selfrag.actors.serve_app import APP_NAME, DRAIN_S, build_app, drain, serve_logging
+    from selfrag.actors.serve_app import APP_NAME, build_app, drain, serve_logging
     from selfrag.runtime.ray_cluster import init_ray, shutdown_private_ray
     from selfrag.runtime.ray_logs import quiet_ray
 
@@ -121,10 +121,12 @@ def _serve(
         while not stop.wait(1.0):
             pass
         print("selfrag: shutting down", file=sys.stderr, flush=True)
-        left = drain()  # the answers in progress end first, within a bounded grace
+        # The answers in progress end first, within a bounded grace.
+        left = drain(settings.serve.drain_s)
         if left > 0:
             print(
-                f"selfrag: {left} answer(s) still running after {DRAIN_S:.0f} s: stopping them",
+                f"selfrag: {left} answer(s) still running after {settings.serve.drain_s:g} s: "
+                "stopping them",
                 file=sys.stderr,
                 flush=True,
             )

@@ -252,6 +252,14 @@ class ServeSettings(BaseModel):
     retry_after_s: int = Field(
         2, ge=1, le=3600, description="Retry-After (seconds) sent with every 503."
     )
+    drain_s: float = Field(
+        6.0,
+        ge=0.0,
+        le=3600.0,
+        description="At a stop (SIGTERM, Ctrl-C), how long `selfrag serve` waits for the answers "
+        "in progress (new ones get 503 meanwhile) before it stops them: below the supervisor's "
+        "grace period (8 s is a common one: Kubernetes gives 30 s by default).",
+    )
     model_name: str = Field(
         "selfrag",
         min_length=1,
