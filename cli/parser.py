@@ -63,7 +63,17 @@ def build_parser() -> argparse.ArgumentParser:
         "-q", "--quiet", action="store_true", help="Log only warnings and errors (no INFO)."
     )
     sub = parser.add_subparsers(dest="command", required=True)
+    _index_parser(sub)
+    _docs_parser(sub)
+    _ask_parser(sub)
+    _serve_parser(sub)
+    _inspection_parsers(sub)
+    _eval_parsers(sub)
+    _batch_parser(sub)
+    return parser
 
+
+def _index_parser(sub: Any) -> None:
     p_index = sub.add_parser(
         "index",
         help="Index JSONL, SQuAD JSON, .txt/.md/.pdf/.html files, or folders of them; what is "
@@ -104,8 +114,8 @@ def build_parser() -> argparse.ArgumentParser:
         "does it alone; minutes, whatever the corpus size).",
     )
 
-    _docs_parser(sub)
 
+def _ask_parser(sub: Any) -> None:
     p_ask = sub.add_parser("ask", help="Answer a question from the index.")
     p_ask.add_argument("question")
     p_ask.add_argument("--json", action="store_true", help="Print the full response as JSON.")
@@ -113,6 +123,8 @@ def build_parser() -> argparse.ArgumentParser:
     _collection_flag(p_ask)
     _decoding_flags(p_ask)
 
+
+def _serve_parser(sub: Any) -> None:
     p_serve = sub.add_parser("serve", help="Run the HTTP API (Ray Serve) in the foreground.")
     p_serve.add_argument("--host", help="Bind address (default: serve.host, 127.0.0.1).")
     p_serve.add_argument("--port", type=int, help="Port (default: serve.port, 8000).")
@@ -122,6 +134,9 @@ def build_parser() -> argparse.ArgumentParser:
     _model_flag(p_serve)
     _collection_flag(p_serve)
 
+
+def _inspection_parsers(sub: Any) -> None:
+    """The read-only commands: config, status and models."""
     p_config = sub.add_parser("config", help="Print the effective settings.")
     p_config.add_argument("--json", action="store_true")
 
@@ -140,10 +155,6 @@ def build_parser() -> argparse.ArgumentParser:
         "reflection heads exist for the file, which one is configured.",
     )
     p_models.add_argument("--json", action="store_true")
-
-    _eval_parsers(sub)
-    _batch_parser(sub)
-    return parser
 
 
 def _docs_parser(sub: Any) -> None:
@@ -356,6 +367,11 @@ def _train_parser(sub: Any) -> None:
         action="store_true",
         help="With --export-gguf: export the heads this model already has instead of training.",
     )
+    _answerability_training_flags(p_train)
+    p_train.add_argument("--no-progress", action="store_true")
+
+
+def _answerability_training_flags(p_train: argparse.ArgumentParser) -> None:
     p_train.add_argument(
         "--answerability",
         action="store_true",
@@ -373,7 +389,6 @@ def _train_parser(sub: Any) -> None:
         help="With --answerability: read the collected features from this file when it exists, "
         "else collect them and write it.",
     )
-    p_train.add_argument("--no-progress", action="store_true")
 
 
 def _model_flag(parser: argparse.ArgumentParser) -> None:
