@@ -176,29 +176,8 @@ def calibrate_support(
         max_answerable_abstain=plan.max_answerable_abstain,
         answerable_abstain=round(choice.answerable_abstain, 4),
         unanswerable_abstain=_rounded(choice.unanswerable_abstain),
-        auroc=_auroc(answerable, unanswerable),
-        auroc_by_trap={
-            trap: _auroc(
-                answerable,
-                [s.s_sup for s in scores if s.pair.trap == trap and s.s_sup is not None],
-            )
-            for trap in sorted({s.pair.trap for s in scores if s.pair.trap is not None})
-        },
-        questions=sum(1 for s in scores if s.pair.answerable),
-        answerable=summary(answerable),
-        unanswerable=summary(unanswerable),
-        pruned={
-            "answerable": sum(1 for s in scores if s.pair.answerable and s.pruned),
-            "unanswerable": sum(1 for s in scores if not s.pair.answerable and s.pruned),
-        },
-        collections={
-            c: {
-                "threshold": round(t.threshold, 6),
-                "answerable_abstain": round(t.answerable_abstain, 4),
-                "unanswerable_abstain": _rounded(t.unanswerable_abstain),
-            }
-            for c, t in per_collection.items()
-        },
+        **_score_summary(scores, answerable, unanswerable),
+        collections=_collection_thresholds(per_collection),
         threshold_collection=lowest,
         style=plan.style,
         seed=plan.seed,
@@ -210,6 +189,43 @@ def calibrate_support(
     path = save_calibration(rag.settings.home, cal)
     rag.calibrated.forget()
     return cal, path
+
+
+def _score_summary(
+    scores: list[PairScore], answerable: list[float], unanswerable: list[float]
+) -> dict[str, object]:
+    """The calibration's figures about the scores: AUROC overall and per trap, counts, pruning."""
+    return {
+        "auroc": _auroc(answerable, unanswerable),
+        "auroc_by_trap": {
+            trap: _auroc(
+                answerable,
+                [s.s_sup for s in scores if s.pair.trap == trap and s.s_sup is not None],
+            )
+            for trap in sorted({s.pair.trap for s in scores if s.pair.trap is not None})
+        },
+        "questions": sum(1 for s in scores if s.pair.answerable),
+        "answerable": summary(answerable),
+        "unanswerable": summary(unanswerable),
+        "pruned": {
+            "answerable": sum(1 for s in scores if s.pair.answerable and s.pruned),
+            "unanswerable": sum(1 for s in scores if not s.pair.answerable and s.pruned),
+        },
+    }
+
+
+def _collection_thresholds(
+    per_collection: dict[str, ThresholdChoice],
+) -> dict[str, dict[str, object]]:
+    """Each collection's own threshold and abstain rates, rounded as saved."""
+    return {
+        c: {
+            "threshold": round(t.threshold, 6),
+            "answerable_abstain": round(t.answerable_abstain, 4),
+            "unanswerable_abstain": _rounded(t.unanswerable_abstain),
+        }
+        for c, t in per_collection.items()
+    }
 
 
 def draw_pairs(rag: LocalRuntime, plan: CorpusCalibrationPlan) -> list[SyntheticPair]:
