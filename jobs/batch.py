@@ -66,6 +66,7 @@ from selfrag.jobs.ray_pool import (
     RETRIEVER_CPUS,
     NodeLost,
     NodeWatch,
+    Resources,
     ensure_ray,
     plan_on_cluster,
     rows_watched,
@@ -151,31 +152,7 @@ def stream_answers(
     # masked in any repr or log; a JSON dump would replace them by the mask for good.
     retriever = _store_actor(settings) if embedded else None
     by_key = {j.key: j for j in jobs}
-    from ray.data import DataContext
-
-    ctx = DataContext.get_current()
-    ctx.enable_progress_bars = False  # the driver draws its own, per question
-    ctx.execution_options.preserve_order = False
-    rows = [
-        {"key": j.key, "question": j.question, "config": j.config.model_dump_json()} for j in jobs
-    ]
-    # One block per batch and whole blocks as batches (batch_size=None): each batch is its own
-    # task, so results stream back batch by batch instead of a task per several batches.
-    blocks = max(1, math.ceil(len(rows) / per_actor))
-    ds = ray.data.from_items(rows, override_num_blocks=blocks).map_batches(
-        BatchAnswerer,
-        fn_constructor_kwargs={
-            "settings": settings,
-            "retriever": retriever,
-            "n_threads": plan.n_threads,
-        },
-        batch_size=None,
-        compute=ray.data.ActorPoolStrategy(size=plan.actors, max_concurrent_calls_per_actor=1),
-        num_cpus=plan.actor_cpus,
-        batch_format="numpy",
-        # OMP_WAIT_POLICY in each actor's process from its start (infra.engine.engine_threads).
-        **ray_runtime_env(settings.model),
-    )
+    ds = _answer_dataset(settings, jobs, retriever, plan, per_actor)
     watch = NodeWatch(plan, RETRIEVER_CPUS if embedded else 0.0)
     try:
         for row in rows_watched(ds, watch):
@@ -193,6 +170,43 @@ def stream_answers(
                 ray.get(retriever.close.remote(), timeout=30)
             finally:
                 ray.kill(retriever)
+
+
+def _answer_dataset(
+    settings: Settings,
+    jobs: Sequence[_Job],
+    retriever: Any,
+    plan: Resources,
+    per_actor: int,
+) -> Any:
+    """The Ray Dataset that answers `jobs` on a pool of `BatchAnswerer` actors, one batch of
+    up to `per_actor` questions per task, in completion order."""
+    import ray
+    from ray.data import DataContext
+
+    ctx = DataContext.get_current()
+    ctx.enable_progress_bars = False  # the driver draws its own, per question
+    ctx.execution_options.preserve_order = False
+    rows = [
+        {"key": j.key, "question": j.question, "config": j.config.model_dump_json()} for j in jobs
+    ]
+    # One block per batch and whole blocks as batches (batch_size=None): each batch is its own
+    # task, so results stream back batch by batch instead of a task per several batches.
+    blocks = max(1, math.ceil(len(rows) / per_actor))
+    return ray.data.from_items(rows, override_num_blocks=blocks).map_batches(
+        BatchAnswerer,
+        fn_constructor_kwargs={
+            "settings": settings,
+            "retriever": retriever,
+            "n_threads": plan.n_threads,
+        },
+        batch_size=None,
+        compute=ray.data.ActorPoolStrategy(size=plan.actors, max_concurrent_calls_per_actor=1),
+        num_cpus=plan.actor_cpus,
+        batch_format="numpy",
+        # OMP_WAIT_POLICY in each actor's process from its start (infra.engine.engine_threads).
+        **ray_runtime_env(settings.model),
+    )
 
 
 def _store_actor(settings: Settings) -> Any:
@@ -235,28 +249,9 @@ def run_batch(
     after it is written."""
     started = time.perf_counter()
     with lock_output(out):
-        questions, problems = read_questions(source)
-        # Unreadable rows own their ids like questions do, and count in --shard and --limit
-        # by their position, so each gets one record in one shard.
-        rows: list[BatchQuestion | InputProblem] = sorted(
-            [*questions, *(p for p in problems if p.id is not None)], key=lambda r: r.line
+        todo, unreadable, summary, superseded = _rows_to_answer(
+            source, out, limit, shard, retry_failed
         )
-        chosen = select(rows, limit, shard)
-        statuses, superseded = last_statuses(out)
-        todo = [
-            r
-            for r in chosen
-            if r.id not in statuses or (retry_failed and statuses[r.id] == "error")
-        ]
-        unreadable = [r for r in todo if isinstance(r, InputProblem)]
-        reported = sorted(
-            [*(p for p in problems if p.id is None), *unreadable], key=lambda p: p.line
-        )
-        summary = BatchSummary(malformed=len(reported), problems=reported)
-        summary.skipped = len(chosen) - len(todo)
-        summary.retried = sum(1 for r in todo if r.id in statuses)
-        for p in reported:  # each once: the summary only counts them
-            log.warning("skipped %s:%d: %s", source, p.line, p.reason)
         with LocalRuntime(settings) as facts:  # reads model files only: no engine here
             jobs, invalid = plan_jobs(
                 [r for r in todo if isinstance(r, BatchQuestion)],
@@ -280,6 +275,37 @@ def run_batch(
             compact_records(out)  # a finished run leaves one record per id
     summary.seconds = time.perf_counter() - started
     return summary
+
+
+def _rows_to_answer(
+    source: Path,
+    out: Path,
+    limit: int | None,
+    shard: tuple[int, int] | None,
+    retry_failed: bool,
+) -> tuple[list[BatchQuestion | InputProblem], list[InputProblem], BatchSummary, int]:
+    """The rows of `source` this run answers (those `limit` and `shard` choose, not yet in
+    `out`), the unreadable ones among them, the summary counting what is skipped, and how many
+    records of `out` a later one replaces."""
+    questions, problems = read_questions(source)
+    # Unreadable rows own their ids like questions do, and count in --shard and --limit
+    # by their position, so each gets one record in one shard.
+    rows: list[BatchQuestion | InputProblem] = sorted(
+        [*questions, *(p for p in problems if p.id is not None)], key=lambda r: r.line
+    )
+    chosen = select(rows, limit, shard)
+    statuses, superseded = last_statuses(out)
+    todo = [
+        r for r in chosen if r.id not in statuses or (retry_failed and statuses[r.id] == "error")
+    ]
+    unreadable = [r for r in todo if isinstance(r, InputProblem)]
+    reported = sorted([*(p for p in problems if p.id is None), *unreadable], key=lambda p: p.line)
+    summary = BatchSummary(malformed=len(reported), problems=reported)
+    summary.skipped = len(chosen) - len(todo)
+    summary.retried = sum(1 for r in todo if r.id in statuses)
+    for p in reported:  # each once: the summary only counts them
+        log.warning("skipped %s:%d: %s", source, p.line, p.reason)
+    return todo, unreadable, summary, superseded
 
 
 def _answer_into(
@@ -326,12 +352,8 @@ def _answer_into(
         earlier = earlier_answers(out, {job.key for job in jobs})
         for job in jobs:
             if job.key in earlier:
-                first, response = earlier[job.key]
-                summary.duplicates += len(job.ids)
-                for ident in job.ids:
-                    summary.answered += 1
-                    summary.cache_hits += 1
-                    emit(ok_record(ident, job.question, response, duplicate_of=first))
+                for record in _earlier_records(job, earlier[job.key], summary):
+                    emit(record)
         pending = [job for job in jobs if job.key not in earlier]
         if pending:
             started_ray = ensure_ray(address)
@@ -339,24 +361,44 @@ def _answer_into(
                 settings, pending, actors=actors, per_actor=per_actor, actor_cpus=actor_cpus
             )
             for job, outcome in _node_lost_said(answers, summary, out):
-                summary.duplicates += len(job.ids) - 1
-                for n, ident in enumerate(job.ids):
-                    if outcome["status"] == "ok":
-                        summary.answered += 1
-                        if outcome["cache"] == "hit" or n > 0:
-                            summary.cache_hits += 1
-                        first = job.ids[0] if n > 0 else None
-                        record = ok_record(ident, job.question, outcome["response"], first)
-                    else:
-                        summary.failed += 1
-                        error = outcome["error"]
-                        record = error_record(ident, job.question, error["type"], error["message"])
+                for record in _outcome_records(job, outcome, summary):
                     emit(record)
     finally:
         bar.close()
         sink.close()
         if started_ray:
             shutdown_private_ray()
+
+
+def _earlier_records(
+    job: _Job, earlier: tuple[str, dict[str, Any]], summary: BatchSummary
+) -> Iterator[dict[str, Any]]:
+    """The records of `job`'s ids answered by an earlier record of the output, counted."""
+    first, response = earlier
+    summary.duplicates += len(job.ids)
+    for ident in job.ids:
+        summary.answered += 1
+        summary.cache_hits += 1
+        yield ok_record(ident, job.question, response, duplicate_of=first)
+
+
+def _outcome_records(
+    job: _Job, outcome: dict[str, Any], summary: BatchSummary
+) -> Iterator[dict[str, Any]]:
+    """The records of `job`'s ids from one answer's outcome, counted; ids after the first are
+    duplicates of it."""
+    summary.duplicates += len(job.ids) - 1
+    for n, ident in enumerate(job.ids):
+        if outcome["status"] == "ok":
+            summary.answered += 1
+            if outcome["cache"] == "hit" or n > 0:
+                summary.cache_hits += 1
+            first = job.ids[0] if n > 0 else None
+            yield ok_record(ident, job.question, outcome["response"], first)
+        else:
+            summary.failed += 1
+            error = outcome["error"]
+            yield error_record(ident, job.question, error["type"], error["message"])
 
 
 def _node_lost_said(answers: Iterator[_T], summary: BatchSummary, out: Path) -> Iterator[_T]:
@@ -368,6 +410,36 @@ def _node_lost_said(answers: Iterator[_T], summary: BatchSummary, out: Path) -> 
             f"{exc}. Stopped: {summary.answered} answered and {summary.failed} failed are in "
             f"{out}; run the same command again to answer the rest on the nodes left"
         ) from None
+
+
+def _eval_jobs(
+    settings: Settings,
+    questions: Sequence[Any],
+    systems: Sequence[str],
+    config: DecodingConfig,
+    done: set[tuple[str, Any]],
+) -> tuple[dict[str, _Job], dict[str, list[tuple[str, Any]]]]:
+    """One job per distinct (question, settled config) among the selfrag-* systems' records
+    not in `done`, and for each job's key the (system, question) pairs it answers."""
+    jobs: dict[str, _Job] = {}
+    owners: dict[str, list[tuple[str, Any]]] = {}
+    with LocalRuntime(settings) as facts:  # reads model files only: no engine here
+        answer_path = AnswerPath(settings.decoding, facts=facts)
+        cfgs = {
+            system: answer_path.settle(
+                config.model_copy(update={"critique": system.removeprefix("selfrag-")})
+            )
+            for system in systems
+            if system.startswith("selfrag-")  # the baselines stay in-process
+        }
+    for system, cfg in cfgs.items():
+        for q in questions:
+            if (system, q.id) in done:
+                continue
+            key = query_key(q.question, cfg, "", "")
+            jobs.setdefault(key, _Job(key, q.question, cfg, []))
+            owners.setdefault(key, []).append((system, q))
+    return jobs, owners
 
 
 def run_eval_systems(
@@ -390,24 +462,7 @@ def run_eval_systems(
     path = out / RECORDS_FILE
     out.mkdir(parents=True, exist_ok=True)
     done = {(r["system"], r["id"]) for r in read_records(path)}
-    jobs: dict[str, _Job] = {}
-    owners: dict[str, list[tuple[str, Any]]] = {}
-    with LocalRuntime(settings) as facts:  # reads model files only: no engine here
-        answer_path = AnswerPath(settings.decoding, facts=facts)
-        cfgs = {
-            system: answer_path.settle(
-                config.model_copy(update={"critique": system.removeprefix("selfrag-")})
-            )
-            for system in systems
-            if system.startswith("selfrag-")  # the baselines stay in-process
-        }
-    for system, cfg in cfgs.items():
-        for q in questions:
-            if (system, q.id) in done:
-                continue
-            key = query_key(q.question, cfg, "", "")
-            jobs.setdefault(key, _Job(key, q.question, cfg, []))
-            owners.setdefault(key, []).append((system, q))
+    jobs, owners = _eval_jobs(settings, questions, systems, config, done)
     if not jobs:
         return
     sink = RecordSink(path)
