@@ -8,7 +8,7 @@ import json
 import logging
 import sys
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -234,8 +234,6 @@ def index_corpus(
     started = time.perf_counter()
     report = IndexReport()
     corpus = CorpusRead(path, retrieval, store.embedder, report, follow_links=follow_links)
-    pending: list[Passage] = []
-    pending_docs = 0
     bar = tqdm(
         desc=f"indexing {Path(path).name}",
         unit="doc",
@@ -243,6 +241,31 @@ def index_corpus(
         disable=not progress,
         dynamic_ncols=True,
     )
+    changed = False
+    try:
+        _write_in_groups(
+            corpus.documents(indexed_documents(store)), store, embedder_batch, report, bar
+        )
+        changed = corpus.remove_gone(store)
+    finally:
+        bar.close()
+        if report.passages or changed:
+            store.bump_index_version()
+        report.seconds = time.perf_counter() - started
+    return report
+
+
+def _write_in_groups(
+    documents: Iterable[list[Passage]],
+    store: QdrantStore,
+    embedder_batch: int,
+    report: IndexReport,
+    bar: tqdm,
+) -> None:
+    """Upsert the passages of `documents` in groups of whole documents of about
+    `embedder_batch` passages, counting each group in `report` and `bar` once written."""
+    pending: list[Passage] = []
+    pending_docs = 0
 
     def flush() -> None:
         nonlocal pending, pending_docs
@@ -256,18 +279,9 @@ def index_corpus(
             bar.set_postfix(passages=report.passages, errors=len(report.errors))
         pending, pending_docs = [], 0
 
-    changed = False
-    try:
-        for passages in corpus.documents(indexed_documents(store)):
-            pending.extend(passages)
-            pending_docs += 1
-            if len(pending) >= embedder_batch:
-                flush()
-        flush()
-        changed = corpus.remove_gone(store)
-    finally:
-        bar.close()
-        if report.passages or changed:
-            store.bump_index_version()
-        report.seconds = time.perf_counter() - started
-    return report
+    for passages in documents:
+        pending.extend(passages)
+        pending_docs += 1
+        if len(pending) >= embedder_batch:
+            flush()
+    flush()
