@@ -150,19 +150,30 @@ def read_support(
     assert len(done) == len(pairs)
     out = [SupportReading(s, {}, {}, 0) for s in done]
     for k, i in enumerate(grounded):
-        b, d = gb[k], gd[k]
-        r = rel[k]
-        assert b.passage is not None and r is not None
-        values = {
-            "s_sup": support_score(done[i].probs),
-            "s_rel": relevance_score(r.probs.probs),
-            "gain": float(gains[k] or 0.0),
-            **draft_features(d.text, len(d.tokens), b.passage.text, b.question),
-        }
-        named = {probe_name(block, "support"): v for block, v in states[k].items()}
-        named.update({probe_name(block, "relevance"): v for block, v in r.states.items()})
-        out[i] = SupportReading(done[i], values, named, extra[k])
+        out[i] = _grounded_reading(done[i], gb[k], gd[k], rel[k], gains[k], states[k], extra[k])
     return out
+
+
+def _grounded_reading(
+    support: LabelProbs,
+    branch: Branch,
+    draft: Generation,
+    relevance: RelevanceReading | None,
+    gain: float | None,
+    states: dict[int, tuple[float, ...]],
+    extra: int,
+) -> SupportReading:
+    """The combiner's features of one branch that has a passage and a non-empty draft."""
+    assert branch.passage is not None and relevance is not None
+    values = {
+        "s_sup": support_score(support.probs),
+        "s_rel": relevance_score(relevance.probs.probs),
+        "gain": float(gain or 0.0),
+        **draft_features(draft.text, len(draft.tokens), branch.passage.text, branch.question),
+    }
+    named = {probe_name(block, "support"): v for block, v in states.items()}
+    named.update({probe_name(block, "relevance"): v for block, v in relevance.states.items()})
+    return SupportReading(support, values, named, extra)
 
 
 def _source_support(
