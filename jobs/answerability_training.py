@@ -18,6 +18,7 @@ import json
 import sys
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -38,6 +39,7 @@ from selfrag.pipeline.critics import (
     read_support,
     source_critic,
 )
+from selfrag.pipeline.critics.answerability import SupportReading
 from selfrag.pipeline.evaluation.qa_metrics import contains_answer
 
 if TYPE_CHECKING:
@@ -68,6 +70,44 @@ def default_features(n_layers: int) -> tuple[str, ...]:
     return ("s_rel", probe_name(round(n_layers * 0.5) - 1, "relevance"))
 
 
+@dataclass
+class _Columns:
+    """The feature table's columns, filled one grounded branch at a time."""
+
+    values: dict[str, list[float]]
+    states: dict[str, list[tuple[float, ...]]]
+    labels: list[int] = field(default_factory=list)
+    groups: list[str] = field(default_factory=list)
+    answerable: list[int] = field(default_factory=list)
+
+    @classmethod
+    def for_blocks(cls, blocks: Sequence[int]) -> _Columns:
+        return cls(
+            {f: [] for f in FEATURES},
+            {probe_name(b, site): [] for b in blocks for site in ("support", "relevance")},
+        )
+
+    def add(self, q: EvalQuestion, b: Branch, r: SupportReading) -> None:
+        """One branch: positive when its question is answerable and its passage holds a gold
+        answer."""
+        assert b.passage is not None
+        for f in FEATURES:
+            self.values[f].append(r.values[f])
+        for name, column in self.states.items():
+            column.append(r.states[name])
+        self.labels.append(int(q.answerable and contains_answer(b.passage.text, q.golds)))
+        self.groups.append(q.id)
+        self.answerable.append(int(q.answerable))
+
+    def table(self) -> FeatureTable:
+        return FeatureTable(
+            {f: np.asarray(v) for f, v in self.values.items()},
+            {k: np.asarray(v, dtype=np.float32) for k, v in self.states.items()},
+            np.asarray(self.labels, dtype=np.float64),
+            self.groups,
+        )
+
+
 def collect_table(
     rag: LocalRuntime,
     questions: Sequence[EvalQuestion],
@@ -89,13 +129,7 @@ def collect_table(
     labelled = [q for q in questions if q.context is not None]
     if not labelled:
         raise AnswerabilityFitError("no SQuAD questions with a gold paragraph to label")
-    values: dict[str, list[float]] = {f: [] for f in FEATURES}
-    states: dict[str, list[tuple[float, ...]]] = {
-        probe_name(b, site): [] for b in blocks for site in ("support", "relevance")
-    }
-    labels: list[int] = []
-    groups: list[str] = []
-    answerable: list[int] = []
+    columns = _Columns.for_blocks(blocks)
     started = time.monotonic()
     bar = tqdm(total=len(labelled), desc="answerability", file=sys.stderr, disable=not progress)
     for start in range(0, len(labelled), QUESTIONS_PER_CALL):
@@ -108,25 +142,12 @@ def collect_table(
         readings = read_support(inner, engine, branches, drafts, blocks, rel, blocks)
         by_question = {q.question: q for q in chunk}
         for b, r in zip(branches, readings, strict=True):
-            if not r.grounded:
-                continue
-            q = by_question[b.question]
-            assert b.passage is not None
-            for f in FEATURES:
-                values[f].append(r.values[f])
-            for name, column in states.items():
-                column.append(r.states[name])
-            labels.append(int(q.answerable and contains_answer(b.passage.text, q.golds)))
-            groups.append(q.id)
-            answerable.append(int(q.answerable))
+            if r.grounded:
+                columns.add(by_question[b.question], b, r)
         bar.update(len(chunk))
     bar.close()
-    table = FeatureTable(
-        {f: np.asarray(v) for f, v in values.items()},
-        {k: np.asarray(v, dtype=np.float32) for k, v in states.items()},
-        np.asarray(labels, dtype=np.float64),
-        groups,
-    )
+    table = columns.table()
+    labels, answerable = columns.labels, columns.answerable
     meta = {
         "source": inner.name,
         "n_layers": n_layers,
