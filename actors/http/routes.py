@@ -115,6 +115,19 @@ class _Edge:
         self.host_check = host_check
         self.request_id_header = request_id_header
 
+    def _refusal_before_reading(self, scope: Scope) -> JSONResponse | None:
+        """The 421 of a Host this server does not answer to, or the 413 of a declared body
+        over the limit (refused before reading a byte of it); None for a request to serve."""
+        headers = dict(scope.get("headers", ()))
+        refused = self.host_check.refusal(headers.get(b"host")) if self.host_check else None
+        if refused is not None:
+            return _error(421, "misdirected_request", refused, path=scope["path"])
+        length = headers.get(b"content-length", b"")
+        if length.isdigit() and int(length) > self.max_body_bytes:
+            exc = PayloadTooLarge(self.max_body_bytes)
+            return _error(413, "payload_too_large", exc.detail, path=scope["path"])
+        return None
+
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
@@ -152,18 +165,9 @@ class _Edge:
                 )
             await send(message)
 
-        headers = dict(scope.get("headers", ()))
-        refused = self.host_check.refusal(headers.get(b"host")) if self.host_check else None
-        if refused is not None:
-            error = _error(421, "misdirected_request", refused, path=scope["path"])
-            await error(scope, receive, tagged_send)
-            return
-        length = headers.get(b"content-length", b"")
-        if length.isdigit() and int(length) > limit:
-            # Refused before reading a byte of it.
-            exc = PayloadTooLarge(limit)
-            error = _error(413, "payload_too_large", exc.detail, path=scope["path"])
-            await error(scope, receive, tagged_send)
+        refusal = self._refusal_before_reading(scope)
+        if refusal is not None:
+            await refusal(scope, receive, tagged_send)
             return
         try:
             await self.app(scope, limited_receive, tagged_send)
@@ -276,6 +280,33 @@ def api_key_check(api_keys: Sequence[SecretStr]) -> Callable[[Request], None]:
     return require_key
 
 
+def _app_with_edge(
+    title: str,
+    metrics: Metrics,
+    max_body_bytes: int,
+    host_check: HostCheck,
+    request_id_header: bool,
+) -> FastAPI:
+    """An app without routes yet, behind the cross-cutting edge: request id, Host check, body
+    limit, metrics, errors."""
+    app = FastAPI(
+        title=title,
+        summary="Self-RAG answers with per-segment citations and critique scores.",
+        version="1",
+        # The OpenAPI document only: FastAPI's /docs and /redoc pages load scripts from a CDN.
+        docs_url=None,
+        redoc_url=None,
+    )
+    app.add_middleware(
+        _Edge,
+        metrics=metrics,
+        max_body_bytes=max_body_bytes,
+        host_check=host_check,
+        request_id_header=request_id_header,
+    )
+    return app
+
+
 def build_http_app(
     service: AnswerClient,
     metrics: Metrics,
@@ -304,26 +335,16 @@ def build_http_app(
     sends `: keep-alive` every `keepalive_s` without an event; a body over `max_body_bytes`
     is refused (413) as soon as that many bytes have arrived. The OpenAI-compatible routes
     (actors/http/openai_routes.py) serve `model_name`. Without `request_id_header` the app leaves
-    the
-    `X-Request-Id` response header to the proxy in front of it (Ray Serve's echoes the id it
+    the `X-Request-Id` response header to the proxy in front of it (Ray Serve's echoes the id it
     put on the request, which is the id this app uses), so a response carries it once."""
     failures = _Failures(retry_after_s)
     log_answer = AnswerLog(log_questions)
-    app = FastAPI(
-        title=title,
-        summary="Self-RAG answers with per-segment citations and critique scores.",
-        version="1",
-        # The OpenAPI document only: FastAPI's /docs and /redoc pages load scripts from a CDN.
-        docs_url=None,
-        redoc_url=None,
-    )
-    # Cross-cutting: request id, Host check, body limit, metrics, errors.
-    app.add_middleware(
-        _Edge,
-        metrics=metrics,
-        max_body_bytes=max_body_bytes,
-        host_check=HostCheck.for_bind(bind_host, allowed_hosts),
-        request_id_header=request_id_header,
+    app = _app_with_edge(
+        title,
+        metrics,
+        max_body_bytes,
+        HostCheck.for_bind(bind_host, allowed_hosts),
+        request_id_header,
     )
     failures.install(app)
     authed = [Depends(api_key_check(api_keys))]
