@@ -10,7 +10,7 @@ import hashlib
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Protocol
 
 from fastapi import Request
@@ -239,25 +239,29 @@ class AnswerStream:
             close()
             return self._fmt.error_response(first[1], self._rid)
 
-        async def events() -> AsyncIterator[bytes]:
-            item = first
-            try:
-                while item is not None and item is not self._disconnected:
-                    if item is self._idle:
-                        yield KEEPALIVE
-                    else:
-                        chunk = self._encode(*item)  # type: ignore[misc]
-                        if chunk:
-                            yield chunk
-                    item = await next_item()
-                if item is None:
-                    if end := self._fmt.end():
-                        yield end
-            finally:
-                close()
-
         return StreamingResponse(
-            events(),
+            self._events(first, next_item, close),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
+
+    async def _events(
+        self, first: object, next_item: Callable[[], Awaitable[object]], close: Callable[[], None]
+    ) -> AsyncIterator[bytes]:
+        """The stream's bytes from `first` on: each event encoded, a keep-alive when idle, the
+        format's end after the last; `close` once it ends, however it ends."""
+        item = first
+        try:
+            while item is not None and item is not self._disconnected:
+                if item is self._idle:
+                    yield KEEPALIVE
+                else:
+                    chunk = self._encode(*item)  # type: ignore[misc]
+                    if chunk:
+                        yield chunk
+                item = await next_item()
+            if item is None:
+                if end := self._fmt.end():
+                    yield end
+        finally:
+            close()
