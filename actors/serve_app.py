@@ -14,6 +14,17 @@ from selfrag.schemas.settings import Settings
 APP_NAME = "selfrag"
 
 
+def _with_bind_host(settings: Settings) -> Settings:
+    """`settings` with serve.host the address the proxies really bind (deploy/serve.yaml and
+    KubeRay set their own): the ingress checks Host headers when it is loopback, and
+    `warn_if_open` warns when it is not."""
+    bind = serve_http_host() or settings.serve.host
+    warn_if_open(bind)
+    if bind == settings.serve.host:
+        return settings
+    return settings.model_copy(update={"serve": settings.serve.model_copy(update={"host": bind})})
+
+
 def build_app(settings: Settings | None = None) -> Application:
     """Bind the deployments: ingress → decider, retriever, pool, ranker."""
     from selfrag.actors.deployments import (
@@ -29,14 +40,7 @@ def build_app(settings: Settings | None = None) -> Application:
         from selfrag.infra.settings_loader import load_settings
 
         settings = load_settings()
-    # The address the proxies really bind: deploy/serve.yaml and KubeRay set their own. The
-    # ingress gets it as serve.host: a loopback one makes it check Host headers.
-    bind = serve_http_host() or settings.serve.host
-    warn_if_open(bind)
-    if bind != settings.serve.host:
-        settings = settings.model_copy(
-            update={"serve": settings.serve.model_copy(update={"host": bind})}
-        )
+    settings = _with_bind_host(settings)
     # Bounded queues everywhere: past `max_queued_requests` waiting calls a handle raises
     # BackPressureError at once (the ingress answers 503 + Retry-After) instead of piling up.
     queued: dict[str, Any] = {
