@@ -73,6 +73,28 @@ def _waiting_for(port: int) -> Callable[[str], None]:
     return waiting
 
 
+def _ready_model(settings: Settings) -> None:
+    """Fail here, naming the file, before Ray starts: a missing or corrupt model, or one no
+    CPU backend can run, would otherwise surface as a replica that keeps failing to start.
+    Then fit the served collection's support threshold if it is missing (abstention needs
+    it), while the port answers 503, rather than serve without one."""
+    from selfrag.cli.first_use import calibrate_before_answering
+    from selfrag.infra.models.model_presets import recheck_model
+    from selfrag.runtime.system import LocalRuntime
+
+    recheck_model(settings.model, settings.home)  # its bytes, not its remembered hash
+    _check_model_runs(LocalRuntime(settings).model.path, settings.model.n_threads)
+    calibrate_before_answering(settings)
+
+
+def _say_stopping(left: int, drain_s: float) -> None:
+    print(
+        f"selfrag: {left} answer(s) still running after {drain_s:g} s: stopping them",
+        file=sys.stderr,
+        flush=True,
+    )
+
+
 def _serve(
     args: argparse.Namespace,
     settings: Settings,
@@ -86,17 +108,7 @@ def _serve(
     import threading
 
     if settings.model.backend == "llama_cpp":
-        from selfrag.cli.first_use import calibrate_before_answering
-        from selfrag.infra.models.model_presets import recheck_model
-        from selfrag.runtime.system import LocalRuntime
-
-        # Fail here, naming the file, before Ray starts: a missing or corrupt model, or one no
-        # CPU backend can run, would otherwise surface as a replica that keeps failing to start.
-        recheck_model(settings.model, settings.home)  # its bytes, not its remembered hash
-        _check_model_runs(LocalRuntime(settings).model.path, settings.model.n_threads)
-        # Abstention needs the served collection's support threshold: fitted now if missing,
-        # while the port answers 503, rather than served without one.
-        calibrate_before_answering(settings)
+        _ready_model(settings)
     from ray import serve
 
     from selfrag.actors.serve_app import APP_NAME, build_app, drain, serve_logging
@@ -124,12 +136,7 @@ def _serve(
         # The answers in progress end first, within a bounded grace.
         left = drain(settings.serve.drain_s)
         if left > 0:
-            print(
-                f"selfrag: {left} answer(s) still running after {settings.serve.drain_s:g} s: "
-                "stopping them",
-                file=sys.stderr,
-                flush=True,
-            )
+            _say_stopping(left, settings.serve.drain_s)
     finally:
         if local:
             # Every process of the instance, the proxy and the replicas included: Ray's workers
