@@ -78,6 +78,37 @@ def check_export_target(target: Path, protected: Iterable[Path]) -> None:
             )
 
 
+def _check_token_matrix(
+    source: Path, name: str, t: gguf.ReaderTensor, n_vocab: int, hidden: int
+) -> None:
+    """Refuse a token matrix that cannot take new rows: not F32/F16, or of another shape."""
+    if t.tensor_type not in _FLOAT_TYPES:
+        raise ModelFileError(
+            f"{source}: {name} is {t.tensor_type.name}; only F32/F16 token matrices can take "
+            "new rows — export from an F16 copy (model.weights = 'f16')"
+        )
+    if int(t.shape[1]) != n_vocab or int(t.shape[0]) != hidden:
+        raise ModelFileError(f"{source}: {name} has shape {list(t.shape)}")
+
+
+def _with_rows(
+    t: gguf.ReaderTensor,
+    n_vocab: int,
+    hidden: int,
+    added: list[tuple[str, np.ndarray | None]],
+    learned: bool,
+) -> np.ndarray:
+    """Token matrix `t` with one row per added token: its learned row when `learned` and it
+    has one, else zeros."""
+    base = np.asarray(t.data).reshape(n_vocab, hidden)
+    extra = np.zeros((len(added), hidden), dtype=base.dtype)
+    if learned:
+        for i, (_, row) in enumerate(added):
+            if row is not None:
+                extra[i] = row.astype(base.dtype)
+    return np.concatenate([base, extra])
+
+
 def export_reflection_model(
     source: Path, heads: ReflectionHeads, target: Path, protected: Iterable[Path] = ()
 ) -> Path:
@@ -101,24 +132,10 @@ def export_reflection_model(
     tied = "output.weight" not in tensors
     n_vocab = len(tokens)
     for name in ("token_embd.weight", *(() if tied else ("output.weight",))):
-        t = tensors[name]
-        if t.tensor_type not in _FLOAT_TYPES:
-            raise ModelFileError(
-                f"{source}: {name} is {t.tensor_type.name}; only F32/F16 token matrices can take "
-                "new rows — export from an F16 copy (model.weights = 'f16')"
-            )
-        if int(t.shape[1]) != n_vocab or int(t.shape[0]) != heads.hidden_size:
-            raise ModelFileError(f"{source}: {name} has shape {list(t.shape)}")
+        _check_token_matrix(source, name, tensors[name], n_vocab, heads.hidden_size)
 
     def extended(name: str, learned: bool) -> np.ndarray:
-        t = tensors[name]
-        base = np.asarray(t.data).reshape(n_vocab, heads.hidden_size)
-        extra = np.zeros((len(added), heads.hidden_size), dtype=base.dtype)
-        if learned:
-            for i, (_, row) in enumerate(added):
-                if row is not None:
-                    extra[i] = row.astype(base.dtype)
-        return np.concatenate([base, extra])
+        return _with_rows(tensors[name], n_vocab, heads.hidden_size, added, learned)
 
     target.parent.mkdir(parents=True, exist_ok=True)
     with atomic_output(target, mode=0o666 & ~current_umask()) as tmp:
