@@ -283,12 +283,13 @@ def api_key_check(api_keys: Sequence[SecretStr]) -> Callable[[Request], None]:
 def _app_with_edge(
     title: str,
     metrics: Metrics,
+    failures: _Failures,
     max_body_bytes: int,
     host_check: HostCheck,
     request_id_header: bool,
 ) -> FastAPI:
-    """An app without routes yet, behind the cross-cutting edge: request id, Host check, body
-    limit, metrics, errors."""
+    """An app without routes yet, behind the cross-cutting edge (request id, Host check, body
+    limit, metrics, a 500 for anything unhandled), with `failures`' error handlers."""
     app = FastAPI(
         title=title,
         summary="Self-RAG answers with per-segment citations and critique scores.",
@@ -304,6 +305,7 @@ def _app_with_edge(
         host_check=host_check,
         request_id_header=request_id_header,
     )
+    failures.install(app)
     return app
 
 
@@ -339,14 +341,8 @@ def build_http_app(
     put on the request, which is the id this app uses), so a response carries it once."""
     failures = _Failures(retry_after_s)
     log_answer = AnswerLog(log_questions)
-    app = _app_with_edge(
-        title,
-        metrics,
-        max_body_bytes,
-        HostCheck.for_bind(bind_host, allowed_hosts),
-        request_id_header,
-    )
-    failures.install(app)
+    host_check = HostCheck.for_bind(bind_host, allowed_hosts)
+    app = _app_with_edge(title, metrics, failures, max_body_bytes, host_check, request_id_header)
     authed = [Depends(api_key_check(api_keys))]
     posted = [*authed, Depends(require_json)]
     readiness = SharedReadiness(service.readiness, readiness_ttl_s)
