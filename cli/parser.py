@@ -1,13 +1,13 @@
-"""The argument parser of every command, and `selfrag --version`."""
+"""The argument parser of every command."""
 
 from __future__ import annotations
 
 import argparse
 import typing
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from selfrag.cli.versions import VersionAction
 from selfrag.schemas.decoding import DecodingOverrides
 
 
@@ -31,17 +31,6 @@ def _decoding_flags(parser: argparse.ArgumentParser) -> None:
             raise TypeError(f"no CLI flag type for {name}: {kind}")
 
 
-class _Version(argparse.Action):
-    """`--version`: `version_text()` as it is, two lines (argparse's own action rewraps it)."""
-
-    def __init__(self, option_strings: Sequence[str], dest: str, **kwargs: Any) -> None:
-        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
-
-    def __call__(self, parser: argparse.ArgumentParser, *args: Any, **kwargs: Any) -> None:
-        print(version_text())
-        parser.exit()
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="selfrag",
@@ -52,7 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--home", type=Path, help="Data folder (default: $SELFRAG_HOME).")
     parser.add_argument(
         "--version",
-        action=_Version,
+        action=VersionAction,
         help="Print the versions of selfrag, llama-cpp-python and Ray, and exit.",
     )
     loudness = parser.add_mutually_exclusive_group()
@@ -398,28 +387,3 @@ def _model_flag(parser: argparse.ArgumentParser) -> None:
         help="The model for this command: a preset (`selfrag models` lists them) or a GGUF file; "
         "default: the model.preset / model.path settings.",
     )
-
-
-def version_text() -> str:
-    """`selfrag --version`: this package's version, then llama-cpp-python's and Ray's."""
-
-    from importlib.metadata import PackageNotFoundError, version
-
-    def of(dist: str) -> str:
-        try:
-            return version(dist)
-        except PackageNotFoundError:
-            return "not installed"
-
-    engines = f"llama-cpp-python {of('llama-cpp-python')}, ray {of('ray')}"
-    return f"selfrag {selfrag_version()}\n{engines}"
-
-
-def selfrag_version() -> str:
-    """selfrag's installed version, as `selfrag.__version__` reads it."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("selfrag")
-    except PackageNotFoundError:  # a source tree that was never installed
-        return "0+unknown"

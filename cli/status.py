@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from selfrag.cli.common import CLIError, settings_from_args
-from selfrag.cli.parser import selfrag_version
+from selfrag.cli.versions import selfrag_version
 from selfrag.schemas.settings import Settings
 
 
