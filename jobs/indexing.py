@@ -21,10 +21,9 @@ from selfrag.infra.corpus.reading import (
     CorpusError,
     Document,
     read_documents,
-    split_document,
-    split_passages,
 )
 from selfrag.infra.corpus.safe_files import corpus_root, file_source
+from selfrag.infra.corpus.splitting import split_document, split_passages
 from selfrag.infra.store.qdrant_documents import DIGEST
 from selfrag.infra.store.qdrant_store import QdrantStore
 from selfrag.pipeline.protocols import COLLECTION, Passage

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from selfrag.actors.http.citations import AnswerText, annotations, cited_urls, passage_url
-from selfrag.infra.corpus.reading import CorpusError, Document, read_documents, split_passages
+from selfrag.infra.corpus.reading import CorpusError, Document, read_documents
+from selfrag.infra.corpus.splitting import split_passages
 from selfrag.infra.store.qdrant_store import QdrantStore
 from selfrag.jobs.indexing import index_corpus
 from selfrag.schemas.answer import AnswerResponse, Citation, SegmentOut, Usage

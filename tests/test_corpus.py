@@ -21,8 +21,8 @@ from selfrag.infra.corpus.reading import (
     read_documents,
     read_lines,
     source_id,
-    split_passages,
 )
+from selfrag.infra.corpus.splitting import split_passages
 
 SQUAD = Path(__file__).resolve().parents[2] / "shared" / "data" / "squad_v2_small.json"
 

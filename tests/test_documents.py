@@ -14,7 +14,8 @@ from typing import Any
 import pytest
 
 from selfrag.infra.corpus.passages import CHARS_PER_PIECE, markdown_blocks
-from selfrag.infra.corpus.reading import CorpusError, Document, read_documents, split_document
+from selfrag.infra.corpus.reading import CorpusError, Document, read_documents
+from selfrag.infra.corpus.splitting import split_document
 from selfrag.infra.embeddings.embedder import SentenceEmbedder
 from selfrag.infra.store.qdrant_store import QdrantStore
 from selfrag.jobs.indexing import PieceCounter, corpus_passages, index_corpus

@@ -1,4 +1,5 @@
-"""Reading corpora into documents and splitting documents into passages (pure I/O, no model).
+"""Reading corpora into documents (pure I/O, no model); infra.corpus.splitting makes passages
+of them.
 
 Supported inputs:
 - JSONL, one object a line: `{"id"?, "title"?, "url"?, "text" | "contents"}` (`url`: the
@@ -40,9 +41,7 @@ from selfrag.infra.corpus.formats import (
 )
 from selfrag.infra.corpus.passages import (
     Block,
-    Counter,
     markdown_blocks,
-    structured_passages,
     text_blocks,
 )
 from selfrag.infra.corpus.safe_files import (
@@ -52,7 +51,6 @@ from selfrag.infra.corpus.safe_files import (
     read_bounded,
     too_big,
 )
-from selfrag.pipeline.protocols import Passage
 
 # Default cap on one document's UTF-8 size: far above any real article, small enough that one
 # runaway record (a dumped binary, a whole book in a line) cannot stall indexing.
@@ -441,55 +439,4 @@ def _extracted_document(file: Path, found: Extracted) -> Document:
         url=found.url,
         source=file_source(file),
         blocks=tuple(found.blocks),
-    )
-
-
-def split_passages(doc: Document, words: int, overlap: int) -> list[Passage]:
-    """Split `doc` into windows of at most `words` words, consecutive windows sharing `overlap`.
-
-    Ids are `{doc.id}` for a one-passage document and `{doc.id}#{n}` (n from 0) otherwise, so
-    re-indexing the same document overwrites its passages. Whitespace is normalised to single
-    spaces. Windows start every `words - overlap` words; the last one may be shorter.
-    """
-    if words < 1:
-        raise ValueError(f"words must be >= 1, got {words}")
-    if not 0 <= overlap < words:
-        raise ValueError(f"overlap must be in [0, words), got {overlap} with words={words}")
-    tokens = doc.text.split()
-    metadata = _metadata(doc)
-    if len(tokens) <= words:
-        return [Passage(id=doc.id, text=" ".join(tokens), title=doc.title, metadata=metadata)]
-    step = words - overlap
-    passages: list[Passage] = []
-    start = 0
-    while True:
-        end = min(start + words, len(tokens))
-        passages.append(
-            Passage(
-                id=f"{doc.id}#{len(passages)}",
-                text=" ".join(tokens[start:end]),
-                title=doc.title,
-                metadata=dict(metadata),
-            )
-        )
-        if end == len(tokens):
-            return passages
-        start += step
-
-
-def split_document(doc: Document, budget: int, count: Counter) -> list[Passage]:
-    """Split `doc` by its structure (infra.corpus.passages): passages of at most `budget` word
-    pieces
-    as `count` counts them, within one section and page; the section path in the title.
-    Ids as `split_passages` gives them."""
-    return structured_passages(doc.id, doc.title, doc.structure(), budget, count, _metadata(doc))
-
-
-def _metadata(doc: Document) -> dict[str, str]:
-    """The metadata every passage of `doc` carries."""
-    return (
-        {"doc_id": doc.id}
-        | ({"url": doc.url} if doc.url else {})
-        | ({"source": doc.source} if doc.source else {})
-        | ({"doc_title": doc.title} if doc.title else {})
     )
