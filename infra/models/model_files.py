@@ -22,9 +22,10 @@ import urllib.request
 from collections.abc import Callable, Collection, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import BinaryIO, Literal, get_args
+from typing import Literal, get_args
 
 from selfrag.infra.file_lock import FileLock, atomic_output, write_atomic
+from selfrag.infra.models.gguf_header import read_key_values, unpack
 from selfrag.schemas.settings import WeightFormat
 
 GGUF_MAGIC = b"GGUF"
@@ -310,24 +311,6 @@ def gguf_hidden_size(path: Path) -> int | None:
     return value if isinstance(value, int) else None
 
 
-# GGUF metadata value types: id -> struct format of a scalar (string=8 and array=9 aside).
-_GGUF_SCALARS = {
-    0: "<B",
-    1: "<b",
-    2: "<H",
-    3: "<h",
-    4: "<I",
-    5: "<i",
-    6: "<f",
-    7: "<?",
-    10: "<Q",
-    11: "<q",
-    12: "<d",
-}
-_GGUF_STRING = 8
-_GGUF_ARRAY = 9
-
-
 def read_gguf_metadata(path: Path, key: str) -> object | None:
     """The scalar or string value of metadata `key` in a GGUF file's header, or None if absent.
 
@@ -348,36 +331,17 @@ def _read_header(path: Path, keys: set[str], *, arrays: bool) -> dict[str, objec
     """The values of `keys` in the header: scalars and strings, and arrays (as lists) when
     `arrays`; an array's key is left out otherwise."""
     check_gguf(path)
-    found: dict[str, object] = {}
-    left = set(keys)
     try:
         with path.open("rb") as fh:
             fh.read(4)
-            (version,) = _unpack(fh, "<I")
+            (version,) = unpack(fh, "<I")
             if version < 2:
                 raise ModelFileError(f"GGUF version {version} is too old to read: {path}")
-            _unpack(fh, "<Q")  # tensor count
-            (n_kv,) = _unpack(fh, "<Q")
-            for _ in range(n_kv):
-                if not left:
-                    break
-                name = _read_string(fh)
-                (vtype,) = _unpack(fh, "<I")
-                if name not in left:
-                    _skip_value(fh, vtype)
-                    continue
-                left.discard(name)
-                if vtype != _GGUF_ARRAY:
-                    found[name] = _read_value(fh, vtype)
-                elif arrays:
-                    found[name] = _read_array(fh)
-                else:
-                    _skip_value(fh, vtype)
+            return read_key_values(fh, keys, arrays=arrays)
     except (struct.error, UnicodeDecodeError, OSError, OverflowError, MemoryError) as exc:
         # A garbage length field asks read() for more than an index can hold (OverflowError)
         # or than memory can (MemoryError): both mean a corrupt header, not a crash.
         raise ModelFileError(f"corrupt GGUF header in {path}: {type(exc).__name__}: {exc}") from exc
-    return found
 
 
 # llama.cpp's token types (`llama_token_type`) that make a piece one special token.
@@ -400,56 +364,6 @@ def gguf_special_tokens(path: Path) -> frozenset[str]:
     special = (_TOKEN_CONTROL, _TOKEN_USER_DEFINED)
     pairs = zip(tokens, types, strict=True)  # the lengths were compared above
     return frozenset(str(piece) for piece, kind in pairs if kind in special)
-
-
-def _unpack(fh: BinaryIO, fmt: str) -> tuple:
-    size = struct.calcsize(fmt)
-    data = fh.read(size)
-    if len(data) != size:
-        raise struct.error("unexpected end of file")
-    return struct.unpack(fmt, data)
-
-
-def _read_string(fh: BinaryIO) -> str:
-    (length,) = _unpack(fh, "<Q")
-    data = fh.read(length)
-    if len(data) != length:
-        raise struct.error("unexpected end of file")
-    return data.decode("utf-8")
-
-
-def _read_array(fh: BinaryIO) -> list[object]:
-    (item_type, count) = _unpack(fh, "<IQ")
-    if item_type == _GGUF_STRING:
-        return [_read_string(fh) for _ in range(count)]
-    if item_type in _GGUF_SCALARS:
-        return list(_unpack(fh, f"<{count}{_GGUF_SCALARS[item_type][1:]}"))
-    raise struct.error(f"GGUF array of value type {item_type} is not read here")
-
-
-def _read_value(fh: BinaryIO, vtype: int) -> object:
-    if vtype == _GGUF_STRING:
-        return _read_string(fh)
-    if vtype in _GGUF_SCALARS:
-        return _unpack(fh, _GGUF_SCALARS[vtype])[0]
-    raise struct.error(f"unknown GGUF value type {vtype}")
-
-
-def _skip_value(fh: BinaryIO, vtype: int) -> None:
-    if vtype == _GGUF_STRING:
-        (length,) = _unpack(fh, "<Q")
-        fh.seek(length, os.SEEK_CUR)
-    elif vtype == _GGUF_ARRAY:
-        (item_type, count) = _unpack(fh, "<IQ")
-        if item_type in _GGUF_SCALARS:
-            fh.seek(struct.calcsize(_GGUF_SCALARS[item_type]) * count, os.SEEK_CUR)
-        else:
-            for _ in range(count):
-                _skip_value(fh, item_type)
-    elif vtype in _GGUF_SCALARS:
-        fh.seek(struct.calcsize(_GGUF_SCALARS[vtype]), os.SEEK_CUR)
-    else:
-        raise struct.error(f"unknown GGUF value type {vtype}")
 
 
 def _check_magic_of(path: Path, *, source: str) -> None:
