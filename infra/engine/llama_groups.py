@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 import llama_cpp
 
 from selfrag.infra.cache.kv_cache import ContextLayout, PrefixStateStore
-from selfrag.infra.cache.kv_slots import KVJob, Slot, SlotPlanner
+from selfrag.infra.cache.kv_slots import KVJob, Plan, Slot, SlotPlanner
 from selfrag.infra.cache.kv_staging import PrefixStager
 from selfrag.infra.engine.engine_stats import EngineStats
 from selfrag.infra.engine.llama_batch import BatchDecoder, EngineError, Feed
@@ -108,22 +108,11 @@ class GroupRunner:
                 if i in finish:
                     continue
                 token, logprob = pending.pop(i)
-                req = requests[i]
-                self.stats.generated_tokens += 1
-                if token in req.stop_token_ids:
-                    finish[i] = ("stop_token", token)
-                    continue
-                if self._vocab.is_eog(token):
-                    finish[i] = ("eos", None)
-                    continue
-                tokens[i].append(token)
-                logprobs[i].append(logprob)
-                if req.stop_at_sentence_end and ends_sentence(self._vocab.detokenize(tokens[i])):
-                    finish[i] = ("sentence", None)
-                elif len(tokens[i]) >= req.max_tokens:
-                    finish[i] = ("length", None)
-                else:
+                ended = self._take(token, logprob, requests[i], tokens[i], logprobs[i])
+                if ended is None:
                     live.append(i)
+                else:
+                    finish[i] = ended
             if not live:
                 break
             feeds = [
@@ -148,6 +137,29 @@ class GroupRunner:
             )
             for i in group
         ]
+
+    def _take(
+        self,
+        token: int,
+        logprob: float,
+        req: GenerationRequest,
+        tokens: list[int],
+        logprobs: list[float],
+    ) -> tuple[FinishReason, int | None] | None:
+        """Take one chosen token of a sequence (appended unless it is a stop or end token):
+        why the sequence ends here, with the stop token, or None when it goes on."""
+        self.stats.generated_tokens += 1
+        if token in req.stop_token_ids:
+            return ("stop_token", token)
+        if self._vocab.is_eog(token):
+            return ("eos", None)
+        tokens.append(token)
+        logprobs.append(logprob)
+        if req.stop_at_sentence_end and ends_sentence(self._vocab.detokenize(tokens)):
+            return ("sentence", None)
+        if len(tokens) >= req.max_tokens:
+            return ("length", None)
+        return None
 
     def _check_fits(self, jobs: Sequence[KVJob]) -> None:
         """A ValueError for a job that cannot fit the context even alone."""
@@ -190,16 +202,7 @@ class GroupRunner:
         )
 
         if plan.root >= 0:
-            root_job = group_jobs[plan.root]
-            root_slot = self._slot_of(root_job)
-            if plan.cached[plan.root] < shared:
-                missing = root_job.tokens[plan.cached[plan.root] : shared]
-                root_job.prefill += len(missing)
-                self.stats.prefill_tokens += len(missing)
-                self.decoder.decode([Feed(root_slot, missing, shared, None)])
-            for k in plan.copies:
-                self.planner.copy_prefix(root_slot, self._slot_of(group_jobs[k]), shared)
-                self.stats.shared_tokens += shared
+            self._share_prefix(group_jobs, plan, shared)
 
         feeds: list[Feed] = []
         tails: list[Feed] = []
@@ -226,6 +229,20 @@ class GroupRunner:
         self.decoder.decode(feeds)
         if tails:
             self.decoder.decode(tails)
+
+    def _share_prefix(self, group_jobs: list[KVJob], plan: Plan, shared: int) -> None:
+        """Decode the shared prefix once, in the root job's slot, then copy it to the slots
+        of `plan.copies`."""
+        root_job = group_jobs[plan.root]
+        root_slot = self._slot_of(root_job)
+        if plan.cached[plan.root] < shared:
+            missing = root_job.tokens[plan.cached[plan.root] : shared]
+            root_job.prefill += len(missing)
+            self.stats.prefill_tokens += len(missing)
+            self.decoder.decode([Feed(root_slot, missing, shared, None)])
+        for k in plan.copies:
+            self.planner.copy_prefix(root_slot, self._slot_of(group_jobs[k]), shared)
+            self.stats.shared_tokens += shared
 
     def _slot_of(self, job: KVJob) -> Slot:
         assert job.slot is not None
