@@ -97,36 +97,21 @@ class LlamaEngine(Closeable):
         self._ctx: llama_cpp.llama_context_p | None = None
         self._model: llama_cpp.llama_model_p | None = None
 
-        model_params = llama_cpp.llama_model_default_params()
-        self._model = llama_cpp.llama_model_load_from_file(str(model_path).encode(), model_params)
-        if not self._model:
-            self._model = None
-            raise EngineError(f"llama.cpp could not load the model file {model_path}")
-        self._vocab = LlamaVocab(llama_cpp.llama_model_get_vocab(self._model))
-        self._n_embd = int(llama_cpp.llama_model_n_embd(self._model))
+        self._load_model(model_path)
 
         ctx_params = context_params(
             n_ctx=n_ctx, n_batch=n_batch, n_seq_max=n_seq_max, threads=threads
         )
-        self._n_layers = int(llama_cpp.llama_model_n_layer(self._model))
         # The eval callback is asked about every graph node of every decode, so it is only
         # installed for an engine whose critique reads a middle layer.
         self._tap = LayerTap() if layer_tap else None
         if self._tap is not None:
             ctx_params.cb_eval = self._tap.callback
-        self._ctx = llama_cpp.llama_init_from_model(self._model, ctx_params)
-        if not self._ctx:
-            self._ctx = None
-            self.close()
-            raise EngineError(
-                f"llama.cpp could not create a context (n_ctx={n_ctx}, n_seq_max={n_seq_max}, "
-                f"n_batch={n_batch}) for {model_path}"
-            )
+        self._open_context(ctx_params, f"(n_ctx={n_ctx}, n_seq_max={n_seq_max}, n_batch={n_batch})")
         self.n_ctx = int(llama_cpp.llama_n_ctx(self._ctx))
         self.n_batch = int(llama_cpp.llama_n_batch(self._ctx))
         self.n_seq_max = n_seq_max
         self.n_threads = threads
-        self._chat_template = self._meta_str("tokenizer.chat_template")
         self._groups = GroupRunner(
             self._ctx,
             ctx_params,
@@ -140,6 +125,26 @@ class LlamaEngine(Closeable):
             prefix_min_tokens=prefix_min_tokens,
         )
         self.prefix_store = prefix_store
+
+    def _load_model(self, model_path: Path) -> None:
+        """Load the weights, with their vocabulary, embedding width, depth and chat template."""
+        model_params = llama_cpp.llama_model_default_params()
+        self._model = llama_cpp.llama_model_load_from_file(str(model_path).encode(), model_params)
+        if not self._model:
+            self._model = None
+            raise EngineError(f"llama.cpp could not load the model file {model_path}")
+        self._vocab = LlamaVocab(llama_cpp.llama_model_get_vocab(self._model))
+        self._n_embd = int(llama_cpp.llama_model_n_embd(self._model))
+        self._n_layers = int(llama_cpp.llama_model_n_layer(self._model))
+        self._chat_template = self._meta_str("tokenizer.chat_template")
+
+    def _open_context(self, ctx_params: llama_cpp.llama_context_params, sizes: str) -> None:
+        """Create the context; when llama.cpp cannot, free the model and say which `sizes`."""
+        self._ctx = llama_cpp.llama_init_from_model(self._model, ctx_params)
+        if not self._ctx:
+            self._ctx = None
+            self.close()
+            raise EngineError(f"llama.cpp could not create a context {sizes} for {self.model_path}")
 
     @property
     def slots(self) -> Sequence[Slot]:
