@@ -13,23 +13,24 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import pickle
 import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from typing import Any
 
 from ray.exceptions import RayActorError, RayTaskError
 from ray.serve.exceptions import BackPressureError, RayServeException
-from ray.serve.handle import DeploymentHandle, DeploymentResponse
+from ray.serve.handle import DeploymentHandle
 
+from selfrag.actors.http.deployment_calls import (
+    PoolBranchWorker,
+    RemoteCalls,
+    RemoteRanker,
+    awaited,
+)
 from selfrag.actors.http.metrics import Metrics
-from selfrag.pipeline.branching import StepWork
-from selfrag.pipeline.critics import Branch, LabelProbs
 from selfrag.pipeline.decoder import StepListener
-from selfrag.pipeline.ranking import Candidate, Drafted, Hypothesis, StepRanking
 from selfrag.runtime.answer_client import probe, query_cache_ready
 from selfrag.runtime.answering import (
     Answer,
@@ -39,7 +40,7 @@ from selfrag.runtime.answering import (
     KnownCritique,
 )
 from selfrag.runtime.assembly import DecoderParts
-from selfrag.runtime.remote_retriever import POLL_S, RemoteRetriever
+from selfrag.runtime.remote_retriever import RemoteRetriever
 from selfrag.schemas.answer import AnswerRequest, AnswerResponse
 from selfrag.schemas.decoding import DecodingConfig
 from selfrag.schemas.documents import DocumentInfo, Removal
@@ -52,110 +53,6 @@ from selfrag.schemas.errors import (
 )
 
 log = logging.getLogger("selfrag.service")
-
-
-def _cancel_call(response: DeploymentResponse[Any]) -> None:
-    """Best-effort cancel of an abandoned handle call (it may already have finished)."""
-    try:
-        response.cancel()
-    except Exception as exc:
-        log.debug("cancelling an abandoned call failed: %s", exc)
-
-
-async def _awaited(response: DeploymentResponse[Any]) -> Any:
-    """Await a handle call from the event loop; abandoning the wait cancels the call too."""
-    try:
-        return await response
-    except asyncio.CancelledError:
-        _cancel_call(response)
-        raise
-
-
-class _Remote:
-    """Blocking calls to deployment handles from a decoder thread, each bounded by the
-    request's `Deadline` and ended early when it is cancelled; each counted in `metrics` with
-    the pickled size of what it moved."""
-
-    def __init__(self, deadline: Deadline, metrics: Metrics) -> None:
-        self._deadline = deadline
-        self._metrics = metrics
-
-    def call(self, handle: DeploymentHandle, method: str, *args: Any) -> Any:
-        self._deadline.check()
-        response = getattr(handle, method).remote(*args)
-        result = self._wait(response)
-        self._metrics.count_remote(
-            str(getattr(handle, "deployment_name", "?")),
-            method,
-            len(pickle.dumps(args, protocol=5)),
-            len(pickle.dumps(result, protocol=5)),
-        )
-        return result
-
-    def _wait(self, response: DeploymentResponse[Any]) -> Any:
-        while True:
-            remaining = self._deadline.remaining()
-            if remaining > 0:
-                try:
-                    # Short slices, so a cancelled request stops waiting within POLL_S.
-                    return response.result(timeout_s=min(remaining, POLL_S))
-                except TimeoutError as exc:
-                    if isinstance(exc, RayTaskError):  # the remote code's own TimeoutError
-                        raise
-            if remaining <= 0 or self._deadline.cancelled:
-                _cancel_call(response)
-                self._deadline.check()
-
-
-class PoolBranchWorker:
-    """The decoder's `BranchWorker` in the ingress: the retrieval decision goes to the
-    `RetrievalDecider`, a step's branch work to the `BranchPool`, one call each per step,
-    each with what is left of the request's deadline."""
-
-    def __init__(
-        self,
-        remote: _Remote,
-        pool: DeploymentHandle,
-        decider: DeploymentHandle,
-        source: str,
-        name: str,
-        deadline: Deadline,
-    ) -> None:
-        self._remote = remote
-        self._pool = pool
-        self._decider = decider
-        self._source = source
-        self._deadline = deadline
-        self.name = name
-
-    def retrieval(self, branches: Sequence[Branch]) -> list[LabelProbs]:
-        if not branches:
-            return []
-        return self._remote.call(
-            self._decider, "decide", self._source, list(branches), self._deadline.remaining()
-        )
-
-    def expand(self, candidates: Sequence[Candidate], cfg: DecodingConfig) -> StepWork:
-        return self._remote.call(
-            self._pool, "expand", self._source, list(candidates), cfg, self._deadline.remaining()
-        )
-
-
-class RemoteRanker:
-    """The decoder's `ranker` through the `Ranker` deployment (`pipeline.ranking.rank_step`)."""
-
-    def __init__(self, remote: _Remote, handle: DeploymentHandle) -> None:
-        self._remote = remote
-        self._handle = handle
-
-    def __call__(
-        self,
-        beam: Sequence[Hypothesis],
-        live: Sequence[Hypothesis],
-        drafted: Sequence[Drafted],
-        cfg: DecodingConfig,
-    ) -> StepRanking:
-        return self._remote.call(self._handle, "rank", list(beam), list(live), list(drafted), cfg)
 
 
 def _cause(exc: BaseException) -> BaseException:
@@ -378,7 +275,7 @@ class ServeAnswerService:
         deadline: Deadline,
         on_step: StepListener | None,
     ) -> AnswerResponse:
-        remote = _Remote(deadline, self._metrics)
+        remote = RemoteCalls(deadline, self._metrics)
         pool, decider = self._pool, self._decider
         if self._affinity:
             # One session per answer: all its steps reach the same pool and decider replicas.
@@ -397,31 +294,31 @@ class ServeAnswerService:
 
     async def _get_model_id(self) -> str:
         if self._model_id is None:
-            self._model_id = await _awaited(self._pool.model_id.remote())
+            self._model_id = await awaited(self._pool.model_id.remote())
         return self._model_id
 
     async def _get_model_fingerprint(self) -> str:
         if self._model_fingerprint is None:
-            self._model_fingerprint = await _awaited(self._pool.model_fingerprint.remote())
+            self._model_fingerprint = await awaited(self._pool.model_fingerprint.remote())
         return self._model_fingerprint
 
     async def _get_index_version(self) -> str:
         now = time.monotonic()
         if self._index_version is None or now - self._index_version[1] >= self._index_version_ttl_s:
-            self._index_version = (await _awaited(self._retriever.index_version.remote()), now)
+            self._index_version = (await awaited(self._retriever.index_version.remote()), now)
         return self._index_version[0]
 
     async def _get_critic_name(self, source: str) -> str:
         # Also validates the source up front, so a bad one never reaches a shared batch.
         if source not in self._critic_names:
-            self._critic_names[source] = await _awaited(self._pool.critic_name.remote(source))
+            self._critic_names[source] = await awaited(self._pool.critic_name.remote(source))
         return self._critic_names[source]
 
     async def _get_calibrated(self, critic_name: str) -> dict[str, object]:
         # The pool's calibrated filter defaults of the source, read once per ingress (as the
         # pool reads its calibration once per replica: a new one needs a restart).
         if critic_name not in self._calibrated:
-            self._calibrated[critic_name] = await _awaited(
+            self._calibrated[critic_name] = await awaited(
                 self._pool.calibrated_filters.remote(critic_name)
             )
         return self._calibrated[critic_name]
@@ -433,20 +330,20 @@ class ServeAnswerService:
     async def documents(self) -> list[DocumentInfo]:
         """The indexed documents (the Retriever's store)."""
         with service_errors():
-            return await _awaited(self._retriever.documents.remote())  # type: ignore[no-any-return]
+            return await awaited(self._retriever.documents.remote())  # type: ignore[no-any-return]
 
     async def remove(self, refs: list[str]) -> Removal:
         """Remove documents; the next answer reads the new index version (no cached answer
         citing them is served)."""
         with service_errors():
-            removal: Removal = await _awaited(self._retriever.remove.remote(refs))
+            removal: Removal = await awaited(self._retriever.remove.remote(refs))
         self._index_version = None
         return removal
 
     async def readiness(self) -> dict[str, bool]:
         async def ready(handle: DeploymentHandle, timeout_s: float) -> bool:
             try:
-                return bool(await asyncio.wait_for(_awaited(handle.ready.remote()), timeout_s))
+                return bool(await asyncio.wait_for(awaited(handle.ready.remote()), timeout_s))
             except Exception as exc:
                 log.warning("readiness: %s", exc)
                 return False
