@@ -7,12 +7,11 @@ several processes. A folder with no index yet is not held: the first write takes
 into that index), and a process that opened it empty takes over an index built later by another
 one, once that one has closed it (looked for at most once a second). The index's facts
 (infra.store.qdrant_facts) are in `index.json` beside the shard, replaced atomically and written
-last,
-so a shard without it, left by a crash, is removed and created again. An embedded index of the
-earlier format (qdrant-client's local mode in `home/qdrant/`) is migrated on first open into a
-shard of its own, switched to only once complete: dense vectors and payloads are copied, the
-BM25 vectors recomputed; nothing is embedded again. A migration that fails or is killed leaves
-no index, and the next open starts it again.
+last, so a shard without it, left by a crash, is removed and created again. An embedded index
+of the earlier format (qdrant-client's local mode in `home/qdrant/`) is migrated on first open
+(infra.store.qdrant_migration) into a shard of its own, switched to only once complete: dense
+vectors and payloads are copied, the BM25 vectors recomputed; nothing is embedded again. A
+migration that fails or is killed leaves no index, and the next open starts it again.
 """
 
 from __future__ import annotations
@@ -21,18 +20,15 @@ import json
 import logging
 import os
 import shutil
-import sys
 import threading
 import time
-import uuid
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
 import qdrant_edge as edge
 
 from selfrag.infra.file_lock import FileLock, fsync_dir, write_atomic
-from selfrag.infra.store import sparse
 from selfrag.infra.store.qdrant_engine import (
     DENSE,
     RRF_K,
@@ -46,7 +42,8 @@ from selfrag.infra.store.qdrant_engine import (
     dense_of,
     prefetch_depth,
 )
-from selfrag.infra.store.qdrant_facts import new_facts, replaced_by
+from selfrag.infra.store.qdrant_migration import migrate_local_store
+from selfrag.infra.store.store_holder import held_error, record_holder
 
 log = logging.getLogger("selfrag.store")
 
@@ -91,7 +88,7 @@ class EdgeEngine:
         folder = (home / "edge" / collection).resolve()
         with _OPEN_FOLDERS_LOCK:
             if str(folder) in _OPEN_FOLDERS:
-                raise _held(folder)
+                raise held_error(folder)
             _OPEN_FOLDERS.add(str(folder))
         engine = cls(folder)
         try:
@@ -112,12 +109,12 @@ class EdgeEngine:
                 f"the embedded store {self.folder} cannot be opened: {error}"
             ) from error
         if not locked:
-            raise _held(self.folder)
+            raise held_error(self.folder)
         try:
             self._shard = self._load_locked()
             if self._shard is None and (old / "collection" / collection).is_dir():
                 try:
-                    migrate_local_store(old, collection, self, embedder)
+                    migrate_local_store(old, collection, self.build, embedder)
                 except StoreError:
                     raise
                 except Exception as error:
@@ -145,7 +142,7 @@ class EdgeEngine:
             shard = edge.EdgeShard.load(str(shard_dir))
         except Exception as error:
             if "WouldBlock" in str(error) or "lock" in str(error).lower():
-                raise _held(self.folder) from error
+                raise held_error(self.folder) from error
             raise StoreError(
                 f"the embedded store {self.folder} cannot be opened: {error}"
             ) from error
@@ -202,7 +199,7 @@ class EdgeEngine:
         if not self._lock.acquire(timeout_s=0):
             log.warning("waiting for another process to close the embedded store %s", self.folder)
             if not self._lock.acquire(timeout_s=FIRST_INDEX_WAIT_S):
-                held = _held(self.folder)
+                held = held_error(self.folder)
                 raise StoreHeld(f"{held} (waited {FIRST_INDEX_WAIT_S:.0f} s for it)", held.holder)
         try:
             self._shard = self._load_locked()
@@ -362,111 +359,4 @@ def _upsert_operation(points: Sequence[PointData]) -> edge.UpdateOperation:
             )
             for p in points
         ]
-    )
-
-
-def migrate_local_store(old: Path, collection: str, target: EdgeEngine, embedder: Embedder) -> int:
-    """Copy an index of the earlier format (qdrant-client local mode) into `target`: dense
-    vectors and payloads as they are, BM25 vectors recomputed. Returns the passages copied; an
-    index of another embedder is left alone (the open then finds no index). The caller holds
-    `target`'s lock; `target` switches to the copy only once it is complete, so a failed or
-    killed migration leaves no index behind, and the next open migrates again."""
-    from qdrant_client import QdrantClient
-
-    started = time.perf_counter()
-    client = QdrantClient(path=str(old))
-    try:
-        info = client.get_collection(collection)
-        built_with = (info.config.metadata or {}).get("embedding_model")
-        accepted = {embedder.model_id, *replaced_by(embedder)}
-        if built_with is not None and built_with not in accepted:
-            log.warning(
-                "the index in %s was built with %s, not %s: not migrated; re-index",
-                old,
-                built_with,
-                embedder.model_id,
-            )
-            return 0
-
-        def batches() -> Iterator[list[PointData]]:
-            offset = None
-            while True:
-                records, offset = client.scroll(
-                    collection, limit=256, offset=offset, with_payload=True, with_vectors=[DENSE]
-                )
-                points = []
-                for r in records:
-                    vector = r.vector[DENSE] if isinstance(r.vector, dict) else r.vector
-                    payload = dict(r.payload or {})
-                    text = str(payload.get("text", ""))
-                    points.append(
-                        PointData(str(r.id), list(vector), sparse.document_vector(text), payload)
-                    )
-                yield points
-                if offset is None:
-                    return
-
-        # Built by an embedder this one replaces: recorded as such, so the first open checks
-        # a sample of its vectors (infra.store.qdrant_facts.adopt) before using them.
-        facts = {
-            **new_facts(embedder),
-            "index_version": uuid.uuid4().hex,
-            "embedding_model": built_with or embedder.model_id,
-        }
-        copied = target.build(embedder.dim, facts, batches())
-    finally:
-        client.close()
-    log.warning(
-        "migrated %d passages from the old embedded store %s to Qdrant Edge in %.1f s; "
-        "the old folder is no longer read and can be deleted",
-        copied,
-        old,
-        time.perf_counter() - started,
-    )
-    return copied
-
-
-HOLDER_FILE = "holder.json"
-"""Who holds the folder's lock: pid and command, written by the holder after it locks."""
-
-
-def record_holder(folder: Path) -> None:
-    """Say in the folder which process holds it (for the message another process gets)."""
-    holder = {"pid": os.getpid(), "command": " ".join(sys.argv)[:500]}
-    try:
-        write_atomic(folder / HOLDER_FILE, json.dumps(holder).encode(), mode=0o644)
-    except OSError as error:  # only a message depends on it
-        log.debug("cannot record the holder of %s: %s", folder, error)
-
-
-def holder_of(folder: Path) -> str | None:
-    """`pid N (command)` of the process holding `folder`, when it is alive and known: its
-    process title as the system shows it (a Ray worker's names its actor), else the command
-    it recorded."""
-    try:
-        data = json.loads((folder / HOLDER_FILE).read_text(encoding="utf-8"))
-        pid = int(data["pid"])
-        os.kill(pid, 0)
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-    command = str(data.get("command") or "")
-    try:
-        title = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").strip()
-        command = title.decode("utf-8", "replace") or command
-    except OSError:
-        pass
-    if pid == os.getpid():
-        return f"this process (pid {pid}), in another store"
-    return f"pid {pid} ({command[:200]})"
-
-
-def _held(folder: Path) -> StoreHeld:
-    holder = holder_of(folder)
-    who = f" by {holder}" if holder else ""
-    return StoreHeld(
-        f"the embedded Qdrant store {folder} is held{who}: one process at a time opens it. "
-        "Stop that process, or, when it is `selfrag serve`, ask through its HTTP API "
-        "(`selfrag ask` and `selfrag docs` do when serve.host/serve.port reach it); for several "
-        "processes at once, use a Qdrant server (retrieval.qdrant_url)",
-        holder,
     )
