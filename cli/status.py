@@ -92,8 +92,6 @@ def _model_status(
     settings: Settings, system: Any
 ) -> tuple[dict[str, Any], str | None, dict[str, Any]]:
     """(the model, its heads file, the critique configured and what it resolves to)."""
-    from selfrag.pipeline.critics.factory import auto_source
-
     m = settings.model
     configured = settings.decoding.critique
     if m.backend == "vllm":
@@ -101,15 +99,13 @@ def _model_status(
         resolved = configured if configured != "auto" else None  # the served model decides
         return model, None, {"configured": configured, "resolved": resolved, "usable": True}
     from selfrag.infra.engine.engine_threads import describe as describe_threads
-    from selfrag.infra.models.model_files import gguf_special_tokens
-    from selfrag.pipeline.critics.base import RESERVED_PIECES
     from selfrag.runtime.model_artefacts import missing_heads_message, model_id_for
 
     path = system.model.path
     heads = system.model.heads_file
-    native = set(RESERVED_PIECES) <= gguf_special_tokens(path)
+    native = system.model.has_reflection_tokens
     usable = {"native": native, "learned": heads is not None}.get(configured, True)
-    resolved = auto_source(native=native, learned=heads is not None)
+    resolved = system.model.auto_critique(warn=False)  # the warning is in the report
     model = {
         "backend": m.backend,
         "path": str(path),

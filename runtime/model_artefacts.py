@@ -165,7 +165,7 @@ class ModelArtefacts(Closeable, ABC):
             for source in CRITIQUE_SOURCES
         )
 
-    def auto_critique(self) -> str | None:
+    def auto_critique(self, *, warn: bool = True) -> str | None:
         """The critique source `auto` stands for, when the artefacts tell without an engine;
         None when only the model's critic can say."""
         return None
@@ -256,14 +256,21 @@ class GGUFModel(ModelArtefacts):
 
         return find_answerability(self.settings.home, self.sha256, source)
 
-    def auto_critique(self) -> str:
-        """As `auto_source` decides, from the model file's header (reflection tokens) and
-        whether it has a heads file, without loading llama.cpp."""
+    @cached_property
+    def has_reflection_tokens(self) -> bool:
+        """Whether the model file's vocabulary holds the reflection tokens (critique
+        `native`), read from its GGUF header without loading llama.cpp."""
         from selfrag.infra.models.model_files import gguf_special_tokens
 
-        native = set(RESERVED_PIECES) <= gguf_special_tokens(self.path)
-        name = auto_source(native=native, learned=self.heads_file is not None)
-        if name == "likelihood":
+        return set(RESERVED_PIECES) <= gguf_special_tokens(self.path)
+
+    def auto_critique(self, *, warn: bool = True) -> str:
+        """As `auto_source` decides, from the model file's header (reflection tokens) and
+        whether it has a heads file, without loading llama.cpp; falling back to likelihood
+        is logged unless `warn` is False (a report that says it itself)."""
+        native, learned = self.has_reflection_tokens, self.heads_file is not None
+        name = auto_source(native=native, learned=learned)
+        if name == "likelihood" and warn:
             warn_missing_heads(self.path)
         return name
 
