@@ -19,9 +19,7 @@ from __future__ import annotations
 
 import hmac
 import logging
-import re
 import time
-import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -30,17 +28,15 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from pydantic import SecretStr
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from selfrag.actors.http.documents_routes import DocumentService, add_document_routes
 from selfrag.actors.http.guards import HostCheck, SharedReadiness, require_json
 from selfrag.actors.http.metrics import Metrics
-from selfrag.actors.http.openai_format import OpenAIError
-from selfrag.actors.http.openai_routes import add_openai_routes, is_openai_path
+from selfrag.actors.http.openai_routes import add_openai_routes
 from selfrag.actors.http.playground import add_playground
+from selfrag.actors.http.request_edge import RequestEdge, error_response
 from selfrag.actors.http.streaming import (
     KEEPALIVE_S,
-    REQUEST_ID_SCOPE_KEY,
     AnswerLog,
     AnswerStream,
     NativeFormat,
@@ -56,137 +52,10 @@ log = logging.getLogger("selfrag.http")
 MAX_BODY_BYTES = 64 * 1024
 PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
-# A client's request id is echoed (and logged) only if it is a short plain token.
-_REQUEST_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}")
-
-
-class PayloadTooLarge(StarletteHTTPException):
-    """The request body passed `MAX_BODY_BYTES` (raised while it is read)."""
-
-    def __init__(self, limit: int) -> None:
-        super().__init__(413, f"request body over {limit} bytes")
-
 
 def parse_api_keys(raw: str | None) -> list[SecretStr]:
     """`SELFRAG_API_KEYS`: comma-separated; blanks ignored; empty means auth is off."""
     return [SecretStr(k.strip()) for k in (raw or "").split(",") if k.strip()]
-
-
-def _error(
-    status: int,
-    error: str,
-    detail: Any,
-    headers: dict[str, str] | None = None,
-    *,
-    path: str = "",
-) -> JSONResponse:
-    """The error body of `path`: `{error, detail}`, or OpenAI's envelope on its routes."""
-    if is_openai_path(path):
-        return OpenAIError(status, str(detail), code=error, headers=headers).response()
-    return JSONResponse({"error": error, "detail": detail}, status_code=status, headers=headers)
-
-
-def _incoming_request_id(scope: Scope) -> str | None:
-    for name, value in scope.get("headers", ()):
-        if name == b"x-request-id":
-            text = value.decode("latin-1")
-            return text if _REQUEST_ID.fullmatch(text) else None
-    return None
-
-
-class _Edge:
-    """The outermost layer of the app (pure ASGI, so streams pass through untouched): the
-    request id, the Host check of a loopback server, the body limit enforced while the body
-    is read (a chunked body has no Content-Length to check), request metrics (labelled by
-    route, `unmatched` when none), `X-Content-Type-Options: nosniff`, and a generic 500 for
-    anything unhandled."""
-
-    def __init__(
-        self,
-        app: ASGIApp,
-        metrics: Metrics,
-        max_body_bytes: int,
-        host_check: HostCheck | None = None,
-        request_id_header: bool = True,
-    ) -> None:
-        self.app = app
-        self.metrics = metrics
-        self.max_body_bytes = max_body_bytes
-        self.host_check = host_check
-        self.request_id_header = request_id_header
-
-    def _refusal_before_reading(self, scope: Scope) -> JSONResponse | None:
-        """The 421 of a Host this server does not answer to, or the 413 of a declared body
-        over the limit (refused before reading a byte of it); None for a request to serve."""
-        headers = dict(scope.get("headers", ()))
-        refused = self.host_check.refusal(headers.get(b"host")) if self.host_check else None
-        if refused is not None:
-            return _error(421, "misdirected_request", refused, path=scope["path"])
-        length = headers.get(b"content-length", b"")
-        if length.isdigit() and int(length) > self.max_body_bytes:
-            exc = PayloadTooLarge(self.max_body_bytes)
-            return _error(413, "payload_too_large", exc.detail, path=scope["path"])
-        return None
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        rid = _incoming_request_id(scope) or uuid.uuid4().hex
-        scope[REQUEST_ID_SCOPE_KEY] = rid
-        start = time.perf_counter()
-        started = False
-        received = 0
-        limit = self.max_body_bytes
-
-        async def limited_receive() -> Message:
-            nonlocal received
-            message = await receive()
-            if message["type"] == "http.request":
-                received += len(message.get("body", b""))
-                if received > limit:
-                    raise PayloadTooLarge(limit)
-            return message
-
-        async def tagged_send(message: Message) -> None:
-            nonlocal started
-            if message["type"] == "http.response.start":
-                started = True
-                headers = [*message.get("headers", ()), (b"x-content-type-options", b"nosniff")]
-                if self.request_id_header:
-                    headers.append((b"x-request-id", rid.encode()))
-                message = {**message, "headers": headers}
-                route = scope.get("route")
-                self.metrics.observe_request(
-                    scope["method"],
-                    getattr(route, "path", None) or "unmatched",
-                    int(message["status"]),
-                    time.perf_counter() - start,
-                )
-            await send(message)
-
-        refusal = self._refusal_before_reading(scope)
-        if refusal is not None:
-            await refusal(scope, receive, tagged_send)
-            return
-        try:
-            await self.app(scope, limited_receive, tagged_send)
-        except Exception as exc:
-            if isinstance(exc, PayloadTooLarge) and not started:
-                # The body was read outside a route's error handling.
-                error = _error(413, "payload_too_large", exc.detail, path=scope["path"])
-                await error(scope, receive, tagged_send)
-                return
-            log.error("internal error; request id %s", rid, exc_info=exc)
-            if started:  # too late for a status: the server ends the connection
-                raise
-            body = internal_error(rid)
-            error = (
-                _error(500, "internal_error", body["detail"], path=scope["path"])
-                if is_openai_path(scope["path"])
-                else JSONResponse(body, status_code=500)
-            )
-            await error(scope, receive, tagged_send)
 
 
 def _field(loc: Sequence[int | str]) -> str:
@@ -222,7 +91,7 @@ class _Failures:
         headers = self.retry_after if exc.status == 503 else None
         if exc.status == 500 and exc.kind == "internal_error":
             return JSONResponse(internal_error(rid), status_code=500, headers=headers)
-        return _error(exc.status, exc.kind, exc.detail, headers)
+        return error_response(exc.status, exc.kind, exc.detail, headers)
 
     def install(self, app: FastAPI) -> None:
         """The handlers that give every error the same body: {error, detail}."""
@@ -237,7 +106,7 @@ class _Failures:
                 }
                 for e in exc.errors()
             ]
-            return _error(422, "invalid_request", detail)
+            return error_response(422, "invalid_request", detail)
 
         @app.exception_handler(StarletteHTTPException)
         async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -250,7 +119,7 @@ class _Failures:
                 415: "unsupported_media_type",
             }.get(exc.status_code, "http_error")
             headers = dict(exc.headers or {})
-            return _error(exc.status_code, slug, exc.detail, headers, path=request.url.path)
+            return error_response(exc.status_code, slug, exc.detail, headers, path=request.url.path)
 
         @app.exception_handler(AnswerError)
         async def answer_error(request: Request, exc: AnswerError) -> JSONResponse:
@@ -299,7 +168,7 @@ def _app_with_edge(
         redoc_url=None,
     )
     app.add_middleware(
-        _Edge,
+        RequestEdge,
         metrics=metrics,
         max_body_bytes=max_body_bytes,
         host_check=host_check,
@@ -443,7 +312,7 @@ def _add_probe_routes(
         except Exception as exc:
             rid = request_id(request)
             log.warning("readiness check failed; request id %s", rid, exc_info=exc)
-            return _error(
+            return error_response(
                 503, "not_ready", f"readiness check failed; request id {rid}", failures.retry_after
             )
         ready = all(checks.values())
