@@ -16,7 +16,7 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from selfrag.infra.corpus.reading import load_json
+from selfrag.infra.corpus.bounded_reads import load_json
 from selfrag.infra.file_lock import write_atomic
 from selfrag.schemas.calibration import SupportCalibration
 from selfrag.schemas.settings import DEFAULT_COLLECTION

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-from selfrag.infra.corpus.reading import JSONInputError, load_json, read_lines
+from selfrag.infra.corpus.bounded_reads import JSONInputError, load_json, read_lines
 
 # A question is at most 2000 characters and its config a few fields: a JSONL line past this is
 # not a request, and is skipped without being read whole.

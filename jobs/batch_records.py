@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from selfrag.infra.corpus.reading import load_json
+from selfrag.infra.corpus.bounded_reads import load_json
 from selfrag.infra.file_lock import FileLock, atomic_output
 from selfrag.jobs.batch_inputs import InputProblem
 from selfrag.runtime.answering import (

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from tqdm import tqdm
 
-from selfrag.infra.corpus.reading import JSONInputError, load_json
+from selfrag.infra.corpus.bounded_reads import JSONInputError, load_json
 from selfrag.jobs.abstention import (
     abstention_score,
     curve_rows,

@@ -10,16 +10,13 @@ from pathlib import Path
 
 import pytest
 
+from selfrag.infra.corpus.bounded_reads import JSONInputError, RawLine, load_json, read_lines
 from selfrag.infra.corpus.reading import (
     MAX_JSON_FILE_BYTES,
     CorpusError,
     CorpusFormatError,
     Document,
-    JSONInputError,
-    RawLine,
-    load_json,
     read_documents,
-    read_lines,
     source_id,
 )
 from selfrag.infra.corpus.splitting import split_passages

@@ -18,7 +18,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from selfrag.infra.corpus.reading import load_json
+from selfrag.infra.corpus.bounded_reads import load_json
 from selfrag.infra.models.model_files import FTYPE_ALL_F32, FTYPE_MOSTLY_F16, ModelFileError
 
 BertFormat = Literal["f32", "f16"]

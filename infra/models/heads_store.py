@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from selfrag.infra.corpus.reading import JSONInputError, load_json
+from selfrag.infra.corpus.bounded_reads import JSONInputError, load_json
 from selfrag.infra.file_lock import write_atomic
 from selfrag.pipeline.answerability_model import AnswerabilityError, AnswerabilityModel
 from selfrag.pipeline.critics import READ_LAYOUT
