@@ -15,12 +15,8 @@ from pathlib import Path
 
 import numpy as np
 
-from selfrag.infra.store.qdrant_store import (
-    QdrantStore,
-    doc_id,
-    document_batches,
-    embedded_text,
-)
+from selfrag.infra.store.passage_points import doc_id, document_batches, embedded_text
+from selfrag.infra.store.qdrant_store import QdrantStore
 from selfrag.jobs.indexing import CorpusRead, IndexReport, indexed_documents
 from selfrag.pipeline.protocols import Passage
 from selfrag.schemas.settings import RetrievalSettings

@@ -1,9 +1,9 @@
 """Passage store and retriever on Qdrant: Qdrant Edge in this process by default
 (infra.store.qdrant_edge), or a Qdrant server (`retrieval.qdrant_url`, infra.store.qdrant_server)
-through
-qdrant-client. One class, `QdrantStore`, over the two engines (infra.store.qdrant_engine), so both
-write and score alike; an index's facts are checked against the embedder by
-infra.store.qdrant_facts.
+through qdrant-client. One class, `QdrantStore`, over the two engines
+(infra.store.qdrant_engine), so both write and score alike; an index's facts are checked
+against the embedder by infra.store.qdrant_facts; passages become points and back in
+infra.store.passage_points.
 """
 
 from __future__ import annotations
@@ -16,13 +16,19 @@ from typing import Any
 
 from selfrag.infra.lifecycle import Closeable
 from selfrag.infra.store import sparse
-from selfrag.infra.store.qdrant_documents import DIGEST, documents_of, matching, stale
+from selfrag.infra.store.passage_points import (
+    doc_id,
+    document_batches,
+    embedded_text,
+    passage_of,
+    point_data,
+)
+from selfrag.infra.store.qdrant_documents import documents_of, matching, stale
 from selfrag.infra.store.qdrant_edge import EdgeEngine
 from selfrag.infra.store.qdrant_engine import (
     Embedder,
     Engine,
     IndexMissing,
-    PointData,
     Search,
     StoreError,
     StoreHeld,
@@ -32,7 +38,7 @@ from selfrag.infra.store.qdrant_engine import (
 )
 from selfrag.infra.store.qdrant_facts import NO_VERSION, adopt, check_facts, new_facts, replaced_by
 from selfrag.infra.store.qdrant_server import ServerEngine
-from selfrag.pipeline.protocols import COLLECTION, Passage
+from selfrag.pipeline.protocols import Passage
 from selfrag.schemas.documents import DocumentInfo, Removal
 from selfrag.schemas.settings import RetrievalSettings
 
@@ -248,12 +254,12 @@ class QdrantStore(Closeable):
             for q, vector in zip(queries, dense, strict=True)
         ]
         results = self._engine.search(searches)
-        return [[_passage(payload, score) for payload, score in hits] for hits in results]
+        return [[passage_of(payload, score) for payload, score in hits] for hits in results]
 
     def passages(self, batch: int = 256) -> Iterator[Passage]:
         """Every indexed passage, in the collection's point order (for `selfrag train`)."""
         for payload in self._payloads(batch):
-            yield _passage(payload, 0.0)
+            yield passage_of(payload, 0.0)
 
     def documents(self) -> list[DocumentInfo]:
         """The indexed documents: id, source, title, passages, when indexed."""
@@ -333,70 +339,3 @@ class QdrantStore(Closeable):
         # Another process may have created it meanwhile: then it must match this embedder too.
         check_facts(self._engine.facts(), self._collection, self._embedder)
         self._exists = True
-
-
-def doc_id(passage: Passage) -> str:
-    """The document a passage belongs to: its `doc_id` metadata, or its own id."""
-    return passage.metadata.get("doc_id", passage.id)
-
-
-def embedded_text(passage: Passage) -> str:
-    """What is embedded (dense and BM25) for `passage`: its text, after its title when it has
-    a section path (a heading's words are then searchable; the passage text leaves them out).
-    Passages without one keep text only: prefixing the title measured no better on the Normans
-    questions (Wikipedia passages open with their title; SQuAD paragraphs share theirs)."""
-    if passage.metadata.get("section") and passage.title:
-        return f"{passage.title}\n{passage.text}"
-    return passage.text
-
-
-def point_data(passage: Passage, dense: list[float]) -> PointData:
-    """The point written for `passage` with dense vector `dense`."""
-    return PointData(
-        id=point_id(passage.id),
-        dense=dense,
-        sparse=sparse.document_vector(embedded_text(passage)),
-        payload={
-            "passage_id": passage.id,
-            "title": passage.title,
-            "text": passage.text,
-            "doc_id": doc_id(passage),
-            # Absent when the corpus gave none: citations then use selfrag://passage/<id>.
-            **({"url": passage.metadata["url"]} if passage.metadata.get("url") else {}),
-            **{key: passage.metadata[key] for key in _KEPT if passage.metadata.get(key)},
-            **({"page": int(page)} if (page := passage.metadata.get("page")) else {}),
-        },
-    )
-
-
-# Passage metadata kept in the payload as it is (besides `doc_id`, `url` and `page`).
-_KEPT = (COLLECTION, "source", "doc_title", "section", "indexed_at", DIGEST)
-
-
-def document_batches(passages: Sequence[Passage], size: int) -> Iterator[list[Passage]]:
-    batch: list[Passage] = []
-    for i, passage in enumerate(passages):
-        batch.append(passage)
-        next_doc = doc_id(passages[i + 1]) if i + 1 < len(passages) else None
-        # Cut only between documents, once the batch is full.
-        if len(batch) >= size and next_doc != doc_id(passage):
-            yield batch
-            batch = []
-    if batch:
-        yield batch
-
-
-def _passage(payload: dict[str, Any], score: float) -> Passage:
-    doc = str(payload.get("doc_id", ""))
-    url = payload.get("url")
-    page = payload.get("page")
-    return Passage(
-        id=str(payload.get("passage_id", "")),
-        text=str(payload.get("text", "")),
-        title=payload.get("title"),
-        score=float(score or 0.0),
-        metadata=({"doc_id": doc} if doc else {})
-        | ({"url": url} if isinstance(url, str) else {})
-        | {key: payload[key] for key in _KEPT if isinstance(payload.get(key), str)}
-        | ({"page": str(page)} if isinstance(page, int) and not isinstance(page, bool) else {}),
-    )
