@@ -170,7 +170,7 @@ def _thread_rows(threads: dict[str, Any] | None) -> list[tuple[str, str]]:
 
 
 def cmd_models(args: argparse.Namespace) -> int:
-    from selfrag.infra.models.model_presets import list_models
+    from selfrag.infra.models.model_listing import list_models
 
     settings = settings_from_args(args)
     rows = list_models(settings.model, settings.home)

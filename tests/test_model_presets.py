@@ -17,12 +17,12 @@ from selfrag.cli.common import CLIError
 from selfrag.infra.models import model_presets
 from selfrag.infra.models.heads_store import SHIPPED_DIR, find_heads, load_heads
 from selfrag.infra.models.model_files import ModelFileError
+from selfrag.infra.models.model_listing import list_models
 from selfrag.infra.models.model_presets import (
     PRESETS,
     ModelPreset,
     PresetPart,
     joined_path,
-    list_models,
     preset_file,
     resolve_model,
     verify_preset,
