@@ -49,14 +49,12 @@ from selfrag.runtime.answer_client import AnswerClient
 from selfrag.schemas.answer import MAX_QUESTION_CHARS, AnswerRequest, AnswerResponse
 from selfrag.schemas.decoding import MAX_INSTRUCTIONS_CHARS
 from selfrag.schemas.errors import AnswerError
-from selfrag.schemas.openai import (
+from selfrag.schemas.openai import ChatCompletionRequest, ChatMessage, CompletionRequest
+from selfrag.schemas.openai_responses import (
     AssistantMessage,
     ChatChoice,
     ChatCompletion,
-    ChatCompletionRequest,
-    ChatMessage,
     Completion,
-    CompletionRequest,
     CompletionUsage,
     ModelCard,
     ModelList,
