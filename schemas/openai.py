@@ -154,7 +154,7 @@ class _CompletionFields(BaseModel):
 
 class ChatCompletionRequest(_CompletionFields):
     """`POST /v1/chat/completions`. The question is the last user message; the turns before
-    it become the question's context (see `actors/http/openai_routes.py`)."""
+    it become the question's context (see `actors/http/openai_requests.py`)."""
 
     messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_completion_tokens: int | None = Field(

@@ -11,7 +11,7 @@ import openai
 import pytest
 
 from selfrag.actors.http.metrics import Metrics
-from selfrag.actors.http.openai_routes import conversation_question
+from selfrag.actors.http.openai_requests import conversation_question
 from selfrag.actors.http.routes import build_http_app, parse_api_keys
 from selfrag.schemas.answer import MAX_QUESTION_CHARS
 from selfrag.schemas.decoding import MAX_ANSWER_TOKENS, DecodingConfig

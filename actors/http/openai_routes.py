@@ -26,14 +26,13 @@ leader can change, so the segments come when the answer is done), then a chunk w
 from __future__ import annotations
 
 import asyncio
-import json
 import time
-from collections.abc import Callable, Sequence
-from typing import Any, Literal, TypeVar
+from collections.abc import Sequence
+from typing import Any, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 
 from selfrag.actors.http.citations import annotations, cited_urls
 from selfrag.actors.http.metrics import Metrics
@@ -44,12 +43,17 @@ from selfrag.actors.http.openai_format import (
     from_answer_error,
     usage_of,
 )
+from selfrag.actors.http.openai_requests import (
+    conversation_question,
+    parse_body,
+    system_instructions,
+    to_answer_request,
+)
 from selfrag.actors.http.streaming import AnswerLog, AnswerStream, request_id
 from selfrag.runtime.answer_client import AnswerClient
-from selfrag.schemas.answer import MAX_QUESTION_CHARS, AnswerRequest, AnswerResponse
-from selfrag.schemas.decoding import MAX_INSTRUCTIONS_CHARS
+from selfrag.schemas.answer import AnswerRequest, AnswerResponse
 from selfrag.schemas.errors import AnswerError
-from selfrag.schemas.openai import ChatCompletionRequest, ChatMessage, CompletionRequest
+from selfrag.schemas.openai import ChatCompletionRequest, CompletionRequest
 from selfrag.schemas.openai_responses import (
     AssistantMessage,
     ChatChoice,
@@ -62,137 +66,11 @@ from selfrag.schemas.openai_responses import (
 )
 
 OPENAI_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/models")
-_TURN = {"user": "User", "assistant": "Assistant"}
 
 
 def is_openai_path(path: str) -> bool:
     """Whether errors on `path` use OpenAI's envelope."""
     return any(path == p or path.startswith(p + "/") for p in OPENAI_PATHS)
-
-
-Loc = tuple[int | str, ...]
-
-
-def dotted(loc: Loc) -> str:
-    """A pydantic error location as a field path: `selfrag.top_k`, `messages.0.content`."""
-    return ".".join(str(p) for p in loc)
-
-
-def invalid(exc: ValidationError, field: Callable[[Loc], str] = dotted) -> OpenAIError:
-    """A 400 naming the first offending field (OpenAI's `param`, as `field` names a pydantic
-    location) and every problem."""
-    errors = exc.errors()
-    problems = [f"{field(tuple(e.get('loc', ()))) or 'body'}: {e.get('msg', '')}" for e in errors]
-    param = field(tuple(errors[0].get("loc", ()))) if errors else ""
-    return OpenAIError(400, "; ".join(problems), code="invalid_request", param=param or None)
-
-
-def conversation_question(messages: Sequence[ChatMessage]) -> str:
-    """The question the answer path gets: the last user message, after the earlier user and
-    assistant turns that fit (most recent first) within `MAX_QUESTION_CHARS`."""
-    last = max(i for i, m in enumerate(messages) if m.role == "user" and m.text.strip())
-    if any(m.role == "assistant" for m in messages[last + 1 :]):
-        raise OpenAIError(400, "the conversation must end with a user message", param="messages")
-    question = messages[last].text.strip()
-    if len(question) > MAX_QUESTION_CHARS:
-        raise OpenAIError(
-            400,
-            f"the last user message has {len(question)} characters; "
-            f"the limit is {MAX_QUESTION_CHARS}",
-            code="question_too_long",
-            param=f"messages.{last}.content",
-        )
-    turns = [
-        f"{_TURN[m.role]}: {' '.join(m.text.split())}"
-        for m in messages[:last]
-        if m.role in _TURN and m.text.strip()
-    ]
-    head, tail = "Conversation so far:\n", f"\nQuestion: {question}"
-    budget = MAX_QUESTION_CHARS - len(head) - len(tail)
-    kept: list[str] = []
-    for turn in reversed(turns):
-        if len(turn) + 1 > budget:
-            break
-        kept.insert(0, turn)
-        budget -= len(turn) + 1
-    return head + "\n".join(kept) + tail if kept else question
-
-
-def system_instructions(messages: Sequence[ChatMessage]) -> str | None:
-    """The system and developer messages' text, one after another: what the drafts follow."""
-    texts = [m.text.strip() for m in messages if m.role in ("system", "developer")]
-    joined = "\n".join(t for t in texts if t)
-    if len(joined) > MAX_INSTRUCTIONS_CHARS:
-        raise OpenAIError(
-            400,
-            f"the system messages have {len(joined)} characters; "
-            f"the limit is {MAX_INSTRUCTIONS_CHARS}",
-            code="instructions_too_long",
-            param="messages",
-        )
-    return joined or None
-
-
-Body = TypeVar("Body", bound=BaseModel)
-
-
-async def _parse(request: Request, model: type[Body]) -> Body:
-    raw = await request.body()
-    try:
-        data = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise OpenAIError(400, f"the body is not valid JSON: {exc}", code="invalid_json") from exc
-    except (RecursionError, ValueError):  # ValueError: an integer over int_max_str_digits
-        raise OpenAIError(
-            400,
-            "the body is not JSON this server reads: nested too deeply or a number too long",
-            code="invalid_json",
-        ) from None
-    if not isinstance(data, dict):
-        raise OpenAIError(400, "the body must be a JSON object", code="invalid_request")
-    try:
-        return model.model_validate(data)
-    except ValidationError as exc:
-        raise invalid(exc) from exc
-
-
-def _answer_request(
-    question: str,
-    body: ChatCompletionRequest | CompletionRequest,
-    question_param: str,
-    instructions: str | None = None,
-) -> AnswerRequest:
-    """The answer path's request; a refusal names the field as the client sent it: the
-    question as `question_param` (`prompt`, `prompt.1`, `messages`), the dials under
-    `selfrag` (the collection as `selfrag.collection`), the token cap as `max_tokens` or
-    `max_completion_tokens`. The sampling parameters and `instructions` apply unless the
-    `selfrag` object sets them itself."""
-
-    def field(loc: Loc) -> str:
-        head, rest = (loc[0], loc[1:]) if loc else ("", ())
-        if head == "question":
-            return question_param
-        if head == "config":
-            return dotted(("selfrag", *rest))
-        if head == "collection":
-            return "selfrag.collection"
-        if head == "max_tokens":
-            return body.token_param
-        return dotted(loc)
-
-    try:
-        config = body.sampling_overrides()
-        if instructions:
-            config["instructions"] = instructions
-        config.update(body.selfrag.dials())
-        return AnswerRequest(
-            question=question,
-            config=config,
-            collection=body.selfrag.collection,
-            max_tokens=body.token_cap,
-        )
-    except ValidationError as exc:
-        raise invalid(exc, field) from exc
 
 
 class _Routes:
@@ -269,9 +147,9 @@ class _Routes:
         ).respond()
 
     async def chat_completions(self, request: Request) -> Response:
-        body = await _parse(request, ChatCompletionRequest)
+        body = await parse_body(request, ChatCompletionRequest)
         self.check_model(body.model)
-        answer_request = _answer_request(
+        answer_request = to_answer_request(
             conversation_question(body.messages),
             body,
             "messages",
@@ -301,11 +179,11 @@ class _Routes:
         return JSONResponse(completion.model_dump(mode="json"))
 
     async def completions(self, request: Request) -> Response:
-        body = await _parse(request, CompletionRequest)
+        body = await parse_body(request, CompletionRequest)
         self.check_model(body.model)
         single = isinstance(body.prompt, str)
         requests = [
-            _answer_request(p, body, "prompt" if single else f"prompt.{i}")
+            to_answer_request(p, body, "prompt" if single else f"prompt.{i}")
             for i, p in enumerate(body.prompts)
         ]
         completion_id = f"cmpl-{request_id(request)}"
@@ -341,7 +219,7 @@ class _Routes:
 
 
 def _json_body(schema: type[BaseModel]) -> dict[str, Any]:
-    """The OpenAPI request body of a route that parses its JSON itself (`_parse`)."""
+    """The OpenAPI request body of a route that parses its JSON itself (`parse_body`)."""
     return {
         "requestBody": {
             "content": {"application/json": {"schema": schema.model_json_schema()}},
