@@ -18,19 +18,16 @@ from pathlib import Path
 
 import pytest
 
+from selfrag.infra.engine.cpu_variants import VARIANT_FEATURES, BackendError, Variant, variant_files
 from selfrag.infra.engine.llama_cpu_builds import (
     BUILTIN,
-    VARIANT_FEATURES,
-    BackendError,
     ProbeCache,
     ProbeResult,
-    Variant,
     candidates,
     choose_backend,
     loaded_backend,
     probe,
     probe_cached,
-    variant_files,
 )
 from selfrag.infra.models.model_files import default_model_path, derive_weights
 

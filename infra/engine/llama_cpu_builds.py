@@ -20,7 +20,6 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
-import importlib.util
 import json
 import logging
 import os
@@ -33,6 +32,13 @@ from dataclasses import asdict, dataclass
 from importlib import metadata
 from pathlib import Path
 
+from selfrag.infra.engine.cpu_variants import (
+    BackendError,
+    Variant,
+    library_dir,
+    variant_files,
+    variant_name,
+)
 from selfrag.infra.engine.llama_init import init_llama, route_llama_log
 from selfrag.infra.file_lock import write_atomic
 
@@ -46,54 +52,6 @@ PROBE_PROMPT = (
 )
 BUILTIN = "built-in"
 
-# The instruction sets each variant of `GGML_CPU_ALL_VARIANTS` is compiled for
-# (ggml/src/CMakeLists.txt); used to name what a failing variant needs beyond the next one.
-VARIANT_FEATURES: dict[str, tuple[str, ...]] = {
-    "x64": (),
-    "sse42": ("SSE42",),
-    "sandybridge": ("SSE42", "AVX"),
-    "ivybridge": ("SSE42", "AVX", "F16C"),
-    "piledriver": ("SSE42", "AVX", "F16C", "FMA"),
-    "haswell": ("SSE42", "AVX", "F16C", "FMA", "AVX2", "BMI2"),
-    "skylakex": ("SSE42", "AVX", "F16C", "FMA", "AVX2", "BMI2", "AVX512"),
-    "cannonlake": ("SSE42", "AVX", "F16C", "FMA", "AVX2", "BMI2", "AVX512", "AVX512_VBMI"),
-    "cascadelake": ("SSE42", "AVX", "F16C", "FMA", "AVX2", "BMI2", "AVX512", "AVX512_VNNI"),
-    "icelake": (
-        *("SSE42", "AVX", "F16C", "FMA", "AVX2", "BMI2"),
-        *("AVX512", "AVX512_VBMI", "AVX512_VNNI"),
-    ),
-    "cooperlake": (
-        *("SSE42", "AVX", "F16C", "FMA", "AVX2", "BMI2"),
-        *("AVX512", "AVX512_VNNI", "AVX512_BF16"),
-    ),
-    "zen4": (
-        *("SSE42", "AVX", "F16C", "FMA", "AVX2", "BMI2"),
-        *("AVX512", "AVX512_VBMI", "AVX512_VNNI", "AVX512_BF16"),
-    ),
-    "alderlake": ("SSE42", "AVX", "F16C", "FMA", "AVX2", "BMI2", "AVX_VNNI"),
-    "sapphirerapids": (
-        *("SSE42", "AVX", "F16C", "FMA", "AVX2", "BMI2"),
-        *("AVX512", "AVX512_VBMI", "AVX512_VNNI", "AVX512_BF16", "AMX_TILE", "AMX_INT8"),
-    ),
-}
-
-
-class BackendError(RuntimeError):
-    """No CPU backend of this llama.cpp build can run the model on this CPU."""
-
-
-@dataclass(frozen=True)
-class Variant:
-    """One CPU backend library: its name (`haswell`, or `built-in`), file and ggml score."""
-
-    name: str
-    path: Path | None
-    score: int
-
-    @property
-    def features(self) -> tuple[str, ...]:
-        return VARIANT_FEATURES.get(self.name, ())
-
 
 @dataclass(frozen=True)
 class ProbeResult:
@@ -103,32 +61,6 @@ class ProbeResult:
     detail: str
     """Empty when ok; else the signal or exit status and the end of the child's stderr."""
     signal_name: str | None = None
-
-
-def library_dir() -> Path:
-    """The folder of llama-cpp-python's shared libraries (found without importing it)."""
-    spec = importlib.util.find_spec("llama_cpp")
-    if spec is None or spec.origin is None:
-        raise BackendError("llama-cpp-python is not installed (scripts/install.sh builds it)")
-    return Path(spec.origin).resolve().parent / "lib"
-
-
-def variant_files() -> list[Path]:
-    """The CPU backend variant libraries of the installed build (empty for a built-in backend).
-
-    ggml installs them into the wheel's `bin/` (its `CMAKE_INSTALL_BINDIR`), beside the
-    `llama_cpp` package; a build may also put them next to `libllama.so`.
-    """
-    lib = library_dir()
-    found: dict[str, Path] = {}
-    for folder in (lib, lib.parent.parent / "bin"):
-        for path in sorted(folder.glob("libggml-cpu-*.so")):
-            found.setdefault(path.name, path)
-    return list(found.values())
-
-
-def variant_name(path: Path) -> str:
-    return path.name.removeprefix("libggml-cpu-").removesuffix(".so")
 
 
 @functools.cache

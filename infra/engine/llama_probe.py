@@ -11,7 +11,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from selfrag.infra.engine.llama_cpu_builds import PROBE_PROMPT, library_dir, load_variant
+from selfrag.infra.engine.cpu_variants import library_dir
+from selfrag.infra.engine.llama_cpu_builds import PROBE_PROMPT, load_variant
 from selfrag.infra.engine.llama_init import route_llama_log
 
 
