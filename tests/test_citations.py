@@ -80,6 +80,7 @@ def test_the_store_gives_the_url_back_with_the_passage(tmp_path: Path) -> None:
     kept = {"collection": path.name, "source": str(path.resolve())}
     for meta in found.values():
         assert meta.pop("indexed_at") >= "2026"
+        assert len(meta.pop("doc_digest")) == 32  # re-indexing skips an unchanged document
     assert found == {
         "rollo": {"doc_id": "rollo", "url": URL, "doc_title": "Rollo", **kept},
         "apples": {"doc_id": "apples", "doc_title": "Apples", **kept},
