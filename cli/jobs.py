@@ -12,7 +12,10 @@ from selfrag.cli.common import EXIT_PARTIAL, CLIError, question_limit, settings_
 from selfrag.schemas.decoding import DecodingOverrides
 
 if TYPE_CHECKING:
+    from selfrag.api import SelfRAG
+    from selfrag.jobs.indexing import IndexReport
     from selfrag.jobs.training import TrainingPlan
+    from selfrag.runtime.system import LocalRuntime
 
 SHOWN_ERRORS = 20
 """Error records `selfrag batch` lists on stderr; the rest are counted."""
@@ -32,46 +35,13 @@ def cmd_index(args: argparse.Namespace) -> int:
     with SelfRAG(settings) as rag:
         for path in args.paths:
             # Each skipped record is logged (WARNING) once by the indexing job itself.
-            if args.ray:
-                from selfrag.jobs.ray_indexing import index_corpus_ray
-
-                report = index_corpus_ray(
-                    path,
-                    rag.system.store,
-                    retrieval=settings.retrieval,
-                    actors=args.actors,
-                    address=args.address,
-                    follow_links=args.follow_links,
-                    progress=not args.no_progress,
-                )
-            else:
-                [report] = rag.index(
-                    path, progress=not args.no_progress, follow_links=args.follow_links
-                )
+            report = _index_path(args, rag, path)
             failed += len(report.errors)
             changed |= report.changed
-            print(
-                f"{path}: {report.documents} documents, {report.passages} passages indexed"
-                + (f", {report.unchanged} unchanged" if report.unchanged else "")
-                + (f", {len(report.errors)} skipped" if report.errors else "")
-                + (
-                    f", {report.removed} removed ({report.removed_passages} passages: gone "
-                    "from it since it was last indexed)"
-                    if report.removed
-                    else ""
-                )
-            )
+            print(index_line(path, report))
         print(f"index: {rag.count()} passages in {settings.home}")
         if args.paths and not args.no_calibrate and rag.count() > 0:
-            from selfrag.jobs.support_calibration import corpus_plan, run_calibration
-
-            system = rag.system
-            critique = system.critique_name(settings.decoding.critique)
-            if changed or system.calibrated.calibration(critique) is None:
-                _, message = run_calibration(system, corpus_plan(), progress=not args.no_progress)
-            else:
-                message = "support threshold: kept (the index did not change)"
-            print(message)
+            print(_calibrate_after_indexing(rag.system, changed, progress=not args.no_progress))
         if args.precompute_kv:
             try:
                 kv = rag.precompute_kv(progress=not args.no_progress)
@@ -83,6 +53,51 @@ def cmd_index(args: argparse.Namespace) -> int:
                 f"({kv.seconds:.0f} s)"
             )
     return EXIT_PARTIAL if failed else 0
+
+
+def _index_path(args: argparse.Namespace, rag: SelfRAG, path: Path) -> IndexReport:
+    """Index one file or folder, in this process or with its embedding on Ray (`--ray`)."""
+    if not args.ray:
+        [report] = rag.index(path, progress=not args.no_progress, follow_links=args.follow_links)
+        return report
+    from selfrag.jobs.ray_indexing import index_corpus_ray
+
+    return index_corpus_ray(
+        path,
+        rag.system.store,
+        retrieval=rag.settings.retrieval,
+        actors=args.actors,
+        address=args.address,
+        follow_links=args.follow_links,
+        progress=not args.no_progress,
+    )
+
+
+def index_line(path: Path, report: IndexReport) -> str:
+    """The line `selfrag index` prints for one file or folder."""
+    removed = (
+        f", {report.removed} removed ({report.removed_passages} passages: gone from it since "
+        "it was last indexed)"
+        if report.removed
+        else ""
+    )
+    return (
+        f"{path}: {report.documents} documents, {report.passages} passages indexed"
+        + (f", {report.unchanged} unchanged" if report.unchanged else "")
+        + (f", {len(report.errors)} skipped" if report.errors else "")
+        + removed
+    )
+
+
+def _calibrate_after_indexing(system: LocalRuntime, changed: bool, progress: bool) -> str:
+    """The support threshold fitted on the index just written, unless the index did not change
+    and a threshold for the default critique exists; what to print."""
+    from selfrag.jobs.support_calibration import corpus_plan, run_calibration
+
+    critique = system.critique_name(system.settings.decoding.critique)
+    if not changed and system.calibrated.calibration(critique) is not None:
+        return "support threshold: kept (the index did not change)"
+    return run_calibration(system, corpus_plan(), progress=progress)[1]
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
