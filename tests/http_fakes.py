@@ -1,6 +1,6 @@
 """A scripted answer service for the HTTP layer's tests, `live_server` (an app under a real
 uvicorn socket) and `metric_value` (one sample of a `/metrics` text); shared by
-tests/test_http_api.py, tests/test_playground.py and tests/test_serve_metrics.py."""
+tests/actors/http/: test_routes.py, test_playground.py and test_metrics.py."""
 
 from __future__ import annotations
 

@@ -12,7 +12,8 @@ this module's command line (`python -m selfrag.infra.models.model_presets requir
 NAMES`).
 
 The header facts below were read from each file with the `gguf` package (`GGUFReader`) when
-the preset was added; `tests/test_model_presets.py` reads them again from installed files.
+the preset was added; `tests/infra/models/test_model_presets.py` reads them again from
+installed files.
 """
 
 from __future__ import annotations

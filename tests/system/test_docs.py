@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from selfrag.cli.parser import build_parser
+from tests.paths import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
 INSTALL_AND_RUN = (
     "bash scripts/install.sh && .venv/bin/selfrag index ../shared/data/squad_v2_small.json "

@@ -23,13 +23,14 @@ import pytest
 
 from selfrag.infra.settings_loader import load_settings
 from tests.browser import CHROMIUM, NO_CHROMIUM, ask_in_playground, chromium
+from tests.paths import ROOT
 from tests.redis_proc import RedisProcess, free_port
 from tests.suite import SUITE_ENV
 
 pytestmark = pytest.mark.real
 
 SMALL = {"mode": "always", "top_k": 2, "max_segments": 1, "max_segment_tokens": 16}
-DOCS = Path(__file__).resolve().parents[1] / "docs"
+DOCS = ROOT / "docs"
 
 
 @pytest.fixture(scope="session")

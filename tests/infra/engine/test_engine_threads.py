@@ -27,8 +27,8 @@ from selfrag.infra.engine.engine_threads import (
 )
 from selfrag.infra.settings_loader import SettingsError, load_settings
 from selfrag.schemas.settings import ModelSettings, Settings
+from tests.paths import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 GOMP = "/usr/lib/x86_64-linux-gnu/libgomp.so.1.0.0"
 
 

@@ -13,8 +13,7 @@ from pathlib import Path
 import pytest
 
 from selfrag.infra.file_lock import TEMP_SUFFIX, FileLock, atomic_output, write_atomic
-
-ROOT = Path(__file__).resolve().parents[1]
+from tests.paths import ROOT
 
 
 def _leftovers(folder: Path) -> list[str]:

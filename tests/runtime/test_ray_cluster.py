@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
+from tests.paths import ROOT
 from tests.redis_proc import free_port
 
-ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.real
 
 
@@ -118,7 +118,7 @@ import json, os, time, urllib.error, urllib.request
 from pathlib import Path
 import ray
 from selfrag.runtime import ray_cluster
-from tests.test_ray_cluster import listening_sockets
+from tests.runtime.test_ray_cluster import listening_sockets
 
 assert ray_cluster.init_ray(None, log_to_driver=False)
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 from collections import Counter
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.paths import ROOT
+
 OUTSIDE = {"tests", "bench", "scripts", "docs", ".venv", ".git"}
 MAX_MODULES = 15
 ENTRY_NAMES = {"__init__.py", "__main__.py"}

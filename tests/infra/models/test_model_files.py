@@ -18,8 +18,8 @@ from selfrag.infra.models.model_files import (
     derived_path,
     gguf_file_type,
 )
+from tests.paths import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.real
 
 # A child: wait for the common start time, then derive the F16 copy, logging each conversion.

@@ -32,9 +32,9 @@ import pytest
 import yaml
 
 from tests.netns import LoopbackNamespace, NamespaceUnavailable
+from tests.paths import ROOT
 from tests.redis_proc import free_port
 
-ROOT = Path(__file__).resolve().parents[1]
 RAY = Path(sys.executable).with_name("ray")
 SERVE = Path(sys.executable).with_name("serve")
 pytestmark = pytest.mark.real

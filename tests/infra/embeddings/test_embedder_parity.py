@@ -8,20 +8,20 @@ installed. `bench/embedder_parity.py` runs the same comparison over the whole co
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 from selfrag.infra.embeddings.embedder import SentenceEmbedder, default_model_dir
 from selfrag.jobs.indexing import corpus_passages
+from tests.paths import ROOT
 
 pytest.importorskip(
     "sentence_transformers", reason="sentence-transformers is not installed", exc_type=ImportError
 )
 pytestmark = pytest.mark.real
 
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+DATA = ROOT.parent / "shared" / "data"
 HARD = [
     "Who was the Norse leader who founded Normandy?",
     "Caén, Bayeux and Rouen; Æthelred's naïve façade in Zürich—Genève…«quote»",

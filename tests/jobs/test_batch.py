@@ -40,6 +40,7 @@ from selfrag.runtime.answering import AnswerPath, KnownCritique
 from selfrag.runtime.merging import CallMerger
 from selfrag.schemas.decoding import DecodingConfig
 from tests.fakes import ScriptedCritic
+from tests.paths import ROOT
 from tests.suite import SUITE_ENV
 
 # The likelihood critique: these tests are about the batch path, not the critique, and an
@@ -279,7 +280,7 @@ def test_a_second_writer_is_refused_while_the_first_holds_the_lock(tmp_path: Pat
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
-        cwd=Path(__file__).resolve().parents[1],
+        cwd=ROOT,
     )
     try:
         assert holder.stdout is not None and holder.stdout.readline() == "held\n"

@@ -23,6 +23,7 @@ from selfrag.schemas.documents import DocumentInfo, Removal
 from selfrag.schemas.settings import RetrievalSettings
 from tests.corpus_files import HTML_PAGE, write_pdf
 from tests.fakes import HashEmbedder
+from tests.paths import ROOT
 
 MARKDOWN = """# Guide
 
@@ -328,7 +329,7 @@ def test_an_interrupted_ray_index_goes_on_where_it_stopped(
 ) -> None:
     """`index --ray` writes chunk by chunk; a rerun embeds only what the killed run had not
     written (the embedding on Ray replaced by this process's embedder: the resume is what
-    is tested; tests/test_cluster.py and the test below run the real Ray path)."""
+    is tested; tests/system/test_cluster.py and the test below run the real Ray path)."""
     import selfrag.jobs.ray_indexing as job
     import selfrag.jobs.ray_pool as pool
 
@@ -575,7 +576,7 @@ from selfrag.jobs.indexing import index_corpus
 from selfrag.schemas.settings import RetrievalSettings
 from tests.fakes import HashEmbedder
 from tests.http_fakes import FakeService, live_server
-from tests.test_documents import StoreDocuments
+from tests.infra.store.test_qdrant_documents import StoreDocuments
 
 home, corpus, serve = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3] == "serve"
 with QdrantStore.open(RetrievalSettings(), home, HashEmbedder()) as store:
@@ -603,7 +604,7 @@ def test_cli_goes_through_the_server_that_holds_the_store_or_names_the_holder(
 
     folder = _folder(tmp_path)
     home = tmp_path / "home"
-    repo = Path(__file__).resolve().parents[1]
+    repo = ROOT
     for mode in ("hold", "serve"):
         child = subprocess.Popen(
             [sys.executable, "-c", _SERVER_CHILD, str(home), str(folder), mode],

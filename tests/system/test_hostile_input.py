@@ -135,7 +135,9 @@ def _score(
 # thread count (model.adaptive_threads), which changes how llama.cpp splits its sums. A forgery
 # that reached the model as control tokens would move these scores by far more (see the prints).
 SCORE_TOL = 1e-3
-LOGPROB_TOL = 0.05  # per draft token, as tests/test_llama_engine.py allows across batch shapes
+LOGPROB_TOL = (
+    0.05  # per draft token, as tests/infra/engine/test_llama_engine.py allows across batch shapes
+)
 
 
 def assert_same_scores(a: LabelProbs, b: LabelProbs, name: str) -> None:

@@ -27,8 +27,8 @@ from selfrag.infra.settings_loader import (
     load_settings,
 )
 from selfrag.schemas.settings import Settings
+from tests.paths import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 DEPLOYMENTS = {"SelfRAGIngress", "RetrievalDecider", "BranchPool", "Retriever", "Ranker"}
 
 

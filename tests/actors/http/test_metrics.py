@@ -9,7 +9,6 @@ import json
 import logging
 import re
 from collections.abc import Mapping
-from pathlib import Path
 
 import pytest
 
@@ -18,8 +17,9 @@ from selfrag.actors.http.metrics import EngineMetrics, Metrics, PrometheusSink, 
 from selfrag.schemas.decoding import DecodingConfig
 from tests.http_fakes import metric_value as value
 from tests.http_fakes import scripted_response
+from tests.paths import ROOT
 
-DASHBOARD = Path(__file__).resolve().parents[1] / "deploy" / "grafana" / "selfrag.json"
+DASHBOARD = ROOT / "deploy" / "grafana" / "selfrag.json"
 
 
 class ListSink:

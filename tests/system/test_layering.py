@@ -18,7 +18,8 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.paths import ROOT
+
 PACKAGE = "selfrag"
 LAYERS = {
     "schemas": 0,

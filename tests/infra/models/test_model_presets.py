@@ -32,6 +32,7 @@ from selfrag.pipeline.critics import READ_LAYOUT, CritiqueUnavailable, Likelihoo
 from selfrag.runtime.system import LocalRuntime
 from selfrag.schemas.settings import DEFAULT_PRESET, ModelPresetName, ModelSettings, Settings
 from tests.fakes import WordModel
+from tests.paths import ROOT
 
 
 def test_the_settings_name_exactly_the_presets_of_the_table() -> None:
@@ -509,7 +510,7 @@ from pathlib import Path
 from selfrag.infra.models import model_files
 from selfrag.infra.models.model_files import ModelFileError
 from selfrag.infra.models.model_presets import preset_file
-from tests.test_model_presets import _fake_preset
+from tests.infra.models.test_model_presets import _fake_preset
 
 site, home = Path(sys.argv[1]), Path(sys.argv[2])
 subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(home)], check=True)
@@ -540,7 +541,7 @@ def test_a_full_disk_while_joining_or_deriving_names_the_file(tmp_path: Path) ->
     try:
         done = subprocess.run(
             ["unshare", "--mount", "--", sys.executable, "-c", FULL_DISK, str(tmp_path), str(home)],
-            cwd=Path(__file__).resolve().parents[1],
+            cwd=ROOT,
             capture_output=True,
             text=True,
             timeout=300,

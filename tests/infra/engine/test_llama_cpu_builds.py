@@ -30,8 +30,9 @@ from selfrag.infra.engine.llama_cpu_builds import (
     probe_cached,
 )
 from selfrag.infra.models.model_files import default_model_path, derive_weights
+from tests.paths import ROOT
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = ROOT
 ILLEGAL_INSTRUCTION_BACKEND = r"""
 int ggml_backend_score(void) { return 1 << 20; }
 void * ggml_backend_init(void) { __builtin_trap(); return 0; }

@@ -23,8 +23,8 @@ from selfrag.schemas.answer import AnswerRequest, AnswerResponse, Evidence
 from selfrag.schemas.decoding import DecodingConfig
 from tests.browser import CHROMIUM, NO_CHROMIUM, SHOWN, Page, ask_in_playground, chromium
 from tests.http_fakes import FakeService, live_server, scripted_response
+from tests.paths import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 QUESTION = "Who founded Normandy?"
 
 

@@ -20,8 +20,9 @@ from selfrag.infra.corpus.reading import (
     source_id,
 )
 from selfrag.infra.corpus.splitting import split_passages
+from tests.paths import ROOT
 
-SQUAD = Path(__file__).resolve().parents[2] / "shared" / "data" / "squad_v2_small.json"
+SQUAD = ROOT.parent / "shared" / "data" / "squad_v2_small.json"
 
 
 def split(items: list[Document | CorpusError]) -> tuple[list[Document], list[CorpusError]]:

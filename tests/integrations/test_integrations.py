@@ -34,8 +34,7 @@ from selfrag.schemas.decoding import DecodingConfig
 from selfrag.schemas.events import SegmentEvent
 from selfrag.schemas.retrieval import RankedPassage
 from tests.http_fakes import scripted_response
-
-ROOT = Path(__file__).resolve().parents[1]
+from tests.paths import ROOT
 
 
 def _seg(text: str, pid: str | None, score: float, s_rel: float | None) -> SegmentOut:
@@ -477,7 +476,7 @@ socket.socket.connect = refuse
 socket.socket.connect_ex = refuse
 from selfrag.integrations.langchain import SelfRAGRetriever, SelfRAGRunnable
 from selfrag.integrations.llamaindex import SelfRAGQueryEngine
-from tests.test_integrations import FakeStreamer
+from tests.integrations.test_integrations import FakeStreamer
 fake = FakeStreamer()
 list(SelfRAGRunnable(fake).stream("Q?"))
 engine = SelfRAGQueryEngine(answerer=fake)
