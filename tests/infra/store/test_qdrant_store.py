@@ -147,6 +147,7 @@ def test_index_then_search_finds_the_right_document_first(store: QdrantStore, co
         assert results[0].score >= results[1].score >= results[2].score
     top = store.search("volcanic eruption magma", 1)[0]
     assert top.metadata.pop("indexed_at") >= "2026"
+    assert len(top.metadata.pop("doc_digest")) == 32
     assert top == Passage(
         id="volcano",
         text=DOCUMENTS[0]["text"],
@@ -164,14 +165,20 @@ def test_index_then_search_finds_the_right_document_first(store: QdrantStore, co
     assert {p.metadata["collection"] for p in store.passages()} == {corpus.name}
 
 
-def test_reindexing_does_not_duplicate_and_changes_the_version(
+def test_reindexing_does_not_duplicate_and_changes_the_version_when_the_corpus_changed(
     store: QdrantStore, corpus: Path
 ) -> None:
     index_corpus(corpus, store, progress=False)
     first = store.index_version()
     assert first != "empty"
-    index_corpus(corpus, store, progress=False)
-    assert store.count() == 5
+    again = index_corpus(corpus, store, progress=False)
+    assert store.count() == 5 and again.unchanged == 5
+    assert store.index_version() == first  # nothing written: the cached answers stay valid
+    lines = corpus.read_text(encoding="utf-8").splitlines()
+    changed = json.loads(lines[0]) | {"text": "A volcano is a rupture in a planet's crust."}
+    corpus.write_text("\n".join([json.dumps(changed), *lines[1:]]) + "\n", encoding="utf-8")
+    report = index_corpus(corpus, store, progress=False)
+    assert (report.documents, report.unchanged) == (1, 4) and store.count() == 5
     assert store.index_version() != first
 
 
