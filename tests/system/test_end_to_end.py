@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
+from selfrag.api import SelfRAG
 from selfrag.infra.settings_loader import load_settings
-from selfrag.runtime.system import LocalRuntime
-from selfrag.schemas.answer import AnswerRequest, AnswerResponse
+from selfrag.schemas.answer import AnswerResponse
 from tests.suite import SUITE_ENV
 
 pytestmark = pytest.mark.real
@@ -17,8 +17,8 @@ pytestmark = pytest.mark.real
 @pytest.fixture(scope="module")
 def rag(indexed_home: Path):
     settings = load_settings(environ={"SELFRAG_HOME": str(indexed_home), **SUITE_ENV})
-    with LocalRuntime(settings) as system:
-        yield system
+    with SelfRAG(settings) as api:
+        yield api
 
 
 def _check_ranges(r: AnswerResponse) -> None:
@@ -30,19 +30,15 @@ def _check_ranges(r: AnswerResponse) -> None:
         assert seg.logprob <= 0.0
 
 
-def test_ask_always_retrieves_and_cites(rag: LocalRuntime):
+def test_ask_always_retrieves_and_cites(rag: SelfRAG):
     r = rag.answer(
-        AnswerRequest(
-            question="Who was the Norse leader who founded Normandy?",
-            # Filters off: this test is about citing; abstention has tests of its own.
-            config={
-                "mode": "always",
-                "top_k": 3,
-                "max_segments": 2,
-                "min_relevance": 0.0,
-                "min_support_score": 0.0,
-            },
-        )
+        "Who was the Norse leader who founded Normandy?",
+        # Filters off: this test is about citing; abstention has tests of its own.
+        mode="always",
+        top_k=3,
+        max_segments=2,
+        min_relevance=0.0,
+        min_support_score=0.0,
     )
     _check_ranges(r)
     cited = [s for s in r.segments if s.citation is not None]
@@ -56,23 +52,20 @@ def test_ask_always_retrieves_and_cites(rag: LocalRuntime):
     assert r.critique == "learned"
 
 
-def test_never_mode_answers_closed_book(rag: LocalRuntime):
-    r = rag.answer(
-        AnswerRequest(
-            question="What is the capital of France?", config={"mode": "never", "max_segments": 1}
-        )
-    )
+def test_never_mode_answers_closed_book(rag: SelfRAG):
+    r = rag.answer("What is the capital of France?", mode="never", max_segments=1)
     _check_ranges(r)
     assert r.usage.retrievals == 0
     assert all(s.citation is None for s in r.segments)
 
 
-def test_strict_support_filter_never_returns_an_empty_answer(rag: LocalRuntime):
+def test_strict_support_filter_never_returns_an_empty_answer(rag: SelfRAG):
     r = rag.answer(
-        AnswerRequest(
-            question="What colour is the planet Neptune's third moon's ocean?",
-            config={"mode": "always", "min_support": "full", "max_segments": 1, "top_k": 2},
-        )
+        "What colour is the planet Neptune's third moon's ocean?",
+        mode="always",
+        min_support="full",
+        max_segments=1,
+        top_k=2,
     )
     assert r.answer.strip()
     if r.abstained:
