@@ -1,6 +1,7 @@
 """The Ray Serve application for real: SmolLM2 through llama.cpp, embedded Qdrant, HTTP.
 
-Ray starts once for the session (`ray_session`) and the app once for this module; requests
+Ray and the app start once for this module (`ray_session`, `api`), and Ray stops after it: a
+live instance would be what `--address auto` finds in later modules' tests. Requests
 are kept small (one segment, two passages) so the whole module stays within a few minutes
 on two cores.
 """
@@ -33,7 +34,7 @@ SMALL = {"mode": "always", "top_k": 2, "max_segments": 1, "max_segment_tokens": 
 DOCS = ROOT / "docs"
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def ray_session() -> Iterator[int]:
     """A local Ray instance on loopback with Serve's HTTP proxy; yields the HTTP port."""
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
