@@ -27,7 +27,7 @@ def calibrate_on_first_use(rag: LocalRuntime, critique: str, progress: bool = Tr
 
     if rag.settings.model.backend != "llama_cpp" or not rag.settings.model.calibrate_on_first_use:
         return False
-    name = rag.critic(critique).name
+    name = rag.critique_name(critique)  # from the model's files: no engine loaded for it
     if rag.calibrated.calibration(name) is not None:
         return False
     print(

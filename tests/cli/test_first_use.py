@@ -26,7 +26,7 @@ def _rag(tmp_path: Path, *, has: bool, source: str = "learned", **model: Any) ->
     return SimpleNamespace(
         settings=settings,
         calibrated=Calibrated(has),
-        critic=lambda critique: SimpleNamespace(name=source),
+        critique_name=lambda critique: source,
         model=SimpleNamespace(path=tmp_path / "m.gguf"),
     )
 
@@ -72,7 +72,7 @@ class Runtime:
         self.settings = settings
         self.store = SimpleNamespace(count=lambda: count)
         self.calibrated = Calibrated(False)
-        self.critic = lambda critique: SimpleNamespace(name="learned")
+        self.critique_name = lambda critique: "learned"
         self.model = SimpleNamespace(path=settings.home / "m.gguf")
         self.closed = False
         OPENED.append(self)
