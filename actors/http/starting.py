@@ -13,7 +13,6 @@ import socket
 import socketserver
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from types import TracebackType
 
 NOT_READY = "not_ready"
 # A request body is read (up to this much) before the answer, so the client is not cut off
@@ -113,15 +112,3 @@ class StartingResponder:
         server.server_close()
         if self._thread is not None:
             self._thread.join(timeout=5)
-
-    def __enter__(self) -> StartingResponder:
-        self.open()
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
