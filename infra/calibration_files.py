@@ -75,18 +75,3 @@ def read_calibration(
         )
         return None
     return cal
-
-
-def list_calibrations(
-    home: Path, model_sha256: str, collection: str = DEFAULT_COLLECTION
-) -> list[SupportCalibration]:
-    """Every readable calibration of this model file on `collection` in `home`, by critique
-    name."""
-    folder = calibration_folder(home, model_sha256, collection)
-    if not folder.is_dir():
-        return []
-    found = (
-        read_calibration(home, model_sha256, p.stem, collection)
-        for p in sorted(folder.glob("*.json"))
-    )
-    return [c for c in found if c is not None]

@@ -14,7 +14,6 @@ import pytest
 
 from selfrag.infra.calibration_files import (
     calibration_path,
-    list_calibrations,
     read_calibration,
     save_calibration,
 )
@@ -71,8 +70,10 @@ def test_each_collection_keeps_its_own_calibration(tmp_path: Path):
         "learned.json": {"min_support_score": 0.44},
         "other": {},
     }
-    assert [c.index_collection for c in list_calibrations(tmp_path, SHA)] == [DEFAULT_COLLECTION]
-    assert [c.min_support_score for c in list_calibrations(tmp_path, SHA, "docs")] == [0.31]
+    default = read_calibration(tmp_path, SHA, "learned")
+    assert default is not None and default.index_collection == DEFAULT_COLLECTION
+    docs = read_calibration(tmp_path, SHA, "learned", "docs")
+    assert docs is not None and docs.min_support_score == 0.31
 
 
 def test_a_calibration_moved_to_another_collections_folder_is_not_used(
