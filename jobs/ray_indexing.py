@@ -10,15 +10,19 @@ in whole documents.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 
-from selfrag.infra.store.passage_points import doc_id, document_batches, embedded_text
+from selfrag.infra.store.passage_points import (
+    doc_id,
+    document_batches,
+    document_chunks,
+    embedded_text,
+)
 from selfrag.infra.store.qdrant_store import QdrantStore
 from selfrag.jobs.indexing import CorpusRead, IndexReport, indexed_documents
-from selfrag.pipeline.protocols import Passage
 from selfrag.schemas.settings import RetrievalSettings
 
 WRITE_BATCH = 256
@@ -128,16 +132,3 @@ def index_corpus_ray(
             store.bump_index_version()
         report.seconds = time.perf_counter() - started
     return report
-
-
-def document_chunks(documents: Iterable[list[Passage]], size: int) -> Iterator[list[Passage]]:
-    """The passages of `documents` in chunks of whole documents, each `size` passages or more
-    (the last one less)."""
-    chunk: list[Passage] = []
-    for passages in documents:
-        chunk.extend(passages)
-        if len(chunk) >= size:
-            yield chunk
-            chunk = []
-    if chunk:
-        yield chunk

@@ -3,7 +3,8 @@ read back from a payload; shared by both store engines and the Ray indexer."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator
+from itertools import groupby
 from typing import Any
 
 from selfrag.infra.store import sparse
@@ -50,18 +51,23 @@ def point_data(passage: Passage, dense: list[float]) -> PointData:
 _KEPT = (COLLECTION, "source", "doc_title", "section", "indexed_at", DIGEST)
 
 
-def document_batches(passages: Sequence[Passage], size: int) -> Iterator[list[Passage]]:
-    """`passages` in batches of at least `size` (but the last), cut only between documents."""
-    batch: list[Passage] = []
-    for i, passage in enumerate(passages):
-        batch.append(passage)
-        next_doc = doc_id(passages[i + 1]) if i + 1 < len(passages) else None
-        # Cut only between documents, once the batch is full.
-        if len(batch) >= size and next_doc != doc_id(passage):
-            yield batch
-            batch = []
-    if batch:
-        yield batch
+def document_chunks(documents: Iterable[list[Passage]], size: int) -> Iterator[list[Passage]]:
+    """The passages of `documents` (each a document's passages) in chunks of whole documents,
+    each `size` passages or more (the last one less)."""
+    chunk: list[Passage] = []
+    for passages in documents:
+        chunk.extend(passages)
+        if len(chunk) >= size:
+            yield chunk
+            chunk = []
+    if chunk:
+        yield chunk
+
+
+def document_batches(passages: Iterable[Passage], size: int) -> Iterator[list[Passage]]:
+    """`passages` in batches of at least `size` (but the last), cut only between documents
+    (runs of passages of one `doc_id`)."""
+    return document_chunks((list(run) for _, run in groupby(passages, key=doc_id)), size)
 
 
 def passage_of(payload: dict[str, Any], score: float) -> Passage:

@@ -41,7 +41,6 @@ COVERED_ELSEWHERE: dict[str, str] = {
     "infra/engine/cpu_variants": "tests/infra/engine/test_llama_cpu_builds.py",
     "infra/models/gguf_header": "tests/infra/models/test_model_files.py",
     "infra/models/model_listing": "tests/infra/models/test_model_presets.py",
-    "infra/store/passage_points": "tests/infra/store/test_qdrant_store.py",
     "infra/store/qdrant_migration": "tests/infra/store/test_qdrant_store.py",
     "infra/store/store_holder": "tests/infra/store/test_qdrant_store.py",
     "schemas/openai_responses": "tests/actors/http/test_openai_routes.py",
