@@ -24,7 +24,7 @@ from selfrag.infra.corpus.reading import (
 )
 from selfrag.infra.corpus.safe_files import corpus_root, file_source
 from selfrag.infra.corpus.splitting import split_document, split_passages
-from selfrag.infra.store.qdrant_documents import DIGEST
+from selfrag.infra.store.qdrant_documents import DIGEST, stale
 from selfrag.infra.store.qdrant_store import QdrantStore
 from selfrag.pipeline.protocols import COLLECTION, Passage
 from selfrag.schemas.documents import DocumentInfo
@@ -192,12 +192,13 @@ class CorpusRead:
                 p.metadata[DIGEST] = digest
             yield [tagged(p, self.path, self.indexed_at) for p in passages]
 
-    def remove_gone(self, store: QdrantStore) -> bool:
-        """Once every document was read: remove those indexed from the path before that this
-        read did not find, except those of files that failed to read now; counted in the
-        report. True when any was removed (the caller bumps the index version)."""
+    def remove_gone(self, store: QdrantStore, indexed: Mapping[str, DocumentInfo]) -> bool:
+        """Once every document was read: remove those `indexed` (the store's documents, listed
+        before the read) from the path that this read did not find, except those of files that
+        failed to read now; counted in the report. True when any was removed (the caller bumps
+        the index version)."""
         failed = {file_source(Path(error.path)) for error in self._report.errors}
-        gone = store.stale_documents(corpus_root(self.path), self.seen, failed)
+        gone = stale(list(indexed.values()), corpus_root(self.path), self.seen, failed)
         if gone:
             self._report.removed = len(gone)
             self._report.removed_passages = store.remove_documents(gone, bump_version=False)
@@ -242,10 +243,9 @@ def index_corpus(
     )
     changed = False
     try:
-        _write_in_groups(
-            corpus.documents(indexed_documents(store)), store, embedder_batch, report, bar
-        )
-        changed = corpus.remove_gone(store)
+        indexed = indexed_documents(store)  # listed once: what to skip, then what is gone
+        _write_in_groups(corpus.documents(indexed), store, embedder_batch, report, bar)
+        changed = corpus.remove_gone(store, indexed)
     finally:
         bar.close()
         if report.passages or changed:

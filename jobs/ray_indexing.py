@@ -104,7 +104,8 @@ def index_corpus_ray(
     started = time.perf_counter()
     report = IndexReport()
     corpus = CorpusRead(path, retrieval, store.embedder, report, follow_links=follow_links)
-    documents = corpus.documents(indexed_documents(store))
+    indexed = indexed_documents(store)  # listed once: what to skip, then what is gone
+    documents = corpus.documents(indexed)
     connected = started_ray = changed = False
     try:
         for chunk in document_chunks(documents, chunk_passages):
@@ -124,7 +125,7 @@ def index_corpus_ray(
             store.finish_writes()
             report.documents += len({doc_id(p) for p in chunk})
             report.passages += len(chunk)
-        changed = corpus.remove_gone(store)
+        changed = corpus.remove_gone(store, indexed)
     finally:
         if started_ray:
             shutdown_private_ray()

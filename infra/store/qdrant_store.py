@@ -23,7 +23,7 @@ from selfrag.infra.store.passage_points import (
     passage_of,
     point_data,
 )
-from selfrag.infra.store.qdrant_documents import documents_of, matching, stale
+from selfrag.infra.store.qdrant_documents import documents_of, matching
 from selfrag.infra.store.qdrant_edge import EdgeEngine
 from selfrag.infra.store.qdrant_engine import (
     Embedder,
@@ -264,13 +264,6 @@ class QdrantStore(Closeable):
     def documents(self) -> list[DocumentInfo]:
         """The indexed documents: id, source, title, passages, when indexed."""
         return documents_of(self._payloads())
-
-    def stale_documents(
-        self, root: str, seen: Collection[str], keep: Collection[str] = ()
-    ) -> list[str]:
-        """Ids of the documents indexed from the file or folder `root` that a new read of it
-        did not find (`seen`), except those read from the files in `keep`."""
-        return stale(self.documents(), root, seen, keep)
 
     def match_documents(self, refs: Sequence[str]) -> tuple[list[str], list[str]]:
         """The ids of the documents named by `refs` (ids, or paths of files or folders they

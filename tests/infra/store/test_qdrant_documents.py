@@ -288,6 +288,22 @@ def test_documents_are_listed_removed_and_gone_ones_leave_on_reindex(
     assert store.index_version() != version
 
 
+def test_an_index_run_lists_the_stores_documents_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The documents listed before the read serve both the unchanged ones it skips and the
+    gone ones it removes."""
+    folder = _folder(tmp_path)
+    with QdrantStore.open(RetrievalSettings(), tmp_path / "home", HashEmbedder()) as store:
+        index_corpus(folder, store, progress=False)
+        (folder / "notes.txt").unlink()
+        listings: list[int] = []
+        listed = store.documents
+        monkeypatch.setattr(store, "documents", lambda: listings.append(1) or listed())
+        report = index_corpus(folder, store, progress=False)
+        assert (report.unchanged, report.removed) == (2, 1) and len(listings) == 1
+
+
 class CountingEmbedder(HashEmbedder):
     """A `HashEmbedder` that counts the texts it embeds."""
 
