@@ -45,17 +45,24 @@ def calibrate_on_first_use(rag: LocalRuntime, critique: str, progress: bool = Tr
     return True
 
 
-def calibrate_before_answering(settings: Settings) -> bool:
+def calibrate_before_answering(settings: Settings, rag: LocalRuntime | None = None) -> bool:
     """`calibrate_on_first_use` for a server or a batch about to answer on `settings`'
-    collection with its default critique, in a runtime of its own that is closed before they
-    start (the embedded store admits one process). The progress bar only on a terminal; an
-    empty collection has nothing to calibrate on. True when it ran."""
+    collection with its default critique, in `rag` when the caller has one open (and closes it
+    before they start), else in a runtime of its own closed before they start (the embedded
+    store admits one process). The progress bar only on a terminal; an empty collection has
+    nothing to calibrate on. True when it ran."""
     from selfrag.runtime.system import LocalRuntime
 
     model = settings.model
     if model.backend != "llama_cpp" or not model.calibrate_on_first_use:
         return False
-    with LocalRuntime(settings) as rag:
-        if rag.store.count() == 0:
-            return False
-        return calibrate_on_first_use(rag, settings.decoding.critique, progress=sys.stderr.isatty())
+    if rag is not None:
+        return _calibrate_collection(rag, settings)
+    with LocalRuntime(settings) as own:
+        return _calibrate_collection(own, settings)
+
+
+def _calibrate_collection(rag: LocalRuntime, settings: Settings) -> bool:
+    if rag.store.count() == 0:
+        return False
+    return calibrate_on_first_use(rag, settings.decoding.critique, progress=sys.stderr.isatty())

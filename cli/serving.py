@@ -83,8 +83,10 @@ def _ready_model(settings: Settings) -> None:
     from selfrag.runtime.system import LocalRuntime
 
     recheck_model(settings.model, settings.home)  # its bytes, not its remembered hash
-    _check_model_runs(LocalRuntime(settings).model.path, settings.model.n_threads)
-    calibrate_before_answering(settings)
+    # One runtime for both, closed before Ray starts: Serve's replicas open the store next.
+    with LocalRuntime(settings) as rag:
+        _check_model_runs(rag.model.path, settings.model.n_threads)
+        calibrate_before_answering(settings, rag)
 
 
 def _say_stopping(left: int, drain_s: float) -> None:

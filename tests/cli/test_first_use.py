@@ -99,3 +99,27 @@ def test_a_server_or_batch_calibrates_its_collection_before_answering(
     assert calibrate_before_answering(settings) is False and runs == ["learned"]
     off = Settings(home=tmp_path, model={"calibrate_on_first_use": False})
     assert calibrate_before_answering(off) is False and len(OPENED) == 2
+
+
+@pytest.mark.parametrize("calibrate", [True, False])
+def test_serve_checks_the_model_and_calibrates_in_one_runtime_that_it_closes(
+    tmp_path: Path, runs: list[str], monkeypatch: pytest.MonkeyPatch, calibrate: bool
+):
+    import selfrag.cli.serving as serving
+    import selfrag.infra.models.model_presets as presets
+    import selfrag.runtime.system as system
+
+    OPENED.clear()
+    checked: list[Path] = []
+    monkeypatch.setattr(system, "LocalRuntime", lambda settings: Runtime(settings, 5))
+    monkeypatch.setattr(presets, "recheck_model", lambda model, home: None)
+    monkeypatch.setattr(serving, "_check_model_runs", lambda path, n: checked.append(path))
+    settings = Settings(
+        home=tmp_path,
+        decoding={"critique": "learned"},
+        model={"calibrate_on_first_use": calibrate},
+    )
+    serving._ready_model(settings)
+    assert len(OPENED) == 1 and OPENED[0].closed  # the store is free before Ray starts
+    assert checked == [tmp_path / "m.gguf"]
+    assert runs == (["learned"] if calibrate else [])
