@@ -1,11 +1,16 @@
-"""Indexing throughput: one process against `selfrag index --ray` with Ray Data actors, side
-by side in one run, each in a process of its own (so each peak RSS is its own).
+"""Indexing throughput: one process against `selfrag index --ray` with two Ray Data actors on
+this machine, and against the same on a two-node loopback cluster (`--address`), side by side in
+one run, each mode in a process of its own.
 
 The corpus is generated from the wiki sample (`wiki_sample_1000.jsonl`): its passages repeated
 until there are `--passages` of them, each copy's text ending with its copy number, so every
-passage is embedded (none is a duplicate id). Each mode indexes it into a fresh embedded store.
-`ray` includes starting and stopping the private Ray instance; the peak RSS is the driver's
-(the actors' own memory is not counted).
+passage is embedded (none is a duplicate id). Each mode indexes it into a fresh embedded store,
+one embedding thread per process or actor. `ray` includes starting and stopping the private Ray
+instance; `cluster` runs against a head and a worker node of one CPU each, started before it
+(`tests.ray_cluster`) inside a network namespace that holds only loopback (`tests.netns`; needs
+root, else the mode is skipped). Memory: the driver's peak RSS, and the peak of the summed RSS
+of the driver and every process under it or the cluster's nodes (Ray's GCS, raylets, workers),
+sampled every 0.2 s.
 
 Last line: name=value.
 
@@ -16,14 +21,20 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 REPO = Path(__file__).resolve().parent.parent
+MODES = ("one", "ray", "cluster")
+
+if TYPE_CHECKING:
+    from tests.ray_cluster import Cluster
 
 
 def make_corpus(source: Path, passages: int, out: Path) -> Path:
@@ -39,8 +50,9 @@ def make_corpus(source: Path, passages: int, out: Path) -> Path:
     return out
 
 
-def run_mode(mode: str, corpus: Path, actors: int) -> dict[str, float]:
-    """Index `corpus` in this process (`one`) or with Ray (`ray`); seconds, passages, RSS."""
+def run_mode(mode: str, corpus: Path, actors: int, address: str | None) -> dict[str, float]:
+    """Index `corpus` in this process (`one`) or with Ray (`ray`, `cluster` at `address`);
+    seconds, passages, peak RSS."""
     from selfrag.infra.embeddings.embedder import SentenceEmbedder
     from selfrag.infra.store.qdrant_store import QdrantStore
     from selfrag.jobs.indexing import index_corpus
@@ -49,7 +61,7 @@ def run_mode(mode: str, corpus: Path, actors: int) -> dict[str, float]:
 
     settings = RetrievalSettings()
     with tempfile.TemporaryDirectory() as home:
-        embedder = SentenceEmbedder()
+        embedder = SentenceEmbedder(threads=1)
         embedder.embed(["load"])  # the model's conversion and load are not indexing
         with QdrantStore.open(settings, Path(home), embedder) as store:
             started = time.perf_counter()
@@ -57,11 +69,78 @@ def run_mode(mode: str, corpus: Path, actors: int) -> dict[str, float]:
                 report = index_corpus(corpus, store, progress=False, retrieval=settings)
             else:
                 report = index_corpus_ray(
-                    corpus, store, retrieval=settings, actors=actors, progress=False
-                )
+                    corpus, store, retrieval=settings, actors=actors, address=address,
+                    progress=False,
+                )  # fmt: skip
             seconds = time.perf_counter() - started
     peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     return {"seconds": seconds, "passages": report.passages, "peak_mb": peak_mb}
+
+
+def _children() -> dict[int, list[int]]:
+    tree: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        tree.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    return tree
+
+
+def tree_rss_mb(roots: list[int]) -> float:
+    """The summed RSS of `roots` and every process under them, MiB."""
+    tree, seen, todo, kib = _children(), set(), list(roots), 0
+    while todo:
+        pid = todo.pop()
+        if pid in seen:
+            continue
+        seen.add(pid)
+        todo.extend(tree.get(pid, []))
+        try:
+            status = Path(f"/proc/{pid}/status").read_text()
+        except OSError:
+            continue
+        kib += next((int(x.split()[1]) for x in status.splitlines() if x.startswith("VmRSS")), 0)
+    return kib / 1024
+
+
+def run_child(mode: str, corpus: Path, actors: int, cluster: Cluster | None) -> dict[str, float]:
+    """Run one mode in a child process, sampling its process tree's memory (and the
+    cluster's) until it exits."""
+    command = [sys.executable, "-m", "bench.indexing", "--mode", mode, "--corpus", str(corpus)]
+    command += ["--actors", str(actors)]
+    if cluster:
+        command += ["--address", cluster.address]
+    env = cluster.env if cluster else None
+    proc = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, text=True)
+    roots = [proc.pid, *(p.pid for p in cluster.procs)] if cluster else [proc.pid]
+    peak = 0.0
+    while proc.poll() is None:
+        peak = max(peak, tree_rss_mb(roots))
+        time.sleep(0.2)
+    out = proc.stdout.read() if proc.stdout else ""
+    if proc.returncode:
+        raise SystemExit(f"bench.indexing: mode {mode} exited {proc.returncode}")
+    return json.loads(out.strip().splitlines()[-1]) | {"all_peak_mb": peak}
+
+
+def run_on_cluster(corpus: Path, actors: int) -> dict[str, float] | None:
+    """The `cluster` mode inside a loopback-only network namespace; None when this process
+    may not make one."""
+    from tests.netns import LoopbackNamespace, NamespaceUnavailable
+    from tests.ray_cluster import running_cluster
+
+    try:
+        ns = LoopbackNamespace()
+    except NamespaceUnavailable as exc:
+        print(f"cluster mode skipped: {exc}", file=sys.stderr)
+        return None
+    try:
+        with ns.entered(), running_cluster() as cluster:
+            return run_child("cluster", corpus, actors, cluster)
+    finally:
+        ns.close()
 
 
 def main() -> None:
@@ -69,40 +148,49 @@ def main() -> None:
     parser.add_argument("--passages", type=int, default=10_000)
     parser.add_argument("--actors", type=int, default=2)
     parser.add_argument("--data", type=Path, default=REPO.parent / "shared" / "data")
-    parser.add_argument("--mode", choices=("one", "ray"), help=argparse.SUPPRESS)
+    parser.add_argument("--modes", default="one,ray,cluster", help="comma-separated")
+    parser.add_argument("--mode", choices=MODES, help=argparse.SUPPRESS)
     parser.add_argument("--corpus", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--address", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.mode:  # a child: one mode, its figures as JSON
-        print(json.dumps(run_mode(args.mode, args.corpus, args.actors)))
+        print(json.dumps(run_mode(args.mode, args.corpus, args.actors, args.address)))
         return
+    modes = [m for m in args.modes.split(",") if m]
+    if unknown := set(modes) - set(MODES):
+        parser.error(f"unknown modes: {', '.join(sorted(unknown))}; choose from {MODES}")
     with tempfile.TemporaryDirectory() as tmp:
         corpus = make_corpus(
             args.data / "wiki_sample_1000.jsonl", args.passages, Path(tmp) / "corpus.jsonl"
         )
-        rows = {}
-        for mode in ("one", "ray"):
-            child = ["--mode", mode, "--corpus", str(corpus), "--actors", str(args.actors)]
-            done = subprocess.run(
-                [sys.executable, "-m", "bench.indexing", *child],
-                cwd=REPO,
-                capture_output=True,
-                text=True,
-                check=True,
+        rows: dict[str, dict[str, float]] = {}
+        for mode in modes:
+            load = os.getloadavg()[0]
+            row = (
+                run_on_cluster(corpus, args.actors)
+                if mode == "cluster"
+                else run_child(mode, corpus, args.actors, None)
             )
-            rows[mode] = json.loads(done.stdout.strip().splitlines()[-1])
-    print(f"{'mode':<6} {'passages':>8} {'seconds':>8} {'passages/s':>10} {'peak MiB':>9}")
+            if row is not None:
+                rows[mode] = row | {"load": load}
+    print(
+        f"{'mode':<8} {'passages':>8} {'seconds':>8} {'passages/s':>10} {'driver MiB':>10} "
+        f"{'all MiB':>8} {'load':>5}"
+    )
     for mode, r in rows.items():
         rate = r["passages"] / r["seconds"]
         print(
-            f"{mode:<6} {r['passages']:>8} {r['seconds']:>8.1f} {rate:>10.1f} {r['peak_mb']:>9.0f}"
+            f"{mode:<8} {r['passages']:>8.0f} {r['seconds']:>8.1f} {rate:>10.1f} "
+            f"{r['peak_mb']:>10.0f} {r['all_peak_mb']:>8.0f} {r['load']:>5.1f}"
         )
-    one, ray = rows["one"], rows["ray"]
-    speedup = one["seconds"] / ray["seconds"]
-    print(
-        f"passages={one['passages']} actors={args.actors} one_s={one['seconds']:.1f} "
-        f"ray_s={ray['seconds']:.1f} speedup={speedup:.2f} one_peak_mb={one['peak_mb']:.0f} "
-        f"ray_peak_mb={ray['peak_mb']:.0f}"
-    )
+    base = rows.get("one")
+    fields = [f"passages={args.passages}", f"actors={args.actors}"]
+    for mode, r in rows.items():
+        fields.append(f"{mode}_s={r['seconds']:.1f}")
+        fields.append(f"{mode}_all_peak_mb={r['all_peak_mb']:.0f}")
+        if base and mode != "one":
+            fields.append(f"{mode}_speedup={base['seconds'] / r['seconds']:.2f}")
+    print(" ".join(fields))
 
 
 if __name__ == "__main__":

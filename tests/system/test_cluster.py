@@ -16,11 +16,9 @@ from __future__ import annotations
 import collections
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -33,106 +31,14 @@ import yaml
 
 from tests.netns import LoopbackNamespace, NamespaceUnavailable
 from tests.paths import ROOT
+from tests.ray_cluster import Cluster, ClusterStartError, running_cluster, start_worker
 from tests.redis_proc import free_port
 
-RAY = Path(sys.executable).with_name("ray")
 SERVE = Path(sys.executable).with_name("serve")
 pytestmark = pytest.mark.real
 
 # Tiny dials: one segment of 8 tokens, so 12 questions take seconds.
 TINY = {"mode": "never", "max_segments": 1, "max_segment_tokens": 8, "critique": "likelihood"}
-
-
-@dataclass
-class Cluster:
-    address: str
-    dashboard: str  # the head's dashboard, for `serve deploy` / `serve shutdown`
-    temp_dir: Path
-    env: dict[str, str]
-    # Every node's `ray start --block` (its process group), the head first; the fixture stops
-    # them all. `worker` is the live worker's.
-    procs: list[subprocess.Popen[bytes]]
-    worker: subprocess.Popen[bytes] | None = None
-
-
-def _ray_env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
-    # No auth token on loopback; usage stats would try the network.
-    env |= {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0", "PYTHONPATH": str(ROOT)}
-    return env
-
-
-def _node_ports() -> list[str]:
-    """Ports of one raylet's agents: two nodes on one machine would collide on the defaults."""
-    return [
-        f"--dashboard-agent-listen-port={free_port()}",
-        f"--dashboard-agent-grpc-port={free_port()}",
-        f"--metrics-export-port={free_port()}",
-        f"--runtime-env-agent-port={free_port()}",
-    ]
-
-
-def _stop(proc: subprocess.Popen[bytes]) -> None:
-    """SIGTERM the node's process group (its raylet, GCS, workers), then SIGKILL."""
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(timeout=5)
-            # The group may outlive its leader by a moment: one more SIGKILL round.
-        except subprocess.TimeoutExpired:
-            continue
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-
-
-def _alive_nodes(address: str, env: dict[str, str]) -> int:
-    code = (
-        "import ray\n"
-        f"ray.init(address={address!r}, log_to_driver=False)\n"
-        "print(sum(1 for n in ray.nodes() if n['Alive']))\n"
-    )
-    try:
-        done = subprocess.run(
-            [sys.executable, "-c", code],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
-    except subprocess.TimeoutExpired:
-        return 0
-    try:
-        return int(done.stdout.split()[-1])
-    except (IndexError, ValueError):
-        return 0
-
-
-def _start_worker(cluster: Cluster, nodes: int, timeout_s: float = 90) -> None:
-    """Start a worker node (its own process group, labelled `selfrag-index=true`) and wait
-    until the cluster has `nodes` alive nodes."""
-    n = len(cluster.procs)
-    worker = [
-        str(RAY), "start", f"--address={cluster.address}", "--block", "--num-cpus=1",
-        "--node-ip-address=127.0.0.1", "--disable-usage-stats", "--labels=selfrag-index=true",
-        *_node_ports(),
-    ]  # fmt: skip
-    with (cluster.temp_dir / f"worker{n}.log").open("wb") as log:
-        proc = subprocess.Popen(
-            worker, env=cluster.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-        )
-    cluster.procs.append(proc)
-    cluster.worker = proc
-    deadline = time.monotonic() + timeout_s
-    while _alive_nodes(cluster.address, cluster.env) != nodes:
-        if proc.poll() is not None or time.monotonic() > deadline:
-            tail = (cluster.temp_dir / f"worker{n}.log").read_text(errors="replace")[-2000:]
-            pytest.fail(f"the worker node did not join in {timeout_s:.0f} s:\n{tail}")
-        time.sleep(1)
 
 
 @pytest.fixture(scope="module")
@@ -153,38 +59,11 @@ def loopback() -> Iterator[LoopbackNamespace]:
 @pytest.fixture(scope="module")
 def cluster(loopback: LoopbackNamespace) -> Iterator[Cluster]:
     """A head (1 CPU, with the dashboard) and one worker node (1 CPU) on 127.0.0.1."""
-    # Short: Ray's socket paths under it must fit the 107 bytes of a Unix socket name.
-    temp_dir = Path(tempfile.mkdtemp(prefix="rc", dir="/tmp"))
-    env = _ray_env()
-    port, dashboard_port = free_port(), free_port()
-    address = f"127.0.0.1:{port}"
-    c = Cluster(address, f"http://127.0.0.1:{dashboard_port}", temp_dir, env, [])
     try:
-        head = [
-            str(RAY), "start", "--head", "--block", "--num-cpus=1",
-            f"--port={port}", "--node-ip-address=127.0.0.1", "--include-dashboard=true",
-            "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard_port}",
-            f"--ray-client-server-port={free_port()}", f"--temp-dir={temp_dir}",
-            "--disable-usage-stats", *_node_ports(),
-        ]  # fmt: skip
-        with (temp_dir / "head.log").open("wb") as log:
-            c.procs.append(
-                subprocess.Popen(
-                    head, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-                )
-            )
-        deadline = time.monotonic() + 90
-        while _alive_nodes(address, env) < 1:
-            if c.procs[0].poll() is not None or time.monotonic() > deadline:
-                tail = (temp_dir / "head.log").read_text(errors="replace")[-2000:]
-                pytest.fail(f"the head node did not come up in 90 s:\n{tail}")
-            time.sleep(1)
-        _start_worker(c, nodes=2)
-        yield c
-    finally:
-        for proc in reversed(c.procs):
-            _stop(proc)
-        shutil.rmtree(temp_dir, ignore_errors=True)
+        with running_cluster() as c:
+            yield c
+    except ClusterStartError as exc:
+        pytest.fail(str(exc))
 
 
 def _selfrag(
@@ -803,7 +682,7 @@ def test_a_worker_raylet_killed_mid_batch_whose_pool_fits_the_head_finishes_ther
     assert sorted(r["id"] for r in records) == ids  # one record per id, none lost
     assert all(r["status"] == "ok" for r in records), records
 
-    _start_worker(cluster, nodes=2)
+    start_worker(cluster, nodes=2)
 
 
 def test_a_worker_raylet_killed_mid_batch_stops_the_run_cleanly_and_the_rerun_completes(
@@ -838,4 +717,4 @@ def test_a_worker_raylet_killed_mid_batch_stops_the_run_cleanly_and_the_rerun_co
     assert sorted(r["id"] for r in records) == ids  # exactly one record per id
     assert all(r["status"] == "ok" for r in records)
 
-    _start_worker(cluster, nodes=2)
+    start_worker(cluster, nodes=2)

@@ -1,0 +1,158 @@
+"""A real two-node Ray cluster on this machine, for the cluster tests and `bench.indexing`: `ray
+start --head` and a second `ray start --address=…` (a second raylet is a second node), each its
+own process group, stopped by its own pid (never `ray stop`, which stops every Ray on the
+machine), with their own temp folder and ports. Start it inside a `tests.netns`
+`LoopbackNamespace`: Ray binds and reports the machine's address whatever `--node-ip-address`
+says, and there that address is 127.0.0.1. The worker carries the `selfrag-index` label
+deploy/serve.yaml pins the Retriever to."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from tests.paths import ROOT
+from tests.redis_proc import free_port
+
+RAY = Path(sys.executable).with_name("ray")
+
+
+class ClusterStartError(RuntimeError):
+    """A node did not come up or join in time; the message ends with its log's tail."""
+
+
+@dataclass
+class Cluster:
+    address: str
+    dashboard: str  # the head's dashboard, for `serve deploy` / `serve shutdown`
+    temp_dir: Path
+    env: dict[str, str]
+    # Every node's `ray start --block` (its process group), the head first; `running_cluster`
+    # stops them all. `worker` is the live worker's.
+    procs: list[subprocess.Popen[bytes]]
+    worker: subprocess.Popen[bytes] | None = None
+
+
+def ray_env() -> dict[str, str]:
+    """This environment without RAY_* settings, with no auth token on loopback, no usage
+    stats (they would try the network) and the repository on the path."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    env |= {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0", "PYTHONPATH": str(ROOT)}
+    return env
+
+
+def node_ports() -> list[str]:
+    """Ports of one raylet's agents: two nodes on one machine would collide on the defaults."""
+    return [
+        f"--dashboard-agent-listen-port={free_port()}",
+        f"--dashboard-agent-grpc-port={free_port()}",
+        f"--metrics-export-port={free_port()}",
+        f"--runtime-env-agent-port={free_port()}",
+    ]
+
+
+def stop_node(proc: subprocess.Popen[bytes]) -> None:
+    """SIGTERM the node's process group (its raylet, GCS, workers), then SIGKILL."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=5)
+            # The group may outlive its leader by a moment: one more SIGKILL round.
+        except subprocess.TimeoutExpired:
+            continue
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def alive_nodes(address: str, env: dict[str, str]) -> int:
+    """How many nodes of the cluster at `address` are alive (0 when it cannot be reached)."""
+    code = (
+        "import ray\n"
+        f"ray.init(address={address!r}, log_to_driver=False)\n"
+        "print(sum(1 for n in ray.nodes() if n['Alive']))\n"
+    )
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60
+        )
+    except subprocess.TimeoutExpired:
+        return 0
+    try:
+        return int(done.stdout.split()[-1])
+    except (IndexError, ValueError):
+        return 0
+
+
+def _wait_for_nodes(cluster: Cluster, proc: subprocess.Popen[bytes], nodes: int, log: Path,
+                    timeout_s: float) -> None:  # fmt: skip
+    deadline = time.monotonic() + timeout_s
+    while alive_nodes(cluster.address, cluster.env) < nodes:
+        if proc.poll() is not None or time.monotonic() > deadline:
+            tail = log.read_text(errors="replace")[-2000:]
+            raise ClusterStartError(f"{log.stem} did not come up in {timeout_s:.0f} s:\n{tail}")
+        time.sleep(1)
+
+
+def start_worker(cluster: Cluster, nodes: int, timeout_s: float = 90) -> None:
+    """Start a worker node (its own process group, one CPU, labelled `selfrag-index=true`) and
+    wait until the cluster has `nodes` alive nodes."""
+    log = cluster.temp_dir / f"worker{len(cluster.procs)}.log"
+    worker = [
+        str(RAY), "start", f"--address={cluster.address}", "--block", "--num-cpus=1",
+        "--node-ip-address=127.0.0.1", "--disable-usage-stats", "--labels=selfrag-index=true",
+        *node_ports(),
+    ]  # fmt: skip
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            worker, env=cluster.env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
+    cluster.procs.append(proc)
+    cluster.worker = proc
+    _wait_for_nodes(cluster, proc, nodes, log, timeout_s)
+
+
+@contextmanager
+def running_cluster(timeout_s: float = 90) -> Iterator[Cluster]:
+    """A head (1 CPU, with the dashboard) and one worker node (1 CPU) on 127.0.0.1, stopped
+    and their temp folder removed when the block ends."""
+    # Short: Ray's socket paths under it must fit the 107 bytes of a Unix socket name.
+    temp_dir = Path(tempfile.mkdtemp(prefix="rc", dir="/tmp"))
+    port, dashboard_port = free_port(), free_port()
+    address = f"127.0.0.1:{port}"
+    cluster = Cluster(address, f"http://127.0.0.1:{dashboard_port}", temp_dir, ray_env(), [])
+    try:
+        head = [
+            str(RAY), "start", "--head", "--block", "--num-cpus=1",
+            f"--port={port}", "--node-ip-address=127.0.0.1", "--include-dashboard=true",
+            "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard_port}",
+            f"--ray-client-server-port={free_port()}", f"--temp-dir={temp_dir}",
+            "--disable-usage-stats", *node_ports(),
+        ]  # fmt: skip
+        log = temp_dir / "head.log"
+        with log.open("wb") as out:
+            proc = subprocess.Popen(
+                head, env=cluster.env, stdout=out, stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )  # fmt: skip
+        cluster.procs.append(proc)
+        _wait_for_nodes(cluster, proc, 1, log, timeout_s)
+        start_worker(cluster, nodes=2, timeout_s=timeout_s)
+        yield cluster
+    finally:
+        for proc in reversed(cluster.procs):
+            stop_node(proc)
+        shutil.rmtree(temp_dir, ignore_errors=True)
