@@ -44,9 +44,11 @@ class Cluster:
 
 def ray_env() -> dict[str, str]:
     """This environment without RAY_* settings, with no auth token on loopback, no usage
-    stats (they would try the network) and the repository on the path."""
+    stats (they would try the network) and the repository on the path, before what the path
+    already holds."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
-    env |= {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0", "PYTHONPATH": str(ROOT)}
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    env |= {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0", "PYTHONPATH": path}
     return env
 
 
