@@ -6,7 +6,7 @@ Ray Serve's deployments.
 process (the Python API, batch actors, evaluation, and the HTTP app without Serve);
 `actors.http.service.ServeAnswerService` answers through the deployments behind the Serve
 ingress. Both answer along `runtime.answering.AnswerPath`, the one place a request's config is
-settled.
+settled, and report what metrics count to `ClientEvents` (the HTTP app's `Metrics`).
 """
 
 from __future__ import annotations
@@ -14,21 +14,24 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-from collections.abc import Callable, Mapping
+import threading
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from selfrag.pipeline.decoder import StepListener
 from selfrag.pipeline.ranking import Hypothesis
 from selfrag.runtime.answering import (
     Answer,
+    AnswerEvents,
     AnswerPath,
     CacheIdentity,
     Deadline,
     Decode,
     QueryCache,
 )
-from selfrag.schemas.answer import AnswerRequest
+from selfrag.schemas.answer import AnswerRequest, AnswerResponse
 from selfrag.schemas.decoding import DecodingConfig
 from selfrag.schemas.errors import DeadlineExceeded
 
@@ -42,6 +45,7 @@ PROBE_TIMEOUT_S = 5.0
 """How long a readiness probe in this process may take (a model still loading is not ready)."""
 
 
+@runtime_checkable
 class AnswerClient(Protocol):
     """What answers requests: the HTTP app, the Python API, batch and evaluation talk to one."""
 
@@ -72,6 +76,31 @@ class AnswerClient(Protocol):
         """Bring what the client counts outside the metrics (e.g. the query cache's tier
         counters) into them, before `/metrics` renders them."""
         ...
+
+
+class ClientEvents(AnswerEvents, Protocol):
+    """What an answer client reports besides its path's cache and deadline events (the HTTP
+    app's `Metrics`)."""
+
+    def observe_answer(self, r: AnswerResponse) -> None:
+        """A freshly decoded answer (not a cache hit)."""
+        ...
+
+    def set_inflight(self, n: int) -> None:
+        """Answers whose decode still runs."""
+        ...
+
+    def sync_query_cache(self, counters: Mapping[str, int]) -> None:
+        """The query cache's tier counters, as they are now."""
+        ...
+
+
+def report_cache_counters(cache: QueryCache | None, events: ClientEvents) -> None:
+    """The query cache's tier counters (`infra.cache.tiers` `counters()`, where it has them)
+    into `events`."""
+    counters = getattr(cache, "counters", None)
+    if callable(counters):
+        events.sync_query_cache(counters())
 
 
 def query_cache_ready(cache: QueryCache | None) -> bool:
@@ -109,21 +138,29 @@ class AnswerSite:
 class LocalAnswerClient:
     """`AnswerClient` in this process: each request along its collection's `AnswerSite`. The
     blocking `answer` is for callers in threads (the Python API, batch actors, evaluation);
-    `run` answers in a worker thread for an event loop (the HTTP app without Serve)."""
+    `run` answers in a worker thread for an event loop (the HTTP app without Serve). With
+    `events` it reports what the Serve ingress reports: its path's cache lookups and
+    deadlines, each decoded answer, the answers in flight and the cache's tier counters."""
 
     def __init__(
         self,
         site: Callable[[str | None], AnswerSite],
         *,
         probes: Mapping[str, Callable[[], bool]] | None = None,
+        events: ClientEvents | None = None,
     ) -> None:
         """`site(collection)`: where a request on `collection` (None: the configured one) is
         answered. `probes`: readiness checks by dependency name (the query cache's is added)."""
         self._site = site
         self._probes = dict(probes or {})
+        self._events = events
+        self._idle = threading.Condition()
+        self._running: set[Deadline] = set()
 
     @classmethod
-    def for_runtime(cls, runtime: LocalRuntime) -> LocalAnswerClient:
+    def for_runtime(
+        cls, runtime: LocalRuntime, *, events: ClientEvents | None = None
+    ) -> LocalAnswerClient:
         """Answers with `runtime`'s engine, store and answer path (on any collection of its
         home); ready when its model tokenizes and its store answers."""
         return cls(
@@ -132,7 +169,16 @@ class LocalAnswerClient:
                 "model": lambda: bool(runtime.engine.tokenize("ready")),
                 "store": lambda: runtime.store.ready(),
             },
+            events=events,
         )
+
+    def reporting(self, events: ClientEvents) -> LocalAnswerClient:
+        """A client answering as this one does (its sites and probes) that reports to
+        `events`. The two share their answers in flight: those are counted together, and
+        `stop` on either cancels them all."""
+        client = LocalAnswerClient(self._site, probes=self._probes, events=events)
+        client._idle, client._running = self._idle, self._running
+        return client
 
     def config(self, request: AnswerRequest) -> DecodingConfig:
         return self._site(request.collection).path.config(request)
@@ -145,21 +191,52 @@ class LocalAnswerClient:
         deadline: Deadline | None = None,
     ) -> Answer:
         """Answer `request`, blocking. `config`: a settled config (`config(request)`, or the
-        batch driver's). With `deadline`, the decode stops at its next step once it is
-        cancelled or expired; without one the decoder keeps to `timeout_s` itself."""
+        batch driver's). The decode stops at its next step once `deadline` (default: one of
+        `timeout_s`) is cancelled or expired by whoever waits, or `stop` cancels it; an
+        unexpired one the decoder keeps to itself."""
         site = self._site(request.collection)
         if config is None:
             config = site.path.config(request)
-        if deadline is not None:
-            on_step = functools.partial(_checked_step, deadline, on_step)
-        return site.path.run(
-            request.question,
-            config,
-            site.decode,
-            identity=site.identity,
-            deadline=deadline,
-            on_step=on_step,
-        )
+        deadline = deadline if deadline is not None else Deadline(config.timeout_s)
+        path = site.path if self._events is None else site.path.reporting(self._events)
+        with self._in_flight(deadline):
+            answer = path.run(
+                request.question,
+                config,
+                site.decode,
+                identity=site.identity,
+                deadline=deadline,
+                on_step=functools.partial(_checked_step, deadline, on_step),
+            )
+        if self._events is not None and answer.cache != "hit":
+            self._events.observe_answer(answer.response)
+        return answer
+
+    @contextmanager
+    def _in_flight(self, deadline: Deadline) -> Iterator[None]:
+        """One answer decoding: counted (and reported) until it ends, `stop` can cancel it."""
+        with self._idle:
+            self._running.add(deadline)
+            self._report_inflight()
+        try:
+            yield
+        finally:
+            with self._idle:
+                self._running.discard(deadline)
+                self._report_inflight()
+                self._idle.notify_all()
+
+    def _report_inflight(self) -> None:
+        if self._events is not None:
+            self._events.set_inflight(len(self._running))
+
+    def stop(self, wait_s: float) -> bool:
+        """Cancel every answer in flight (each decode ends at its next step) and wait up to
+        `wait_s` for them to end; whether none is left."""
+        with self._idle:
+            for deadline in self._running:
+                deadline.cancel()
+            return self._idle.wait_for(lambda: not self._running, wait_s)
 
     async def run(
         self,
@@ -189,7 +266,10 @@ class LocalAnswerClient:
         return dict(zip(checks, results, strict=True))
 
     async def collect_metrics(self) -> None:
-        """Nothing to collect: this client counts nothing outside the metrics."""
+        """The query cache's tier counters into `events` (nothing without them)."""
+        if self._events is not None:
+            cache = self._site(None).path.cache
+            await asyncio.to_thread(report_cache_counters, cache, self._events)
 
 
 def runtime_site(runtime: LocalRuntime) -> AnswerSite:

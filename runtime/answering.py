@@ -11,6 +11,7 @@ statuses or error records.
 
 from __future__ import annotations
 
+import copy
 import functools
 import hashlib
 import importlib.metadata
@@ -258,6 +259,12 @@ class AnswerPath:
             max_timeout_s=max_timeout_s,
             events=events,
         )
+
+    def reporting(self, events: AnswerEvents) -> AnswerPath:
+        """This path (its defaults, facts, cache and limits) reporting to `events`."""
+        path = copy.copy(self)
+        path._events = events
+        return path
 
     def config(self, request: AnswerRequest, facts: CritiqueFacts | None = None) -> DecodingConfig:
         """The settled config of `request` (`requested`, then `settle`)."""

@@ -43,7 +43,7 @@ from selfrag.actors.http.streaming import (
     internal_error,
     request_id,
 )
-from selfrag.runtime.answer_client import AnswerClient
+from selfrag.runtime.answer_client import AnswerClient, LocalAnswerClient
 from selfrag.schemas.answer import AnswerRequest, AnswerResponse
 from selfrag.schemas.errors import AnswerError, ErrorBody
 
@@ -233,6 +233,14 @@ def build_http_app(
         add_document_routes(app, documents, authed, keys_set=bool(api_keys))
     add_playground(app)
     return app
+
+
+def build_local_http_app(client: LocalAnswerClient, **options: Any) -> FastAPI:
+    """The HTTP app in this process, without Ray Serve: `client` (e.g. `SelfRAG.client`)
+    reporting to the app's own `Metrics`, so `/metrics` counts its answers, cache lookups,
+    deadlines and answers in flight as the Serve ingress does. `options`: `build_http_app`'s."""
+    metrics = Metrics()
+    return build_http_app(client.reporting(metrics), metrics, **options)
 
 
 def _add_answer_routes(

@@ -31,7 +31,7 @@ from selfrag.actors.http.deployment_calls import (
 )
 from selfrag.actors.http.metrics import Metrics
 from selfrag.pipeline.decoder import StepListener
-from selfrag.runtime.answer_client import probe, query_cache_ready
+from selfrag.runtime.answer_client import probe, query_cache_ready, report_cache_counters
 from selfrag.runtime.answering import (
     Answer,
     AnswerPath,
@@ -367,9 +367,7 @@ class ServeAnswerService:
 
     def collect_metrics_now(self) -> None:
         """`collect_metrics` from synchronous code."""
-        counters = getattr(self._cache, "counters", None)
-        if callable(counters):
-            self._metrics.sync_query_cache(counters())
+        report_cache_counters(self._cache, self._metrics)
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)

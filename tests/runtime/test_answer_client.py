@@ -1,5 +1,5 @@
 """`runtime.answer_client`: the in-process answer client on fakes, alone and behind the HTTP
-app, which then answers without Ray Serve."""
+app, which then answers without Ray Serve (and counts its answers in `/metrics`)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from selfrag.actors.http.metrics import Metrics
-from selfrag.actors.http.routes import build_http_app
+from selfrag.actors.http.routes import build_http_app, build_local_http_app
 from selfrag.pipeline.decoder import BeamDecoder, StepListener
 from selfrag.pipeline.protocols import Passage
 from selfrag.pipeline.ranking import Hypothesis
@@ -21,6 +21,7 @@ from selfrag.schemas.answer import AnswerRequest, AnswerResponse
 from selfrag.schemas.decoding import DecodingConfig
 from selfrag.schemas.errors import Cancelled, DeadlineExceeded
 from tests.fakes import ListRetriever, ScriptedCritic
+from tests.http_fakes import metric_value
 
 OPEN = {"mode": "always", "top_k": 1, "min_relevance": 0.0, "min_support_score": 0.0}
 
@@ -46,12 +47,28 @@ class DictCache:
         self.entries[key] = response
 
 
+class CountingCache(DictCache):
+    """A cache with tier counters, as `infra.cache.tiers` keeps them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tiers = {"memory_hits": 0, "memory_misses": 0}
+
+    def get(self, key: str) -> AnswerResponse | None:
+        hit = super().get(key)
+        self.tiers["memory_hits" if hit is not None else "memory_misses"] += 1
+        return hit
+
+    def counters(self) -> dict[str, int]:
+        return dict(self.tiers)
+
+
 class Home:
     """Two collections of a home on fakes: each its own passages, one decoder each."""
 
     def __init__(self) -> None:
         self.critic = ScriptedCritic(drafts={"p1": (" Rollo founded it.", -1.0, "eos")})
-        self.cache = DictCache()
+        self.cache = CountingCache()
         self.passages = {
             "main": [Passage("p1", "Rollo founded Normandy in France.", "Normans")],
             "other": [Passage("p9", "Paris is in France.", "France")],
@@ -121,6 +138,81 @@ def test_http_app_answers_in_process_without_serve() -> None:
 
     bad = http.post("/v1/answer", json={**body, "config": {"critique": "nonsense"}})
     assert bad.status_code == 422
+
+
+def test_the_in_process_apps_metrics_count_its_answers() -> None:
+    home = Home()
+    client = LocalAnswerClient(home.site, probes={"model": lambda: True, "store": lambda: True})
+    http = TestClient(build_local_http_app(client))
+
+    def value(name: str, **labels: str) -> float:
+        return metric_value(http.get("/metrics").text, name, **labels)
+
+    assert value("selfrag_answers_total") == 0.0
+    body = {"question": "Who founded Normandy?", "config": OPEN}
+    assert http.post("/v1/answer", json=body).headers["X-Cache"] == "miss"
+    assert http.post("/v1/answer", json=body).headers["X-Cache"] == "hit"
+    text = http.get("/metrics").text
+    assert metric_value(text, "selfrag_answers_total") == 1.0  # the hit decoded nothing
+    assert metric_value(text, "selfrag_decoding_steps_total") >= 1.0
+    assert metric_value(text, "selfrag_retrievals_total") >= 1.0
+    assert metric_value(text, "selfrag_branches_total", outcome="opened") >= 1.0
+    assert metric_value(text, "selfrag_query_cache_total", outcome="miss") == 1.0
+    assert metric_value(text, "selfrag_query_cache_total", outcome="hit") == 1.0
+    assert metric_value(text, "selfrag_query_cache_tier_total", event="memory_hits") == 1.0
+    assert metric_value(text, "selfrag_inflight_answers") == 0.0
+    ok = {"method": "POST", "path": "/v1/answer", "status": "200"}
+    assert metric_value(text, "selfrag_http_requests_total", **ok) == 2.0
+    assert metric_value(text, "selfrag_http_request_duration_seconds_count", path="/v1/answer") == 2
+
+    with http.stream("POST", "/v1/answer/stream", json={**body, "question": "Who was Rollo?"}) as s:
+        assert [line for line in s.iter_lines() if line == "event: answer"]
+    assert value("selfrag_answers_total") == 2.0
+
+
+def test_the_in_process_apps_metrics_count_a_deadline_and_answers_in_flight() -> None:
+    slow = SlowSite()
+    started = threading.Event()
+    client = LocalAnswerClient(slow.site)
+    http = TestClient(build_local_http_app(client))
+
+    def answer() -> None:
+        started.set()
+        body = {"question": "Slow?", "config": {"timeout_s": 0.3}}
+        assert http.post("/v1/answer", json=body).status_code == 504
+
+    waiting = threading.Thread(target=answer)
+    waiting.start()
+    assert started.wait(2.0)
+    time.sleep(0.1)
+    assert metric_value(http.get("/metrics").text, "selfrag_inflight_answers") == 1.0
+    waiting.join(5.0)
+    assert slow.done.wait(2.0)
+    time.sleep(0.05)  # the decode thread leaves the in-flight count as it ends
+    text = http.get("/metrics").text
+    assert metric_value(text, "selfrag_rejected_total", reason="deadline") == 1.0
+    assert metric_value(text, "selfrag_inflight_answers") == 0.0
+    assert metric_value(text, "selfrag_answers_total") == 0.0
+
+
+def test_stop_cancels_the_answers_in_flight_and_waits_for_them() -> None:
+    slow = SlowSite()
+    client = LocalAnswerClient(slow.site)
+    failures: list[BaseException] = []
+
+    def answer() -> None:
+        try:
+            client.answer(AnswerRequest(question="Slow?"))
+        except BaseException as exc:
+            failures.append(exc)
+
+    waiting = threading.Thread(target=answer)
+    waiting.start()
+    time.sleep(0.1)
+    assert client.stop(2.0)
+    waiting.join(2.0)
+    assert slow.done.is_set() and isinstance(slow.ended, Cancelled) and slow.steps < 50
+    assert [type(f) for f in failures] == [Cancelled]
 
 
 def test_readiness_fails_a_probe_that_raises() -> None:
