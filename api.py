@@ -14,31 +14,23 @@ model between processes.
 from __future__ import annotations
 
 import asyncio
-import queue
-import threading
-import weakref
-from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from types import TracebackType
 from typing import Any
 
 from selfrag.jobs.indexing import IndexReport, index_corpus
 from selfrag.jobs.kv_precompute import KVPrecompute, precompute_kv
-from selfrag.pipeline.decoder import StepListener
-from selfrag.pipeline.ranking import Hypothesis
 from selfrag.runtime.answer_client import LocalAnswerClient
-from selfrag.runtime.answering import Answer, LeaderSegments
+from selfrag.runtime.answer_stream import SegmentStream
 from selfrag.runtime.relevance import ranked_passages
 from selfrag.runtime.system import LocalRuntime
 from selfrag.schemas.answer import AnswerRequest, AnswerResponse
 from selfrag.schemas.decoding import DecodingOverrides
 from selfrag.schemas.documents import DocumentInfo, Removal
-from selfrag.schemas.errors import Cancelled
-from selfrag.schemas.events import SegmentEvent
 from selfrag.schemas.retrieval import RankedPassage
 from selfrag.schemas.settings import Settings
 
-_END = object()
+__all__ = ["SegmentStream", "SelfRAG"]
 
 
 class SelfRAG:
@@ -46,7 +38,7 @@ class SelfRAG:
     per-segment scores, stream the segments as they are decoded. Thread-safe; close it (or use
     it as a context manager) to free the model."""
 
-    # How long `close` waits for abandoned streams to reach their next step.
+    # How long `close` waits for the answers still decoding to reach their next step.
     CLOSE_WAIT_S = 60.0
 
     def __init__(self, settings: Settings) -> None:
@@ -54,8 +46,8 @@ class SelfRAG:
         self.system = LocalRuntime(settings)
         self.client = LocalAnswerClient.for_runtime(self.system)
         """The answer client of this process (`runtime.answer_client.AnswerClient`): what the
-        HTTP app (`actors.http.routes.build_http_app`) serves without Ray Serve."""
-        self._runs: weakref.WeakSet[_Run] = weakref.WeakSet()
+        framework adapters (`selfrag.integrations`) answer with, and what the HTTP app serves
+        without Ray Serve (`actors.http.routes.build_local_http_app`)."""
 
     @classmethod
     def open(
@@ -141,7 +133,8 @@ class SelfRAG:
         any `DecodingConfig` field for this answer (bad ones raise pydantic's ValidationError
         naming the field). Failures raise the kinds of `selfrag.schemas.errors` (e.g.
         `DeadlineExceeded` past `timeout_s`)."""
-        return self._answer(self._request(question, max_tokens, dials, collection)).response
+        request = AnswerRequest.of(question, max_tokens=max_tokens, collection=collection, **dials)
+        return self.client.answer(request).response
 
     async def aanswer(
         self,
@@ -152,8 +145,8 @@ class SelfRAG:
         **dials: Any,
     ) -> AnswerResponse:
         """`answer` without blocking the event loop."""
-        request = self._request(question, max_tokens, dials, collection)
-        return (await asyncio.to_thread(self._answer, request)).response
+        request = AnswerRequest.of(question, max_tokens=max_tokens, collection=collection, **dials)
+        return (await asyncio.to_thread(self.client.answer, request)).response
 
     def stream(
         self,
@@ -167,7 +160,8 @@ class SelfRAG:
         index i replaces any segment with index ≥ i seen before, since the beam's leader can
         change); the full answer is `.response` once the iteration ends. Leaving the loop
         early stops the decode at its next step."""
-        return SegmentStream(self, self._request(question, max_tokens, dials, collection))
+        request = AnswerRequest.of(question, max_tokens=max_tokens, collection=collection, **dials)
+        return SegmentStream(self.client, request)
 
     def astream(
         self,
@@ -178,7 +172,8 @@ class SelfRAG:
         **dials: Any,
     ) -> SegmentStream:
         """`stream` for asyncio: `async for event in rag.astream(q)`, then `.response`."""
-        return SegmentStream(self, self._request(question, max_tokens, dials, collection))
+        request = AnswerRequest.of(question, max_tokens=max_tokens, collection=collection, **dials)
+        return SegmentStream(self.client, request)
 
     def retrieve(
         self, query: str, *, top_k: int | None = None, critique: str | None = None
@@ -196,34 +191,12 @@ class SelfRAG:
         """`retrieve` without blocking the event loop."""
         return await asyncio.to_thread(self.retrieve, query, top_k=top_k, critique=critique)
 
-    def _request(
-        self,
-        question: str,
-        max_tokens: int | None,
-        dials: dict[str, Any],
-        collection: str | None = None,
-    ) -> AnswerRequest:
-        return AnswerRequest.model_validate(
-            {
-                "question": question,
-                "config": dials,
-                "max_tokens": max_tokens,
-                "collection": collection,
-            }
-        )
-
-    def _answer(self, request: AnswerRequest, on_step: StepListener | None = None) -> Answer:
-        return self.client.answer(request, on_step)
-
     # --- lifetime --------------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Stop the streams still decoding, then free the model, the store and the caches."""
-        runs = list(self._runs)
-        for run in runs:
-            run.stop()
-        for run in runs:
-            run.join(self.CLOSE_WAIT_S)
+        """Stop the answers still decoding (streams among them), then free the model, the
+        store and the caches."""
+        self.client.stop(self.CLOSE_WAIT_S)
         self.system.close()
 
     def __enter__(self) -> SelfRAG:
@@ -236,72 +209,3 @@ class SelfRAG:
         tb: TracebackType | None,
     ) -> None:
         self.close()
-
-
-class _Run:
-    """One streamed answer decoding in a thread of its own; `emit` gets each segment event,
-    then the response (or the exception), then `_END`."""
-
-    def __init__(self, rag: SelfRAG, request: AnswerRequest, emit: Callable[[Any], None]) -> None:
-        self._emit = emit
-        self._stopped = threading.Event()
-        self._leader = LeaderSegments()
-        self._thread = threading.Thread(
-            target=self._work, args=(rag, request), name="selfrag-stream", daemon=True
-        )
-        self._thread.start()
-        rag._runs.add(self)
-
-    def _on_step(self, h: Hypothesis) -> None:
-        if self._stopped.is_set():
-            raise Cancelled("the stream was closed")  # ends the decode at this step
-        for event in self._leader.events(h):
-            self._emit(event)
-
-    def _work(self, rag: SelfRAG, request: AnswerRequest) -> None:
-        try:
-            self._emit(rag._answer(request, self._on_step).response)
-        except BaseException as exc:  # handed to the reader, which raises it
-            self._emit(exc)
-        finally:
-            self._emit(_END)
-
-    def stop(self) -> None:
-        self._stopped.set()
-
-    def join(self, timeout_s: float) -> None:
-        self._thread.join(timeout_s)
-
-
-class SegmentStream:
-    """The segment events of one answer as they are decoded; `response` once it is done."""
-
-    def __init__(self, rag: SelfRAG, request: AnswerRequest) -> None:
-        self.response: AnswerResponse | None = None
-        self._items: queue.Queue[Any] = queue.Queue()
-        self._run = _Run(rag, request, self._items.put)
-
-    def _event(self, item: Any) -> SegmentEvent | None:
-        """A segment event to hand out; None for the response, which is kept."""
-        if isinstance(item, BaseException):
-            raise item
-        if isinstance(item, AnswerResponse):
-            self.response = item
-            return None
-        return item  # type: ignore[no-any-return]
-
-    def __iter__(self) -> Iterator[SegmentEvent]:
-        try:
-            while (item := self._items.get()) is not _END:
-                if (event := self._event(item)) is not None:
-                    yield event
-        finally:
-            self._run.stop()
-
-    async def __aiter__(self) -> AsyncIterator[SegmentEvent]:
-        try:
-            while (item := await asyncio.to_thread(self._items.get)) is not _END:
-                if (event := self._event(item)) is not None:
-                    yield event
-        finally:
-            self._run.stop()

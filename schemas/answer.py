@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -39,6 +39,22 @@ class AnswerRequest(BaseModel):
         description="Caps the answer's length: max_segments × max_segment_tokens is brought "
         "within it (OpenAI's max_tokens).",
     )
+
+    @classmethod
+    def of(cls, question: str, **dials: Any) -> AnswerRequest:
+        """A request from keyword dials, as the Python API and the framework adapters take
+        them: `max_tokens` and `collection` as themselves, any other a `DecodingConfig` field
+        (pydantic's ValidationError names a bad one)."""
+        max_tokens = dials.pop("max_tokens", None)
+        collection = dials.pop("collection", None)
+        return cls.model_validate(
+            {
+                "question": question,
+                "config": dials,
+                "max_tokens": max_tokens,
+                "collection": collection,
+            }
+        )
 
     @field_validator("question")
     @classmethod

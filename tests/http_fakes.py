@@ -1,6 +1,6 @@
-"""A scripted answer service for the HTTP layer's tests, `live_server` (an app under a real
-uvicorn socket) and `metric_value` (one sample of a `/metrics` text); shared by
-tests/actors/http/: test_routes.py, test_playground.py and test_metrics.py."""
+"""A scripted answer service for the HTTP layer's tests (and one that hangs until cancelled),
+`live_server` (an app under a real uvicorn socket) and `metric_value` (one sample of a
+`/metrics` text); shared by tests/actors/http/, tests/runtime/ and tests/integrations/."""
 
 from __future__ import annotations
 
@@ -120,6 +120,32 @@ class FakeService:
     async def collect_metrics(self) -> None:
         """Counts the scrapes: `/metrics` asks first."""
         self.scrapes += 1
+
+
+class HangingService(FakeService):
+    """Sends the first segment of its answer as a step, then waits until cancelled, which it
+    records in `cancelled`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cancelled = threading.Event()
+
+    async def run(
+        self,
+        request: AnswerRequest,
+        on_step: StepListener | None = None,
+        config: DecodingConfig | None = None,
+    ) -> Answer:
+        self.seen.append(request)
+        r = self.script(request.question, config or self.config(request))
+        try:
+            if on_step is not None:
+                await asyncio.to_thread(on_step, Hypothesis(segments=(r.segments[0],)))
+            await asyncio.sleep(60)
+        except asyncio.CancelledError:
+            self.cancelled.set()
+            raise
+        raise AssertionError("never cancelled")
 
 
 def metric_value(text: str, name: str, **labels: str) -> float:

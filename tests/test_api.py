@@ -92,14 +92,17 @@ def test_bad_input_is_refused_before_any_work(rag: SelfRAG, tmp_path: Path):
 def test_the_http_app_answers_through_the_apis_client_without_serve(rag: SelfRAG):
     from fastapi.testclient import TestClient
 
-    from selfrag.actors.http.metrics import Metrics
-    from selfrag.actors.http.routes import build_http_app
+    from selfrag.actors.http.routes import build_local_http_app
+    from tests.http_fakes import metric_value
 
-    http = TestClient(build_http_app(rag.client, Metrics()))
+    http = TestClient(build_local_http_app(rag.client))
     body = {"question": "Who founded Normandy?", "config": {**SMALL, **OPEN}}
     r = http.post("/v1/answer", json=body)
     assert r.status_code == 200, r.text
     _cited(AnswerResponse.model_validate(r.json()))
+    metrics = http.get("/metrics").text
+    assert metric_value(metrics, "selfrag_answers_total") == 1.0
+    assert metric_value(metrics, "selfrag_decoding_steps_total") >= 1.0
     ready = http.get("/readyz")
     assert ready.status_code == 200, ready.text
     assert ready.json()["checks"] == {"model": True, "store": True, "cache": True}

@@ -22,6 +22,14 @@ def test_a_question_is_stripped_and_its_config_defaults_to_no_override():
     assert request.collection is None and request.max_tokens is None
 
 
+def test_a_request_of_keyword_dials_keeps_its_length_cap_and_collection_apart():
+    request = AnswerRequest.of("Who?", top_k=2, max_tokens=64, collection="docs")
+    assert request.config.model_dump(exclude_unset=True) == {"top_k": 2}
+    assert request.max_tokens == 64 and request.collection == "docs"
+    with pytest.raises(ValidationError, match="not_a_dial"):
+        AnswerRequest.of("Who?", not_a_dial=1)
+
+
 @pytest.mark.parametrize("question", ["", "   ", "\u200b\u200b", "\x00\x1b", "\u3164"])
 def test_a_question_without_visible_text_is_refused(question: str):
     with pytest.raises(ValidationError, match="question"):
