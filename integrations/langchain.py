@@ -1,5 +1,6 @@
-"""LangChain adapters (install the `langchain` extra): a retriever, a chat model and a
-runnable over `selfrag.SelfRAG`.
+"""LangChain adapters (install the `langchain` extra): a retriever over `selfrag.SelfRAG`, and a
+chat model and a runnable over an answer client (`runtime.answer_client.AnswerClient`: a
+`SelfRAG`'s, taken from it when given one, or the Serve ingress's).
 
     from selfrag import SelfRAG
     from selfrag.integrations.langchain import SelfRAGChatModel, SelfRAGRetriever
@@ -20,8 +21,10 @@ from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 from selfrag.integrations.langchain_chat import SelfRAGChatModel
-from selfrag.integrations.sources import Answerer, Retrieving, StreamingAnswerer, sources
-from selfrag.schemas.answer import AnswerResponse
+from selfrag.integrations.sources import HasAnswerClient, Retrieving, answer_client, sources
+from selfrag.runtime.answer_client import AnswerClient
+from selfrag.runtime.answer_stream import SegmentStream, answer_blocking
+from selfrag.schemas.answer import AnswerRequest, AnswerResponse
 from selfrag.schemas.retrieval import RankedPassage
 
 try:
@@ -123,35 +126,33 @@ class SelfRAGRunnable(Runnable[RunnableInput, dict[str, Any]]):
     as in LangChain's retrieval chains) and optionally `dials` overriding the runnable's for
     that call; other keys are ignored.
 
-    `invoke`/`batch` call `answer` (batch in threads), `ainvoke`/`abatch` call `aanswer`.
+    `answerer` is an `AnswerClient`, or a `SelfRAG` (its `client` answers). Each call is one
+    request to it: `invoke`/`batch` block (batch in threads), `ainvoke`/`abatch` await it.
     `stream`/`astream` yield `{"events": [SegmentEvent]}` per decoded segment (index i
     replaces any segment ≥ i seen before), then one chunk with the output; the chunks add up
-    (`AddableDict`) to the output plus `events`. An answerer without `stream` yields the output
-    as one chunk."""
+    (`AddableDict`) to the output plus `events`."""
 
-    def __init__(self, answerer: Answerer, **dials: Any) -> None:
-        self.answerer = answerer
+    def __init__(self, answerer: AnswerClient | HasAnswerClient, **dials: Any) -> None:
+        self.client = answer_client(answerer)
         self.dials = dials
 
-    def _question(self, input: RunnableInput) -> tuple[str, dict[str, Any]]:
+    def _request(self, input: RunnableInput) -> AnswerRequest:
         if isinstance(input, str):
-            return input, dict(self.dials)
+            return AnswerRequest.of(input, **self.dials)
         if isinstance(input, dict):
             question = input.get("question", input.get("input"))
             if isinstance(question, str):
-                return question, {**self.dials, **input.get("dials", {})}
+                return AnswerRequest.of(question, **{**self.dials, **input.get("dials", {})})
         raise TypeError(
             f"{type(self).__name__} takes a question: a str, or a dict with a 'question' "
             f"(or 'input') str; got {type(input).__name__}"
         )
 
     def _invoke(self, input: RunnableInput) -> dict[str, Any]:
-        question, dials = self._question(input)
-        return to_output(self.answerer.answer(question, **dials))
+        return to_output(answer_blocking(self.client, self._request(input)))
 
     async def _ainvoke(self, input: RunnableInput) -> dict[str, Any]:
-        question, dials = self._question(input)
-        return to_output(await self.answerer.aanswer(question, **dials))
+        return to_output((await self.client.run(self._request(input))).response)
 
     def invoke(
         self, input: RunnableInput, config: RunnableConfig | None = None, **kwargs: Any
@@ -165,35 +166,25 @@ class SelfRAGRunnable(Runnable[RunnableInput, dict[str, Any]]):
 
     def _stream(self, inputs: Iterator[RunnableInput]) -> Iterator[dict[str, Any]]:
         for input in inputs:
-            question, dials = self._question(input)
-            if not isinstance(self.answerer, StreamingAnswerer):
-                yield AddableDict(to_output(self.answerer.answer(question, **dials)))
-                continue
-            events = self.answerer.stream(question, **dials)
+            events = SegmentStream(self.client, self._request(input))
             segments = iter(events)
             try:
                 for event in segments:
                     yield AddableDict(events=[event])
-            finally:  # leaving early stops the decode (SelfRAG.stream) at its next step
-                if hasattr(segments, "close"):
-                    segments.close()
+            finally:  # leaving early cancels the answer: its decode stops at its next step
+                segments.close()
             assert events.response is not None  # set once the iteration ends
             yield AddableDict(to_output(events.response))
 
     async def _astream(self, inputs: AsyncIterator[RunnableInput]) -> AsyncIterator[dict[str, Any]]:
         async for input in inputs:
-            question, dials = self._question(input)
-            if not isinstance(self.answerer, StreamingAnswerer):
-                yield AddableDict(to_output(await self.answerer.aanswer(question, **dials)))
-                continue
-            events = self.answerer.astream(question, **dials)
+            events = SegmentStream(self.client, self._request(input))
             segments = aiter(events)
             try:
                 async for event in segments:
                     yield AddableDict(events=[event])
             finally:  # an async generator is not closed when dropped: close it now
-                if hasattr(segments, "aclose"):
-                    await segments.aclose()
+                await segments.aclose()
             assert events.response is not None  # set once the iteration ends
             yield AddableDict(to_output(events.response))
 

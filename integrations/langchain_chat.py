@@ -1,7 +1,7 @@
-"""A LangChain chat model over `selfrag.SelfRAG`: the last user message is the question, system
-messages are instructions the drafts follow, the reply's `response_metadata` holds its
-citations (and the full `AnswerResponse` under `selfrag`); `stream` yields the answer's text
-segment by segment.
+"""A LangChain chat model over an answer client (`runtime.answer_client.AnswerClient`, or a
+`selfrag.SelfRAG`'s): the last user message is the question, system messages are instructions
+the drafts follow, the reply's `response_metadata` holds its citations (and the full
+`AnswerResponse` under `selfrag`); `stream` yields the answer's text segment by segment.
 
     model = SelfRAGChatModel(rag=SelfRAG.open(home="~/rag"), dials={"top_k": 3})
     reply = model.invoke([("system", "Answer in French."), ("human", "Who founded Normandy?")])
@@ -15,10 +15,12 @@ import asyncio
 from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
 
-from pydantic import Field
+from pydantic import AliasChoices, Field, field_validator
 
-from selfrag.integrations.sources import StreamingAnswerer
-from selfrag.schemas.answer import AnswerResponse
+from selfrag.integrations.sources import answer_client
+from selfrag.runtime.answer_client import AnswerClient
+from selfrag.runtime.answer_stream import SegmentStream, answer_blocking
+from selfrag.schemas.answer import AnswerRequest, AnswerResponse
 from selfrag.schemas.events import SegmentEvent
 
 try:
@@ -89,13 +91,19 @@ def _question(messages: Sequence[BaseMessage]) -> tuple[str, str | None]:
 
 
 class SelfRAGChatModel(BaseChatModel):
-    """Self-RAG as a LangChain chat model. `dials` are `DecodingConfig` fields for every
-    answer; keyword arguments of a call (`model.invoke(q, top_k=2)`) override them. With a
-    beam wider than 1 the leading hypothesis can change between steps, so the text comes in
-    one chunk when the answer is done."""
+    """Self-RAG as a LangChain chat model. `client` (or `rag`): the `AnswerClient` it answers
+    with, or a `SelfRAG` (its `client`). `dials` are `DecodingConfig` fields (and `max_tokens`,
+    `collection`) for every answer; keyword arguments of a call (`model.invoke(q, top_k=2)`)
+    override them. With a beam wider than 1 the leading hypothesis can change between steps,
+    so the text comes in one chunk when the answer is done."""
 
-    rag: StreamingAnswerer
+    client: AnswerClient = Field(validation_alias=AliasChoices("client", "rag"))
     dials: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("client", mode="before")
+    @classmethod
+    def _client(cls, value: Any) -> AnswerClient:
+        return answer_client(value)
 
     @property
     def _llm_type(self) -> str:
@@ -105,16 +113,16 @@ class SelfRAGChatModel(BaseChatModel):
     def _identifying_params(self) -> dict[str, Any]:
         return {"dials": self.dials}
 
-    def _dials(
+    def _request(
         self, messages: Sequence[BaseMessage], stop: Any, extra: dict[str, Any]
-    ) -> tuple[str, dict[str, Any]]:
+    ) -> AnswerRequest:
         if stop:
             raise ValueError("stop sequences are not supported: segments end the text")
         question, instructions = _question(messages)
         dials = {**self.dials, **extra}
         if instructions and "instructions" not in dials:
             dials["instructions"] = instructions
-        return question, dials
+        return AnswerRequest.of(question, **dials)
 
     def _generate(
         self,
@@ -123,8 +131,7 @@ class SelfRAGChatModel(BaseChatModel):
         run_manager: CallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> ChatResult:
-        question, dials = self._dials(messages, stop, kwargs)
-        return _result(self.rag.answer(question, **dials))
+        return _result(answer_blocking(self.client, self._request(messages, stop, kwargs)))
 
     async def _agenerate(
         self,
@@ -133,8 +140,8 @@ class SelfRAGChatModel(BaseChatModel):
         run_manager: AsyncCallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> ChatResult:
-        question, dials = self._dials(messages, stop, kwargs)
-        return _result(await self.rag.aanswer(question, **dials))
+        answer = await self.client.run(self._request(messages, stop, kwargs))
+        return _result(answer.response)
 
     def _stream(
         self,
@@ -143,9 +150,10 @@ class SelfRAGChatModel(BaseChatModel):
         run_manager: CallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> Iterator[ChatGenerationChunk]:
-        question, dials = self._dials(messages, stop, kwargs)
-        events = self.rag.stream(question, **dials)
-        text = _TextStream(incremental=self._beam(dials) == 1)
+        request = self._request(messages, stop, kwargs)
+        config = self.client.config(request)
+        events = SegmentStream(self.client, request, config)
+        text = _TextStream(incremental=config.beam == 1)
         segments = iter(events)
         try:
             for event in segments:
@@ -153,9 +161,8 @@ class SelfRAGChatModel(BaseChatModel):
                     if run_manager is not None:
                         run_manager.on_llm_new_token(chunk.text, chunk=chunk)
                     yield chunk
-        finally:  # leaving early stops the decode (SelfRAG.stream) at its next step
-            if hasattr(segments, "close"):
-                segments.close()
+        finally:  # leaving early cancels the answer: its decode stops at its next step
+            segments.close()
         assert events.response is not None  # set once the iteration ends
         yield from text.end(events.response)
 
@@ -166,9 +173,10 @@ class SelfRAGChatModel(BaseChatModel):
         run_manager: AsyncCallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> AsyncIterator[ChatGenerationChunk]:
-        question, dials = self._dials(messages, stop, kwargs)
-        events = self.rag.astream(question, **dials)
-        text = _TextStream(incremental=self._beam(dials) == 1)
+        request = self._request(messages, stop, kwargs)
+        config = await asyncio.to_thread(self.client.config, request)
+        events = SegmentStream(self.client, request, config)
+        text = _TextStream(incremental=config.beam == 1)
         segments = aiter(events)
         try:
             async for event in segments:
@@ -177,17 +185,10 @@ class SelfRAGChatModel(BaseChatModel):
                         await run_manager.on_llm_new_token(chunk.text, chunk=chunk)
                     yield chunk
         finally:  # an async generator is not closed when dropped: close it now
-            if hasattr(segments, "aclose"):
-                await asyncio.shield(segments.aclose())
+            await asyncio.shield(segments.aclose())
         assert events.response is not None
         for chunk in text.end(events.response):
             yield chunk
-
-    def _beam(self, dials: dict[str, Any]) -> int:
-        if "beam" in dials:
-            return int(dials["beam"])
-        settings = getattr(self.rag, "settings", None)
-        return int(getattr(getattr(settings, "decoding", None), "beam", 1))
 
 
 class _TextStream:

@@ -1,5 +1,5 @@
-"""LlamaIndex adapter (the `llamaindex` extra): a query engine over
-`selfrag.SelfRAG`.
+"""LlamaIndex adapter (the `llamaindex` extra): a query engine over an answer client
+(`runtime.answer_client.AnswerClient`, or a `selfrag.SelfRAG`'s).
 
     from selfrag import SelfRAG
     from selfrag.integrations.llamaindex import SelfRAGQueryEngine
@@ -16,10 +16,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import Field
+from pydantic import AliasChoices, Field, field_validator
 
-from selfrag.integrations.sources import Answerer, sources
-from selfrag.schemas.answer import AnswerResponse
+from selfrag.integrations.sources import answer_client, sources
+from selfrag.runtime.answer_client import AnswerClient
+from selfrag.runtime.answer_stream import answer_blocking
+from selfrag.schemas.answer import AnswerRequest, AnswerResponse
 
 try:
     from llama_index.core.base.response.schema import Response
@@ -76,14 +78,22 @@ def to_response(response: AnswerResponse) -> Response:
 
 
 class SelfRAGQueryEngine(CustomQueryEngine):
-    """`query`/`aquery` answer with `answer`/`aanswer` and return `to_response`'s Response.
-    `dials` go to every answer (e.g. `{"top_k": 3, "mode": "always"}`)."""
+    """`query` (blocking) and `aquery` (awaited) answer with `client` (or `answerer`: an
+    `AnswerClient`, or a `SelfRAG`, whose `client` answers) and return `to_response`'s
+    Response. `dials` go to every answer (e.g. `{"top_k": 3, "mode": "always"}`)."""
 
-    answerer: Answerer
+    client: AnswerClient = Field(validation_alias=AliasChoices("client", "answerer"))
     dials: dict[str, Any] = Field(default_factory=dict)
 
+    @field_validator("client", mode="before")
+    @classmethod
+    def _client(cls, value: Any) -> AnswerClient:
+        return answer_client(value)
+
     def custom_query(self, query_str: str) -> Response:
-        return to_response(self.answerer.answer(query_str, **self.dials))
+        request = AnswerRequest.of(query_str, **self.dials)
+        return to_response(answer_blocking(self.client, request))
 
     async def acustom_query(self, query_str: str) -> Response:
-        return to_response(await self.answerer.aanswer(query_str, **self.dials))
+        answer = await self.client.run(AnswerRequest.of(query_str, **self.dials))
+        return to_response(answer.response)

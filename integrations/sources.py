@@ -1,35 +1,37 @@
-"""What the framework adapters share: the `Answerer` they wrap and an answer's passages as
-sources, cited first, each with the scores of the segment that cites it. No framework here."""
+"""What the framework adapters share: the answer client they talk to (`answer_client`), the
+retrieval they wrap, and an answer's passages as sources, cited first, each with the scores of
+the segment that cites it. No framework here."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
+from selfrag.runtime.answer_client import AnswerClient
 from selfrag.schemas.answer import AnswerResponse, PassageOut, SegmentOut
 from selfrag.schemas.retrieval import RankedPassage
 
-if TYPE_CHECKING:  # loading the API loads the engine and store adapters: only when used
-    from selfrag.api import SegmentStream
+
+class HasAnswerClient(Protocol):
+    """What holds an answer client: `selfrag.SelfRAG` (its `client`)."""
+
+    @property
+    def client(self) -> AnswerClient: ...
 
 
-@runtime_checkable
-class Answerer(Protocol):
-    """What the adapters call: `selfrag.SelfRAG`, or anything answering the same way.
-    `dials` are `DecodingConfig` fields (and `max_tokens`)."""
-
-    def answer(self, question: str, **dials: Any) -> AnswerResponse: ...
-
-    async def aanswer(self, question: str, **dials: Any) -> AnswerResponse: ...
-
-
-@runtime_checkable
-class StreamingAnswerer(Answerer, Protocol):
-    """An `Answerer` that also streams segments, as `selfrag.SelfRAG` does."""
-
-    def stream(self, question: str, **dials: Any) -> SegmentStream: ...
-
-    def astream(self, question: str, **dials: Any) -> SegmentStream: ...
+def answer_client(source: AnswerClient | HasAnswerClient) -> AnswerClient:
+    """The answer client an adapter talks to: `source` itself when it is one (in this process,
+    `runtime.answer_client.LocalAnswerClient`; through Serve,
+    `actors.http.service.ServeAnswerService`), else its `client` (a `selfrag.SelfRAG`'s)."""
+    if isinstance(source, AnswerClient):
+        return source
+    client = getattr(source, "client", None)
+    if isinstance(client, AnswerClient):
+        return client
+    raise TypeError(
+        "an adapter answers with an answer client (runtime.answer_client.AnswerClient) or a "
+        f"selfrag.SelfRAG, not {type(source).__name__}"
+    )
 
 
 @runtime_checkable

@@ -1,6 +1,6 @@
 """The framework adapters (selfrag.integrations) with the real LangChain and LlamaIndex
-packages: over a scripted answerer, then (marked real) over `SelfRAG` with SmolLM2 and
-embedded Qdrant."""
+packages: over a scripted answer client, then (marked real) over `SelfRAG` and its client with
+SmolLM2 and embedded Qdrant."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import asyncio
 import importlib
 import subprocess
 import sys
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from functools import reduce
 from operator import add
@@ -28,12 +28,15 @@ from selfrag.integrations.langchain import (
     to_documents,
 )
 from selfrag.integrations.llamaindex import SelfRAGQueryEngine
-from selfrag.integrations.sources import Answerer, Retrieving, StreamingAnswerer
-from selfrag.schemas.answer import AnswerResponse, Citation, PassageOut, SegmentOut
+from selfrag.integrations.sources import Retrieving, answer_client
+from selfrag.pipeline.decoder import StepListener
+from selfrag.pipeline.ranking import Hypothesis
+from selfrag.runtime.answering import Answer
+from selfrag.schemas.answer import AnswerRequest, AnswerResponse, Citation, PassageOut, SegmentOut
 from selfrag.schemas.decoding import DecodingConfig
 from selfrag.schemas.events import SegmentEvent
 from selfrag.schemas.retrieval import RankedPassage
-from tests.http_fakes import scripted_response
+from tests.http_fakes import FakeService, HangingService, scripted_response
 from tests.paths import ROOT
 
 
@@ -79,60 +82,57 @@ def abstained(question: str) -> AnswerResponse:
     )
 
 
-class _Events:
-    """What `SelfRAG.stream` returns: segment events, then `.response`."""
-
-    def __init__(self, r: AnswerResponse) -> None:
-        self._r = r
-        self.response: AnswerResponse | None = None
-        # The leader changes after the first step: index 0 is sent twice.
-        first = r.segments[1]
-        self.events = [SegmentEvent(index=0, segment=first, hypothesis_score=1.0)] + [
-            SegmentEvent(index=i, segment=s, hypothesis_score=2.0) for i, s in enumerate(r.segments)
-        ]
-
-    def __iter__(self) -> Iterator[SegmentEvent]:
-        yield from self.events
-        self.response = self._r
-
-    async def __aiter__(self) -> AsyncIterator[SegmentEvent]:
-        for e in self.events:
-            yield e
-        self.response = self._r
-
-
 @dataclass
-class FakeAnswerer:
-    """Answers from a script; records (method, question, dials) of every call."""
+class FakeClient(FakeService):
+    """An answer client answering from `response`: each step adds a segment, but for one where
+    the leader changes first (segment 1 leads, then 0) unless `steady`. Records its requests
+    (`seen`)."""
 
-    script: Any = response
-    calls: list[tuple[str, str, dict[str, Any]]] = field(default_factory=list)
+    script: Any = field(default=lambda question, _config: response(question))
+    steady: bool = False
 
-    def answer(self, question: str, **dials: Any) -> AnswerResponse:
-        self.calls.append(("answer", question, dials))
-        return self.script(question)
-
-    async def aanswer(self, question: str, **dials: Any) -> AnswerResponse:
-        self.calls.append(("aanswer", question, dials))
+    async def run(
+        self,
+        request: AnswerRequest,
+        on_step: StepListener | None = None,
+        config: DecodingConfig | None = None,
+    ) -> Answer:
+        self.seen.append(request)
+        self.configs_given.append(config)
         await asyncio.sleep(0)
-        return self.script(question)
+        r = self.script(request.question, config or self.config(request))
+        if on_step is not None:
+            await asyncio.to_thread(self._steps, r.segments, on_step)
+        return Answer(r, "miss")
+
+    def _steps(self, segments: list[SegmentOut], on_step: StepListener) -> None:
+        if not self.steady and len(segments) > 1:
+            on_step(Hypothesis(segments=(segments[1],), score=1.0))
+        for i in range(len(segments)):
+            on_step(Hypothesis(segments=tuple(segments[: i + 1]), score=2.0))
+
+    def calls(self) -> list[tuple[str, dict[str, Any]]]:
+        """(question, dials) of each request."""
+        return [(r.question, r.config.model_dump(exclude_unset=True)) for r in self.seen]
 
 
 @dataclass
-class FakeStreamer(FakeAnswerer):
-    def stream(self, question: str, **dials: Any) -> _Events:
-        self.calls.append(("stream", question, dials))
-        return _Events(self.script(question))
+class Holder:
+    """Holds an answer client, as `SelfRAG` does."""
 
-    def astream(self, question: str, **dials: Any) -> _Events:
-        self.calls.append(("astream", question, dials))
-        return _Events(self.script(question))
+    client: FakeClient
 
 
-def test_the_fakes_are_answerers():
-    assert isinstance(FakeAnswerer(), Answerer)
-    assert not isinstance(FakeAnswerer(), StreamingAnswerer)
-    assert isinstance(FakeStreamer(), StreamingAnswerer)
+def test_adapters_take_an_answer_client_or_what_holds_one():
+    fake = FakeClient()
+    assert answer_client(fake) is fake and answer_client(Holder(fake)) is fake
+    assert SelfRAGRunnable(Holder(fake)).client is fake
+    assert SelfRAGChatModel(rag=Holder(fake)).client is fake
+    assert SelfRAGChatModel(client=fake).client is fake
+    assert SelfRAGQueryEngine(answerer=Holder(fake)).client is fake
+    assert SelfRAGQueryEngine(client=fake).client is fake
+    with pytest.raises(TypeError, match="answer client"):
+        answer_client(object())  # type: ignore[arg-type]
 
 
 # --- LangChain ------------------------------------------------------------------------------
@@ -199,32 +199,11 @@ def test_documents_of_an_answer_list_cited_passages_first_with_their_scores():
     assert not any(d.metadata["cited"] for d in abstention)
 
 
-class _SteadyEvents(_Events):
-    """A beam of one: each segment once, in order."""
-
-    def __init__(self, r: AnswerResponse) -> None:
-        super().__init__(r)
-        self.events = self.events[1:]
-
-
-@dataclass
-class SteadyStreamer(FakeStreamer):
-    def stream(self, question: str, **dials: Any) -> _Events:
-        self.calls.append(("stream", question, dials))
-        return _SteadyEvents(self.script(question))
-
-    def astream(self, question: str, **dials: Any) -> _Events:
-        self.calls.append(("astream", question, dials))
-        return _SteadyEvents(self.script(question))
-
-
 def test_chat_model_answers_with_citations_and_follows_system_messages():
-    fake = FakeStreamer()
+    fake = FakeClient()
     model = SelfRAGChatModel(rag=fake, dials={"top_k": 2})
     reply = model.invoke([("system", "Answer in French."), ("human", "Q?")], beam=1)
-    assert fake.calls == [
-        ("answer", "Q?", {"top_k": 2, "beam": 1, "instructions": "Answer in French."})
-    ]
+    assert fake.calls() == [("Q?", {"top_k": 2, "beam": 1, "instructions": "Answer in French."})]
     assert reply.content == "One. Two. Three. Four."
     meta = reply.response_metadata
     assert [(c["segment"], c["passage_id"]) for c in meta["citations"]] == [
@@ -234,14 +213,14 @@ def test_chat_model_answers_with_citations_and_follows_system_messages():
     ]
     assert meta["citations"][1]["passage_text"] == "Passage a."
     assert meta["selfrag"]["answer"] == reply.content and meta["abstained"] is False
-    assert asyncio.run(model.ainvoke("Q?")).content == reply.content
-    assert fake.calls[-1] == ("aanswer", "Q?", {"top_k": 2})
+    assert asyncio.run(model.ainvoke("Q?", max_tokens=64)).content == reply.content
+    assert fake.calls()[-1] == ("Q?", {"top_k": 2}) and fake.seen[-1].max_tokens == 64
     with pytest.raises(ValueError, match="user message"):
         model.invoke([("system", "Only this.")])
 
 
 def test_chat_model_streams_text_chunks_then_the_metadata():
-    fake = SteadyStreamer()
+    fake = FakeClient(steady=True)
     chunks = list(SelfRAGChatModel(rag=fake).stream("Q?"))
     texts = [c.content for c in chunks if c.content]
     assert texts == ["One.", " Two.", " Three.", " Four."]
@@ -250,7 +229,8 @@ def test_chat_model_streams_text_chunks_then_the_metadata():
     assert merged.content == "One. Two. Three. Four."
     assert [c["passage_id"] for c in merged.response_metadata["citations"]] == ["b", "a", "b"]
     # A wider beam can change its leader: the text comes in one chunk when it is done.
-    wide = list(SelfRAGChatModel(rag=FakeStreamer(), dials={"beam": 2}).stream("Q?"))
+    # The effective config (the client's) says how wide the beam is.
+    wide = list(SelfRAGChatModel(rag=FakeClient(), dials={"beam": 2}).stream("Q?"))
     assert [c.content for c in wide if c.content] == ["One. Two. Three. Four."]
 
     async def collect() -> list[str]:
@@ -266,7 +246,7 @@ def test_a_citation_of_a_passage_not_listed_is_skipped():
 
 
 def test_runnable_invoke_takes_a_str_or_a_dict():
-    fake = FakeAnswerer()
+    fake = FakeClient()
     rag = SelfRAGRunnable(fake, top_k=2, mode="always")
     out = rag.invoke("Q?")
     assert set(out) == {"answer", "documents", "response"}
@@ -275,10 +255,10 @@ def test_runnable_invoke_takes_a_str_or_a_dict():
     assert isinstance(out["response"], AnswerResponse) and out["response"].question == "Q?"
     rag.invoke({"question": "Q2", "dials": {"top_k": 5}, "chat_history": []})
     rag.invoke({"input": "Q3"})
-    assert fake.calls == [
-        ("answer", "Q?", {"top_k": 2, "mode": "always"}),
-        ("answer", "Q2", {"top_k": 5, "mode": "always"}),
-        ("answer", "Q3", {"top_k": 2, "mode": "always"}),
+    assert fake.calls() == [
+        ("Q?", {"top_k": 2, "mode": "always"}),
+        ("Q2", {"top_k": 5, "mode": "always"}),
+        ("Q3", {"top_k": 2, "mode": "always"}),
     ]
     with pytest.raises(TypeError, match="question"):
         rag.invoke({"query": "Q?"})
@@ -287,28 +267,27 @@ def test_runnable_invoke_takes_a_str_or_a_dict():
 
 
 def test_runnable_async_batch_and_composition():
-    fake = FakeAnswerer()
+    fake = FakeClient()
     rag = SelfRAGRunnable(fake, top_k=2)
     out = asyncio.run(rag.ainvoke("Q?"))
-    assert out["answer"] and fake.calls == [("aanswer", "Q?", {"top_k": 2})]
-    fake.calls.clear()
+    assert out["answer"] and fake.calls() == [("Q?", {"top_k": 2})]
+    fake.seen.clear()
     outs = rag.batch(["Q1", "Q2", "Q3"])
     assert [o["response"].question for o in outs] == ["Q1", "Q2", "Q3"]
-    assert sorted(c[1] for c in fake.calls) == ["Q1", "Q2", "Q3"]
-    assert {c[0] for c in fake.calls} == {"answer"}
-    fake.calls.clear()
+    assert sorted(q for q, _ in fake.calls()) == ["Q1", "Q2", "Q3"]
+    fake.seen.clear()
     outs = asyncio.run(rag.abatch(["Q1", "Q2"]))
     assert [o["response"].question for o in outs] == ["Q1", "Q2"]
-    assert {c[0] for c in fake.calls} == {"aanswer"}
+    assert sorted(q for q, _ in fake.calls()) == ["Q1", "Q2"]
     chain = rag | RunnableLambda(lambda o: [d.metadata["title"] for d in o["documents"]])
     assert chain.invoke("Q?") == ["B", "A", "C"]
 
 
 def test_runnable_streams_segment_events_then_the_output():
-    fake = FakeStreamer()
+    fake = FakeClient()
     rag = SelfRAGRunnable(fake, top_k=2)
     chunks = list(rag.stream({"question": "Q?", "dials": {"max_segments": 4}}))
-    assert fake.calls == [("stream", "Q?", {"top_k": 2, "max_segments": 4})]
+    assert fake.calls() == [("Q?", {"top_k": 2, "max_segments": 4})]
     *events, last = chunks
     assert [list(c) for c in events] == [["events"]] * 5
     assert [c["events"][0].index for c in events] == [0, 0, 1, 2, 3]
@@ -325,78 +304,41 @@ def test_runnable_streams_segment_events_then_the_output():
         return [c async for c in rag.astream("Q?")]
 
     achunks = asyncio.run(collect())
-    assert fake.calls[-1] == ("astream", "Q?", {"top_k": 2})
+    assert fake.calls()[-1] == ("Q?", {"top_k": 2})
     assert len(achunks) == 6 and achunks[-1]["answer"] == last["answer"]
 
 
-class _Closing(_Events):
-    """Records when the consumer stops iterating, as `SegmentStream` stops its decode."""
-
-    closed: list[str]
-
-    def __iter__(self) -> Iterator[SegmentEvent]:
-        try:
-            yield from super().__iter__()
-        finally:
-            self.closed.append("stream")
-
-    async def __aiter__(self) -> AsyncIterator[SegmentEvent]:
-        try:
-            async for e in super().__aiter__():
-                yield e
-        finally:
-            self.closed.append("astream")
-
-
-def test_leaving_a_stream_early_closes_the_answerers_stream():
-    closed: list[str] = []
-
-    @dataclass
-    class Closer(FakeStreamer):
-        def stream(self, question: str, **dials: Any) -> _Events:
-            events = _Closing(self.script(question))
-            events.closed = closed
-            return events
-
-        astream = stream
-
-    rag = SelfRAGRunnable(Closer())
-    for _ in rag.stream("Q?"):
+def test_leaving_a_stream_early_cancels_the_answer():
+    client = HangingService()
+    for _ in SelfRAGRunnable(client).stream("Q?"):
         break
-    assert closed == ["stream"]
+    assert client.cancelled.wait(2.0)
+
+    client = HangingService()
 
     async def leave() -> None:
-        chunks = rag.astream("Q?")
+        chunks = SelfRAGRunnable(client).astream("Q?")
         async for _ in chunks:
             break
         await chunks.aclose()  # a caller leaving early closes the generator
-        assert closed == ["stream", "astream"]
+        assert client.cancelled.is_set()
 
     asyncio.run(leave())
 
-
-def test_runnable_without_stream_yields_one_chunk():
-    fake = FakeAnswerer()
-    rag = SelfRAGRunnable(fake)
-    [chunk] = list(rag.stream("Q?"))
-    assert set(chunk) == {"answer", "documents", "response"}
-
-    async def collect() -> list[dict[str, Any]]:
-        return [c async for c in rag.astream("Q?")]
-
-    [achunk] = asyncio.run(collect())
-    assert achunk["answer"] == chunk["answer"]
-    assert [c[0] for c in fake.calls] == ["answer", "aanswer"]
+    client = HangingService()
+    for _ in SelfRAGChatModel(rag=client).stream("Q?"):
+        break
+    assert client.cancelled.wait(2.0)
 
 
 # --- LlamaIndex -----------------------------------------------------------------------------
 
 
 def test_query_engine_response_and_source_nodes():
-    fake = FakeAnswerer()
+    fake = FakeClient()
     engine = SelfRAGQueryEngine(answerer=fake, dials={"top_k": 2})
     r = engine.query("Q?")
-    assert fake.calls == [("answer", "Q?", {"top_k": 2})]
+    assert fake.calls() == [("Q?", {"top_k": 2})]
     assert isinstance(r, Response) and r.response == "One. Two. Three. Four." and str(r)
     assert [n.node_id for n in r.source_nodes] == ["b", "a", "c"]
     # Scored by s_rel of the best citing segment; an uncited passage has no score.
@@ -432,15 +374,16 @@ def test_query_engine_response_and_source_nodes():
 
 
 def test_query_engine_async_and_query_bundle():
-    fake = FakeAnswerer()
-    engine = SelfRAGQueryEngine(answerer=fake)
+    fake = FakeClient()
+    engine = SelfRAGQueryEngine(client=fake)
     r = asyncio.run(engine.aquery(QueryBundle("Q?")))
-    assert fake.calls == [("aanswer", "Q?", {})]
+    assert fake.calls() == [("Q?", {})]
     assert [n.node_id for n in r.source_nodes] == ["b", "a", "c"]
 
 
 def test_query_engine_abstained():
-    r = SelfRAGQueryEngine(answerer=FakeAnswerer(script=abstained)).query("Q?")
+    client = FakeClient(script=lambda question, _config: abstained(question))
+    r = SelfRAGQueryEngine(answerer=client).query("Q?")
     assert r.response == "I don't know." and r.metadata["abstained"] is True
     assert [n.score for n in r.source_nodes] == [None, None, None]
     assert not any(n.node.metadata["cited"] for n in r.source_nodes)
@@ -476,8 +419,8 @@ socket.socket.connect = refuse
 socket.socket.connect_ex = refuse
 from selfrag.integrations.langchain import SelfRAGRetriever, SelfRAGRunnable
 from selfrag.integrations.llamaindex import SelfRAGQueryEngine
-from tests.integrations.test_integrations import FakeStreamer
-fake = FakeStreamer()
+from tests.integrations.test_integrations import FakeClient
+fake = FakeClient()
 list(SelfRAGRunnable(fake).stream("Q?"))
 engine = SelfRAGQueryEngine(answerer=fake)
 r = engine.query("Q?")
@@ -556,7 +499,8 @@ def test_real_langchain_chat_model_streams_text_with_citations(rag: Any):
 
 @pytest.mark.real
 def test_real_langchain_runnable_streams_the_answer(rag: Any):
-    chunks = list(SelfRAGRunnable(rag, **DIALS).stream("In what country is Normandy located?"))
+    runnable = SelfRAGRunnable(rag.client, **DIALS)  # the client itself, as from a SelfRAG
+    chunks = list(runnable.stream("In what country is Normandy located?"))
     *events, out = chunks
     assert events and all(isinstance(e, SegmentEvent) for c in events for e in c["events"])
     assert set(out) == {"answer", "documents", "response"}
