@@ -20,6 +20,9 @@ sequence), `grounding` (the share of the draft's
 numbers and names found in the passage or question, `pipeline.grounding`; 1 when it states
 none), `relevance` (s_rel of the branch), `verify*grounding`, and with `--critic-model` that
 preset's verification read of the same drafts (`critic_model`, in a conversation of its own).
+With `--heads H…` only the s_sup of each heads file (`heads:<file stem>`, the learned critique on
+the same model, nothing folded in) is scored instead, e.g. heads trained with and without a critic's
+labels (`selfrag train --critic`).
 Printed: AUROC of supported against each unsupported kind and against all of them, and seconds
 per read. The last line
 holds the figures as name=value pairs.
@@ -191,6 +194,25 @@ def score(
     return values, clock
 
 
+def score_heads(rag: LocalRuntime, items: Sequence[Triple], heads: Sequence[Path]) -> tuple:
+    """s_sup of each heads file's learned critique on the same triples."""
+    from selfrag.infra.models.heads_store import load_heads
+    from selfrag.pipeline.critics.learned import LearnedCritic
+
+    branches, drafts = [t.branch for t in items], [t.draft for t in items]
+    values: dict[str, list[float]] = {}
+    clock: dict[str, float] = {}
+    for path in heads:
+        critic = LearnedCritic(rag.engine, load_heads(path))
+        values[f"heads:{path.stem}"] = timed(
+            lambda c=critic: [support_score(s.probs) for s in c.support(branches, drafts)],
+            len(items),
+            clock,
+            f"heads:{path.stem}",
+        )
+    return values, clock
+
+
 def report(
     items: Sequence[Triple], values: dict[str, list[float]], clock: dict[str, float]
 ) -> dict[str, float]:
@@ -225,6 +247,9 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, help="also write each triple's scores here (JSON)")
     parser.add_argument(
+        "--heads", type=Path, nargs="+", help="score only these heads files' s_sup (see above)"
+    )
+    parser.add_argument(
         "--critic-model",
         help="another preset that reads the verification question too (critic_model: the "
         "larger model as the critic of the served one's drafts)",
@@ -238,7 +263,9 @@ def main() -> None:
         items = triples(
             critic, rag.engine.tokenize, args.data, args.article, args.questions, args.seed
         )
-        if args.critic_model:
+        if args.heads:
+            values, clock = score_heads(rag, items, args.heads)
+        elif args.critic_model:
             judge_settings = load_settings(overrides={"model": {"preset": args.critic_model}})
             with LocalRuntime(judge_settings) as judge:
                 values, clock = score(rag, critic, items, judge)

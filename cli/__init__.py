@@ -21,11 +21,12 @@ from pydantic import ValidationError
 from selfrag.cli.ask import cmd_ask
 from selfrag.cli.common import EXIT_FAILED, EXIT_USAGE, CLIError
 from selfrag.cli.docs import cmd_docs
-from selfrag.cli.jobs import cmd_batch, cmd_calibrate, cmd_eval, cmd_index, cmd_train
+from selfrag.cli.jobs import cmd_batch, cmd_calibrate, cmd_eval, cmd_index
 from selfrag.cli.parser import build_parser
 from selfrag.cli.serving import cmd_serve
 from selfrag.cli.status import cmd_config, cmd_models, cmd_status
 from selfrag.cli.terminal import terminal_safe_output
+from selfrag.cli.train import cmd_train
 from selfrag.schemas.errors import AnswerError
 
 COMMANDS = {

@@ -356,6 +356,14 @@ def _train_parser(sub: Any) -> None:
         action="store_true",
         help="With --export-gguf: export the heads this model already has instead of training.",
     )
+    p_train.add_argument(
+        "--critic",
+        metavar="PRESET|PATH",
+        help="A model (e.g. qwen2.5-coder-1.5b) whose verification read labels the support "
+        "examples and the model's drafts on synthetic questions (--critic-mode replace), or only "
+        "the drafts (add), for the heads to train on; reads cached in HOME/critic_labels/.",
+    )
+    p_train.add_argument("--critic-mode", choices=("replace", "add"), default="replace")
     _answerability_training_flags(p_train)
     p_train.add_argument("--no-progress", action="store_true")
 

@@ -1,12 +1,12 @@
 """`selfrag train`: fit the reflection heads of a model file on its own hidden states.
 
 Examples come from `pipeline.learning.reflection_data` (self-supervised from the index, plus
-labelled QA
-when given); each is turned into the prompt the learned critique reads at inference
-(`SequenceCritic`'s layout) and the engine returns the final hidden state there. Each group is a
-multinomial logistic regression without bias (rows of the output matrix, `pipeline.heads`),
-balanced over the labels present, its L2 strength chosen on a validation split held out by
-passage or question.
+labelled QA when given; with a critic model, support labels from it:
+`pipeline.learning.critic_labels`); each is turned into the prompt the learned critique reads
+at inference (`SequenceCritic`'s layout) and the engine returns the final hidden state there.
+Each group is a multinomial logistic regression without bias (rows of the output matrix,
+`pipeline.heads`), balanced over the labels present, its L2 strength chosen on a validation
+split held out by passage or question.
 """
 
 from __future__ import annotations
@@ -48,6 +48,7 @@ from selfrag.pipeline.scoring import (
 )
 
 if TYPE_CHECKING:
+    from selfrag.pipeline.learning.critic_labels import CriticLabeller
     from selfrag.runtime.system import LocalRuntime
 
 # The fewest examples, and of each group's two contrasted labels, a group trains on.
@@ -91,9 +92,6 @@ class TrainingPlan:
     the same article (SQuAD), as irrelevant examples."""
     draft_tokens: int = 48
     batch: int = 8
-
-
-# --- examples ---------------------------------------------------------------------------------
 
 
 def corpus_examples(
@@ -173,9 +171,6 @@ def _gold_passage(q: EvalQuestion) -> Passage | None:
     return Passage(id=q.paragraph_id, text=" ".join(q.context.split()), title=title)
 
 
-# --- features ---------------------------------------------------------------------------------
-
-
 def example_prompt(critic: ChatCritic, model: LanguageModel, ex: Example) -> tuple[list[int], int]:
     """The prompt after which the learned critique reads `ex.group`, and its reusable prefix."""
     if ex.group == "retrieve":
@@ -214,9 +209,6 @@ def hidden_features(
         bar.update(len(idx))
     bar.close()
     return out
-
-
-# --- fitting ----------------------------------------------------------------------------------
 
 
 def fit_softmax(
@@ -341,9 +333,6 @@ def fit_heads(
     return weights, stats
 
 
-# --- the command ------------------------------------------------------------------------------
-
-
 def train(
     rag: LocalRuntime,
     questions: Sequence[EvalQuestion],
@@ -352,10 +341,12 @@ def train(
     data: dict[str, Any],
     passages: Sequence[Passage] | None = None,
     progress: bool = True,
+    critic: CriticLabeller | None = None,
 ) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
     """Build the examples, read the hidden states and fit every head; returns weights and the
     manifest. The self-supervised examples come from `passages` (default: the whole index);
-    hard negatives are searched in the whole index either way."""
+    hard negatives are searched in the whole index either way. `critic` labels the support
+    examples and the model's drafts on synthetic pairs of `passages`."""
     engine = rag.engine
     if engine.hidden_size is None:
         raise TrainingError("this engine returns no hidden states: train on the llama.cpp backend")
@@ -364,12 +355,15 @@ def train(
     passages = list(passages) if passages is not None else list(rag.store.passages())
     if not passages:
         raise TrainingError("no passages to train on: run `selfrag index` (or pass --corpus) first")
-    critic = SequenceCritic(engine)
+    reader = SequenceCritic(engine)
     examples = corpus_examples(passages, rag.store.search, plan, rng)
     if questions:
-        examples += qa_examples(critic, questions, rag.store.search, plan, progress=progress)
+        examples += qa_examples(reader, questions, rag.store.search, plan, progress=progress)
+    labelled = None
+    if critic is not None:
+        examples, labelled = critic(examples, reader, passages, rag.store.search, plan.seed)
     counts = check_counts(examples)
-    X = hidden_features(engine, critic, examples, batch=plan.batch, progress=progress)
+    X = hidden_features(engine, reader, examples, batch=plan.batch, progress=progress)
     weights, stats = fit_heads(examples, X, plan.seed)
     manifest = {
         "model_file": rag.model.path.name,
@@ -384,6 +378,7 @@ def train(
         },
         "counts": {g: dict(c) for g, c in counts.items()},
         "groups": stats,
+        "critic": labelled,
         "seconds": round(time.monotonic() - started, 1),
     }
     return weights, manifest
@@ -396,5 +391,7 @@ def describe(manifest: dict[str, Any], path: Path) -> str:
         shown = f"{a:.3f}" if a is not None else "n/a"
         labels = ", ".join(f"{k} {v}" for k, v in s["labels"].items() if v)
         lines.append(f"  {group:<9} {s['examples']:>5} examples ({labels}); validation AUC {shown}")
+    if c := manifest.get("critic"):
+        lines.append(f"  support labelled by {c['model']} ({c['mode']}): {c['read']} read")
     lines.append(f"  {manifest['seconds']:.0f} s")
     return "\n".join(lines)

@@ -101,6 +101,21 @@ def support_from_verdict(verdict: LabelProbs, grounding: float | None = None) ->
     return LabelProbs({"full": p, "partial": 0.0, "none": 1.0 - p}, verdict.prefill_tokens)
 
 
+def verified_support(
+    reader: VerifyReader, branches: Sequence[Branch], drafts: Sequence[Generation]
+) -> list[LabelProbs]:
+    """The IsSup distributions of drafted branches by `reader`'s verification read and each
+    draft's grounding in its passage and question (`support_from_verdict`): the critique's
+    support, and a critic model's labels for training (`pipeline.learning.critic_labels`)."""
+    verdicts = reader.read(branches, drafts)
+    return [
+        support_from_verdict(
+            v, grounding_score(d.text, b.passage.text, b.question) if b.passage else None
+        )
+        for b, d, v in zip(branches, drafts, verdicts, strict=True)
+    ]
+
+
 class VerifiedCritic:
     """A critique source whose support is the verification read (`VerifyReader`); every other
     group, drafting included, is the source's own (a source that reads utility where it read
@@ -127,13 +142,7 @@ class VerifiedCritic:
         return self.inner.draft(branches, max_tokens)
 
     def support(self, branches: Sequence[Branch], drafts: Sequence[Generation]) -> list[LabelProbs]:
-        verdicts = self._reader.read(branches, drafts)
-        return [
-            support_from_verdict(
-                v, grounding_score(d.text, b.passage.text, b.question) if b.passage else None
-            )
-            for b, d, v in zip(branches, drafts, verdicts, strict=True)
-        ]
+        return verified_support(self._reader, branches, drafts)
 
     def utility(self, branches: Sequence[Branch], drafts: Sequence[Generation]) -> list[LabelProbs]:
         return self.inner.utility(branches, drafts)
