@@ -43,7 +43,7 @@ def collect(path: Path, model: str | None, home: Path | None, limit: int | None)
     (`limit`: that many questions, evenly spaced over the article)."""
     from selfrag.infra.settings_loader import load_settings
     from selfrag.jobs.answerability_training import collect_table, save_table
-    from selfrag.jobs.evaluation import load_questions
+    from selfrag.jobs.evaluation.eval_questions import load_questions
     from selfrag.runtime.system import LocalRuntime
 
     overrides: dict[str, object] = {"model": {"preset": model}} if model else {}

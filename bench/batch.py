@@ -1,5 +1,6 @@
 """Questions per second: one question at a time (the CLI path, `LocalRuntime.answer` in a loop) vs
-`selfrag batch` (`selfrag.jobs.batch.run_batch`) with 1 and 2 engine actors, in one run.
+`selfrag batch` (`selfrag.jobs.batch.batch_driver.run_batch`) with 1 and 2 engine actors, in one
+run.
 
 Every request is `{"mode": "always", "top_k": 2, "max_segments": 1, "max_segment_tokens": 16}`
 on distinct SQuAD questions, so no answer comes from a cache. One-at-a-time excludes the model
@@ -28,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from selfrag.infra.settings_loader import load_settings
-from selfrag.jobs.batch import run_batch
+from selfrag.jobs.batch.batch_driver import run_batch
 from selfrag.jobs.ray_pool import ensure_ray
 from selfrag.runtime.answer_client import LocalAnswerClient
 from selfrag.runtime.system import LocalRuntime

@@ -38,7 +38,7 @@ TEXT = (
 
 def measure(weights: Path, threads: int, prompt_tokens: int, gen: int) -> dict[str, object]:
     """One child's work: load, prefill once cold, decode greedily."""
-    from selfrag.infra.engine.llama_cpu_builds import loaded_backend
+    from selfrag.infra.engine.cpu_builds.llama_cpu_builds import loaded_backend
     from selfrag.infra.engine.llama_engine import LlamaEngine
     from selfrag.pipeline.protocols import GenerationRequest
 

@@ -49,7 +49,7 @@ from selfrag.infra.engine.llama_engine import LlamaEngine
 from selfrag.infra.models.heads_store import find_heads, load_heads
 from selfrag.infra.models.model_files import default_model_path, derive_weights, file_sha256
 from selfrag.infra.settings_loader import load_settings
-from selfrag.jobs.evaluation import EvalQuestion, load_questions
+from selfrag.jobs.evaluation.eval_questions import EvalQuestion, load_questions
 from selfrag.pipeline.critics import (
     Branch,
     Critic,

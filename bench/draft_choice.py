@@ -40,7 +40,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     from selfrag import SelfRAG
-    from selfrag.jobs.evaluation import load_questions
+    from selfrag.jobs.evaluation.eval_questions import load_questions
     from selfrag.pipeline.evaluation.qa_metrics import contains_answer
     from selfrag.pipeline.learning.logistic_fit import auc
 

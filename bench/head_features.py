@@ -35,7 +35,7 @@ from pathlib import Path
 
 import numpy as np
 
-from selfrag.infra.engine.llama_cpu_builds import ensure_backend
+from selfrag.infra.engine.cpu_builds.llama_cpu_builds import ensure_backend
 from selfrag.infra.models.model_files import default_model_path, derive_weights
 from selfrag.jobs.training import fit_softmax
 from selfrag.pipeline.critics import PromptedQuestions

@@ -81,7 +81,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     from selfrag import SelfRAG
-    from selfrag.jobs.evaluation import load_questions, make_record, outcome
+    from selfrag.jobs.evaluation.eval_questions import load_questions
+    from selfrag.jobs.evaluation.eval_report import outcome
+    from selfrag.jobs.evaluation.eval_runner import make_record
     from selfrag.pipeline.evaluation.qa_metrics import percentile, summarize
 
     names = [n.strip() for n in args.policies.split(",") if n.strip()]

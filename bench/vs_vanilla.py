@@ -61,7 +61,7 @@ class Result:
 
 def held_out_questions(data: Path, n: int) -> list[tuple[str, tuple[str, ...]]]:
     """The first `n` answerable held-out questions with their gold answers."""
-    from selfrag.jobs.evaluation import load_questions
+    from selfrag.jobs.evaluation.eval_questions import load_questions
 
     qs = load_questions(data / "squad_v2_small.json", article=HELD_OUT)
     return [(q.question, q.golds) for q in qs if q.answerable][:n]

@@ -107,7 +107,7 @@ def _run(args: argparse.Namespace) -> int:
         # The readers refuse deep nesting themselves; this is the last line, never a traceback.
         print(f"selfrag: input nested too deeply to process ({exc})", file=sys.stderr)
     except RuntimeError as exc:
-        from selfrag.infra.engine.cpu_variants import BackendError
+        from selfrag.infra.engine.cpu_builds.cpu_variants import BackendError
         from selfrag.infra.models.model_files import ModelFileError
         from selfrag.infra.store.qdrant_store import StoreError
 

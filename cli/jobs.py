@@ -100,15 +100,10 @@ def _calibrate_after_indexing(system: LocalRuntime, changed: bool, progress: boo
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    from selfrag.jobs.eval_plots import write_plots
-    from selfrag.jobs.evaluation import (
-        ensure_indexed,
-        load_questions,
-        parse_systems,
-        render_summary,
-        render_table,
-        run_evaluation,
-    )
+    from selfrag.jobs.evaluation.eval_plots import write_plots
+    from selfrag.jobs.evaluation.eval_questions import load_questions
+    from selfrag.jobs.evaluation.eval_report import render_summary, render_table
+    from selfrag.jobs.evaluation.eval_runner import ensure_indexed, parse_systems, run_evaluation
     from selfrag.runtime.system import LocalRuntime
 
     systems = parse_systems(args.systems)
@@ -123,7 +118,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         if args.ray:
             import ray.data  # noqa: F401  (sets up its loggers when imported: before quiet_ray)
 
-            from selfrag.jobs.batch import run_eval_systems
+            from selfrag.jobs.evaluation.ray_eval import run_eval_systems
             from selfrag.runtime.ray_logs import quiet_ray
 
             quiet_ray(args.verbose)
@@ -167,7 +162,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         fit_samples,
         write_calibration,
     )
-    from selfrag.jobs.evaluation import ensure_indexed, load_questions
+    from selfrag.jobs.evaluation.eval_questions import load_questions
+    from selfrag.jobs.evaluation.eval_runner import ensure_indexed
     from selfrag.runtime.system import LocalRuntime
 
     if args.dataset is None:
@@ -193,7 +189,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
 def _calibrate_corpus(args: argparse.Namespace) -> int:
     """`selfrag calibrate` without a dataset: the support threshold, fitted on the index."""
-    from selfrag.jobs.evaluation import ensure_indexed
+    from selfrag.jobs.evaluation.eval_runner import ensure_indexed
     from selfrag.jobs.support_calibration import corpus_plan, run_calibration
     from selfrag.runtime.system import LocalRuntime
 
@@ -216,8 +212,8 @@ def cmd_batch(args: argparse.Namespace) -> int:
     import ray.data  # noqa: F401  (sets up its loggers when imported: before quiet_ray)
 
     from selfrag.cli.first_use import calibrate_before_answering
-    from selfrag.jobs.batch import run_batch
-    from selfrag.jobs.batch_inputs import parse_shard
+    from selfrag.jobs.batch.batch_driver import run_batch
+    from selfrag.jobs.batch.batch_inputs import parse_shard
     from selfrag.runtime.ray_logs import quiet_ray
 
     quiet_ray(args.verbose)

@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 def _check_model_runs(model: Path, n_threads: int) -> None:
     """Probe `model` on this machine's llama.cpp CPU backends (in child processes);
     `BackendError` with the reason when none runs it."""
-    from selfrag.infra.engine.llama_cpu_builds import check_backend
+    from selfrag.infra.engine.cpu_builds.llama_cpu_builds import check_backend
 
     check_backend(model, n_threads=n_threads or os.cpu_count() or 1)
 

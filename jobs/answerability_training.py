@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from tqdm import tqdm
 
-from selfrag.jobs.evaluation import EvalQuestion
+from selfrag.jobs.evaluation.eval_questions import EvalQuestion
 from selfrag.pipeline.answerability_model import (
     FEATURES,
     AnswerabilityModel,

@@ -24,7 +24,7 @@ from tqdm import tqdm
 
 from selfrag.infra.file_lock import write_atomic
 from selfrag.infra.settings_loader import CALIBRATION_FILE
-from selfrag.jobs.evaluation import EvalQuestion
+from selfrag.jobs.evaluation.eval_questions import EvalQuestion
 from selfrag.pipeline.critics import Branch
 from selfrag.pipeline.critics.likelihood import LikelihoodCritic, mean
 from selfrag.pipeline.evaluation.qa_metrics import contains_answer

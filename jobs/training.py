@@ -25,7 +25,7 @@ import numpy as np
 from scipy.optimize import minimize
 from tqdm import tqdm
 
-from selfrag.jobs.evaluation import EvalQuestion
+from selfrag.jobs.evaluation.eval_questions import EvalQuestion
 from selfrag.pipeline.critics import Branch, ChatCritic, SequenceCritic
 from selfrag.pipeline.heads import GROUP_LABELS
 from selfrag.pipeline.learning.logistic_fit import auc

@@ -197,7 +197,7 @@ class GGUFModel(ModelArtefacts):
         """A process loads one CPU backend, chosen by the first model it loads: let the chat
         model choose it, since a backend the embedder runs on may crash the chat model (an AMX
         build on a VM that reports AMX), not the other way round."""
-        from selfrag.infra.engine.llama_cpu_builds import ensure_backend
+        from selfrag.infra.engine.cpu_builds.llama_cpu_builds import ensure_backend
 
         super().before_embedder()
         ensure_backend(self.path, n_threads=self.settings.model.n_threads or 1)

@@ -80,5 +80,5 @@ class EvalRecord(BaseModel):
     abstention_score: float | None = Field(
         None,
         description="Higher means answer: the quantity the system abstains by "
-        "(jobs/abstention.py); None ranks below every score.",
+        "(jobs/evaluation/abstention.py); None ranks below every score.",
     )

@@ -7,7 +7,7 @@
 # instruction set of the building CPU and caches that wheel under the package's name, so a
 # wheel built on one machine was reused on another. This script builds it once per build
 # configuration, portably: the CPU backend as one library per instruction-set level, of which
-# selfrag chooses one at run time (infra/engine/llama_cpu_builds.py). On x86-64 the levels built are the
+# selfrag chooses one at run time (infra/engine/cpu_builds/llama_cpu_builds.py). On x86-64 the levels built are the
 # baseline, AVX2, AVX-512 (Skylake-X, Ice Lake, Zen 4), AMX, and this CPU's own best level
 # (scripts/llama_variants.py): about 10 minutes on 2 cores the first time, then reused from
 # ~/.cache/selfrag/wheels.

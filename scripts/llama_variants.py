@@ -5,8 +5,8 @@ x86-64, about 21 of a first install's 28 minutes on 2 cores. Most of them only m
 generation of desktop CPUs. This keeps, on x86-64, the baseline and the levels of the machines
 this project runs on (AVX2; AVX-512 on Intel, Ice Lake, Zen 4; AMX), plus the best level this
 CPU supports when that is another one; other architectures keep ggml's own list. The run-time
-chooser (infra/engine/llama_cpu_builds.py) picks among whatever was built and probes it, so a level
-that was not built only costs speed on the CPUs that needed it.
+chooser (infra/engine/cpu_builds/llama_cpu_builds.py) picks among whatever was built and probes
+it, so a level that was not built only costs speed on the CPUs that needed it.
 
     python scripts/llama_variants.py list CMAKELISTS     # the variants kept, one line
     python scripts/llama_variants.py patch CMAKELISTS    # drop the others from the file

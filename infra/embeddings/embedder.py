@@ -234,7 +234,7 @@ class _Native:
     def __init__(self, path: Path, folder: BertFolder, threads: int) -> None:
         import llama_cpp
 
-        from selfrag.infra.engine.llama_cpu_builds import ensure_backend
+        from selfrag.infra.engine.cpu_builds.llama_cpu_builds import ensure_backend
         from selfrag.infra.models.model_files import ModelFileError
 
         self.pid = os.getpid()

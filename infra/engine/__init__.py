@@ -1,2 +1,2 @@
-"""The model engine: llama.cpp (its CPU builds, batches, KV groups, threads, vocabulary) and
-vLLM."""
+"""The model engine: llama.cpp (its batched calls, batches, KV groups, threads, vocabulary;
+its CPU builds in `cpu_builds/`) and vLLM."""

@@ -11,17 +11,17 @@ With a `PrefixStateStore` the engine also keeps the KV state of each request's r
 (template + passage, `reusable_prefix`) across contexts and processes: it restores a saved
 state into a slot instead of decoding the prefix, and saves the state after computing it.
 
-The parts with a job of their own live beside it: the context's slot planner, batch decoder and
-prefix stager, and the prefill and greedy generation of the groups of jobs the planner sizes
-(`infra.engine.llama_groups`), the ctypes batch and the reads of its outputs
-(`infra.engine.llama_batch`), prefix staging from the store (`infra.cache.kv_staging`), slot
-planning
-(`infra.cache.kv_slots`), the vocabulary and token-id checks (`infra.engine.llama_vocab`), the
-counters
-(`infra.engine.engine_stats`), the thread count of each call (`infra.engine.llama_threads`), and the
-context's parameters and KV-memory handle (`infra.engine.llama_context`). What stays here is the
-public API: loading, the lock, the three batched calls turning requests into jobs, and the
-model's facts.
+The parts with a job of their own live beside it: the three batched calls' requests turned
+into KV jobs and their results read back (`infra.engine.llama_calls`), the context's slot
+planner, batch decoder and prefix stager, and the prefill and greedy generation of the groups of
+jobs the planner sizes (`infra.engine.llama_groups`), the ctypes batch and the reads of its
+outputs (`infra.engine.llama_batch`), prefix staging from the store (`infra.cache.kv_staging`),
+slot planning (`infra.cache.kv_slots`), the vocabulary and token-id checks
+(`infra.engine.llama_vocab`), the counters (`infra.engine.engine_stats`), the thread count of
+each call (`infra.engine.llama_threads`), the context's parameters and KV-memory handle
+(`infra.engine.llama_context`), and the CPU build loaded before the model
+(`infra.engine.cpu_builds`). What stays here is the public API: loading, the lock, the three
+batched calls, and the model's facts.
 """
 
 from __future__ import annotations
@@ -36,11 +36,19 @@ from pathlib import Path
 import llama_cpp
 
 from selfrag.infra.cache.kv_cache import ContextLayout, PrefixStateStore
-from selfrag.infra.cache.kv_slots import KVJob, Slot
+from selfrag.infra.cache.kv_slots import Slot
+from selfrag.infra.engine.cpu_builds.llama_cpu_builds import ensure_backend
 from selfrag.infra.engine.engine_stats import EngineStats
 from selfrag.infra.engine.llama_batch import EngineError
+from selfrag.infra.engine.llama_calls import (
+    continuation_jobs,
+    continuation_scores,
+    generation_jobs,
+    generations,
+    next_token_scores,
+    token_score_jobs,
+)
 from selfrag.infra.engine.llama_context import check_sizes, context_params
-from selfrag.infra.engine.llama_cpu_builds import ensure_backend
 from selfrag.infra.engine.llama_groups import GroupRunner
 from selfrag.infra.engine.llama_layers import LayerTap
 from selfrag.infra.engine.llama_threads import ThreadChooser
@@ -328,125 +336,27 @@ class LlamaEngine(Closeable):
 
     def next_token_logprobs(self, requests: Sequence[TokenScoreRequest]) -> list[TokenScores]:
         """Log-probabilities of each request's candidates as the token after its prompt."""
-        jobs: list[KVJob] = []
-        for i, req in enumerate(requests):
-            prompt = self._vocab.check_prompt(req.prompt, f"requests[{i}].prompt")
-            self._vocab.check_tokens(req.candidates, f"requests[{i}].candidates")
-            self._check_layers(req.hidden_layers, f"requests[{i}].hidden_layers")
-            n = len(prompt)
-            jobs.append(
-                KVJob(
-                    tokens=prompt,
-                    reuse_limit=n - 1,
-                    out_from=n - 1,
-                    reusable=min(req.reusable_prefix, n - 1),
-                    hidden=req.hidden_state,
-                    last_alone=req.hidden_state,
-                    layers=tuple(req.hidden_layers),
-                )
-            )
-        results: list[list[float]] = [[] for _ in requests]
-        hidden: list[tuple[float, ...] | None] = [None] * len(requests)
-        layer_states: list[dict[int, tuple[float, ...]]] = [{} for _ in requests]
-
-        def on_logits(job: int, pos: int, batch_index: int) -> None:
-            logprobs = self._groups.decoder.log_softmax(batch_index)
-            results[job] = [float(logprobs[c]) for c in requests[job].candidates]
-            if jobs[job].hidden:
-                hidden[job] = tuple(self._groups.decoder.hidden_view(batch_index).tolist())
-            for layer in jobs[job].layers:
-                rows = self._groups.decoder.layer_rows[layer]
-                layer_states[job][layer] = tuple(rows[batch_index].tolist())
-
+        jobs = token_score_jobs(self._vocab, requests, self.n_layers)
         with self._lock:
             self._require_open()
-            for group in self._groups.plan(jobs, list(range(len(jobs)))):
-                self._groups.prefill(jobs, group, on_logits)
-        return [
-            TokenScores(
-                logprobs=results[i],
-                prefill_tokens=jobs[i].prefill,
-                hidden_state=hidden[i],
-                layer_states=layer_states[i],
-            )
-            for i in range(len(jobs))
-        ]
+            return next_token_scores(self._groups, jobs, requests)
 
     def continuation_logprobs(
         self, requests: Sequence[ContinuationRequest]
     ) -> list[ContinuationScores]:
         """Log-probability of every continuation token given the prompt and the tokens before it."""
-        jobs: list[KVJob] = []
-        active: list[int] = []
-        for i, req in enumerate(requests):
-            prompt = self._vocab.check_prompt(req.prompt, f"requests[{i}].prompt")
-            continuation = self._vocab.check_tokens(req.continuation, f"requests[{i}].continuation")
-            n = len(prompt)
-            # The last continuation token is only a target: it needs no KV entry of its own.
-            jobs.append(
-                KVJob(
-                    tokens=prompt + continuation[:-1],
-                    reuse_limit=n - 1,
-                    out_from=n - 1,
-                    reusable=min(req.reusable_prefix, n - 1),
-                )
-            )
-            if continuation:
-                active.append(i)
-        results: list[list[float]] = [[0.0] * len(r.continuation) for r in requests]
-
-        def on_logits(job: int, pos: int, batch_index: int) -> None:
-            logprobs = self._groups.decoder.log_softmax(batch_index)
-            offset = pos - jobs[job].out_from
-            target = requests[job].continuation[offset]
-            results[job][offset] = float(logprobs[target])
-
+        jobs, active = continuation_jobs(self._vocab, requests)
         with self._lock:
             self._require_open()
-            for group in self._groups.plan(jobs, active):
-                self._groups.prefill(jobs, group, on_logits)
-        return [
-            ContinuationScores(logprobs=results[i], prefill_tokens=jobs[i].prefill)
-            for i in range(len(jobs))
-        ]
+            return continuation_scores(self._groups, jobs, active, requests)
 
     def generate(self, requests: Sequence[GenerationRequest]) -> list[Generation]:
         """Generation (greedy, or sampled as a request says) for all requests at once: one
         `llama_decode` per step for all."""
-        jobs: list[KVJob] = []
-        active: list[int] = []
-        for i, req in enumerate(requests):
-            prompt = self._vocab.check_prompt(req.prompt, f"requests[{i}].prompt")
-            if req.max_tokens < 0:
-                raise ValueError(f"requests[{i}].max_tokens must not be negative")
-            self._vocab.check_tokens(sorted(req.stop_token_ids), f"requests[{i}].stop_token_ids")
-            n = len(prompt)
-            # A job holds at most max_tokens - 1 generated tokens in the KV cache: the last
-            # chosen token is never decoded.
-            reserve = max(req.max_tokens - 1, 0)
-            jobs.append(
-                KVJob(
-                    tokens=prompt,
-                    reuse_limit=n - 1,
-                    out_from=n - 1,
-                    reserve=reserve,
-                    reusable=min(req.reusable_prefix, n - 1),
-                )
-            )
-            if req.max_tokens > 0:
-                active.append(i)
-        outputs: list[Generation | None] = [None] * len(requests)
-        for i, req in enumerate(requests):
-            if req.max_tokens == 0:
-                outputs[i] = Generation(
-                    tokens=[], text="", logprobs=[], finish_reason="length", prefill_tokens=0
-                )
+        jobs, active = generation_jobs(self._vocab, requests)
         with self._lock:
             self._require_open()
-            for group in self._groups.plan(jobs, active):
-                for i, gen in zip(group, self._groups.generate(jobs, group, requests), strict=True):
-                    outputs[i] = gen
-        return [g for g in outputs if g is not None]
+            return generations(self._groups, jobs, active, requests)
 
     # ----------------------------------------------------------------- validation
 
@@ -456,15 +366,3 @@ class LlamaEngine(Closeable):
         if os.getpid() != self._pid:
             # A forked child shares the parent's llama.cpp threads and buffers only in part.
             raise EngineError("a LlamaEngine cannot be used after fork; load it in this process")
-
-    def _check_layers(self, layers: Sequence[int], what: str) -> None:
-        if not layers:
-            return
-        if self._tap is None:
-            raise ValueError(f"{what}: this engine was created without layer_tap")
-        bad = [layer for layer in layers if not 0 <= layer < self._n_layers - 1]
-        if bad:
-            raise ValueError(
-                f"{what}: blocks {bad} out of range; a middle block is 0..{self._n_layers - 2} "
-                "(the last block's output is the hidden state)"
-            )

@@ -20,7 +20,7 @@ import llama_cpp
 import numpy as np
 import numpy.typing as npt
 
-from selfrag.infra.engine.cpu_variants import library_dir
+from selfrag.infra.engine.cpu_builds.cpu_variants import library_dir
 
 GGML_TYPE_F32 = 0
 

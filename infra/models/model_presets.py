@@ -312,8 +312,8 @@ def probe_backends(path: Path) -> str:
     """The CPU backend `path` runs on, found by probing in child processes (best first): a
     backend that dies of an illegal instruction here is remembered, so that no process later
     chooses it for another model it would kill after loading (`llama_backend.choose_backend`)."""
-    from selfrag.infra.engine.cpu_variants import BackendError
-    from selfrag.infra.engine.llama_cpu_builds import check_backend
+    from selfrag.infra.engine.cpu_builds.cpu_variants import BackendError
+    from selfrag.infra.engine.cpu_builds.llama_cpu_builds import check_backend
 
     try:
         return check_backend(path, n_threads=1).name

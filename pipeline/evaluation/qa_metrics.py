@@ -90,7 +90,7 @@ class Outcome:
     branches_pruned: int = 0
     abstention_score: float | None = None
     """Higher means answer: the quantity the system's abstention decision thresholds (per
-    system, `jobs.evaluation.ABSTENTION_SCORES`); None ranks below every number."""
+    system, `jobs.evaluation.abstention.abstention_score`); None ranks below every number."""
 
     @property
     def correct(self) -> bool:

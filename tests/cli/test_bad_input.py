@@ -141,7 +141,7 @@ def test_batch_turns_a_non_utf8_line_into_one_error_record(tmp_path, capsys):
 
 
 def test_batch_refuses_an_output_another_run_holds(tmp_path, capsys):
-    from selfrag.jobs.batch_records import lock_output
+    from selfrag.jobs.batch.batch_records import lock_output
 
     src, out = _offline_batch(tmp_path)
     with lock_output(out):

@@ -259,8 +259,8 @@ def test_secrets_are_masked_everywhere_they_are_shown(tmp_path: Path):
 
 
 def test_secrets_reach_ray_actors_intact(tmp_path: Path):
-    """Ray pickles actor arguments (jobs/batch.py passes the Settings object): the secret
-    survives for the consumer, and the reprs Ray may log stay masked."""
+    """Ray pickles actor arguments (jobs/batch/batch_answers.py passes the Settings object): the
+    secret survives for the consumer, and the reprs Ray may log stay masked."""
     s = pickle.loads(pickle.dumps(load_settings(environ=_secret_env(tmp_path))))
     assert s.retrieval.qdrant_api_key is not None and s.redis_url is not None
     assert s.retrieval.qdrant_api_key.get_secret_value() == QDRANT_KEY

@@ -12,11 +12,11 @@ from typing import Any
 import gguf
 import pytest
 
-import selfrag.jobs.batch as batch_module
+import selfrag.jobs.batch.batch_driver as batch_module
 from selfrag.infra.calibration_files import save_calibration
 from selfrag.infra.models.model_files import file_sha256
 from selfrag.infra.settings_loader import load_settings
-from selfrag.jobs.batch import run_batch
+from selfrag.jobs.batch.batch_driver import run_batch
 from selfrag.pipeline.critics import RESERVED_PIECES, CritiqueUnavailable, settle_filters
 from selfrag.pipeline.critics.filters import unsettled_filters
 from selfrag.pipeline.decoder import BeamDecoder

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import selfrag.infra.embeddings.embedder as embedder_module
-import selfrag.infra.engine.llama_cpu_builds as builds_module
+import selfrag.infra.engine.cpu_builds.llama_cpu_builds as builds_module
 import selfrag.runtime.system as system_module
 from selfrag.pipeline.protocols import Passage
 from selfrag.runtime.model_artefacts import GGUFModel

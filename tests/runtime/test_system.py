@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 import selfrag.infra.embeddings.embedder as embedder_module
-import selfrag.infra.engine.llama_cpu_builds as backend_module
+import selfrag.infra.engine.cpu_builds.llama_cpu_builds as backend_module
 from selfrag.pipeline.critics import PromptedCritic
 from selfrag.pipeline.critics.verify import VerifiedCritic
 from selfrag.runtime.system import LocalRuntime

@@ -23,8 +23,10 @@ NOT_MODULES = {"__init__", "__main__"}
 # on purpose (a part of a subsystem tested through its front, or a command through the job it
 # runs); a module may leave this list for a test of its own at any time.
 _DOCUMENTS = "tests/infra/store/test_qdrant_documents.py"
-_BATCH = "tests/jobs/test_batch.py"
+_BATCH = "tests/jobs/batch/test_batch_driver.py"
+_EVAL = "tests/jobs/evaluation/test_eval_runner.py"
 _LLAMA = "tests/infra/engine/test_llama_engine.py"
+_CPU_BUILDS = "tests/infra/engine/cpu_builds/test_llama_cpu_builds.py"
 _QDRANT = "tests/infra/store/test_qdrant_store.py"
 _ADAPTERS = "tests/integrations/test_integrations.py"
 COVERED_ELSEWHERE: dict[str, str] = {
@@ -38,7 +40,8 @@ COVERED_ELSEWHERE: dict[str, str] = {
     "infra/cache/sealed_values": "tests/infra/cache/test_answer_cache.py",
     "infra/corpus/bounded_reads": "tests/infra/corpus/test_reading.py",
     "infra/corpus/splitting": "tests/infra/store/test_qdrant_documents.py",
-    "infra/engine/cpu_variants": "tests/infra/engine/test_llama_cpu_builds.py",
+    "infra/engine/cpu_builds/cpu_variants": _CPU_BUILDS,
+    "infra/engine/llama_calls": _LLAMA,
     "infra/models/gguf_header": "tests/infra/models/test_model_files.py",
     "infra/models/model_listing": "tests/infra/models/test_model_presets.py",
     "infra/store/qdrant_migration": "tests/infra/store/test_qdrant_store.py",
@@ -69,7 +72,7 @@ COVERED_ELSEWHERE: dict[str, str] = {
     "infra/engine/llama_init": _LLAMA,
     "infra/engine/llama_layers": _LLAMA,
     "infra/engine/llama_vocab": _LLAMA,
-    "infra/engine/llama_probe": "tests/infra/engine/test_llama_cpu_builds.py",
+    "infra/engine/cpu_builds/llama_probe": _CPU_BUILDS,
     "infra/models/heads_store": "tests/pipeline/test_heads.py",
     "infra/store/qdrant_edge": _QDRANT,
     "infra/store/qdrant_engine": _QDRANT,
@@ -80,12 +83,16 @@ COVERED_ELSEWHERE: dict[str, str] = {
     "integrations/llamaindex": _ADAPTERS,
     "integrations/sources": _ADAPTERS,
     # jobs: the batch's actors, inputs and records, evaluation's plots and curves, indexing
-    "jobs/batch_actors": _BATCH,
-    "jobs/batch_inputs": _BATCH,
-    "jobs/batch_records": _BATCH,
+    "jobs/batch/batch_actors": _BATCH,
+    "jobs/batch/batch_answers": _BATCH,
+    "jobs/batch/batch_inputs": _BATCH,
+    "jobs/batch/batch_records": _BATCH,
     "jobs/ray_pool": _BATCH,
-    "jobs/abstention": "tests/jobs/test_evaluation.py",
-    "jobs/eval_plots": "tests/jobs/test_evaluation.py",
+    "jobs/evaluation/abstention": _EVAL,
+    "jobs/evaluation/eval_plots": _EVAL,
+    "jobs/evaluation/eval_questions": _EVAL,
+    "jobs/evaluation/eval_report": _EVAL,
+    "jobs/evaluation/ray_eval": _BATCH,
     "jobs/indexing": _QDRANT,
     "jobs/ray_indexing": _DOCUMENTS,
     # pipeline: a step's branch work through the decoder, critique parts through the critics
@@ -93,7 +100,7 @@ COVERED_ELSEWHERE: dict[str, str] = {
     "pipeline/critics/answerability": "tests/pipeline/test_answerability_model.py",
     "pipeline/critics/chat": "tests/pipeline/critics/test_learned.py",
     "pipeline/critics/factory": "tests/pipeline/critics/test_native.py",
-    "pipeline/evaluation/baselines": "tests/jobs/test_evaluation.py",
+    "pipeline/evaluation/baselines": _EVAL,
     "pipeline/learning/synthetic_qa": "tests/jobs/test_support_calibration.py",
     # runtime: the batch actor's engine worker, call merging and remote retriever
     "runtime/calibrated": "tests/infra/test_calibration_files.py",

@@ -222,7 +222,7 @@ def test_the_batch_actor_pool_starts_with_the_wait_policy(
     """`stream_answers` hands Ray Data the runtime_env of its engine actors."""
     import ray.data
 
-    from selfrag.jobs import batch
+    from selfrag.jobs.batch import batch_answers
     from selfrag.jobs.ray_pool import Resources
     from selfrag.schemas.decoding import DecodingConfig
 
@@ -236,16 +236,16 @@ def test_the_batch_actor_pool_starts_with_the_wait_policy(
             seen.update(kwargs)
             raise Stop
 
-    monkeypatch.setattr(batch, "plan_on_cluster", lambda *a, **k: Resources(1, 1.0, 1, 8))
+    monkeypatch.setattr(batch_answers, "plan_on_cluster", lambda *a, **k: Resources(1, 1.0, 1, 8))
     monkeypatch.setattr(ray.data, "from_items", lambda *a, **k: Dataset())
     settings = Settings(
         home=tmp_path,
         model={"omp_wait_policy": "active"},
         retrieval={"qdrant_url": "http://127.0.0.1:1"},  # no retriever actor to start
     )
-    job = batch._Job("k", "q?", DecodingConfig(), ["1"])
+    job = batch_answers.BatchJob("k", "q?", DecodingConfig(), ["1"])
     with pytest.raises(Stop):
-        list(batch.stream_answers(settings, [job]))
+        list(batch_answers.stream_answers(settings, [job]))
     assert seen["runtime_env"] == {"env_vars": {WAIT_POLICY_ENV: "ACTIVE"}}
     assert seen["num_cpus"] == 1.0
 

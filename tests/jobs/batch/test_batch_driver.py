@@ -16,11 +16,11 @@ from typing import Any
 
 import pytest
 
-import selfrag.jobs.batch_inputs as inputs_module
+import selfrag.jobs.batch.batch_inputs as inputs_module
 import selfrag.jobs.ray_pool as ray_pool
-from selfrag.jobs.batch import plan_jobs, run_batch
-from selfrag.jobs.batch_inputs import BatchQuestion, parse_shard, read_questions, select
-from selfrag.jobs.batch_records import (
+from selfrag.jobs.batch.batch_driver import plan_jobs, run_batch
+from selfrag.jobs.batch.batch_inputs import BatchQuestion, parse_shard, read_questions, select
+from selfrag.jobs.batch.batch_records import (
     OutputLockedError,
     compact_records,
     done_ids,
@@ -272,7 +272,7 @@ def test_a_second_writer_is_refused_while_the_first_holds_the_lock(tmp_path: Pat
             sys.executable,
             "-c",
             "import sys; from pathlib import Path\n"
-            "from selfrag.jobs.batch_records import lock_output\n"
+            "from selfrag.jobs.batch.batch_records import lock_output\n"
             "with lock_output(Path(sys.argv[1])):\n"
             "    print('held', flush=True); sys.stdin.read()",
             str(out),
@@ -529,7 +529,7 @@ def test_a_question_past_its_timeout_gets_an_error_record():
     import time
     from types import SimpleNamespace
 
-    from selfrag.jobs.batch_actors import BatchAnswerer
+    from selfrag.jobs.batch.batch_actors import BatchAnswerer
     from selfrag.pipeline.protocols import Passage
     from tests.fakes import ListRetriever
 
@@ -562,7 +562,7 @@ def test_a_question_past_its_timeout_gets_an_error_record():
 def test_batch_caches_answers_under_the_online_endpoints_key():
     from types import SimpleNamespace
 
-    from selfrag.jobs.batch_actors import BatchAnswerer
+    from selfrag.jobs.batch.batch_actors import BatchAnswerer
     from selfrag.pipeline.protocols import Passage
     from selfrag.runtime.answering import query_key
     from tests.fakes import ListRetriever

@@ -18,8 +18,13 @@ from pathlib import Path
 
 import pytest
 
-from selfrag.infra.engine.cpu_variants import VARIANT_FEATURES, BackendError, Variant, variant_files
-from selfrag.infra.engine.llama_cpu_builds import (
+from selfrag.infra.engine.cpu_builds.cpu_variants import (
+    VARIANT_FEATURES,
+    BackendError,
+    Variant,
+    variant_files,
+)
+from selfrag.infra.engine.cpu_builds.llama_cpu_builds import (
     BUILTIN,
     ProbeCache,
     ProbeResult,
@@ -63,7 +68,7 @@ def test_a_crashed_backend_falls_back_and_names_the_feature(
     )
     cache.put(cache.model_key(model, avx512), asdict(ProbeResult(True, "")))
     # A working fallback is a DEBUG record (shown with -v).
-    with caplog.at_level(logging.DEBUG, logger="selfrag.infra.engine.llama_cpu_builds"):
+    with caplog.at_level(logging.DEBUG, logger="selfrag.infra.engine.cpu_builds.llama_cpu_builds"):
         chosen = choose_backend(model, [amx, avx512], cache, n_threads=1)
     assert chosen == avx512
     message = caplog.text
@@ -90,7 +95,7 @@ def test_a_backend_another_model_died_on_is_skipped_for_every_model(
     assert choose_backend(survived, [amx, avx512], cache, n_threads=1) == amx  # nothing known
     assert choose_backend(crashed, [amx, avx512], cache, n_threads=1) == avx512
     assert cache.get(cache.illegal_key(amx))["model"] == str(crashed)
-    with caplog.at_level(logging.DEBUG, logger="selfrag.infra.engine.llama_cpu_builds"):
+    with caplog.at_level(logging.DEBUG, logger="selfrag.infra.engine.cpu_builds.llama_cpu_builds"):
         assert choose_backend(survived, [amx, avx512], cache, n_threads=1) == avx512
     assert f"crashed {crashed} on this CPU" in caplog.text
 
@@ -177,7 +182,7 @@ def test_a_backend_dying_of_sigill_is_skipped_for_the_next(
     real = [v for v in candidates(cache) if v.name != crashing.name]
     usable = next(v for v in real if probe_cached(model, v, cache, n_threads=1).ok)
     # A working fallback is a DEBUG record (shown with -v).
-    with caplog.at_level(logging.DEBUG, logger="selfrag.infra.engine.llama_cpu_builds"):
+    with caplog.at_level(logging.DEBUG, logger="selfrag.infra.engine.cpu_builds.llama_cpu_builds"):
         chosen = choose_backend(model, [crashing, *real], cache, n_threads=1)
     assert chosen == usable
     assert "crashed the 'sapphirerapids' CPU backend" in caplog.text

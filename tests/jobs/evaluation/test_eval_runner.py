@@ -9,16 +9,10 @@ from typing import Any
 import pytest
 
 from selfrag.cli import main
-from selfrag.jobs.eval_plots import threshold_curve
-from selfrag.jobs.evaluation import (
-    REPORT_COLUMNS,
-    EvalError,
-    load_questions,
-    parse_systems,
-    read_records,
-    render_summary,
-    run_evaluation,
-)
+from selfrag.jobs.evaluation.eval_plots import threshold_curve
+from selfrag.jobs.evaluation.eval_questions import EvalError, load_questions
+from selfrag.jobs.evaluation.eval_report import REPORT_COLUMNS, read_records, render_summary
+from selfrag.jobs.evaluation.eval_runner import parse_systems, run_evaluation
 from selfrag.pipeline.decoder import BeamDecoder
 from selfrag.pipeline.protocols import Passage
 from selfrag.runtime.answering import AnswerPath, CacheIdentity

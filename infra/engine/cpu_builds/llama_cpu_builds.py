@@ -32,7 +32,7 @@ from dataclasses import asdict, dataclass
 from importlib import metadata
 from pathlib import Path
 
-from selfrag.infra.engine.cpu_variants import (
+from selfrag.infra.engine.cpu_builds.cpu_variants import (
     BackendError,
     Variant,
     library_dir,
@@ -100,14 +100,14 @@ def default_cache_dir() -> Path:
 def _child_env() -> dict[str, str]:
     env = dict(os.environ)
     # The child must import this checkout's `infra`, wherever the parent runs from.
-    root = str(Path(__file__).resolve().parents[2])
+    root = str(Path(__file__).resolve().parents[3])
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
     return env
 
 
 def _run_child(args: Sequence[str], timeout_s: float) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "selfrag.infra.engine.llama_probe", *args],
+        [sys.executable, "-m", "selfrag.infra.engine.cpu_builds.llama_probe", *args],
         capture_output=True,
         text=True,
         timeout=timeout_s,

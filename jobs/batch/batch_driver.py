@@ -28,30 +28,28 @@
   stops within seconds of Ray declaring the node dead (`NodeLost`) instead of waiting for ever
   for actors that cannot start, and the same command answers the rest.
 
-The parts, by job: `jobs.batch_inputs` (reading the input file), `jobs.batch_records` (the
-output file: lock, records, resume, compaction), `jobs.batch_actors` (the Ray actors) and
-`jobs.ray_pool` (sizing the pool to the cluster, watching its nodes); this module is the driver.
+The parts, by job: `jobs.batch.batch_inputs` (reading the input file),
+`jobs.batch.batch_records` (the output file: lock, records, resume, compaction),
+`jobs.batch.batch_answers` (answering jobs on Ray Data, with the store actor),
+`jobs.batch.batch_actors` (the Ray actors) and `jobs.ray_pool` (sizing the pool to the cluster,
+watching its nodes); this module is the driver.
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import math
 import sys
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
 from pydantic import ValidationError
 from tqdm import tqdm
 
-from selfrag.infra.engine.engine_threads import ray_runtime_env
-from selfrag.jobs.batch_actors import BatchAnswerer
-from selfrag.jobs.batch_inputs import BatchQuestion, InputProblem, read_questions, select
-from selfrag.jobs.batch_records import (
+from selfrag.jobs.batch.batch_answers import BatchJob, stream_answers
+from selfrag.jobs.batch.batch_inputs import BatchQuestion, InputProblem, read_questions, select
+from selfrag.jobs.batch.batch_records import (
     BatchSummary,
     RecordSink,
     compact_records,
@@ -62,46 +60,24 @@ from selfrag.jobs.batch_records import (
     malformed_record,
     ok_record,
 )
-from selfrag.jobs.ray_pool import (
-    RETRIEVER_CPUS,
-    NodeLost,
-    NodeWatch,
-    Resources,
-    ensure_ray,
-    plan_on_cluster,
-    rows_watched,
-)
+from selfrag.jobs.ray_pool import NodeLost, ensure_ray
 from selfrag.runtime.answering import AnswerPath, query_key
-from selfrag.runtime.passage_service import PassageService
 from selfrag.runtime.ray_cluster import shutdown_private_ray
 from selfrag.runtime.system import LocalRuntime
-from selfrag.schemas.answer import AnswerRequest, AnswerResponse
-from selfrag.schemas.decoding import DecodingConfig
+from selfrag.schemas.answer import AnswerRequest
 from selfrag.schemas.errors import AnswerError
 from selfrag.schemas.settings import Settings
 
 log = logging.getLogger(__name__)
 _T = TypeVar("_T")
 
-# --- the driver ----------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class _Job:
-    """One distinct (question, settled config): answered once for all its ids."""
-
-    key: str
-    question: str
-    config: DecodingConfig
-    ids: list[str]
-
 
 def plan_jobs(
     questions: Iterable[BatchQuestion], path: AnswerPath
-) -> tuple[list[_Job], list[dict[str, Any]]]:
+) -> tuple[list[BatchJob], list[dict[str, Any]]]:
     """Distinct jobs of the valid requests, each with its settled config (`path.config`), and
     an error record for each request that is invalid or that this model cannot answer."""
-    jobs: dict[str, _Job] = {}
+    jobs: dict[str, BatchJob] = {}
     errors: list[dict[str, Any]] = []
     for q in questions:
         try:
@@ -121,111 +97,8 @@ def plan_jobs(
         if key in jobs:
             jobs[key].ids.append(q.id)
         else:
-            jobs[key] = _Job(key, request.question, config, [q.id])
+            jobs[key] = BatchJob(key, request.question, config, [q.id])
     return list(jobs.values()), errors
-
-
-def stream_answers(
-    settings: Settings,
-    jobs: Sequence[_Job],
-    *,
-    actors: int | None = None,
-    per_actor: int = 8,
-    actor_cpus: float | None = None,
-) -> Iterator[tuple[_Job, dict[str, Any]]]:
-    """Answer `jobs` on Ray Data (Ray must be initialised); yields (job, outcome) as each
-    batch completes, in completion order."""
-    import ray
-
-    if not jobs:
-        return
-    embedded = not settings.retrieval.qdrant_url
-    # Checked before anything starts: actors that fit no node would wait silently for ever.
-    plan = plan_on_cluster(
-        actors,
-        per_actor,
-        settings.model.n_threads,
-        actor_cpus,
-        reserve=RETRIEVER_CPUS if embedded else 0.0,
-    )
-    # Settings travel pickled: their secrets (qdrant_api_key, redis_url) stay secret types,
-    # masked in any repr or log; a JSON dump would replace them by the mask for good.
-    retriever = _store_actor(settings) if embedded else None
-    by_key = {j.key: j for j in jobs}
-    ds = _answer_dataset(settings, jobs, retriever, plan, per_actor)
-    watch = NodeWatch(plan, RETRIEVER_CPUS if embedded else 0.0)
-    try:
-        for row in rows_watched(ds, watch):
-            yield by_key[str(row["key"])], json.loads(str(row["result"]))
-    except NodeLost:
-        # The abandoned Dataset's executor thread logs tracebacks of its own as the driver
-        # disconnects; NodeLost's message says what happened, once.
-        logging.getLogger("ray.data").setLevel(logging.CRITICAL)
-        raise
-    finally:
-        if retriever is not None:
-            # Release the folder lock before returning: ray.kill alone is asynchronous, and the
-            # next user of the embedded store (a rerun, eval's baselines) would find it locked.
-            try:
-                ray.get(retriever.close.remote(), timeout=30)
-            finally:
-                ray.kill(retriever)
-
-
-def _answer_dataset(
-    settings: Settings,
-    jobs: Sequence[_Job],
-    retriever: Any,
-    plan: Resources,
-    per_actor: int,
-) -> Any:
-    """The Ray Dataset that answers `jobs` on a pool of `BatchAnswerer` actors, one batch of
-    up to `per_actor` questions per task, in completion order."""
-    import ray
-    from ray.data import DataContext
-
-    ctx = DataContext.get_current()
-    ctx.enable_progress_bars = False  # the driver draws its own, per question
-    ctx.execution_options.preserve_order = False
-    rows = [
-        {"key": j.key, "question": j.question, "config": j.config.model_dump_json()} for j in jobs
-    ]
-    # One block per batch and whole blocks as batches (batch_size=None): each batch is its own
-    # task, so results stream back batch by batch instead of a task per several batches.
-    blocks = max(1, math.ceil(len(rows) / per_actor))
-    return ray.data.from_items(rows, override_num_blocks=blocks).map_batches(
-        BatchAnswerer,
-        fn_constructor_kwargs={
-            "settings": settings,
-            "retriever": retriever,
-            "n_threads": plan.n_threads,
-        },
-        batch_size=None,
-        compute=ray.data.ActorPoolStrategy(size=plan.actors, max_concurrent_calls_per_actor=1),
-        num_cpus=plan.actor_cpus,
-        batch_format="numpy",
-        # OMP_WAIT_POLICY in each actor's process from its start (infra.engine.engine_threads).
-        **ray_runtime_env(settings.model),
-    )
-
-
-def _store_actor(settings: Settings) -> Any:
-    """The one `PassageService` actor that owns the embedded store: the store is a folder on
-    the driver's machine, owned by one process, so on a cluster it runs on the driver's node,
-    never elsewhere."""
-    import ray
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-    here = ray.get_runtime_context().get_node_id()
-    return (
-        ray.remote(PassageService)
-        .options(
-            num_cpus=RETRIEVER_CPUS,
-            scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=False),
-            **ray_runtime_env(settings.model),
-        )
-        .remote(settings)
-    )
 
 
 def run_batch(
@@ -311,7 +184,7 @@ def _rows_to_answer(
 def _answer_into(
     settings: Settings,
     out: Path,
-    jobs: Sequence[_Job],
+    jobs: Sequence[BatchJob],
     errors: Sequence[dict[str, Any]],
     summary: BatchSummary,
     *,
@@ -371,7 +244,7 @@ def _answer_into(
 
 
 def _earlier_records(
-    job: _Job, earlier: tuple[str, dict[str, Any]], summary: BatchSummary
+    job: BatchJob, earlier: tuple[str, dict[str, Any]], summary: BatchSummary
 ) -> Iterator[dict[str, Any]]:
     """The records of `job`'s ids answered by an earlier record of the output, counted."""
     first, response = earlier
@@ -383,7 +256,7 @@ def _earlier_records(
 
 
 def _outcome_records(
-    job: _Job, outcome: dict[str, Any], summary: BatchSummary
+    job: BatchJob, outcome: dict[str, Any], summary: BatchSummary
 ) -> Iterator[dict[str, Any]]:
     """The records of `job`'s ids from one answer's outcome, counted; ids after the first are
     duplicates of it."""
@@ -410,86 +283,3 @@ def _node_lost_said(answers: Iterator[_T], summary: BatchSummary, out: Path) -> 
             f"{exc}. Stopped: {summary.answered} answered and {summary.failed} failed are in "
             f"{out}; run the same command again to answer the rest on the nodes left"
         ) from None
-
-
-def _eval_jobs(
-    settings: Settings,
-    questions: Sequence[Any],
-    systems: Sequence[str],
-    config: DecodingConfig,
-    done: set[tuple[str, Any]],
-) -> tuple[dict[str, _Job], dict[str, list[tuple[str, Any]]]]:
-    """One job per distinct (question, settled config) among the selfrag-* systems' records
-    not in `done`, and for each job's key the (system, question) pairs it answers."""
-    jobs: dict[str, _Job] = {}
-    owners: dict[str, list[tuple[str, Any]]] = {}
-    with LocalRuntime(settings) as facts:  # reads model files only: no engine here
-        answer_path = AnswerPath(settings.decoding, facts=facts)
-        cfgs = {
-            system: answer_path.settle(
-                config.model_copy(update={"critique": system.removeprefix("selfrag-")})
-            )
-            for system in systems
-            if system.startswith("selfrag-")  # the baselines stay in-process
-        }
-    for system, cfg in cfgs.items():
-        for q in questions:
-            if (system, q.id) in done:
-                continue
-            key = query_key(q.question, cfg, "", "")
-            jobs.setdefault(key, _Job(key, q.question, cfg, []))
-            owners.setdefault(key, []).append((system, q))
-    return jobs, owners
-
-
-def run_eval_systems(
-    settings: Settings,
-    questions: Sequence[Any],
-    systems: Sequence[str],
-    out: Path,
-    config: DecodingConfig,
-    *,
-    actors: int | None = None,
-    progress: bool = True,
-    address: str | None = None,
-) -> None:
-    """`selfrag eval --ray`: answer the selfrag-* systems' missing records on the batch path,
-    appending them to `out/records.jsonl` (`run_evaluation` then skips them and writes the
-    report). `questions` are `selfrag.jobs.evaluation.EvalQuestion`. p_ret is the first segment's
-    (no extra probe), and latency is the decoder's own total time, batched with others."""
-    from selfrag.jobs.evaluation import RECORDS_FILE, make_record, read_records
-
-    path = out / RECORDS_FILE
-    out.mkdir(parents=True, exist_ok=True)
-    done = {(r["system"], r["id"]) for r in read_records(path)}
-    jobs, owners = _eval_jobs(settings, questions, systems, config, done)
-    if not jobs:
-        return
-    sink = RecordSink(path)
-    bar = tqdm(
-        total=sum(len(v) for v in owners.values()),
-        desc="eval (ray)",
-        unit="answer",
-        file=sys.stderr,
-        disable=not progress,
-    )
-    started_ray = ensure_ray(address)
-    try:
-        for job, outcome in stream_answers(settings, list(jobs.values()), actors=actors):
-            for system, q in owners[job.key]:
-                bar.update(1)
-                if outcome["status"] != "ok":
-                    # Left without a record: run_evaluation answers it in-process.
-                    print(
-                        f"eval --ray: {system} {q.id}: {outcome['error']['message']}",
-                        file=sys.stderr,
-                    )
-                    continue
-                r = AnswerResponse.model_validate(outcome["response"])
-                p_ret = r.segments[0].p_ret if r.segments else None
-                sink.write(make_record(system, q, r, p_ret, 0, r.timings_ms.get("total", 0.0)))
-    finally:
-        bar.close()
-        sink.close()
-        if started_ray:
-            shutdown_private_ray()

@@ -1,7 +1,7 @@
-"""The probe child of `infra.engine.llama_cpu_builds`: `score PATH` prints a CPU backend library's
-ggml
-score; `probe MODEL [--variant LIB]` loads the model with that backend and decodes a prompt
-batch and two single tokens, so a CPU feature that kills the process kills this child only."""
+"""The probe child of `infra.engine.cpu_builds.llama_cpu_builds`: `score PATH` prints a CPU
+backend library's ggml score; `probe MODEL [--variant LIB]` loads the model with that backend
+and decodes a prompt batch and two single tokens, so a CPU feature that kills the process kills
+this child only."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from selfrag.infra.engine.cpu_variants import library_dir
-from selfrag.infra.engine.llama_cpu_builds import PROBE_PROMPT, load_variant
+from selfrag.infra.engine.cpu_builds.cpu_variants import library_dir
+from selfrag.infra.engine.cpu_builds.llama_cpu_builds import PROBE_PROMPT, load_variant
 from selfrag.infra.engine.llama_init import route_llama_log
 
 
@@ -68,7 +68,7 @@ def _probe_main(model: str, variant: str | None, n_threads: int) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m selfrag.infra.engine.llama_probe")
+    parser = argparse.ArgumentParser(prog="python -m selfrag.infra.engine.cpu_builds.llama_probe")
     sub = parser.add_subparsers(dest="command", required=True)
     p_score = sub.add_parser("score", help="print a CPU backend library's ggml score")
     p_score.add_argument("path")

@@ -14,7 +14,7 @@ from typing import Any
 
 from selfrag.infra.corpus.bounded_reads import load_json
 from selfrag.infra.file_lock import FileLock, atomic_output
-from selfrag.jobs.batch_inputs import InputProblem
+from selfrag.jobs.batch.batch_inputs import InputProblem
 from selfrag.runtime.answering import (
     query_key,
 )

@@ -7,7 +7,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from selfrag.jobs.evaluation import RECORDS_FILE, EvalQuestion, outcome, read_records
+from selfrag.jobs.evaluation.eval_questions import EvalQuestion
+from selfrag.jobs.evaluation.eval_report import RECORDS_FILE, outcome, read_records
 
 
 def threshold_curve(

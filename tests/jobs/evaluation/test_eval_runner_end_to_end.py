@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from selfrag.cli import main
-from selfrag.jobs.evaluation import REPORT_COLUMNS
+from selfrag.jobs.evaluation.eval_report import REPORT_COLUMNS
 
 pytestmark = pytest.mark.real
 

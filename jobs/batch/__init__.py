@@ -1,0 +1,2 @@
+"""`selfrag batch`: a file of questions answered on Ray Data, with nothing lost (the driver in
+`batch_driver`)."""

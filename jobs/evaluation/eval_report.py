@@ -1,0 +1,152 @@
+"""`selfrag eval`'s report: every record of the requested systems and questions (the latest
+of each) summarised per system, with each system's abstention score and accuracy–coverage
+curve, written as report.json and report.md and printed as a narrow table."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from selfrag.infra.corpus.bounded_reads import JSONInputError, load_json
+from selfrag.jobs.evaluation.abstention import (
+    curve_rows,
+    render_abstention_table,
+    score_name,
+    write_curves,
+)
+from selfrag.jobs.evaluation.eval_questions import EvalQuestion
+from selfrag.pipeline.evaluation.qa_metrics import Outcome, accuracy_coverage, summarize
+from selfrag.schemas.decoding import DecodingConfig
+
+RECORDS_FILE = "records.jsonl"
+REPORT_COLUMNS = (
+    "accuracy",
+    "f1",
+    "abstain_rate",
+    "wrong_confident_rate",
+    "overall",
+    "retrieval_rate",
+    "citation_precision",
+    "s_sup_correct",
+    "s_sup_wrong",
+    "s_sup_auc",
+    "pruned_rate",
+    "p50_ms",
+    "p95_ms",
+    "prefill_tokens",
+)
+
+
+def outcome(record: dict[str, Any]) -> Outcome:
+    return Outcome(
+        answerable=bool(record["answerable"]),
+        golds=tuple(record["golds"]),
+        answer=str(record["answer"]),
+        abstained=bool(record["abstained"]),
+        retrieved=bool(record["retrieved"]),
+        s_sup=record.get("s_sup"),
+        cited_has_answer=tuple(record.get("cited_has_answer", [])),
+        latency_ms=float(record["latency_ms"]),
+        prefill_tokens=int(record["prefill_tokens"]),
+        evidence_branches=int(record.get("evidence_branches", 0)),
+        branches_pruned=int(record.get("branches_pruned", 0)),
+        abstention_score=record.get("abstention_score"),
+    )
+
+
+def read_records(path: Path) -> list[dict[str, Any]]:
+    """Records of an earlier (maybe interrupted) run; a torn last line is ignored."""
+    if not path.exists():
+        return []
+    records = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            records.append(load_json(line))
+        except JSONInputError:
+            continue
+    return records
+
+
+def build_report(
+    records: Sequence[dict[str, Any]],
+    questions: Sequence[EvalQuestion],
+    systems: Sequence[str],
+    config: DecodingConfig | None = None,
+) -> dict[str, Any]:
+    """Summaries per system over the records of the given questions (latest record wins), with
+    each system's abstention score and accuracy–coverage curve (`jobs.abstention`)."""
+    ids = {q.id for q in questions}
+    latest: dict[tuple[str, str], dict[str, Any]] = {}
+    for r in records:
+        if r["id"] in ids and r["system"] in systems:
+            latest[(r["system"], r["id"])] = r
+    report: dict[str, Any] = {"systems": {}, "abstention_score": {}, "accuracy_coverage": {}}
+    for system in systems:
+        rows = [latest[(system, q.id)] for q in questions if (system, q.id) in latest]
+        outcomes = [outcome(r) for r in rows]
+        report["systems"][system] = summarize(outcomes)
+        report["abstention_score"][system] = score_name(system)
+        report["accuracy_coverage"][system] = curve_rows(accuracy_coverage(outcomes))
+    report["questions"] = len(questions)
+    if config is not None:
+        report["config"] = config.model_dump(mode="json")
+    return report
+
+
+def write_report(
+    out: Path,
+    questions: Sequence[EvalQuestion],
+    systems: Sequence[str],
+    config: DecodingConfig | None = None,
+) -> dict[str, Any]:
+    report = build_report(read_records(out / RECORDS_FILE), questions, systems, config)
+    (out / "report.json").write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+    (out / "report.md").write_text(render_table(report) + "\n", encoding="utf-8")
+    write_curves(out, report)
+    return report
+
+
+def render_table(report: dict[str, Any]) -> str:
+    """The report as Markdown: one table of every column (rates in %, latency in ms), then the
+    abstention table (`jobs.abstention.render_abstention_table`)."""
+    head = ["system", "n", *REPORT_COLUMNS]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for name, row in report["systems"].items():
+        cells = [name, str(row["questions"])]
+        for col in REPORT_COLUMNS:
+            cells.append(_cell(col, row.get(col)))
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n\n" + render_abstention_table(report)
+
+
+SUMMARY_COLUMNS = (
+    ("accuracy", "accuracy"),
+    ("abstain_rate", "abstain"),
+    ("wrong_confident_rate", "wrong+sure"),
+    ("retrieval_rate", "retrieval"),
+    ("p50_ms", "p50 ms"),
+)
+"""The columns `selfrag eval` prints (report field, heading); report.md has all of them."""
+
+
+def render_summary(report: dict[str, Any]) -> str:
+    """The report's headline columns as a plain-text table narrower than 80 columns."""
+    width = max([len("system"), *(len(name) for name in report["systems"])])
+    head = f"{'system':<{width}} {'n':>5}" + "".join(f" {h:>10}" for _, h in SUMMARY_COLUMNS)
+    lines = [head]
+    for name, row in report["systems"].items():
+        cells = "".join(f" {_cell(col, row.get(col)):>10}" for col, _ in SUMMARY_COLUMNS)
+        lines.append(f"{name:<{width}} {row['questions']:>5}{cells}")
+    return "\n".join(lines)
+
+
+def _cell(column: str, value: float | int | None) -> str:
+    if value is None:
+        return "–"
+    if column.endswith("_ms") or column == "prefill_tokens":
+        return f"{value:.0f}"
+    if column.startswith("s_sup"):
+        return f"{value:.2f}"
+    return f"{100 * value:.1f}%"

@@ -1,0 +1,105 @@
+"""`selfrag eval --ray`: the selfrag-* systems' missing records answered on the batch path
+(`jobs.batch.batch_answers`), appended to the evaluation's records for `run_evaluation` to
+report; the baselines stay in-process."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from tqdm import tqdm
+
+from selfrag.jobs.batch.batch_answers import BatchJob, stream_answers
+from selfrag.jobs.batch.batch_records import RecordSink
+from selfrag.jobs.evaluation.eval_questions import EvalQuestion
+from selfrag.jobs.evaluation.eval_report import RECORDS_FILE, read_records
+from selfrag.jobs.evaluation.eval_runner import make_record
+from selfrag.jobs.ray_pool import ensure_ray
+from selfrag.runtime.answering import AnswerPath, query_key
+from selfrag.runtime.ray_cluster import shutdown_private_ray
+from selfrag.runtime.system import LocalRuntime
+from selfrag.schemas.answer import AnswerResponse
+from selfrag.schemas.decoding import DecodingConfig
+from selfrag.schemas.settings import Settings
+
+
+def _eval_jobs(
+    settings: Settings,
+    questions: Sequence[EvalQuestion],
+    systems: Sequence[str],
+    config: DecodingConfig,
+    done: set[tuple[str, str]],
+) -> tuple[dict[str, BatchJob], dict[str, list[tuple[str, EvalQuestion]]]]:
+    """One job per distinct (question, settled config) among the selfrag-* systems' records
+    not in `done`, and for each job's key the (system, question) pairs it answers."""
+    jobs: dict[str, BatchJob] = {}
+    owners: dict[str, list[tuple[str, EvalQuestion]]] = {}
+    with LocalRuntime(settings) as facts:  # reads model files only: no engine here
+        answer_path = AnswerPath(settings.decoding, facts=facts)
+        cfgs = {
+            system: answer_path.settle(
+                config.model_copy(update={"critique": system.removeprefix("selfrag-")})
+            )
+            for system in systems
+            if system.startswith("selfrag-")  # the baselines stay in-process
+        }
+    for system, cfg in cfgs.items():
+        for q in questions:
+            if (system, q.id) in done:
+                continue
+            key = query_key(q.question, cfg, "", "")
+            jobs.setdefault(key, BatchJob(key, q.question, cfg, []))
+            owners.setdefault(key, []).append((system, q))
+    return jobs, owners
+
+
+def run_eval_systems(
+    settings: Settings,
+    questions: Sequence[EvalQuestion],
+    systems: Sequence[str],
+    out: Path,
+    config: DecodingConfig,
+    *,
+    actors: int | None = None,
+    progress: bool = True,
+    address: str | None = None,
+) -> None:
+    """`selfrag eval --ray`: answer the selfrag-* systems' missing records on the batch path,
+    appending them to `out/records.jsonl` (`run_evaluation` then skips them and writes the
+    report). p_ret is the first segment's (no extra probe), and latency is the decoder's own
+    total time, batched with others."""
+    path = out / RECORDS_FILE
+    out.mkdir(parents=True, exist_ok=True)
+    done = {(r["system"], r["id"]) for r in read_records(path)}
+    jobs, owners = _eval_jobs(settings, questions, systems, config, done)
+    if not jobs:
+        return
+    sink = RecordSink(path)
+    bar = tqdm(
+        total=sum(len(v) for v in owners.values()),
+        desc="eval (ray)",
+        unit="answer",
+        file=sys.stderr,
+        disable=not progress,
+    )
+    started_ray = ensure_ray(address)
+    try:
+        for job, outcome in stream_answers(settings, list(jobs.values()), actors=actors):
+            for system, q in owners[job.key]:
+                bar.update(1)
+                if outcome["status"] != "ok":
+                    # Left without a record: run_evaluation answers it in-process.
+                    print(
+                        f"eval --ray: {system} {q.id}: {outcome['error']['message']}",
+                        file=sys.stderr,
+                    )
+                    continue
+                r = AnswerResponse.model_validate(outcome["response"])
+                p_ret = r.segments[0].p_ret if r.segments else None
+                sink.write(make_record(system, q, r, p_ret, 0, r.timings_ms.get("total", 0.0)))
+    finally:
+        bar.close()
+        sink.close()
+        if started_ray:
+            shutdown_private_ray()
