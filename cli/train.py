@@ -21,7 +21,8 @@ if TYPE_CHECKING:
 def cmd_train(args: argparse.Namespace) -> int:
     from selfrag.infra.models.heads_store import heads_path, save_heads
     from selfrag.infra.models.model_files import file_sha256
-    from selfrag.jobs.evaluation import ensure_indexed, load_questions
+    from selfrag.jobs.evaluation.eval_questions import load_questions
+    from selfrag.jobs.evaluation.eval_runner import ensure_indexed
     from selfrag.jobs.indexing import corpus_passages
     from selfrag.jobs.training import describe, train
     from selfrag.runtime.system import LocalRuntime
@@ -110,7 +111,8 @@ def train_answerability(args: argparse.Namespace) -> int:
         load_table,
         save_table,
     )
-    from selfrag.jobs.evaluation import ensure_indexed, load_questions
+    from selfrag.jobs.evaluation.eval_questions import load_questions
+    from selfrag.jobs.evaluation.eval_runner import ensure_indexed
     from selfrag.runtime.system import LocalRuntime
 
     if args.export_gguf is not None:
