@@ -76,7 +76,7 @@ def build_report(
     config: DecodingConfig | None = None,
 ) -> dict[str, Any]:
     """Summaries per system over the records of the given questions (latest record wins), with
-    each system's abstention score and accuracy–coverage curve (`jobs.abstention`)."""
+    each system's abstention score and accuracy–coverage curve (`jobs.evaluation.abstention`)."""
     ids = {q.id for q in questions}
     latest: dict[tuple[str, str], dict[str, Any]] = {}
     for r in records:
@@ -110,7 +110,7 @@ def write_report(
 
 def render_table(report: dict[str, Any]) -> str:
     """The report as Markdown: one table of every column (rates in %, latency in ms), then the
-    abstention table (`jobs.abstention.render_abstention_table`)."""
+    abstention table (`jobs.evaluation.abstention.render_abstention_table`)."""
     head = ["system", "n", *REPORT_COLUMNS]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for name, row in report["systems"].items():
