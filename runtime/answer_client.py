@@ -192,13 +192,13 @@ class LocalAnswerClient:
     ) -> Answer:
         """Answer `request`, blocking. `config`: a settled config (`config(request)`, or the
         batch driver's). The decode stops at its next step once `deadline` (default: one of
-        `timeout_s`) is cancelled or expired by whoever waits, or `stop` cancels it; an
-        unexpired one the decoder keeps to itself."""
+        `timeout_s`, from the path, which counts its expiry) is cancelled or expired by whoever
+        waits, or `stop` cancels it; an unexpired one the decoder keeps to itself."""
         site = self._site(request.collection)
+        path = self._path(site)
         if config is None:
-            config = site.path.config(request)
-        deadline = deadline if deadline is not None else Deadline(config.timeout_s)
-        path = site.path if self._events is None else site.path.reporting(self._events)
+            config = path.config(request)
+        deadline = deadline if deadline is not None else path.deadline(config.timeout_s)
         with self._in_flight(deadline):
             answer = path.run(
                 request.question,
@@ -211,6 +211,14 @@ class LocalAnswerClient:
         if self._events is not None and answer.cache != "hit":
             self._events.observe_answer(answer.response)
         return answer
+
+    def _path(self, site: AnswerSite) -> AnswerPath:
+        """`site`'s answer path, reporting to this client's events."""
+        return site.path if self._events is None else site.path.reporting(self._events)
+
+    def _deadline(self, request: AnswerRequest, config: DecodingConfig) -> Deadline:
+        """A deadline for `request` whose expiry this client counts (`AnswerPath.deadline`)."""
+        return self._path(self._site(request.collection)).deadline(config.timeout_s)
 
     @contextmanager
     def _in_flight(self, deadline: Deadline) -> Iterator[None]:
@@ -246,7 +254,7 @@ class LocalAnswerClient:
     ) -> Answer:
         if config is None:
             config = await asyncio.to_thread(self.config, request)
-        deadline = Deadline(config.timeout_s)
+        deadline = await asyncio.to_thread(self._deadline, request, config)
         try:
             async with asyncio.timeout(config.timeout_s):
                 return await asyncio.to_thread(self.answer, request, on_step, config, deadline)

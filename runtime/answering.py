@@ -148,12 +148,21 @@ class Deadline:
     waits on the answer's behalf (a remote call, a merged engine call) calls `check` between
     waits, so an expired or abandoned answer stops at its next wait."""
 
-    def __init__(self, timeout_s: float, *, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        timeout_s: float,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        on_expire: Callable[[], None] | None = None,
+    ) -> None:
+        """`on_expire` runs once, at the first expiry, whichever thread sees it."""
         self.timeout_s = timeout_s
         self._clock = clock
         self.at = clock() + timeout_s
         self._cancelled = threading.Event()
         self._expired = False
+        self._on_expire = on_expire
+        self._lock = threading.Lock()
 
     def remaining(self) -> float:
         return self.at - self._clock()
@@ -163,9 +172,15 @@ class Deadline:
         self._cancelled.set()
 
     def expire(self) -> None:
-        """The caller's own timer ran out first: later checks raise `DeadlineExceeded`."""
-        self._expired = True
+        """The time is up (the caller's own timer, or a check): later checks raise
+        `DeadlineExceeded`. Both the waiter and the decode may see it; `on_expire` runs for
+        the first only."""
+        with self._lock:
+            first = not self._expired
+            self._expired = True
         self._cancelled.set()
+        if first and self._on_expire is not None:
+            self._on_expire()
 
     @property
     def cancelled(self) -> bool:
@@ -266,6 +281,12 @@ class AnswerPath:
         path._events = events
         return path
 
+    def deadline(self, timeout_s: float) -> Deadline:
+        """A deadline for one answer along this path: its expiry is counted once
+        (`count_deadline`), whether the caller's timer or the decode sees it first."""
+        events = self._events
+        return Deadline(timeout_s, on_expire=events.count_deadline if events is not None else None)
+
     def config(self, request: AnswerRequest, facts: CritiqueFacts | None = None) -> DecodingConfig:
         """The settled config of `request` (`requested`, then `settle`)."""
         return self.settle(self.requested(request), facts)
@@ -339,8 +360,9 @@ class AnswerPath:
         on_step: StepListener | None = None,
     ) -> Answer:
         """Answer from the cache, else by `decode`, then cache it. `identity` is asked only
-        when a cache is configured; failures come out as `AnswerError`s (a bug stays itself)."""
-        deadline = deadline or Deadline(config.timeout_s)
+        when a cache is configured; failures come out as `AnswerError`s (a bug stays itself).
+        `deadline`: one of `self.deadline` (else its expiry is not counted)."""
+        deadline = deadline or self.deadline(config.timeout_s)
         key: str | None = None
         try:
             # An unseeded sampled answer is a fresh draw each time: never cached.
@@ -354,9 +376,7 @@ class AnswerPath:
             deadline.check()
             response = decode(question, config, deadline, on_step)
         except DeadlineExceeded:
-            deadline.expire()
-            if self._events is not None:
-                self._events.count_deadline()
+            deadline.expire()  # counted unless a check or the caller's timer expired it first
             raise
         except AnswerError:
             raise

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -107,7 +108,7 @@ def service_errors() -> Iterator[None]:
 
 
 class _Admission:
-    """One admitted answer's place in the in-flight count."""
+    """One admitted answer's place in the in-flight count, given back once, from any thread."""
 
     def __init__(self, service: ServeAnswerService) -> None:
         self._service = service
@@ -115,7 +116,9 @@ class _Admission:
         self._released = False
 
     def release(self) -> None:
-        if not self._released:
+        with self._service._admissions:
+            if self._released:
+                return
             self._released = True
             self._service._inflight -= 1
             self._service._metrics.set_inflight(self._service._inflight)
@@ -152,6 +155,8 @@ class ServeAnswerService:
         self._cache = path.cache
         self._max_inflight = max_inflight
         self._inflight = 0
+        # The count changes on the loop (admission) and in decoder threads (release).
+        self._admissions = threading.Lock()
         self._draining = False
         self._metrics = metrics
         # A thread per admitted answer: the default executor has only cpu+4 threads.
@@ -202,11 +207,14 @@ class ServeAnswerService:
         self._check_collection(request)
         if self._draining:
             raise Overloaded("the server is stopping; retry in a moment")
-        if self._inflight >= self._max_inflight:
+        with self._admissions:
+            full = self._inflight >= self._max_inflight
+            if not full:
+                self._inflight += 1
+                self._metrics.set_inflight(self._inflight)
+        if full:
             self._metrics.count_overload()
             raise Overloaded(f"{self._max_inflight} answers in progress; retry later")
-        self._inflight += 1
-        self._metrics.set_inflight(self._inflight)
         slot = _Admission(self)
         try:
             with service_errors():
@@ -227,8 +235,9 @@ class ServeAnswerService:
         loop = asyncio.get_running_loop()
         # One deadline for everything before the answer exists: the lookups that precede
         # decoding wait on other deployments too. The loop's timer and the decoder thread's
-        # own checks share it; whichever sees it pass first ends the answer.
-        deadline = Deadline(config.timeout_s)
+        # own checks share it; whichever sees it pass first ends the answer (and is the one
+        # that counts it).
+        deadline = self._path.deadline(config.timeout_s)
         try:
             async with asyncio.timeout_at(loop.time() + config.timeout_s):
                 model_id = await self._get_model_id()
@@ -251,14 +260,14 @@ class ServeAnswerService:
                     deadline=deadline,
                     on_step=on_step,
                 )
-                # The slot stays taken until the thread really ends, even after a 504.
+                # The slot stays taken until the thread really ends, even after a 504. It is
+                # freed from that thread: the loop may be gone by then (`answer_blocking` runs
+                # an answer on a loop of its own, closed once the answer is cancelled).
                 slot.deferred = True
-                future.add_done_callback(lambda _: loop.call_soon_threadsafe(slot.release))
+                future.add_done_callback(lambda _: slot.release())
                 answer = await asyncio.wrap_future(future)
         except TimeoutError:
-            # The loop's timer came first (the decoder thread counts its own).
-            deadline.expire()
-            self._metrics.count_deadline()
+            deadline.expire()  # counted unless the decoder thread saw it pass first
             raise DeadlineExceeded(f"no answer within timeout_s={config.timeout_s:g}") from None
         except asyncio.CancelledError:
             deadline.cancel()

@@ -278,6 +278,64 @@ def test_a_run_past_its_timeout_is_deadline_exceeded_and_stops() -> None:
     assert isinstance(slow.ended, DeadlineExceeded)
 
 
+class _Counted:
+    """`AnswerEvents` that keep what they were told."""
+
+    def __init__(self) -> None:
+        self.deadlines = 0
+
+    def count_cache(self, event: str) -> None:
+        pass
+
+    def count_deadline(self) -> None:
+        self.deadlines += 1
+
+
+def test_a_paths_deadline_is_counted_once_whoever_sees_it_expire() -> None:
+    events = _Counted()
+    path = AnswerPath(DecodingConfig(), events=events)
+    late = path.deadline(0.0)
+    with pytest.raises(DeadlineExceeded):
+        late.check()  # the decode sees it first
+    late.expire()  # then the caller's timer
+    with pytest.raises(DeadlineExceeded):
+        late.check()
+    assert events.deadlines == 1
+
+    def too_slow(*_: object) -> AnswerResponse:
+        raise DeadlineExceeded("a remote call ran out of time")
+
+    timed = path.deadline(30.0)
+    timed.expire()  # the caller's timer first, then the decode ends on it
+    with pytest.raises(DeadlineExceeded):
+        path.run("q", DecodingConfig(), too_slow, deadline=timed)
+    assert events.deadlines == 2
+    path.deadline(30.0).cancel()  # an abandoned answer is no deadline
+    assert events.deadlines == 2
+
+
+def test_a_run_whose_decode_ends_unaware_of_its_timeout_counts_the_deadline() -> None:
+    """The loop's timer ends the run; the decode then returns without another check: the
+    timed-out request is still counted, once."""
+    finished = threading.Event()
+
+    def unaware(
+        question: str, config: DecodingConfig, _d: Deadline, on_step: StepListener | None
+    ) -> AnswerResponse:
+        time.sleep(0.4)
+        finished.set()
+        return Home().site(None).decode(question, config, _d, None)
+
+    metrics = Metrics()
+    path = AnswerPath(DecodingConfig(), facts=Facts())
+    client = LocalAnswerClient(lambda _: AnswerSite(path, unaware), events=metrics)
+    request = AnswerRequest.model_validate({"question": "Slow?", "config": {"timeout_s": 0.2}})
+    with pytest.raises(DeadlineExceeded):
+        asyncio.run(client.run(request))
+    assert finished.wait(2.0)
+    assert metric_value(metrics.render(), "selfrag_rejected_total", reason="deadline") == 1.0
+
+
 def test_query_cache_ready_pings_when_it_can() -> None:
     class Pinged(DictCache):
         def __init__(self, up: bool) -> None:

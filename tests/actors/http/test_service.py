@@ -15,15 +15,22 @@ from selfrag.actors.http.metrics import Metrics
 from selfrag.actors.http.service import ServeAnswerService, as_service_error
 from selfrag.pipeline.protocols import Passage
 from selfrag.runtime import answering as answering_module
+from selfrag.runtime.answer_stream import SegmentStream, answer_blocking
 from selfrag.runtime.answering import query_cache_scope, query_key
 from selfrag.schemas.answer import AnswerRequest
 from selfrag.schemas.calibration import CalibrationSettings, LogisticParams
 from selfrag.schemas.decoding import DecodingConfig
-from selfrag.schemas.errors import DeadlineExceeded, DependencyDown, Overloaded, Unprocessable
+from selfrag.schemas.errors import (
+    Cancelled,
+    DeadlineExceeded,
+    DependencyDown,
+    Overloaded,
+    Unprocessable,
+)
 from selfrag.schemas.settings import RetrievalSettings, Settings
 from tests.fakes import ScriptedCritic
 from tests.http_fakes import metric_value
-from tests.serve_fakes import Decider, DictCache, Pool, Store, make_service
+from tests.serve_fakes import Decider, DictCache, Pool, Rig, Store, make_service
 
 
 def _service(
@@ -295,6 +302,84 @@ def test_lookups_before_decoding_are_cancelled_at_the_deadline():
     assert rig.service.inflight == 0
     assert store.version_calls == 1
     assert [c.cancelled for c in rig.store_handle.calls] == [True]
+
+
+def _blocking_rig() -> tuple[Rig, threading.Event]:
+    """A service with one slot whose pool call hangs until the event is set."""
+    hang = threading.Event()
+    rig = make_service(max_inflight=1)
+    rig.pool.hang = hang
+    return rig, hang
+
+
+def test_a_deadline_both_the_timer_and_the_decoder_see_is_counted_once():
+    """The loop's timer ends the request and the decoder thread, waiting on a hung pool call,
+    then finds the deadline passed too: one timed-out request, one count."""
+    rig, hang = _blocking_rig()
+    req = AnswerRequest(question="q", config={"mode": "never", "timeout_s": 0.2})
+
+    async def run() -> None:
+        with pytest.raises(DeadlineExceeded):
+            await rig.service.run(req)
+        await _until_idle(rig.service, 1.0)
+
+    try:
+        asyncio.run(run())
+    finally:
+        hang.set()
+    text = rig.metrics.render()
+    assert metric_value(text, "selfrag_rejected_total", reason="deadline") == 1.0
+
+
+def _until_idle_blocking(service: ServeAnswerService, limit_s: float) -> None:
+    t0 = time.perf_counter()
+    while service.inflight and time.perf_counter() - t0 < limit_s:
+        time.sleep(0.02)
+    assert service.inflight == 0, "the slot was never given back"
+
+
+def test_a_cancelled_blocking_answer_gives_its_slot_back():
+    """A stream over the service runs its answer on a loop of its own, closed once the answer
+    is cancelled; the decoder thread ends after it and still frees the slot."""
+    rig, hang = _blocking_rig()
+    stream = SegmentStream(rig.service, AnswerRequest(question="q", config={"mode": "never"}))
+    failures: list[BaseException] = []
+
+    def read() -> None:
+        try:
+            list(stream)
+        except BaseException as exc:
+            failures.append(exc)
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    try:
+        while rig.pool.drafts_started == 0:
+            time.sleep(0.01)
+        assert rig.service.inflight == 1
+        stream.stop()
+        reader.join(5.0)
+        stream.join(5.0)
+        assert [type(f) for f in failures] == [Cancelled]
+        _until_idle_blocking(rig.service, 2.0)
+        assert metric_value(rig.metrics.render(), "selfrag_inflight_answers") == 0.0
+    finally:
+        hang.set()
+    assert answer_blocking(rig.service, REQUEST).answer  # the one slot is free
+
+
+def test_a_blocking_answer_past_its_deadline_gives_its_slot_back_and_counts_once():
+    rig, hang = _blocking_rig()
+    req = AnswerRequest(question="q", config={"mode": "never", "timeout_s": 0.2})
+    try:
+        with pytest.raises(DeadlineExceeded):
+            answer_blocking(rig.service, req)
+        _until_idle_blocking(rig.service, 2.0)
+    finally:
+        hang.set()
+    text = rig.metrics.render()
+    assert metric_value(text, "selfrag_rejected_total", reason="deadline") == 1.0
+    assert metric_value(text, "selfrag_inflight_answers") == 0.0
 
 
 def test_over_the_inflight_limit_is_503():
