@@ -2,8 +2,8 @@
 draft, support and utility reads) on the learned critique, warm passage states, three ways in
 one run, interleaved so that load from other processes hits them alike:
 
-(a) separate: the layout before issue 27, a prompt per question (relevance, draft, support,
-    and utility without the passage), each carrying the question and its task;
+(a) separate: a prompt per question (relevance, draft, support, and utility without the
+    passage), each carrying the question and its task;
 (b) sequence: one growing sequence per branch (`SequenceCritic`), the hidden state computed
     only at the read positions (the last prompt token decoded in a call of its own);
 (c) sequence, all outputs: as (b) with the hidden state switched on for the whole prompt, so
@@ -48,7 +48,7 @@ CONFIG = DecodingConfig(
 
 
 class SeparateLayout(LearnedCritic):
-    """The learned critique at the read positions of the layout before issue 27."""
+    """The learned critique at the read positions of layout (a): a prompt per question."""
 
     retrieval_prompt = ChatCritic.retrieval_prompt
     relevance_prompt = ChatCritic.relevance_prompt

@@ -1,13 +1,15 @@
 """Engine threads on shared cores: a branch step and a whole answer, quiet and beside a busy
-neighbour process, for the settings before issue 29 and the shipped ones, side by side.
+neighbour process, for llama.cpp's and libgomp's own defaults and the shipped settings,
+side by side.
 
 Each configuration (llama.cpp threads, OpenMP wait policy) runs in a worker process of its
 own, started with the environment that configuration gives an engine process (OpenMP reads its
-wait policy once, when it loads): "default" is the settings before issue 29 (`n_threads` 0, all
-cores; `OMP_WAIT_POLICY` unset, so libgomp spins about 300,000 rounds before it sleeps),
-"chosen" the settings' defaults now; `--candidate NAME=THREADS:POLICY` adds others. (A
-candidate with the `active` policy spins in its idle workers between turns, for ever: it is a
-busy neighbour of every other configuration's quiet turns, so measure it in a run of its own.)
+wait policy once, when it loads): "default" is llama.cpp's and libgomp's own defaults
+(`n_threads` 0, all cores; `OMP_WAIT_POLICY` unset, so libgomp spins about 300,000 rounds
+before it sleeps), "chosen" the settings' defaults now; `--candidate NAME=THREADS:POLICY`
+adds others. (A candidate with the `active` policy spins in its idle workers between turns,
+for ever: it is a busy neighbour of every other configuration's quiet turns, so measure it in
+a run of its own.)
 
 The workers open copies of one indexed home (embedded Qdrant allows one process per folder)
 and answer through the Python API with the query cache off. Turns are interleaved: each

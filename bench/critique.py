@@ -26,7 +26,7 @@ Second, one branch step of the learned critique (relevance of K passages, a draf
 (the real `LearnedCritic`) and with the same reads asking for no hidden state (the reads'
 vectors replaced by zeros, so only the engine's work differs). The variants alternate over
 `--reps` steps, each after `engine.clear_cache()`, so both decode the same tokens from an
-empty cache. Reported: median seconds per step of each and their ratio (issue 11's target:
+empty cache. Reported: median seconds per step of each and their ratio (the target:
 under 10% extra). The last line holds the figures as name=value pairs.
 
     .venv/bin/python -m bench.critique [--data ../shared/data] [--questions 60] [--negatives 2]

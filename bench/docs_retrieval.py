@@ -1,5 +1,5 @@
 """Retrieval on this repository's own docs: word windows against structure-aware passages,
-side by side in one run (issue 38, item 3).
+side by side in one run.
 
 Indexes README.md and docs/ as of `--commit` (default: the commit the questions were written
 against, bench/data/README.md, so runs compare while the docs change) into two temporary

@@ -1,5 +1,5 @@
 """Which hidden-state features and which head separate relevant from irrelevant passages on
-held-out questions (issue 11's "what was tried").
+held-out questions.
 
 Pairs, each in the learned critique's relevance prompt (system, passage, question, the
 relevance task), on the derived F16 weights of the embedded model:

@@ -1,15 +1,15 @@
 """Model presets side by side: the warm seconds per answer of the default answer path.
 
-Issue 24, item 5 chooses the default model as the preset with the best held-out overall whose
-warm p50 per answer on this machine stays within 3x SmolLM2's. This measures that ratio: each
-preset answers the same Normans questions (the tuning article; answerable ones, in file order)
-through the Python API (`SelfRAG.answer`, what `selfrag ask` runs) with the default decoding
-settings and the query cache off, one llama.cpp thread each (`--threads`) and the passive
-OpenMP wait policy. Both presets are open in this one process, each on its own copy of the
-indexed home (embedded Qdrant allows one client per folder; the derived model files are shared
-through a link), and after one warm-up answer each (a question outside the timed ones) their
-answers are interleaved, the order alternating per question (A, B, then B, A), so background
-load on a shared machine hits both alike.
+The default model is the preset with the best held-out overall whose warm p50 per answer on this
+machine stays within 3x SmolLM2's. This measures that ratio: each preset answers the same
+Normans questions (the tuning article; answerable ones, in file order) through the Python API
+(`SelfRAG.answer`, what `selfrag ask` runs) with the default decoding settings and the query
+cache off, one llama.cpp thread each (`--threads`) and the passive OpenMP wait policy. Both
+presets are open in this one process, each on its own copy of the indexed home (embedded Qdrant
+allows one client per folder; the derived model files are shared through a link), and after one
+warm-up answer each (a question outside the timed ones) their answers are interleaved, the order
+alternating per question (A, B, then B, A), so background load on a shared machine hits both
+alike.
 
 Each preset uses its own critique as the defaults resolve it: the learned heads where heads
 exist for its file, else the likelihood fallback (printed per preset). `--critique likelihood`

@@ -1,4 +1,5 @@
-"""Remote calls and bytes per decoding step: the Serve route before and after issue 12.
+"""Remote calls and bytes per decoding step: the Serve route with a call per critique read
+("before") against the one that expands a whole step in one call ("after").
 
 The same questions are decoded in-process on the real engine and index (no Ray). At every step
 the objects that would cross process boundaries are pickled, as Ray pickles deployment-call

@@ -63,7 +63,7 @@ def test_cli_ask_table(indexed_home: Path, capsys: pytest.CaptureFixture[str]):
 def test_the_readme_example_is_right_or_abstains_or_shows_low_support(
     indexed_home: Path, capsys: pytest.CaptureFixture[str]
 ):
-    """Issue 11: the first answer a new user sees is not a confident invention."""
+    """The first answer a new user sees is not a confident invention."""
     from selfrag.pipeline.decoder import ABSTAIN_MESSAGE
 
     question = "Who was the Norse leader who founded Normandy?"

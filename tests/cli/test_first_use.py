@@ -1,5 +1,5 @@
-"""`selfrag ask` calibrates the support threshold once when the model has none (issue 38,
-item 6): which cases run it, with the calibration job replaced by a recorder."""
+"""`selfrag ask` calibrates the support threshold once when the model has none: which cases
+run it, with the calibration job replaced by a recorder."""
 
 from __future__ import annotations
 

@@ -120,7 +120,7 @@ def test_status_shows_index_model_heads_and_critique_without_loading_the_model(
     assert status["critique"] == {"configured": "auto", "resolved": "learned", "usable": True}
     # Indexed with --no-calibrate: no threshold, said to be uncalibrated.
     assert status["support_threshold"] == {"min_support_score": 0.0, "calibrated": False}
-    # What every engine process runs with: the threads and OpenMP's wait policy (issue 29).
+    # What every engine process runs with: the threads and OpenMP's wait policy.
     assert model["threads"] == {
         "n_threads": 0,
         "threads": os.cpu_count(),

@@ -1,6 +1,6 @@
-"""The support threshold is fitted and applied per index collection (issue 38, item 4): where
-each collection's calibration is kept, that a home's existing files still serve the default
-collection, that the answer path settles a request on collection C with C's threshold, and
+"""The support threshold is fitted and applied per index collection: where each collection's
+calibration is kept, that a home's existing files still serve the default collection, that
+the answer path settles a request on collection C with C's threshold, and
 `selfrag calibrate --collection` on the real model."""
 
 from __future__ import annotations

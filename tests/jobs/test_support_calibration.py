@@ -1,6 +1,6 @@
-"""The support threshold calibrated on the served corpus without labels (issue 24, item 2):
-synthetic pairs, the threshold rule, storage per model file and critique, the resolve order,
-and `selfrag index` / `selfrag calibrate` running it."""
+"""The support threshold calibrated on the served corpus without labels: synthetic pairs, the
+threshold rule, storage per model file and critique, the resolve order, and
+`selfrag index` / `selfrag calibrate` running it."""
 
 from __future__ import annotations
 

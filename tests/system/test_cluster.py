@@ -241,8 +241,8 @@ def test_batch_on_two_nodes_places_engine_actors_on_both_and_a_rerun_completes(
 def test_index_on_two_nodes_embeds_on_both_and_answers_from_it(
     cluster: Cluster, normans_squad: Path, tmp_path: Path
 ):
-    """Issue 38, item 7: `selfrag index --ray --address` spreads the embedding actors over
-    the nodes (one CPU each: one per node here) and the index answers."""
+    """`selfrag index --ray --address` spreads the embedding actors over the nodes (one CPU
+    each: one per node here) and the index answers."""
     home = tmp_path / "home"
     before = {a[0] for a in _actors(cluster)["actors"]}
     done, _ = _selfrag(

@@ -1,6 +1,6 @@
-"""Engine threads and OpenMP's wait policy (issue 29): the settings, the environment every
-engine process starts with (Serve replicas, batch actors, the CLI and the Python API), set
-before llama.cpp's OpenMP runtime loads, and the warning when it is too late."""
+"""Engine threads and OpenMP's wait policy: the settings, the environment every engine
+process starts with (Serve replicas, batch actors, the CLI and the Python API), set before
+llama.cpp's OpenMP runtime loads, and the warning when it is too late."""
 
 from __future__ import annotations
 

@@ -398,8 +398,8 @@ def test_a_split_preset_joins_to_the_pinned_file_and_header(
 def test_qwen_answers_through_the_cli_with_the_heads_the_repository_ships(
     qwen_home: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """Issue 24, item 5: the Qwen preset passed the speed gate, so its heads ship and critique
-    `auto` is `learned` on it (a file without heads: `test_status_warns_...` and the tests of
+    """The Qwen preset passed the speed gate, so its heads ship and critique `auto` is
+    `learned` on it (a file without heads: `test_status_warns_...` and the tests of
     `_system_without_heads`)."""
     monkeypatch.setenv("SELFRAG_MODEL__N_THREADS", "1")
     ask = ["--home", str(qwen_home), "ask", "Who founded Normandy?", "--model", QWEN.name]

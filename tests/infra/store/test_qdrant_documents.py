@@ -1,6 +1,6 @@
-"""Documents in and out of the index (issue 38): structure-aware passages, PDF and HTML files,
-what a folder read refuses (issue 40: links out of the folder, special files), listing and
-removing documents, and re-indexing a folder that lost a file."""
+"""Documents in and out of the index: structure-aware passages, PDF and HTML files, what a
+folder read refuses (links out of the folder, special files), listing and removing
+documents, and re-indexing a folder that lost a file."""
 
 from __future__ import annotations
 
@@ -90,9 +90,9 @@ def test_a_block_over_the_budget_is_cut_at_sentences() -> None:
 
 @pytest.mark.real
 def test_one_unspaced_run_becomes_passages_bounded_in_word_pieces(tmp_path: Path) -> None:
-    """Issue 40, item 4 (index time): `"a." * 40000` plus a sentence was one passage of
-    80,000 tokens that no prompt could hold. Cut as indexing cuts (`corpus_passages`), with
-    the real embedder's word pieces."""
+    """At index time, `"a." * 40000` plus a sentence becomes passages bounded in word pieces,
+    not one passage of 80,000 tokens that no prompt could hold. Cut as indexing cuts
+    (`corpus_passages`), with the real embedder's word pieces."""
     embedder = SentenceEmbedder()
     settings = RetrievalSettings()
     budget = min(settings.passage_tokens, embedder.max_seq_length - 2)
@@ -192,7 +192,7 @@ def test_html_with_a_script_url_keeps_no_url(tmp_path: Path) -> None:
     assert isinstance(doc, Document) and doc.url is None and doc.title == "p"
 
 
-# --- what a folder read refuses (issue 40, item 3) ------------------------------------------
+# --- what a folder read refuses -------------------------------------------------------------
 
 
 def test_a_link_out_of_the_folder_is_reported_and_not_read(tmp_path: Path) -> None:
@@ -580,7 +580,7 @@ def test_no_answer_cites_a_removed_document_even_cached_or_after_a_restart(
         assert pages.get(next(p.id for p in r.passages if "Rouen" in p.text), 2) == 2
 
 
-# --- the CLI while a server holds the store (issue 38, item 5) -------------------------------
+# --- the CLI while a server holds the store --------------------------------------------------
 
 _SERVER_CHILD = """
 import sys, time
@@ -655,7 +655,7 @@ def test_cli_goes_through_the_server_that_holds_the_store_or_names_the_holder(
             child.wait(30)
 
 
-# --- indexing on Ray (issue 38, item 7) -------------------------------------------------------
+# --- indexing on Ray --------------------------------------------------------------------------
 
 
 @pytest.mark.real
