@@ -14,17 +14,17 @@ from selfrag.cli.common import CLIError, model_override, settings_from_args
 from selfrag.schemas.settings import Settings
 
 if TYPE_CHECKING:
+    from selfrag.jobs.evaluation.eval_questions import EvalQuestion
     from selfrag.jobs.training import TrainingPlan
+    from selfrag.pipeline.heads import ReflectionHeads
     from selfrag.pipeline.learning.critic_labels import CriticLabeller, CriticMode
+    from selfrag.runtime.system import LocalRuntime
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from selfrag.infra.models.heads_store import heads_path, save_heads
+    from selfrag.infra.models.heads_store import heads_path
     from selfrag.infra.models.model_files import file_sha256
     from selfrag.jobs.evaluation.eval_questions import load_questions
-    from selfrag.jobs.evaluation.eval_runner import ensure_indexed
-    from selfrag.jobs.indexing import corpus_passages
-    from selfrag.jobs.training import describe, train
     from selfrag.runtime.system import LocalRuntime
 
     if args.answerability:
@@ -53,32 +53,50 @@ def cmd_train(args: argparse.Namespace) -> int:
             if heads is None:
                 raise CLIError(f"no reflection heads for {rag.model.path.name}: train them first")
         else:
-            ensure_indexed(rag, args.corpus, progress=not args.no_progress)
-            passages = None
-            if args.corpus:
-                passages = [
-                    p
-                    for c in args.corpus
-                    for p in corpus_passages(c, settings.retrieval, rag.embedder)
-                ]
-            data = {
-                "qa": [str(p) for p in args.qa],
-                "article": args.article,
-                "corpus": [str(c) for c in args.corpus or []],
-                "command": "selfrag " + " ".join(sys.argv[1:]),
-            }
-            progress = not args.no_progress
-            weights, manifest = train(
-                rag, questions, plan, data=data, passages=passages, progress=progress, critic=critic
-            )
-            heads = save_heads(out, sha, weights, manifest)
-            print(describe(manifest, out))
+            heads = train_and_save(args, rag, questions, plan, critic, out, sha)
         if args.export_gguf is not None:
             from selfrag.infra.models.gguf_export import export_reflection_model
 
             written = export_reflection_model(rag.model.path, heads, args.export_gguf, protected)
             print(f"wrote {written} (critique 'native': reflection tokens with the learned rows)")
     return 0
+
+
+def train_and_save(
+    args: argparse.Namespace,
+    rag: LocalRuntime,
+    questions: list[EvalQuestion],
+    plan: TrainingPlan,
+    critic: CriticLabeller | None,
+    out: Path,
+    sha: str,
+) -> ReflectionHeads:
+    """Train the heads of `rag`'s model on its index (indexing `--corpus` first when it lacks
+    it) and `questions`, save them to `out` for the model file of digest `sha` and say what was
+    trained."""
+    from selfrag.infra.models.heads_store import save_heads
+    from selfrag.jobs.evaluation.eval_runner import ensure_indexed
+    from selfrag.jobs.indexing import corpus_passages
+    from selfrag.jobs.training import describe, train
+
+    progress = not args.no_progress
+    ensure_indexed(rag, args.corpus, progress=progress)
+    passages = None
+    if args.corpus:
+        retrieval = rag.settings.retrieval
+        passages = [p for c in args.corpus for p in corpus_passages(c, retrieval, rag.embedder)]
+    data = {
+        "qa": [str(p) for p in args.qa],
+        "article": args.article,
+        "corpus": [str(c) for c in args.corpus or []],
+        "command": "selfrag " + " ".join(sys.argv[1:]),
+    }
+    weights, manifest = train(
+        rag, questions, plan, data=data, passages=passages, progress=progress, critic=critic
+    )
+    heads = save_heads(out, sha, weights, manifest)
+    print(describe(manifest, out))
+    return heads
 
 
 def training_plan(args: argparse.Namespace) -> TrainingPlan:
