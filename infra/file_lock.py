@@ -7,7 +7,9 @@ Linux emulates flock with byte-range locks on NFS, so it also holds between the 
 share.
 
 A file is replaced atomically by writing a temporary file beside it (`TEMP_SUFFIX`, hidden) and
-renaming it over the old one, so a reader sees the old content or the new, never a mix.
+renaming it over the old one, so a reader sees the old content or the new, never a mix. A
+JSON-lines file is appended to after ending a last line a killed writer tore
+(`open_lines_for_append`), so the first new line is whole.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from types import TracebackType
+from typing import TextIO
 
 _POLL_S = 0.05
 TEMP_SUFFIX = ".tmp"
@@ -144,3 +147,18 @@ def write_atomic(path: Path, data: bytes, mode: int | None = None, durable: bool
     otherwise; synced unless not `durable`)."""
     with atomic_output(path, mode=mode, durable=durable) as tmp:
         tmp.write_bytes(data)
+
+
+def open_lines_for_append(path: Path) -> TextIO:
+    """`path` (and its folder) opened to append UTF-8 lines; a last line torn by a writer that
+    was killed is ended first, so it stays one unreadable line (readers skip it) and does not
+    swallow the next one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    f = path.open("a", encoding="utf-8")
+    if f.tell():
+        with path.open("rb") as tail:
+            tail.seek(-1, os.SEEK_END)
+            torn = tail.read(1) != b"\n"
+        if torn:
+            f.write("\n")
+    return f

@@ -2,8 +2,8 @@
 once: `$SELFRAG_HOME/critic_labels/<digest of the critic's fingerprint>.jsonl`, one
 `{"key": …, "s_sup": …}` line per read example (`pipeline.learning.critic_labels`).
 
-Lines are appended after each batch of reads; a line cut short by an interrupted run, or not a
-read, is skipped when the file is loaded (that example is read again).
+Lines are appended after each batch of reads (`open_lines_for_append`); a line cut short by an
+interrupted run, or not a read, is skipped when the file is loaded (that example is read again).
 """
 
 from __future__ import annotations
@@ -12,6 +12,8 @@ import hashlib
 import json
 import math
 from pathlib import Path
+
+from selfrag.infra.file_lock import open_lines_for_append
 
 
 def critic_cache_path(home: Path, fingerprint: str) -> Path:
@@ -51,9 +53,8 @@ class CriticLabelFile:
         """Remember `values` and append them to the file."""
         if not values:
             return
-        self.path.parent.mkdir(parents=True, exist_ok=True)
         lines = "".join(json.dumps({"key": k, "s_sup": v}) + "\n" for k, v in values.items())
-        with self.path.open("a", encoding="utf-8") as f:
+        with open_lines_for_append(self.path) as f:
             f.write(lines)
             f.flush()
         self._values.update(values)

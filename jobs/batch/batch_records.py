@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from selfrag.infra.corpus.bounded_reads import load_json
-from selfrag.infra.file_lock import FileLock, atomic_output
+from selfrag.infra.file_lock import FileLock, atomic_output, open_lines_for_append
 from selfrag.jobs.batch.batch_inputs import InputProblem
 from selfrag.runtime.answering import (
     query_key,
@@ -138,14 +138,7 @@ class RecordSink:
     """Appends one JSON line per record and flushes it, so a crash loses nothing written."""
 
     def __init__(self, path: Path) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = path.open("a", encoding="utf-8")
-        if self._file.tell():
-            with path.open("rb") as f:
-                f.seek(-1, os.SEEK_END)
-                torn = f.read(1) != b"\n"
-            if torn:
-                self._file.write("\n")  # end a line torn by a killed run; reading skips it
+        self._file = open_lines_for_append(path)
 
     def write(self, record: dict[str, Any]) -> None:
         self._file.write(json.dumps(record, ensure_ascii=False) + "\n")

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from tqdm import tqdm
 
+from selfrag.infra.file_lock import open_lines_for_append
 from selfrag.jobs.evaluation.abstention import abstention_score
 from selfrag.jobs.evaluation.eval_questions import EvalError, EvalQuestion
 from selfrag.jobs.evaluation.eval_report import RECORDS_FILE, read_records, write_report
@@ -190,9 +191,7 @@ def run_evaluation(
     todo = [(s, q) for s in systems for q in questions if (s, q.id) not in done]
     bar = tqdm(total=len(todo), desc="eval", unit="answer", file=sys.stderr, disable=not progress)
     runners: dict[str, Callable[[EvalQuestion], tuple[AnswerResponse, float | None, int]]] = {}
-    with path.open("a", encoding="utf-8") as sink:
-        if sink.tell() and not path.read_bytes().endswith(b"\n"):
-            sink.write("\n")  # end a line torn by an interrupted run; reading skips it
+    with open_lines_for_append(path) as sink:
         for system, q in todo:
             if system not in runners:
                 runners[system] = runner_for(rag, system, config, probe_p_ret)

@@ -12,7 +12,13 @@ from pathlib import Path
 
 import pytest
 
-from selfrag.infra.file_lock import TEMP_SUFFIX, FileLock, atomic_output, write_atomic
+from selfrag.infra.file_lock import (
+    TEMP_SUFFIX,
+    FileLock,
+    atomic_output,
+    open_lines_for_append,
+    write_atomic,
+)
 from tests.paths import ROOT
 
 
@@ -177,3 +183,15 @@ def test_one_lock_is_held_by_one_thread_at_a_time(tmp_path: Path) -> None:
         t.start()
         t.join(10)
         assert got == [False]
+
+
+def test_appending_lines_ends_a_torn_last_line_first(tmp_path: Path):
+    path = tmp_path / "new" / "records.jsonl"
+    with open_lines_for_append(path) as f:  # the folder is made; an empty file gets no newline
+        f.write("one\n")
+    with open_lines_for_append(path) as f:
+        f.write("two\n")
+    path.write_text(path.read_text() + "thr")  # a writer killed mid-line
+    with open_lines_for_append(path) as f:
+        f.write("four\n")
+    assert path.read_text().splitlines() == ["one", "two", "thr", "four"]

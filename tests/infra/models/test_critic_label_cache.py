@@ -26,3 +26,13 @@ def test_values_survive_a_reload_and_a_cut_line_is_skipped(tmp_path: Path):
         0.5,
         None,
     )
+
+
+def test_reads_put_after_an_interrupted_append_survive_a_reload(tmp_path: Path):
+    path = critic_cache_path(tmp_path, "qwen sha256:ab verify:12")
+    CriticLabelFile(path).put({"a": 0.25})
+    with path.open("a") as f:
+        f.write('{"key": "b", "s_')  # the run was killed here
+    CriticLabelFile(path).put({"c": 0.5})
+    again = CriticLabelFile(path)
+    assert (again.get("a"), again.get("b"), again.get("c")) == (0.25, None, 0.5)
