@@ -30,6 +30,8 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from bench.processes import descendants, vm_rss
+
 REPO = Path(__file__).resolve().parent.parent
 MODES = ("one", "ray", "cluster")
 
@@ -77,32 +79,9 @@ def run_mode(mode: str, corpus: Path, actors: int, address: str | None) -> dict[
     return {"seconds": seconds, "passages": report.passages, "peak_mb": peak_mb}
 
 
-def _children() -> dict[int, list[int]]:
-    tree: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        tree.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    return tree
-
-
 def tree_rss_mb(roots: list[int]) -> float:
     """The summed RSS of `roots` and every process under them, MiB."""
-    tree, seen, todo, kib = _children(), set(), list(roots), 0
-    while todo:
-        pid = todo.pop()
-        if pid in seen:
-            continue
-        seen.add(pid)
-        todo.extend(tree.get(pid, []))
-        try:
-            status = Path(f"/proc/{pid}/status").read_text()
-        except OSError:
-            continue
-        kib += next((int(x.split()[1]) for x in status.splitlines() if x.startswith("VmRSS")), 0)
-    return kib / 1024
+    return sum(vm_rss(pid) or 0 for pid in descendants(*roots)) / 2**20
 
 
 def run_child(mode: str, corpus: Path, actors: int, cluster: Cluster | None) -> dict[str, float]:
