@@ -104,13 +104,17 @@ class FakeService:
         if on_step is not None:
             # Steps come from a worker thread in the real service.
             def steps() -> None:
-                on_step(Hypothesis(segments=(r.segments[0],)))
-                on_step(Hypothesis(segments=tuple(r.segments)))
+                for leader in self.leaders(r.segments):
+                    on_step(leader)
 
             await asyncio.to_thread(steps)
         if self.metrics is not None:
             self.metrics.observe_answer(r)
         return Answer(r, "miss")
+
+    def leaders(self, segments: list[SegmentOut]) -> list[Hypothesis]:
+        """The leading hypothesis at each step: the first segment, then the whole answer."""
+        return [Hypothesis(segments=(segments[0],)), Hypothesis(segments=tuple(segments))]
 
     async def readiness(self) -> dict[str, bool]:
         if self.ready_error is not None:

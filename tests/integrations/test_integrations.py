@@ -29,10 +29,8 @@ from selfrag.integrations.langchain import (
 )
 from selfrag.integrations.llamaindex import SelfRAGQueryEngine
 from selfrag.integrations.sources import Retrieving, answer_client
-from selfrag.pipeline.decoder import StepListener
 from selfrag.pipeline.ranking import Hypothesis
-from selfrag.runtime.answering import Answer
-from selfrag.schemas.answer import AnswerRequest, AnswerResponse, Citation, PassageOut, SegmentOut
+from selfrag.schemas.answer import AnswerResponse, Citation, PassageOut, SegmentOut
 from selfrag.schemas.decoding import DecodingConfig
 from selfrag.schemas.events import SegmentEvent
 from selfrag.schemas.retrieval import RankedPassage
@@ -91,25 +89,13 @@ class FakeClient(FakeService):
     script: Any = field(default=lambda question, _config: response(question))
     steady: bool = False
 
-    async def run(
-        self,
-        request: AnswerRequest,
-        on_step: StepListener | None = None,
-        config: DecodingConfig | None = None,
-    ) -> Answer:
-        self.seen.append(request)
-        self.configs_given.append(config)
-        await asyncio.sleep(0)
-        r = self.script(request.question, config or self.config(request))
-        if on_step is not None:
-            await asyncio.to_thread(self._steps, r.segments, on_step)
-        return Answer(r, "miss")
-
-    def _steps(self, segments: list[SegmentOut], on_step: StepListener) -> None:
+    def leaders(self, segments: list[SegmentOut]) -> list[Hypothesis]:
+        leaders = [
+            Hypothesis(segments=tuple(segments[: i + 1]), score=2.0) for i in range(len(segments))
+        ]
         if not self.steady and len(segments) > 1:
-            on_step(Hypothesis(segments=(segments[1],), score=1.0))
-        for i in range(len(segments)):
-            on_step(Hypothesis(segments=tuple(segments[: i + 1]), score=2.0))
+            leaders.insert(0, Hypothesis(segments=(segments[1],), score=1.0))
+        return leaders
 
     def calls(self) -> list[tuple[str, dict[str, Any]]]:
         """(question, dials) of each request."""

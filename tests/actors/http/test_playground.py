@@ -17,9 +17,7 @@ from fastapi.testclient import TestClient
 from selfrag.actors.http.metrics import Metrics
 from selfrag.actors.http.playground import PAGE
 from selfrag.actors.http.routes import build_http_app, parse_api_keys
-from selfrag.pipeline.decoder import StepListener
-from selfrag.runtime.answering import Answer
-from selfrag.schemas.answer import AnswerRequest, AnswerResponse, Evidence
+from selfrag.schemas.answer import AnswerResponse, Evidence
 from selfrag.schemas.decoding import DecodingConfig
 from tests.browser import CHROMIUM, NO_CHROMIUM, SHOWN, Page, ask_in_playground, chromium
 from tests.http_fakes import FakeService, live_server, scripted_response
@@ -89,18 +87,11 @@ def test_the_page_is_package_data():
 HOSTILE = '<img src=x onerror="window.pwned = 1"> Rollo founded Normandy.'
 
 
-class HostilePassageService(FakeService):
+def hostile_passage_response(question: str, config: DecodingConfig) -> AnswerResponse:
     """The scripted answer, its passage's text HTML that must show as text."""
-
-    async def run(
-        self,
-        request: AnswerRequest,
-        on_step: StepListener | None = None,
-        config: DecodingConfig | None = None,
-    ) -> Answer:
-        result = await super().run(request, on_step, config)
-        result.response.passages[0].text = HOSTILE
-        return result
+    r = scripted_response(question, config)
+    r.passages[0].text = HOSTILE
+    return r
 
 
 @pytest.fixture(scope="module")
@@ -113,7 +104,7 @@ def page() -> Iterator[Page]:
 
 @pytest.mark.real
 def test_the_page_streams_an_answer_with_citations(page: Page, tmp_path: Path):
-    service = HostilePassageService()
+    service = FakeService(script=hostile_passage_response)
     with live_server(build_http_app(service, Metrics())) as url:
         shown = ask_in_playground(
             page, url, QUESTION, {"mode": "always", "top_k": "5", "min_support": ""}, 20.0
