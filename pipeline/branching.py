@@ -3,6 +3,7 @@
 This is what the branch-generation pool does for a step, in one call: every evidence branch is
 read for relevance and pruned under `min_relevance` (or `relevance_margin` below the best
 passage of its hypothesis, or past the first `max_drafts` in `draft_order`) before it drafts;
+when s_rel can decide none of that, only the branches the budget admits are read;
 a branch the hard filters would reject whatever it drafts is skipped; the rest draft a segment (a
 no-retrieval branch reuses the closed-book draft its retrieval decision was read from, when
 there is one); drafts are critiqued for support (evidence branches) and utility. What comes
@@ -90,6 +91,33 @@ def _s_rel(c: Candidate) -> float:
     return relevance_score(c.rel.probs) if c.rel is not None else 0.0
 
 
+def relevance_decides(cfg: DecodingConfig) -> bool:
+    """Whether a branch's s_rel can keep it from drafting or let it draft before another: a
+    relevance filter (`min_relevance`, `relevance_margin` under 1, `require_relevant`) or a
+    `draft_order_margin` under 1 (s_rel lies in [0, 1], so a margin of 1 is never exceeded)."""
+    return (
+        bool(cfg.min_relevance)
+        or (cfg.relevance_margin is not None and cfg.relevance_margin < 1.0)
+        or cfg.require_relevant
+        or cfg.draft_order_margin < 1.0
+    )
+
+
+def relevance_to_read(evidence: Sequence[Candidate], cfg: DecodingConfig) -> list[Candidate]:
+    """The evidence branches (in the retriever's order per hypothesis) whose relevance is read:
+    all of them when s_rel decides which draft (`relevance_decides`); else the first
+    `max_drafts` of each hypothesis, the only ones that can draft, whatever the others read."""
+    if relevance_decides(cfg):
+        return list(evidence)
+    admitted = Counter[int]()
+    out = []
+    for c in evidence:
+        if admitted[c.parent] < cfg.max_drafts:
+            admitted[c.parent] += 1
+            out.append(c)
+    return out
+
+
 def within_draft_budget(
     kept: Sequence[Candidate], cfg: DecodingConfig
 ) -> tuple[list[Candidate], int]:
@@ -106,6 +134,28 @@ def within_draft_budget(
     return out, len(kept) - len(out)
 
 
+def admitted(
+    candidates: Sequence[Candidate], cfg: DecodingConfig, work: StepWork
+) -> list[Candidate]:
+    """The `candidates` that draft: none of `pruned_by_relevance`, not `certainly_filtered`,
+    and within the draft budget; `work` counts the others as pruned or filtered."""
+    best: dict[int, float] = {}
+    for c in candidates:
+        if c.rel is not None:
+            best[c.parent] = max(best.get(c.parent, 0.0), relevance_score(c.rel.probs))
+    kept: list[Candidate] = []
+    for c in candidates:
+        if pruned_by_relevance(c, best, cfg):
+            work.pruned += 1
+        elif certainly_filtered(c, cfg):
+            work.filtered += 1
+        else:
+            kept.append(c)
+    kept, over_budget = within_draft_budget(kept, cfg)
+    work.pruned += over_budget
+    return kept
+
+
 def expand(
     critic: Critic,
     candidates: Sequence[Candidate],
@@ -120,25 +170,15 @@ def expand(
         work.timings_ms[stage] = work.timings_ms.get(stage, 0.0) + (clock() - start) * 1e3
 
     evidence = [c for c in candidates if c.branch.passage is not None]
+    read = relevance_to_read(evidence, cfg)
+    unread = {id(c) for c in evidence} - {id(c) for c in read}
     t = clock()
-    for c, rel in zip(evidence, critic.relevance([c.branch for c in evidence]), strict=True):
+    for c, rel in zip(read, critic.relevance([c.branch for c in read]), strict=True):
         c.rel = rel
         work.prefill_tokens += rel.prefill_tokens
     timed("relevance", t)
-    best: dict[int, float] = {}
-    for c in evidence:
-        if c.rel is not None:
-            best[c.parent] = max(best.get(c.parent, 0.0), relevance_score(c.rel.probs))
-    kept: list[Candidate] = []
-    for c in candidates:
-        if pruned_by_relevance(c, best, cfg):
-            work.pruned += 1
-        elif certainly_filtered(c, cfg):
-            work.filtered += 1
-        else:
-            kept.append(c)
-    kept, over_budget = within_draft_budget(kept, cfg)
-    work.pruned += over_budget
+    work.pruned += len(unread)
+    kept = admitted([c for c in candidates if id(c) not in unread], cfg, work)
 
     t = clock()
     todo = [c for c in kept if c.draft is None]
