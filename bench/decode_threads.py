@@ -17,59 +17,38 @@ accuracies of the two settings agree but for a greedy near-tie. Last line: name=
 
 from __future__ import annotations
 
-import argparse
-import collections
 import statistics
-import time
-from pathlib import Path
 
 from bench.branch_step import DecodeClock
-from bench.vs_vanilla import MAX_TOKENS, SELFRAG_CONFIG, K, held_out_questions
+from bench.turns import parse_turn_args, take_turns, vanilla_rag
+from bench.vs_vanilla import SELFRAG_CONFIG
 from selfrag.api import SelfRAG
-from selfrag.pipeline.evaluation.baselines import BaselineAnswerer
-from selfrag.pipeline.evaluation.qa_metrics import contains_answer
-from selfrag.schemas.decoding import DecodingConfig
 
 WAYS = ("selfrag fixed", "selfrag adaptive", "vanilla fixed", "vanilla adaptive")
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--home", required=True)
-    ap.add_argument("--data", default="../shared/data")
-    ap.add_argument("--questions", type=int, default=20)
-    args = ap.parse_args()
-
-    questions = held_out_questions(Path(args.data), args.questions)
+    args, questions = parse_turn_args(__doc__.split("\n\n")[0])
     clock = DecodeClock(by_sequences=True)
     clock.install()
-    seconds: dict[str, dict[str, float]] = {}
-    walls: dict[str, list[float]] = {w: [] for w in WAYS}
-    right: collections.Counter[str] = collections.Counter()
+    seconds: dict[str, dict[str, float]] = {w: {} for w in WAYS}
     with SelfRAG.open(args.home, cache={"query": False}) as rag:
         engine = rag.system.engine
-        vanilla = BaselineAnswerer(engine, rag.system.store)
-        vcfg = DecodingConfig(top_k=K, max_segments=1, max_segment_tokens=MAX_TOKENS)
         print(f"model {engine.model_id}, {engine.n_threads} threads", flush=True)
         for question, _ in questions:  # warm the passage states and the thread choice
             rag.answer(question, **SELFRAG_CONFIG)
         seconds = {w: {} for w in WAYS}  # the warm-up is not counted
-        for question, golds in questions:
-            for way in WAYS:
-                clock.seconds = seconds[way]
-                engine.adaptive_threads = way.endswith("adaptive")
-                # Each way starts from an empty KV cache: Self-RAG restores its passage states
-                # from the memory tier, and no way reuses the prompt the way before it computed.
-                engine.clear_cache()
-                started = time.perf_counter()
-                if way.startswith("selfrag"):
-                    r = rag.answer(question, **SELFRAG_CONFIG)
-                    ok = not r.abstained and contains_answer(r.answer, golds)
-                else:
-                    v = vanilla.answer(question, vcfg, retrieve=True)
-                    ok = contains_answer(v.answer, golds)
-                walls[way].append(time.perf_counter() - started)
-                right[way] += ok
+
+        def before(way: str) -> None:
+            clock.seconds = seconds[way]
+            engine.adaptive_threads = way.endswith("adaptive")
+
+        vanilla = vanilla_rag(rag)
+        ways = {
+            w: (lambda q: rag.answer(q, **SELFRAG_CONFIG)) if w.startswith("selfrag") else vanilla
+            for w in WAYS
+        }
+        turns = take_turns(rag, questions, ways, before)
         choice = engine.thread_choice()
     n = len(questions)
     print("| way | p50 s | mean s | accuracy | llama_decode s per answer by call |")
@@ -77,17 +56,17 @@ def main() -> None:
     for way in WAYS:
         split = ", ".join(f"{k} {v / n:.3f}" for k, v in sorted(seconds[way].items()))
         print(
-            f"| {way} | {statistics.median(walls[way]):.2f} | {statistics.mean(walls[way]):.2f} "
-            f"| {right[way] / n:.3f} | {split} |"
+            f"| {way} | {turns.p50(way):.2f} | {statistics.mean(turns.walls[way]):.2f} "
+            f"| {turns.right[way] / n:.3f} | {split} |"
         )
     print("threads chosen by call size (tokens: threads):", choice)
-    p50 = {w: statistics.median(walls[w]) for w in WAYS}
+    p50 = {w: turns.p50(w) for w in WAYS}
     print(
         f"selfrag_adaptive_over_fixed={p50['selfrag adaptive'] / p50['selfrag fixed']:.2f} "
         f"vanilla_adaptive_over_fixed={p50['vanilla adaptive'] / p50['vanilla fixed']:.2f} "
         f"selfrag_over_vanilla_fixed={p50['selfrag fixed'] / p50['vanilla fixed']:.2f} "
         f"selfrag_over_vanilla_adaptive={p50['selfrag adaptive'] / p50['vanilla adaptive']:.2f} "
-        f"same_accuracy={int(right['selfrag fixed'] == right['selfrag adaptive'])}"
+        f"same_accuracy={int(turns.right['selfrag fixed'] == turns.right['selfrag adaptive'])}"
     )
 
 
