@@ -3,7 +3,8 @@
 This is what the branch-generation pool does for a step, in one call: every evidence branch is
 read for relevance and pruned under `min_relevance` (or `relevance_margin` below the best
 passage of its hypothesis, or past the first `max_drafts` in `draft_order`) before it drafts;
-when s_rel can decide none of that, only the branches the budget admits are read;
+without a relevance filter, only the branches that the budget admits, or that could be promoted
+past them, are read;
 a branch the hard filters would reject whatever it drafts is skipped; the rest draft a segment (a
 no-retrieval branch reuses the closed-book draft its retrieval decision was read from, when
 there is one); drafts are critiqued for support (evidence branches) and utility. What comes
@@ -91,31 +92,49 @@ def _s_rel(c: Candidate) -> float:
     return relevance_score(c.rel.probs) if c.rel is not None else 0.0
 
 
-def relevance_decides(cfg: DecodingConfig) -> bool:
-    """Whether a branch's s_rel can keep it from drafting or let it draft before another: a
-    relevance filter (`min_relevance`, `relevance_margin` under 1, `require_relevant`) or a
-    `draft_order_margin` under 1 (s_rel lies in [0, 1], so a margin of 1 is never exceeded)."""
+def relevance_filtered(cfg: DecodingConfig) -> bool:
+    """Whether a relevance filter is on (`min_relevance`, `relevance_margin` under 1,
+    `require_relevant`): then every passage's s_rel can keep it from drafting."""
     return (
         bool(cfg.min_relevance)
         or (cfg.relevance_margin is not None and cfg.relevance_margin < 1.0)
         or cfg.require_relevant
-        or cfg.draft_order_margin < 1.0
     )
 
 
-def relevance_to_read(evidence: Sequence[Candidate], cfg: DecodingConfig) -> list[Candidate]:
-    """The evidence branches (in the retriever's order per hypothesis) whose relevance is read:
-    all of them when s_rel decides which draft (`relevance_decides`); else the first
-    `max_drafts` of each hypothesis, the only ones that can draft, whatever the others read."""
-    if relevance_decides(cfg):
-        return list(evidence)
+def read_relevance(
+    critic: Critic, evidence: Sequence[Candidate], cfg: DecodingConfig, work: StepWork
+) -> list[Candidate]:
+    """Read s_rel of the `evidence` branches (in the retriever's order per hypothesis) whose
+    reading can change what drafts, and return the others, which cannot draft. Under a
+    relevance filter that is all of them. Otherwise the first `max_drafts` of each hypothesis
+    are read; the rest only where the first reads under 1 - `draft_order_margin`, the one case
+    in which another passage can be promoted before it (`draft_order`: s_rel is at most 1)."""
+
+    def read(branches: Sequence[Candidate]) -> None:
+        if branches:
+            for c, rel in zip(
+                branches, critic.relevance([c.branch for c in branches]), strict=True
+            ):
+                c.rel = rel
+                work.prefill_tokens += rel.prefill_tokens
+
+    if relevance_filtered(cfg):
+        read(evidence)
+        return []
     admitted = Counter[int]()
-    out = []
+    first: list[Candidate] = []
     for c in evidence:
         if admitted[c.parent] < cfg.max_drafts:
             admitted[c.parent] += 1
-            out.append(c)
-    return out
+            first.append(c)
+    read(first)
+    leaders: dict[int, float] = {}
+    for c in first:
+        leaders.setdefault(c.parent, _s_rel(c))
+    contested = {p for p, s_rel in leaders.items() if s_rel + cfg.draft_order_margin < 1.0}
+    read([c for c in evidence if c.rel is None and c.parent in contested])
+    return [c for c in evidence if c.rel is None]
 
 
 def within_draft_budget(
@@ -169,13 +188,9 @@ def expand(
     def timed(stage: str, start: float) -> None:
         work.timings_ms[stage] = work.timings_ms.get(stage, 0.0) + (clock() - start) * 1e3
 
-    evidence = [c for c in candidates if c.branch.passage is not None]
-    read = relevance_to_read(evidence, cfg)
-    unread = {id(c) for c in evidence} - {id(c) for c in read}
     t = clock()
-    for c, rel in zip(read, critic.relevance([c.branch for c in read]), strict=True):
-        c.rel = rel
-        work.prefill_tokens += rel.prefill_tokens
+    evidence = [c for c in candidates if c.branch.passage is not None]
+    unread = {id(c) for c in read_relevance(critic, evidence, cfg, work)}
     timed("relevance", t)
     work.pruned += len(unread)
     kept = admitted([c for c in candidates if id(c) not in unread], cfg, work)

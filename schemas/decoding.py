@@ -80,17 +80,16 @@ class DecodingConfig(BaseModel):
         "step (docs/benchmarks.md).",
     )
     # The retriever's order transfers across corpora and models where a reading of s_rel on
-    # its own scale does not; letting the critique reorder it found the answering passage no
-    # more often on the tuning sets, and costs a relevance read of every passage.
+    # its own scale does not: the critique reorders it only on a clear call.
     draft_order_margin: float = Field(
-        1.0,
+        0.5,
         ge=0.0,
         le=1.0,
         description="Under max_drafts, branches draft in the retriever's order, except that "
         "one whose s_rel is more than this above that of the retriever's first passage drafts "
-        "before it (the most relevant first). 0: by s_rel alone; 1 (the default): the "
-        "retriever's order, and only the passages the budget admits are read for relevance "
-        "when no relevance filter is set (docs/evaluation.md).",
+        "before it (the most relevant first). 0: by s_rel alone; 1: the retriever's order. "
+        "Without a relevance filter, the other passages are read for relevance only when the "
+        "first reads under 1 minus this (docs/evaluation.md).",
     )
     min_support: SupportLevel | None = Field(
         None,

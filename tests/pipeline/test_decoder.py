@@ -108,34 +108,41 @@ def test_max_drafts_drafts_the_most_relevant_passages_only():
     assert out.segments[0].citation.passage_id == "p2"
 
 
-def test_by_default_the_retriever_s_first_passage_drafts_and_only_it_is_read_for_relevance():
-    critic = ScriptedCritic(relevance_of={"p1": 0.3, "p2": 0.9, "p3": 0.85})
-    decoder, _ = make(critic)
+def test_by_default_the_retriever_s_first_passage_drafts_unless_another_reads_far_more_relevant():
     config = settle_filters(DecodingConfig(mode="always", max_segments=1), "scripted")
+    critic = ScriptedCritic(relevance_of={"p1": 0.8, "p2": 0.9, "p3": 0.85})
+    decoder, _ = make(critic)
     out = decoder.answer("q", config)
     assert out.usage.branches_pruned == 2  # p2 and p3: the budget, not the filters
-    assert "relevance:1" in critic.calls  # p2 and p3 could not draft whatever they read
     assert "draft:2" in critic.calls  # p1 and the no-retrieval branch
     assert out.segments[0].citation.passage_id == "p1"
-    assert out.segments[0].s_rel == pytest.approx(0.3)
+    # p1 reads 0.5 or more: no passage can read more than the margin (0.5) above it, so the
+    # others are not read.
+    assert [c for c in critic.calls if c.startswith("relevance")] == ["relevance:1"]
+    # p3's read is more than draft_order_margin above p1's: the critique's clear call, which
+    # p1's weak read opens by having p2 and p3 read.
+    critic = ScriptedCritic(relevance_of={"p1": 0.3, "p2": 0.75, "p3": 0.85})
+    decoder, _ = make(critic)
+    out = decoder.answer("q", config)
+    assert out.segments[0].citation.passage_id == "p3"
+    assert out.segments[0].s_rel == pytest.approx(0.85)
+    assert [c for c in critic.calls if c.startswith("relevance")] == ["relevance:1", "relevance:2"]
 
 
-def test_every_passage_is_read_when_s_rel_can_decide_which_drafts():
-    settings = (
-        {"draft_order_margin": 0.5},
-        {"min_relevance": 0.2},
-        {"relevance_margin": 0.9},
-        {"require_relevant": True},
-        {"max_drafts": 3},
-    )
-    for dials in settings:
-        critic = ScriptedCritic(relevance_of={"p1": 0.3, "p2": 0.75, "p3": 0.85})
+def test_every_passage_is_read_under_a_relevance_filter_and_none_past_the_budget_at_margin_1():
+    for dials in ({"min_relevance": 0.2}, {"relevance_margin": 0.9}, {"require_relevant": True}):
+        critic = ScriptedCritic(relevance_of={"p1": 0.9, "p2": 0.75, "p3": 0.85})
         decoder, _ = make(critic)
         config = settle_filters(DecodingConfig(mode="always", max_segments=1, **dials), "scripted")
-        out = decoder.answer("q", config)
-        assert "relevance:3" in critic.calls, dials
-        if "draft_order_margin" in dials:  # p3's read is more than the margin above p1's
-            assert out.segments[0].citation.passage_id == "p3"
+        decoder.answer("q", config)
+        assert [c for c in critic.calls if c.startswith("relevance")] == ["relevance:3"], dials
+    critic = ScriptedCritic(relevance_of={"p1": 0.0, "p2": 0.75, "p3": 0.85})
+    decoder, _ = make(critic)
+    dials = {"draft_order_margin": 1.0, "max_drafts": 2}
+    config = settle_filters(DecodingConfig(mode="always", max_segments=1, **dials), "scripted")
+    out = decoder.answer("q", config)
+    assert [c for c in critic.calls if c.startswith("relevance")] == ["relevance:2"]
+    assert out.usage.branches_pruned == 1  # p3
 
 
 def test_draft_order_keeps_the_retriever_s_order_below_the_margin():
