@@ -14,6 +14,7 @@ the model says: s_sup is p(yes) times the share of those it holds.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 
 from selfrag.pipeline.critics.base import RESERVED_PIECES, Branch, Critic, LabelProbs, read_groups
@@ -31,7 +32,7 @@ from selfrag.pipeline.prompts import (
 from selfrag.pipeline.protocols import Generation, LanguageModel
 
 VERIFY_QUESTION = (
-    "Question: {question}\nAnswer: {answer}\n\n"
+    "Question: {question}\n\n"
     'Does the passage state that the answer to the question is "{answer}"? Reply yes or no.'
 )
 """The verification question, after the passage. Each placeholder is untrusted text."""
@@ -43,6 +44,12 @@ VERIFY_WORDS: dict[str, tuple[str, ...]] = {
     "yes": ("yes", "Yes", " yes", " Yes"),
     "no": ("no", "No", " no", " No"),
 }
+
+
+def verify_wording_id() -> str:
+    """A short digest of the verification question: reads, thresholds calibrated on them and
+    answers cached with them belong to one wording (a reworded question reads differently)."""
+    return hashlib.sha256(VERIFY_QUESTION.encode()).hexdigest()[:12]
 
 
 class VerifyReader:

@@ -11,6 +11,7 @@ import pytest
 
 from selfrag.infra.models.model_files import file_sha256
 from selfrag.pipeline.critics import CritiqueUnavailable
+from selfrag.pipeline.critics.verify import verify_wording_id
 from selfrag.runtime.model_artefacts import (
     GGUFModel,
     VLLMServerModel,
@@ -54,7 +55,7 @@ def test_a_gguf_fingerprint_names_the_file_its_heads_and_the_verification_read(
     assert source.fingerprint == f"m.gguf (m.gguf) sha256:{sha} heads:{file_sha256(heads)}"
     verify = _gguf(tmp_path / "v", support_read="verify")
     assert verify.heads_file is None  # none trained or shipped for these bytes
-    assert verify.fingerprint.endswith(f"sha256:{sha} support:verify")
+    assert verify.fingerprint.endswith(f"sha256:{sha} support:verify:{verify_wording_id()}")
     assert "engine" not in source.__dict__  # the identity comes from files only
 
 
