@@ -66,3 +66,19 @@ def _calibrate_collection(rag: LocalRuntime, settings: Settings) -> bool:
     if rag.store.count() == 0:
         return False
     return calibrate_on_first_use(rag, settings.decoding.critique, progress=sys.stderr.isatty())
+
+
+def calibrate_eval_systems(rag: LocalRuntime, systems: list[str], progress: bool) -> list[str]:
+    """`calibrate_on_first_use` for the critique source of each Self-RAG system an evaluation
+    is about to answer with on `rag`'s collection, since an evaluation measures what a user's
+    answers get (the native source only on a Self-RAG checkpoint: the evaluation refuses it
+    elsewhere). The sources calibrated now."""
+    if rag.store.count() == 0:
+        return []
+    sources = [s.removeprefix("selfrag-") for s in systems if s.startswith("selfrag-")]
+    if "native" in sources:
+        from selfrag.pipeline.critics.native import native_token_ids
+
+        if native_token_ids(rag.engine) is None:
+            sources.remove("native")
+    return [s for s in sources if calibrate_on_first_use(rag, s, progress=progress)]

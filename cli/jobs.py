@@ -100,6 +100,7 @@ def _calibrate_after_indexing(system: LocalRuntime, changed: bool, progress: boo
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
+    from selfrag.cli.first_use import calibrate_eval_systems
     from selfrag.jobs.evaluation.eval_plots import write_plots
     from selfrag.jobs.evaluation.eval_questions import load_questions
     from selfrag.jobs.evaluation.eval_report import render_summary, render_table
@@ -113,6 +114,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     settings = settings_from_args(args)
     with LocalRuntime(settings) as rag:
         ensure_indexed(rag, args.corpus, progress=not args.no_progress)
+        calibrate_eval_systems(rag, systems, progress=not args.no_progress)
         # Settled per system (its critique source) by runner_for and run_eval_systems.
         config = rag.answer_path.dials(overrides)
         if args.ray:

@@ -9,7 +9,11 @@ from typing import Any
 
 import pytest
 
-from selfrag.cli.first_use import calibrate_before_answering, calibrate_on_first_use
+from selfrag.cli.first_use import (
+    calibrate_before_answering,
+    calibrate_eval_systems,
+    calibrate_on_first_use,
+)
 from selfrag.schemas.settings import Settings
 
 
@@ -60,6 +64,20 @@ def test_not_when_calibrated_or_turned_off(tmp_path: Path, runs: list[str]):
     # Every source without a threshold gets one: no source has a constant to fall back on.
     assert calibrate_on_first_use(_rag(tmp_path, has=False, source="likelihood"), "x") is True
     assert runs == ["x"]
+
+
+def test_an_evaluation_calibrates_each_self_rag_system_s_source(tmp_path: Path, runs: list[str]):
+    rag = _rag(tmp_path, has=False)
+    rag.store = SimpleNamespace(count=lambda: 5)
+    systems = ["vanilla-rag", "selfrag-learned", "closed-book", "selfrag-likelihood"]
+    assert calibrate_eval_systems(rag, systems, progress=False) == ["learned", "likelihood"]
+    assert runs == ["learned", "likelihood"]
+    rag.store = SimpleNamespace(count=lambda: 0)  # an empty collection: nothing to calibrate on
+    assert calibrate_eval_systems(rag, systems, progress=False) == []
+    calibrated = _rag(tmp_path, has=True)
+    calibrated.store = SimpleNamespace(count=lambda: 5)
+    assert calibrate_eval_systems(calibrated, ["selfrag-learned"], progress=False) == []
+    assert runs == ["learned", "likelihood"]
 
 
 OPENED: list[Runtime] = []
