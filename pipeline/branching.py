@@ -122,11 +122,11 @@ def read_relevance(
     if relevance_filtered(cfg):
         read(evidence)
         return []
-    admitted = Counter[int]()
+    per_parent = Counter[int]()
     first: list[Candidate] = []
     for c in evidence:
-        if admitted[c.parent] < cfg.max_drafts:
-            admitted[c.parent] += 1
+        if per_parent[c.parent] < cfg.max_drafts:
+            per_parent[c.parent] += 1
             first.append(c)
     read(first)
     leaders: dict[int, float] = {}
