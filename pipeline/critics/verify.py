@@ -32,7 +32,7 @@ from selfrag.pipeline.prompts import (
 from selfrag.pipeline.protocols import Generation, LanguageModel
 
 VERIFY_QUESTION = (
-    "Question: {question}\n\n"
+    "Question: {question}\nAnswer: {answer}\n\n"
     'Does the passage state that the answer to the question is "{answer}"? Reply yes or no.'
 )
 """The verification question, after the passage. Each placeholder is untrusted text."""
