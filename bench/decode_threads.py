@@ -31,13 +31,13 @@ def main() -> None:
     args, questions = parse_turn_args(__doc__.split("\n\n")[0])
     clock = DecodeClock(by_sequences=True)
     clock.install()
-    seconds: dict[str, dict[str, float]] = {w: {} for w in WAYS}
     with SelfRAG.open(args.home, cache={"query": False}) as rag:
         engine = rag.system.engine
         print(f"model {engine.model_id}, {engine.n_threads} threads", flush=True)
         for question, _ in questions:  # warm the passage states and the thread choice
             rag.answer(question, **SELFRAG_CONFIG)
-        seconds = {w: {} for w in WAYS}  # the warm-up is not counted
+        # Counted from here: the warm-up is not.
+        seconds: dict[str, dict[str, float]] = {w: {} for w in WAYS}
 
         def before(way: str) -> None:
             clock.seconds = seconds[way]

@@ -32,15 +32,14 @@ def main() -> None:
         print(f"model {rag.system.engine.model_id}, {len(questions)} questions", flush=True)
         for question, _ in questions:  # every passage state warm in memory
             rag.answer(question, **SELFRAG_CONFIG, **EVERY_READ)
+        default, every, vanilla = WAYS
         turns = take_turns(
             rag,
             questions,
             {
-                "selfrag default": lambda q: rag.answer(q, **SELFRAG_CONFIG),
-                "selfrag every passage read": lambda q: rag.answer(
-                    q, **SELFRAG_CONFIG, **EVERY_READ
-                ),
-                "vanilla": vanilla_rag(rag),
+                default: lambda q: rag.answer(q, **SELFRAG_CONFIG),
+                every: lambda q: rag.answer(q, **SELFRAG_CONFIG, **EVERY_READ),
+                vanilla: vanilla_rag(rag),
             },
         )
     n = len(questions)
@@ -51,13 +50,14 @@ def main() -> None:
             f"| {way} | {turns.p50(way):.2f} | {statistics.mean(turns.walls[way]):.2f} "
             f"| {turns.prefill[way] / n:.0f} | {turns.right[way] / n:.3f} |"
         )
-    default, every, plain = (turns.p50(w) for w in WAYS)
+    p50 = {w: turns.p50(w) for w in WAYS}
     print(
-        f"default_over_every_read={default / every:.2f} default_over_vanilla={default / plain:.2f} "
-        f"every_read_over_vanilla={every / plain:.2f} "
-        f"default_prefill={turns.prefill[WAYS[0]] / n:.0f} "
-        f"every_read_prefill={turns.prefill[WAYS[1]] / n:.0f} "
-        f"same_accuracy={int(turns.right[WAYS[0]] == turns.right[WAYS[1]])}"
+        f"default_over_every_read={p50[default] / p50[every]:.2f} "
+        f"default_over_vanilla={p50[default] / p50[vanilla]:.2f} "
+        f"every_read_over_vanilla={p50[every] / p50[vanilla]:.2f} "
+        f"default_prefill={turns.prefill[default] / n:.0f} "
+        f"every_read_prefill={turns.prefill[every] / n:.0f} "
+        f"same_accuracy={int(turns.right[default] == turns.right[every])}"
     )
 
 

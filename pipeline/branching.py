@@ -92,6 +92,18 @@ def _s_rel(c: Candidate) -> float:
     return relevance_score(c.rel.probs) if c.rel is not None else 0.0
 
 
+def first_of_each_hypothesis(candidates: Sequence[Candidate], n: int) -> list[Candidate]:
+    """The first `n` of `candidates` of each hypothesis, in their order: what a draft budget
+    of `n` admits."""
+    taken = Counter[int]()
+    out = []
+    for c in candidates:
+        if taken[c.parent] < n:
+            taken[c.parent] += 1
+            out.append(c)
+    return out
+
+
 def relevance_filtered(cfg: DecodingConfig) -> bool:
     """Whether a relevance filter is on (`min_relevance`, `relevance_margin` under 1,
     `require_relevant`): then every passage's s_rel can keep it from drafting."""
@@ -122,12 +134,7 @@ def read_relevance(
     if relevance_filtered(cfg):
         read(evidence)
         return []
-    per_parent = Counter[int]()
-    first: list[Candidate] = []
-    for c in evidence:
-        if per_parent[c.parent] < cfg.max_drafts:
-            per_parent[c.parent] += 1
-            first.append(c)
+    first = first_of_each_hypothesis(evidence, cfg.max_drafts)
     read(first)
     leaders: dict[int, float] = {}
     for c in first:
@@ -143,12 +150,7 @@ def within_draft_budget(
     """`kept` with at most `cfg.max_drafts` evidence branches per hypothesis, chosen in
     `draft_order` (no-retrieval branches are not counted), and how many were left out."""
     evidence = draft_order([c for c in kept if c.rel is not None], cfg.draft_order_margin)
-    budget = Counter[int]()
-    allowed: set[int] = set()
-    for c in evidence:
-        if budget[c.parent] < cfg.max_drafts:
-            budget[c.parent] += 1
-            allowed.add(id(c))
+    allowed = {id(c) for c in first_of_each_hypothesis(evidence, cfg.max_drafts)}
     out = [c for c in kept if c.rel is None or id(c) in allowed]
     return out, len(kept) - len(out)
 
