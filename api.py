@@ -181,7 +181,7 @@ class SelfRAG:
         """The `top_k` passages the store finds for `query` (default: the configured top_k),
         most relevant first by the critique's relevance read (s_rel), no answer drafted."""
         overrides = DecodingOverrides.model_validate({"top_k": top_k, "critique": critique})
-        config = overrides.apply_to(self.settings.decoding)
+        config = self.system.answer_path.dials(overrides)
         critic = self.system.critic(config.critique)
         return ranked_passages(query, self.system.store, critic, config.top_k)
 

@@ -106,3 +106,17 @@ def test_the_http_app_answers_through_the_apis_client_without_serve(rag: SelfRAG
     ready = http.get("/readyz")
     assert ready.status_code == 200, ready.text
     assert ready.json()["checks"] == {"model": True, "store": True, "cache": True}
+
+
+def test_retrieve_ranks_by_relevance_under_the_configured_defaults(rag: SelfRAG):
+    question = "Who was the Norse leader who founded Normandy?"
+    default = rag.retrieve(question)
+    assert len(default) == rag.settings.decoding.top_k
+    two = rag.retrieve(question, top_k=2, critique="learned")
+    assert len(two) == 2
+    assert [p.s_rel for p in two] == sorted((p.s_rel for p in two), reverse=True)
+    assert {p.id for p in two} <= {p.id for p in rag.retrieve(question, top_k=5)}
+    with pytest.raises(ValidationError, match="top_k"):
+        rag.retrieve(question, top_k=0)
+    with pytest.raises(ValidationError, match="critique"):
+        rag.retrieve(question, critique="oracle")
