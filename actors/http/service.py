@@ -107,21 +107,46 @@ def service_errors() -> Iterator[None]:
         raise
 
 
+class _InflightCount:
+    """Admitted answers whose decoder has not ended, at most `limit`; admitted on the event loop,
+    released from any thread (a decoder outliving its request's 504)."""
+
+    def __init__(self, limit: int, metrics: Metrics) -> None:
+        self.limit = limit
+        self.value = 0
+        self._lock = threading.Lock()
+        self._metrics = metrics
+
+    def admit(self) -> _Admission | None:
+        """A place in the count, or None when every one is taken."""
+        with self._lock:
+            if self.value >= self.limit:
+                return None
+            self.value += 1
+            self._metrics.set_inflight(self.value)
+        return _Admission(self)
+
+    def give_back(self) -> None:
+        with self._lock:
+            self.value -= 1
+            self._metrics.set_inflight(self.value)
+
+
 class _Admission:
     """One admitted answer's place in the in-flight count, given back once, from any thread."""
 
-    def __init__(self, service: ServeAnswerService) -> None:
-        self._service = service
+    def __init__(self, count: _InflightCount) -> None:
+        self._count = count
         self.deferred = False
         self._released = False
+        self._lock = threading.Lock()
 
     def release(self) -> None:
-        with self._service._admissions:
+        with self._lock:
             if self._released:
                 return
             self._released = True
-            self._service._inflight -= 1
-            self._service._metrics.set_inflight(self._service._inflight)
+        self._count.give_back()
 
 
 class ServeAnswerService:
@@ -153,10 +178,7 @@ class ServeAnswerService:
         self._ranker = ranker
         self._path = path
         self._cache = path.cache
-        self._max_inflight = max_inflight
-        self._inflight = 0
-        # The count changes on the loop (admission) and in decoder threads (release).
-        self._admissions = threading.Lock()
+        self._inflight = _InflightCount(max_inflight, metrics)
         self._draining = False
         self._metrics = metrics
         # A thread per admitted answer: the default executor has only cpu+4 threads.
@@ -172,14 +194,14 @@ class ServeAnswerService:
     @property
     def inflight(self) -> int:
         """Admitted answers whose decoder has not ended yet."""
-        return self._inflight
+        return self._inflight.value
 
     def drain(self) -> int:
         """Admit no more answers (each is a 503 with Retry-After: the server is stopping) and
         return how many admitted ones are still running; `selfrag serve` calls it on a stop
         until that is 0 or its grace period ends."""
         self._draining = True
-        return self._inflight
+        return self._inflight.value
 
     # --- answering -------------------------------------------------------------------------------
 
@@ -207,15 +229,10 @@ class ServeAnswerService:
         self._check_collection(request)
         if self._draining:
             raise Overloaded("the server is stopping; retry in a moment")
-        with self._admissions:
-            full = self._inflight >= self._max_inflight
-            if not full:
-                self._inflight += 1
-                self._metrics.set_inflight(self._inflight)
-        if full:
+        slot = self._inflight.admit()
+        if slot is None:
             self._metrics.count_overload()
-            raise Overloaded(f"{self._max_inflight} answers in progress; retry later")
-        slot = _Admission(self)
+            raise Overloaded(f"{self._inflight.limit} answers in progress; retry later")
         try:
             with service_errors():
                 return await self._answer(request, on_step, slot, config)
