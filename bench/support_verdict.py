@@ -18,7 +18,9 @@ Candidates: `source` (the critique source's own s_sup: heads, answerability mode
 passage), `verify_followup` (the same question as a user turn after the draft, on the drafting
 sequence), `grounding` (the share of the draft's
 numbers and names found in the passage or question, `pipeline.grounding`; 1 when it states
-none), `relevance` (s_rel of the branch), `verify*grounding`, and with `--critic-model` that
+none), `relevance` (s_rel of the branch), `retrieval` (the retriever's dense score: the
+embedder's cosine of question and passage), `verify*grounding`, `verify*grounding*retrieval`,
+and with `--critic-model` that
 preset's verification read of the same drafts (`critic_model`, in a conversation of its own).
 With `--heads H…` only the s_sup of each heads file (`heads:<file stem>`, the learned critique on
 the same model, nothing folded in) is scored instead, e.g. heads trained with and without a critic's
@@ -40,6 +42,8 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+
+import numpy as np
 
 from selfrag.infra.settings_loader import load_settings
 from selfrag.pipeline.critics import Branch, Critic
@@ -177,13 +181,18 @@ def score(
         if t.branch.passage is not None
     ]
     clock["grounding"] = 0.0
+    retrieval = timed(lambda: cosines(rag, items), n, clock, "retrieval")
     values = {
         "source": source,
         "verify": verify,
         "verify_followup": followed,
         "grounding": grounding,
         "relevance": relevance,
+        "retrieval": retrieval,
         "verify*grounding": [v * g for v, g in zip(verify, grounding, strict=True)],
+        "verify*grounding*retrieval": [
+            v * g * r for v, g, r in zip(verify, grounding, retrieval, strict=True)
+        ],
         "followup*grounding": [v * g for v, g in zip(followed, grounding, strict=True)],
     }
     if judge is not None:
@@ -192,6 +201,16 @@ def score(
             v * g for v, g in zip(values_judge, grounding, strict=True)
         ]
     return values, clock
+
+
+def cosines(rag: LocalRuntime, items: Sequence[Triple]) -> list[float]:
+    """The embedder's cosine of each triple's question and passage: the dense retriever's score."""
+    out = []
+    for t in items:
+        assert t.branch.passage is not None
+        q, p = rag.embedder.embed([t.branch.question, t.branch.passage.text])
+        out.append(float(q @ p / (np.linalg.norm(q) * np.linalg.norm(p))))
+    return out
 
 
 def score_heads(rag: LocalRuntime, items: Sequence[Triple], heads: Sequence[Path]) -> tuple:
