@@ -6,12 +6,13 @@ sentence, with its own passage, with a near neighbour lacking its answer, or per
 trap on its own passage) the system's own
 critique does what the decoder does for a first-step evidence branch, `Branch(question, "",
 passage)`: relevance, then a draft of `max_segment_tokens`, then support, and s_sup is
-`pipeline.scoring.support_score` of that. The critic is the one the system serves
-(`LocalRuntime.critic`: heads, answerability model and all). The threshold is
-`choose_threshold` of the two s_sup lists: the highest that abstains on at most
+`pipeline.scoring.support_score` of that, weighed by the passage's similarity to the question
+(`pipeline.scoring.evidence_support`, as the decoder's filter weighs it). The critic is the one
+the system serves (`LocalRuntime.critic`: heads, answerability model and all). The threshold is
+`choose_threshold` of the two score lists: the highest that abstains on at most
 `max_answerable_abstain` of the answerable pairs. An index of several collections (corpus
 files) is sampled and thresholded per collection, and the lowest collection's threshold is
-kept, so that it holds the budget in each (s_sup's scale moves between collections). Cost:
+kept, so that it holds the budget in each (the score's scale moves between collections). Cost:
 the number of pairs times three critique calls, whatever the corpus size (the passages are
 sampled in one pass over the index).
 """
@@ -43,7 +44,7 @@ from selfrag.pipeline.learning.synthetic_qa import (
     threshold_effect,
 )
 from selfrag.pipeline.protocols import COLLECTION
-from selfrag.pipeline.scoring import relevance_score, support_score
+from selfrag.pipeline.scoring import evidence_support, relevance_score, support_score
 from selfrag.schemas.calibration import SupportCalibration
 from selfrag.schemas.decoding import DecodingConfig
 from selfrag.schemas.settings import DEFAULT_COLLECTION
@@ -87,8 +88,15 @@ class PairScore:
     s_rel: float
     s_sup: float | None
     """None when the draft was empty (the decoder drops such a branch)."""
+    similarity: float
+    """The retriever's similarity of the pair's passage to its question."""
     pruned: bool
     """Whether the source's default relevance filter would prune it before drafting."""
+
+    @property
+    def score(self) -> float | None:
+        """What the support threshold is compared with (`evidence_support`)."""
+        return None if self.s_sup is None else evidence_support(self.s_sup, self.similarity)
 
 
 def score_pairs(
@@ -129,7 +137,9 @@ def score_pairs(
         }
         for i, (pair, rel) in enumerate(zip(chunk, rels, strict=True)):
             s_rel = relevance_score(rel.probs)
-            out.append(PairScore(pair, s_rel, s_sup.get(i), s_rel < (cfg.min_relevance or 0.0)))
+            (similarity,) = rag.store.similarities(pair.question.question, [pair.passage])
+            pruned = s_rel < (cfg.min_relevance or 0.0)
+            out.append(PairScore(pair, s_rel, s_sup.get(i), similarity, pruned))
         bar.update(len(chunk))
     bar.close()
     return out
@@ -153,8 +163,8 @@ def calibrate_support(
     pairs = draw_pairs(rag, plan)
     _enough(sum(1 for p in pairs if p.answerable))  # before any model work
     scores = score_pairs(rag, source, pairs, plan, progress=progress)
-    answerable = [s.s_sup for s in scores if s.pair.answerable and s.s_sup is not None]
-    unanswerable = [s.s_sup for s in scores if not s.pair.answerable and s.s_sup is not None]
+    answerable = [s.score for s in scores if s.pair.answerable and s.score is not None]
+    unanswerable = [s.score for s in scores if not s.pair.answerable and s.score is not None]
     _enough(len(answerable))
     name = rag.critic(source).name
     per_collection = _collection_choices(scores, plan.max_answerable_abstain)
@@ -200,7 +210,7 @@ def _score_summary(
         "auroc_by_trap": {
             trap: _auroc(
                 answerable,
-                [s.s_sup for s in scores if s.pair.trap == trap and s.s_sup is not None],
+                [s.score for s in scores if s.pair.trap == trap and s.score is not None],
             )
             for trap in sorted({s.pair.trap for s in scores if s.pair.trap is not None})
         },
@@ -280,9 +290,9 @@ def _collection_choices(
     out: dict[str, ThresholdChoice] = {}
     names = sorted({_collection(s) for s in scores})
     for name in names:
-        mine = [s for s in scores if _collection(s) == name and s.s_sup is not None]
-        ans = [s.s_sup for s in mine if s.pair.answerable and s.s_sup is not None]
-        unans = [s.s_sup for s in mine if not s.pair.answerable and s.s_sup is not None]
+        mine = [s for s in scores if _collection(s) == name and s.score is not None]
+        ans = [s.score for s in mine if s.pair.answerable and s.score is not None]
+        unans = [s.score for s in mine if not s.pair.answerable and s.score is not None]
         if len(ans) >= MIN_ANSWERABLE:
             out[name] = choose_threshold(ans, unans, max_answerable_abstain)
     return out
@@ -317,7 +327,7 @@ def describe(cal: SupportCalibration, path: Path) -> str:
             f"support threshold ({cal.critique}, {cal.model_file}, collection "
             f"{cal.index_collection or DEFAULT_COLLECTION}): min_support_score "
             f"{cal.min_support_score:.4f} -> {path}",
-            f"  {cal.questions} synthetic questions ({cal.style}); s_sup answerable "
+            f"  {cal.questions} synthetic questions ({cal.style}); support score answerable "
             f"n={a.get('n')} p10 {a.get('p10', '-')} p50 {a.get('p50', '-')}, unanswerable "
             f"n={u.get('n')} p10 {u.get('p10', '-')} p50 {u.get('p50', '-')}; AUROC "
             f"{'-' if cal.auroc is None else f'{cal.auroc:.3f}'}"

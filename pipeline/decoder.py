@@ -223,12 +223,7 @@ class BeamDecoder:
             abstained=abstained,
             support=run.support,
             segments=list(best.segments),
-            passages=[
-                PassageOut(
-                    id=p.id, title=p.title, url=p.metadata.get("url"), text=p.text, score=p.score
-                )
-                for p in order
-            ],
+            passages=[PassageOut.model_validate(p.shown()) for p in order],
             usage=run.usage,
             timings_ms={k: round(v, 2) for k, v in run.timings.items()},
             model_id=self._model_id,

@@ -166,6 +166,21 @@ class Passage:
     title: str | None = None
     score: float = 0.0
     metadata: dict[str, str] = field(default_factory=dict)
+    similarity: float | None = None
+    """The retriever's dense score: the embedder's cosine of the query that found the passage
+    and the passage (`score` is a fused rank score when the search is hybrid); None when the
+    retriever gives none."""
+
+    def shown(self) -> dict[str, object]:
+        """The fields an answer shows of this passage (`schemas.answer.PassageOut`'s)."""
+        return {
+            "id": self.id,
+            "title": self.title,
+            "url": self.metadata.get("url"),
+            "text": self.text,
+            "score": self.score,
+            "similarity": self.similarity,
+        }
 
 
 COLLECTION = "collection"

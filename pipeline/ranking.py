@@ -11,6 +11,7 @@ from selfrag.pipeline.grounding import missing_terms
 from selfrag.pipeline.protocols import Generation
 from selfrag.pipeline.scoring import (
     CritiqueWeights,
+    evidence_support,
     most_likely,
     relevance_score,
     segment_score,
@@ -74,6 +75,7 @@ class Candidate:
             rel=self.rel.probs if self.rel is not None else None,
             sup=self.sup.probs if self.sup is not None else None,
             use=self.use.probs if self.use is not None else None,
+            similarity=p.similarity if p is not None else None,
             unsupported_terms=tuple(missing_terms(d.text, p.text, self.branch.question))
             if p is not None
             else (),
@@ -98,6 +100,16 @@ class Drafted:
     use: dict[str, float] | None
     unsupported_terms: tuple[str, ...] = ()
     """Numbers and names of the segment that neither its passage nor the question holds."""
+    similarity: float | None = None
+    """The retriever's similarity of the branch's passage to the query (`Passage.similarity`)."""
+
+    @property
+    def evidence_support(self) -> float | None:
+        """s_sup weighed by the passage's similarity (`scoring.evidence_support`): what
+        `min_support_score` is compared with; None when the branch has no support read."""
+        if self.sup is None:
+            return None
+        return evidence_support(support_score(self.sup), self.similarity)
 
     @property
     def grounded(self) -> bool:
@@ -120,7 +132,8 @@ def passes_filters(c: Drafted, cfg: DecodingConfig) -> bool:
     ):
         return False
     if cfg.min_support_score:
-        if c.sup is None or support_score(c.sup) < cfg.min_support_score:
+        score = c.evidence_support
+        if score is None or score < cfg.min_support_score:
             return False
     if cfg.min_support not in (None, "none"):
         if c.sup is None:
@@ -132,14 +145,15 @@ def passes_filters(c: Drafted, cfg: DecodingConfig) -> bool:
 
 
 def best_support(drafted: Sequence[Drafted], cfg: DecodingConfig) -> float | None:
-    """The highest s_sup among the grounded `drafted` branches that pass every hard filter but
-    `min_support_score`. With that filter on (and `on_unsupported` abstain), a hypothesis
-    without segments whose step retrieved abstains exactly when this is None or below it."""
+    """The highest `Drafted.evidence_support` among the grounded `drafted` branches that pass
+    every hard filter but `min_support_score`. With that filter on (and `on_unsupported`
+    abstain), a hypothesis without segments whose step retrieved abstains exactly when this is
+    None or below it."""
     others = cfg.model_copy(update={"min_support_score": 0.0})
     scores = [
-        support_score(c.sup)
+        score
         for c in drafted
-        if c.grounded and c.sup is not None and passes_filters(c, others)
+        if c.grounded and (score := c.evidence_support) is not None and passes_filters(c, others)
     ]
     return max(scores, default=None)
 

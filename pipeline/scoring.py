@@ -50,6 +50,21 @@ def support_score(probs: Mapping[str, float]) -> float:
     return (full + 0.5 * partial) / total if total > 0.0 else 0.0
 
 
+SUPPORT_THRESHOLD_SCORE = "threshold:s_sup*similarity"
+"""Names the number `min_support_score` is compared with (`evidence_support`) in the model
+fingerprint, so that a threshold calibrated, or an answer cached, on another is not used."""
+
+
+def evidence_support(s_sup: float, similarity: float | None) -> float:
+    """s_sup times the retriever's similarity of the branch's passage to the query (clamped
+    to [0, 1]; s_sup alone when the retriever gives none): the number the support threshold
+    (`min_support_score`) is compared with. A passage far from the question lowers it as a
+    supported-sounding draft cannot (docs/evaluation.md)."""
+    if similarity is None or math.isnan(similarity):
+        return s_sup
+    return s_sup * min(max(similarity, 0.0), 1.0)
+
+
 def utility_score(probs: Mapping[str, float]) -> float:
     """s_use = Σ w_i·p(i) / Σ p(i) over ratings 1..5, w = (−1, −0.5, 0, 0.5, 1); 0 without mass."""
     masses = [_p(probs, str(rating)) for rating in range(1, 6)]

@@ -24,6 +24,7 @@ from selfrag.pipeline.critics import RESERVED_PIECES, Critic, CritiqueUnavailabl
 from selfrag.pipeline.critics.factory import auto_source
 from selfrag.pipeline.critics.verify import verify_wording_id
 from selfrag.pipeline.heads import HeadsError, ReflectionHeads
+from selfrag.pipeline.scoring import SUPPORT_THRESHOLD_SCORE
 from selfrag.schemas.settings import ModelSettings, Settings
 
 if TYPE_CHECKING:  # heavy modules (llama.cpp) load only when the engine is built
@@ -206,20 +207,22 @@ class GGUFModel(ModelArtefacts):
     @cached_property
     def fingerprint(self) -> str:
         """The engine's model id, the GGUF file's SHA-256, its reflection heads file's and its
-        answerability models' (each changes the answers), without loading the engine (the
-        batch driver has none)."""
+        answerability models' or the verification question's (each changes the answers), and
+        what the support threshold is compared with, without loading the engine (the batch
+        driver has none)."""
         from selfrag.infra.models.model_files import file_sha256
 
         fingerprint = f"{model_id_for(self.settings.model, self.path)} sha256:{self.sha256}"
         if self.heads_file is not None:
             fingerprint += f" heads:{file_sha256(self.heads_file)}"
         if self.settings.model.support_read == "verify":
-            return fingerprint + f" support:verify:{verify_wording_id()}"
-        for source in CRITIQUE_SOURCES:
-            path = self.answerability_file(source)
-            if path is not None:
-                fingerprint += f" answerability-{source}:{file_sha256(path)}"
-        return fingerprint
+            fingerprint += f" support:verify:{verify_wording_id()}"
+        else:
+            for source in CRITIQUE_SOURCES:
+                path = self.answerability_file(source)
+                if path is not None:
+                    fingerprint += f" answerability-{source}:{file_sha256(path)}"
+        return f"{fingerprint} {SUPPORT_THRESHOLD_SCORE}"
 
     @cached_property
     def engine(self) -> LlamaEngine:

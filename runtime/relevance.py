@@ -22,11 +22,4 @@ def ranked_passages(
 
 
 def _ranked(p: Passage, s_rel: float) -> RankedPassage:
-    return RankedPassage(
-        id=p.id,
-        title=p.title,
-        url=p.metadata.get("url"),
-        text=p.text,
-        score=p.score,
-        s_rel=min(max(s_rel, 0.0), 1.0),
-    )
+    return RankedPassage.model_validate(p.shown() | {"s_rel": min(max(s_rel, 0.0), 1.0)})

@@ -127,6 +127,11 @@ class PassageOut(BaseModel):
     url: str | None = Field(None, description="The document's own URL, when the corpus gave one.")
     text: str
     score: float = Field(description="Retrieval score from the store.")
+    similarity: float | None = Field(
+        None,
+        description="The embedder's cosine of the query and the passage (the retriever's dense "
+        "score; `score` is a fused rank score when the search is hybrid).",
+    )
 
 
 class Usage(BaseModel):
@@ -151,8 +156,10 @@ class AnswerResponse(BaseModel):
         None,
         ge=0.0,
         le=1.0,
-        description="The highest s_sup among the first step's grounded branches that pass "
-        "every hard filter but min_support_score: with that filter on, an answer whose first "
+        description="The highest s_sup times passage similarity (each branch's s_sup weighed by "
+        "its passage's `similarity`, when the retriever gives one) among the first step's "
+        "grounded branches that pass every hard filter but min_support_score: with that "
+        "filter on, an answer whose first "
         "step retrieved abstains exactly when this is None or below it. None when nothing "
         "grounded was drafted first (no retrieval, every passage pruned).",
     )

@@ -100,7 +100,8 @@ class DecodingConfig(BaseModel):
         None,
         ge=0.0,
         le=1.0,
-        description="Hard filter: a grounded branch's s_sup must reach this. None: calibrated "
+        description="Hard filter: a grounded branch's s_sup, times its passage's similarity to "
+        "the query when the retriever gives one, must reach this. None: calibrated "
         "on the served corpus for the model and critique source (`selfrag calibrate`, or the "
         "first `selfrag ask`), else 0 (off).",
     )

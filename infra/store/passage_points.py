@@ -70,8 +70,8 @@ def document_batches(passages: Iterable[Passage], size: int) -> Iterator[list[Pa
     return document_chunks((list(run) for _, run in groupby(passages, key=doc_id)), size)
 
 
-def passage_of(payload: dict[str, Any], score: float) -> Passage:
-    """The passage a point's payload holds, with its search `score`."""
+def passage_of(payload: dict[str, Any], score: float, similarity: float | None = None) -> Passage:
+    """The passage a point's payload holds, with its search `score` and `similarity`."""
     doc = str(payload.get("doc_id", ""))
     url = payload.get("url")
     page = payload.get("page")
@@ -84,4 +84,5 @@ def passage_of(payload: dict[str, Any], score: float) -> Passage:
         | ({"url": url} if isinstance(url, str) else {})
         | {key: payload[key] for key in _KEPT if isinstance(payload.get(key), str)}
         | ({"page": str(page)} if isinstance(page, int) and not isinstance(page, bool) else {}),
+        similarity=similarity,
     )

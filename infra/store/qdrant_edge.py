@@ -34,6 +34,7 @@ from selfrag.infra.store.qdrant_engine import (
     RRF_K,
     SPARSE,
     Embedder,
+    Hit,
     PointData,
     Search,
     StoreError,
@@ -272,17 +273,22 @@ class EdgeEngine:
     def count(self) -> int:
         return int(self._require().count(edge.CountRequest(exact=True)))
 
-    def search(self, searches: Sequence[Search]) -> list[list[tuple[dict[str, Any], float]]]:
+    def search(self, searches: Sequence[Search]) -> list[list[Hit]]:
         requests = [self._request(s) for s in searches]
         results = self._require().query_batch(edge.QueryBatchRequest(requests))
-        return [[(dict(p.payload or {}), float(p.score)) for p in hits] for hits in results]
+        return [
+            [Hit(dict(p.payload or {}), float(p.score), dense_of(p.vector)) for p in hits]
+            for hits in results
+        ]
 
     @staticmethod
     def _request(s: Search) -> edge.QueryRequest:
         dense = edge.Query.Nearest(s.dense, using=DENSE)
         if s.terms is None or not s.terms.indices:
             # Not hybrid, or a query of stop words only: the sparse branch would find nothing.
-            return edge.QueryRequest(limit=s.limit, query=dense, with_payload=True)
+            return edge.QueryRequest(
+                limit=s.limit, query=dense, with_payload=True, with_vector=[DENSE]
+            )
         terms = edge.SparseVector(s.terms.indices, s.terms.values)
         depth = prefetch_depth(s.limit)
         return edge.QueryRequest(
@@ -293,6 +299,7 @@ class EdgeEngine:
             ],
             query=edge.Fusion.Rrf(k=RRF_K),
             with_payload=True,
+            with_vector=[DENSE],
         )
 
     def scroll(self, limit: int, offset: Any) -> tuple[list[dict[str, Any]], Any]:

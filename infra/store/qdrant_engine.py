@@ -87,6 +87,16 @@ class PointData:
 
 
 @dataclass(frozen=True)
+class Hit:
+    """One search result: the point's payload, its score (cosine similarity, or the RRF score
+    of a hybrid query) and its dense vector."""
+
+    payload: dict[str, Any]
+    score: float
+    dense: Sequence[float]
+
+
+@dataclass(frozen=True)
 class Search:
     """One query: its dense vector and, for hybrid search, its BM25 terms."""
 
@@ -119,7 +129,7 @@ class Engine(Protocol):
 
     def count(self) -> int: ...
 
-    def search(self, searches: Sequence[Search]) -> list[list[tuple[dict[str, Any], float]]]: ...
+    def search(self, searches: Sequence[Search]) -> list[list[Hit]]: ...
 
     def scroll(self, limit: int, offset: Any) -> tuple[list[dict[str, Any]], Any]: ...
 
@@ -133,6 +143,15 @@ class Engine(Protocol):
 def prefetch_depth(k: int) -> int:
     """How many hits each branch of a hybrid query fetches before fusion, for `k` results."""
     return max(k * _HYBRID_PREFETCH_FACTOR, _HYBRID_PREFETCH_MIN)
+
+
+def cosine(a: Sequence[float], b: Sequence[float]) -> float:
+    """The cosine similarity of two dense vectors, to 6 decimals (one text embedded twice can
+    differ in the last bits, and a search repeated should give the same passages); 0 when
+    either is zero."""
+    x, y = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    norms = float(np.linalg.norm(x) * np.linalg.norm(y))
+    return round(float(x @ y) / norms, 6) if norms > 0.0 else 0.0
 
 
 def dense_of(vector: Any) -> Sequence[float]:

@@ -9,6 +9,7 @@ from selfrag.infra.store.qdrant_engine import (
     DENSE,
     RRF_K,
     SPARSE,
+    Hit,
     PointData,
     Search,
     dense_of,
@@ -120,13 +121,19 @@ class ServerEngine:
     def count(self) -> int:
         return int(self._client.count(self._collection, exact=True).count)
 
-    def search(self, searches: Sequence[Search]) -> list[list[tuple[dict[str, Any], float]]]:
+    def search(self, searches: Sequence[Search]) -> list[list[Hit]]:
         m = self._models
         requests = []
         for s in searches:
             if s.terms is None or not s.terms.indices:
                 requests.append(
-                    m.QueryRequest(query=s.dense, using=DENSE, limit=s.limit, with_payload=True)
+                    m.QueryRequest(
+                        query=s.dense,
+                        using=DENSE,
+                        limit=s.limit,
+                        with_payload=True,
+                        with_vector=[DENSE],
+                    )
                 )
                 continue
             depth = prefetch_depth(s.limit)
@@ -140,10 +147,14 @@ class ServerEngine:
                     query=m.RrfQuery(rrf=m.Rrf(k=RRF_K)),
                     limit=s.limit,
                     with_payload=True,
+                    with_vector=[DENSE],
                 )
             )
         responses = self._client.query_batch_points(self._collection, requests=requests)
-        return [[(dict(p.payload or {}), float(p.score)) for p in r.points] for r in responses]
+        return [
+            [Hit(dict(p.payload or {}), float(p.score), dense_of(p.vector)) for p in r.points]
+            for r in responses
+        ]
 
     def scroll(self, limit: int, offset: Any) -> tuple[list[dict[str, Any]], Any]:
         points, next_offset = self._client.scroll(

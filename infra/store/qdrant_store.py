@@ -34,6 +34,7 @@ from selfrag.infra.store.qdrant_engine import (
     StoreHeld,
     StoreMisconfigured,
     StoreUnavailable,
+    cosine,
     point_id,
 )
 from selfrag.infra.store.qdrant_facts import NO_VERSION, adopt, check_facts, new_facts, replaced_by
@@ -231,7 +232,8 @@ class QdrantStore(Closeable):
         """The `k` best passages for `query`, best first; [] when nothing is indexed.
 
         Dense cosine search, or with `settings.hybrid` dense and BM25 results fused by RRF.
-        `Passage.score` is Qdrant's score (cosine similarity, or the RRF score when hybrid).
+        `Passage.score` is Qdrant's score (cosine similarity, or the RRF score when hybrid);
+        `Passage.similarity` is the cosine similarity either way.
         """
         return self.search_many([query], k)[0]
 
@@ -254,7 +256,18 @@ class QdrantStore(Closeable):
             for q, vector in zip(queries, dense, strict=True)
         ]
         results = self._engine.search(searches)
-        return [[passage_of(payload, score) for payload, score in hits] for hits in results]
+        return [
+            [passage_of(h.payload, h.score, cosine(vector, h.dense)) for h in hits]
+            for vector, hits in zip(dense, results, strict=True)
+        ]
+
+    def similarities(self, query: str, passages: Sequence[Passage]) -> list[float]:
+        """The embedder's cosine of `query` and each of `passages` as indexed: the
+        `Passage.similarity` a search for `query` would give them, found or not."""
+        if not passages:
+            return []
+        vectors = self._embedder.embed([query, *(embedded_text(p) for p in passages)])
+        return [cosine(vectors[0], v) for v in vectors[1:]]
 
     def passages(self, batch: int = 256) -> Iterator[Passage]:
         """Every indexed passage, in the collection's point order (for `selfrag train`)."""

@@ -117,12 +117,7 @@ class BaselineAnswerer:
             answer=text,
             abstained=abstained,
             segments=[segment] if text else [],
-            passages=[
-                PassageOut(
-                    id=p.id, title=p.title, url=p.metadata.get("url"), text=p.text, score=p.score
-                )
-                for p in passages
-            ],
+            passages=[PassageOut.model_validate(p.shown()) for p in passages],
             usage=Usage(
                 prefill_tokens=gen.prefill_tokens,
                 decode_tokens=len(gen.tokens),

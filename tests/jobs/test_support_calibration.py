@@ -276,6 +276,10 @@ class FakeStore:
     def passages(self) -> list[Passage]:
         return list(self._passages)
 
+    def similarities(self, query: str, passages: list[Passage]) -> list[float]:
+        # Neutral: the thresholds these tests check are s_sup's own.
+        return [1.0] * len(passages)
+
     def count(self) -> int:
         return len(self._passages)
 
@@ -336,6 +340,30 @@ def test_the_job_reads_each_pair_as_a_first_step_branch_and_saves_the_threshold(
     assert critic.asked and all(b.prefix == "" and b.passage is not None for b in critic.asked)
     # Answers through this system now take it.
     assert rag.calibrated.filters("learned") == {"min_support_score": cal.min_support_score}
+
+
+def test_the_threshold_is_fitted_on_s_sup_weighed_by_the_pairs_similarity(
+    tmp_path: Path,
+) -> None:
+    from selfrag.jobs.support_calibration import CorpusCalibrationPlan, calibrate_support
+
+    passages = [
+        Passage(f"p{i}-{j}", text.replace("the", f"the{j}" if j else "the"), f"T{i}")
+        for j in range(4)
+        for i, text in enumerate(TEXTS)
+    ]
+    plan = CorpusCalibrationPlan(questions=12)
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    neutral, _ = calibrate_support(
+        _fake_rag(tmp_path / "a", passages, OverlapCritic(name="learned")), plan, progress=False
+    )
+    far = _fake_rag(tmp_path / "b", passages, OverlapCritic(name="learned"))
+    far.store.similarities = lambda query, ps: [0.5] * len(ps)
+    halved, _ = calibrate_support(far, plan, progress=False)
+    # The decoder compares s_sup x similarity with the threshold: so does the calibration.
+    assert halved.min_support_score == pytest.approx(neutral.min_support_score / 2, abs=1e-6)
+    assert halved.answerable["p50"] == pytest.approx(neutral.answerable["p50"] / 2, abs=1e-4)
 
 
 def test_the_job_saves_under_the_index_collection_it_ran_on(tmp_path: Path) -> None:

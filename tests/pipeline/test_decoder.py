@@ -268,6 +268,29 @@ def test_support_is_what_min_support_score_thresholds():
     assert decoder.answer("q", cfg(mode="never")).support is None
 
 
+def test_the_support_threshold_weighs_s_sup_by_the_passages_similarity():
+    # p1 reads s_sup 0.9 on a passage far from the question (similarity 0.4): 0.36; p2 reads
+    # 0.6 on a close one (0.9): 0.54. The threshold compares those, the ranking keeps s_sup.
+    passages = [
+        Passage("p1", "Normandy is a region of France.", "Normandy", 0.9, similarity=0.4),
+        Passage("p2", "Rollo was a Viking leader.", "Rollo", 0.8, similarity=0.9),
+    ]
+    critic = ScriptedCritic(
+        relevance_of={"p1": 0.9, "p2": 0.9},
+        drafts={"p1": (" A.", -0.1, "eos"), "p2": (" B.", -0.1, "eos"), None: (" C.", -9, "eos")},
+        support_of={"p1": {"full": 0.9, "none": 0.1}, "p2": {"full": 0.6, "none": 0.4}},
+    )
+    decoder, _ = make(critic, passages)
+    out = decoder.answer("q", cfg())
+    assert out.support == pytest.approx(0.54)
+    assert out.segments[0].citation.passage_id == "p1"  # unfiltered, s_sup ranks
+    assert out.segments[0].s_sup == pytest.approx(0.9)
+    assert [p.similarity for p in out.passages] == [0.4, 0.9]
+    out = decoder.answer("q", cfg(min_support_score=0.5))
+    assert not out.abstained and out.segments[0].citation.passage_id == "p2"
+    assert decoder.answer("q", cfg(min_support_score=0.55)).abstained
+
+
 def test_require_relevant_filter():
     critic = ScriptedCritic(
         relevance_of={"p1": 0.4, "p2": 0.6}, drafts={"p1": (" x.", -0.1, "eos")}

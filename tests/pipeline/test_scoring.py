@@ -81,3 +81,13 @@ def test_most_likely_breaks_ties_by_order():
         == "partial"
     )
     assert most_likely({}, ("full", "partial", "none")) == "full"
+
+
+def test_evidence_support_weighs_s_sup_by_similarity_clamped():
+    from selfrag.pipeline.scoring import evidence_support
+
+    assert evidence_support(0.8, 0.5) == pytest.approx(0.4)
+    assert evidence_support(0.8, None) == pytest.approx(0.8)
+    assert evidence_support(0.8, float("nan")) == pytest.approx(0.8)
+    assert evidence_support(0.8, -0.2) == 0.0
+    assert evidence_support(0.8, 1.3) == pytest.approx(0.8)

@@ -12,6 +12,7 @@ import pytest
 from selfrag.infra.models.model_files import file_sha256
 from selfrag.pipeline.critics import CritiqueUnavailable
 from selfrag.pipeline.critics.verify import verify_wording_id
+from selfrag.pipeline.scoring import SUPPORT_THRESHOLD_SCORE
 from selfrag.runtime.model_artefacts import (
     GGUFModel,
     VLLMServerModel,
@@ -52,10 +53,14 @@ def test_a_gguf_fingerprint_names_the_file_its_heads_and_the_verification_read(
     heads.write_text("{}")
     source = _gguf(tmp_path, heads=heads, support_read="source", answerability=False)
     sha = file_sha256(source.path)
-    assert source.fingerprint == f"m.gguf (m.gguf) sha256:{sha} heads:{file_sha256(heads)}"
+    assert source.fingerprint == (
+        f"m.gguf (m.gguf) sha256:{sha} heads:{file_sha256(heads)} {SUPPORT_THRESHOLD_SCORE}"
+    )
     verify = _gguf(tmp_path / "v", support_read="verify")
     assert verify.heads_file is None  # none trained or shipped for these bytes
-    assert verify.fingerprint.endswith(f"sha256:{sha} support:verify:{verify_wording_id()}")
+    assert verify.fingerprint.endswith(
+        f"sha256:{sha} support:verify:{verify_wording_id()} {SUPPORT_THRESHOLD_SCORE}"
+    )
     assert "engine" not in source.__dict__  # the identity comes from files only
 
 

@@ -11,7 +11,7 @@ from selfrag.schemas.retrieval import RankedPassage
 
 
 def test_a_ranked_passage_is_a_passage_with_its_read():
-    ranked = RankedPassage(id="p", text="Body.", score=0.4, s_rel=0.9)
+    ranked = RankedPassage(id="p", text="Body.", score=0.4, similarity=0.7, s_rel=0.9)
     assert isinstance(ranked, PassageOut)
     assert ranked.model_dump() == {
         "id": "p",
@@ -19,6 +19,7 @@ def test_a_ranked_passage_is_a_passage_with_its_read():
         "url": None,
         "text": "Body.",
         "score": 0.4,
+        "similarity": 0.7,
         "s_rel": 0.9,
     }
 

@@ -129,7 +129,9 @@ def test_empty_store_answers_without_crashing(store: QdrantStore) -> None:
         store.search("anything", 0)
 
 
-def test_index_then_search_finds_the_right_document_first(store: QdrantStore, corpus: Path) -> None:
+def test_index_then_search_finds_the_right_document_first(
+    store: QdrantStore, corpus: Path, embedder: SentenceEmbedder
+) -> None:
     report = index_corpus(corpus, store, progress=False)
     assert (report.documents, report.passages, report.errors) == (5, 5, [])
     assert store.count() == 5
@@ -146,6 +148,10 @@ def test_index_then_search_finds_the_right_document_first(store: QdrantStore, co
         assert len(results) == 3
         assert results[0].score >= results[1].score >= results[2].score
     top = store.search("volcanic eruption magma", 1)[0]
+    # The hybrid score is a fused rank; the dense cosine comes with it.
+    query, passage = embedder.embed(["volcanic eruption magma", DOCUMENTS[0]["text"]])
+    assert top.similarity == pytest.approx(float(query @ passage), abs=1e-4)
+    assert top.similarity != pytest.approx(top.score, abs=1e-3)
     assert top.metadata.pop("indexed_at") >= "2026"
     assert len(top.metadata.pop("doc_digest")) == 32
     assert top == Passage(
@@ -153,6 +159,7 @@ def test_index_then_search_finds_the_right_document_first(store: QdrantStore, co
         text=DOCUMENTS[0]["text"],
         title="Volcano",
         score=top.score,
+        similarity=top.similarity,
         metadata={
             "doc_id": "volcano",
             "collection": corpus.name,
