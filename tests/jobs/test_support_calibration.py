@@ -316,19 +316,23 @@ def _fake_rag(
     return rag
 
 
+def _four_copies() -> list[Passage]:
+    """Each of TEXTS four times, each copy's "the" spelled apart (distinct passages)."""
+    return [
+        Passage(f"p{i}-{j}", text.replace("the", f"the{j}" if j else "the"), f"T{i}")
+        for j in range(4)
+        for i, text in enumerate(TEXTS)
+    ]
+
+
 def test_the_job_reads_each_pair_as_a_first_step_branch_and_saves_the_threshold(
     tmp_path: Path,
 ) -> None:
     from selfrag.infra.models.model_files import file_sha256
     from selfrag.jobs.support_calibration import CorpusCalibrationPlan, calibrate_support
 
-    passages = [
-        Passage(f"p{i}-{j}", text.replace("the", f"the{j}" if j else "the"), f"T{i}")
-        for j in range(4)
-        for i, text in enumerate(TEXTS)
-    ]
     critic = OverlapCritic(name="learned")
-    rag = _fake_rag(tmp_path, passages, critic)
+    rag = _fake_rag(tmp_path, _four_copies(), critic)
     cal, path = calibrate_support(rag, CorpusCalibrationPlan(questions=12), progress=False)
     assert path == calibration_path(tmp_path, file_sha256(rag.model.path), "learned")
     assert json.loads(path.read_text())["min_support_score"] == cal.min_support_score
@@ -347,18 +351,15 @@ def test_the_threshold_is_fitted_on_s_sup_weighed_by_the_pairs_similarity(
 ) -> None:
     from selfrag.jobs.support_calibration import CorpusCalibrationPlan, calibrate_support
 
-    passages = [
-        Passage(f"p{i}-{j}", text.replace("the", f"the{j}" if j else "the"), f"T{i}")
-        for j in range(4)
-        for i, text in enumerate(TEXTS)
-    ]
     plan = CorpusCalibrationPlan(questions=12)
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
     neutral, _ = calibrate_support(
-        _fake_rag(tmp_path / "a", passages, OverlapCritic(name="learned")), plan, progress=False
+        _fake_rag(tmp_path / "a", _four_copies(), OverlapCritic(name="learned")),
+        plan,
+        progress=False,
     )
-    far = _fake_rag(tmp_path / "b", passages, OverlapCritic(name="learned"))
+    far = _fake_rag(tmp_path / "b", _four_copies(), OverlapCritic(name="learned"))
     far.store.similarities = lambda query, ps: [0.5] * len(ps)
     halved, _ = calibrate_support(far, plan, progress=False)
     # The decoder compares s_sup x similarity with the threshold: so does the calibration.
@@ -370,12 +371,7 @@ def test_the_job_saves_under_the_index_collection_it_ran_on(tmp_path: Path) -> N
     from selfrag.infra.models.model_files import file_sha256
     from selfrag.jobs.support_calibration import CorpusCalibrationPlan, calibrate_support
 
-    passages = [
-        Passage(f"p{i}-{j}", text.replace("the", f"the{j}" if j else "the"), f"T{i}")
-        for j in range(4)
-        for i, text in enumerate(TEXTS)
-    ]
-    rag = _fake_rag(tmp_path, passages, OverlapCritic(name="learned"), collection="docs")
+    rag = _fake_rag(tmp_path, _four_copies(), OverlapCritic(name="learned"), collection="docs")
     cal, path = calibrate_support(rag, CorpusCalibrationPlan(questions=12), progress=False)
     sha = file_sha256(rag.model.path)
     assert cal.index_collection == "docs"
