@@ -3,8 +3,9 @@ accuracy–coverage outputs of `selfrag eval` (points as CSV, a PNG, a Markdown 
 
 Every system gets one number per question, higher meaning "answer" (`abstention_score`):
 
-- Self-RAG (`selfrag-*`): `AnswerResponse.support`, the best s_sup among the first step's
-  grounded branches that pass every other hard filter. `min_support_score` thresholds exactly
+- Self-RAG (`selfrag-*`): `AnswerResponse.support`, the best s_sup times passage similarity
+  (`pipeline.scoring.evidence_support`) among the first step's grounded branches that pass
+  every other hard filter. `min_support_score` thresholds exactly
   this, so with that filter on (the learned critique's default) an answer whose first step
   retrieved abstains iff its score is below the threshold: the curve is the decision's own.
 - closed-book and vanilla RAG: the answer's mean token log-probability, a confidence of the
@@ -27,7 +28,9 @@ from selfrag.schemas.answer import AnswerResponse
 
 CURVE_CSV = "accuracy_coverage.csv"
 CURVE_PNG = "accuracy_coverage.png"
-SELFRAG_SCORE = "support (best first-step s_sup, what min_support_score thresholds)"
+SELFRAG_SCORE = (
+    "support (best first-step s_sup x passage similarity, what min_support_score thresholds)"
+)
 BASELINE_SCORE = "mean token log-prob of the answer"
 
 

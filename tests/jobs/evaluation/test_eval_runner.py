@@ -163,7 +163,8 @@ def test_report_has_abstention_scores_and_the_accuracy_coverage_curve(
     records = {(r["system"], r["id"]): r for r in read_records(out / "records.jsonl")}
     # Closed-book: the mean token log-prob of its answer (WordModel: -0.5 per token).
     assert records[("closed-book", "q1")]["abstention_score"] == pytest.approx(-0.5)
-    # Self-RAG: the best first-step s_sup (the scripted critic's uniform IsSup: 0.5).
+    # Self-RAG: the best first-step s_sup x similarity (the scripted critic's uniform IsSup:
+    # 0.5; the fake passages carry no similarity).
     assert records[("selfrag-prompted", "q1")]["abstention_score"] == pytest.approx(0.5)
     row = report["systems"]["selfrag-prompted"]
     assert row["coverage"] == 1.0 and row["selective_accuracy"] == pytest.approx(0.5)
