@@ -71,7 +71,7 @@ def collect_status(settings: Settings) -> dict[str, Any]:
         threshold = None
         if settings.model.backend != "vllm":
             from selfrag.infra.models.model_files import file_sha256
-            from selfrag.jobs.support_calibration import threshold_status
+            from selfrag.jobs.threshold_status import threshold_status
 
             sha = file_sha256(system.model.path)
             threshold = threshold_status(
@@ -150,7 +150,7 @@ def render_status(s: dict[str, Any]) -> str:
         ("critique", shown),
     ]
     if s.get("support_threshold") is not None:
-        from selfrag.jobs.support_calibration import describe_threshold
+        from selfrag.jobs.threshold_status import describe_threshold
 
         rows.append(("min_support", describe_threshold(s["support_threshold"])))
     width = max(len(k) for k, _ in rows)
