@@ -43,9 +43,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
-
 from selfrag.infra.settings_loader import load_settings
+from selfrag.infra.store.qdrant_engine import cosine
 from selfrag.pipeline.critics import Branch, Critic
 from selfrag.pipeline.critics.chat import ChatCritic
 from selfrag.pipeline.critics.verify import VerifyReader
@@ -209,7 +208,7 @@ def cosines(rag: LocalRuntime, items: Sequence[Triple]) -> list[float]:
     for t in items:
         assert t.branch.passage is not None
         q, p = rag.embedder.embed([t.branch.question, t.branch.passage.text])
-        out.append(float(q @ p / (np.linalg.norm(q) * np.linalg.norm(p))))
+        out.append(cosine(q, p))
     return out
 
 
