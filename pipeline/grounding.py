@@ -1,11 +1,15 @@
-"""Whether a segment's key content is found in its evidence: its numbers and names.
+"""Whether a segment's content is found in its evidence: its numbers and names, and its words
+in one sentence.
 
 A drafted segment copies its facts from the passage it was drafted on. A number or a name the
 segment states that is in neither the passage nor the question was not copied from anything
 shown: the model made it up, or brought it from memory, and the citation does not back it.
-Checking that is exact and costs one pass over the passage's words, so every cited segment is
-checked wherever it is shown (no model call). Words the question already holds are left out:
-repeating the question's own names says nothing about the evidence.
+Words the question already holds are left out there: repeating the question's own names says
+nothing about the evidence. A segment that a passage supports also says what one of its
+sentences says, while one put together from words scattered over the passage, or from the
+question's words that no sentence holds with the answer, does not (`sentence_share`; such a
+word of the question counts half).
+Both checks are exact and cost one pass over the passage's words (no model call).
 """
 
 from __future__ import annotations
@@ -13,6 +17,9 @@ from __future__ import annotations
 import re
 import unicodedata
 
+GROUNDING_RULE = "terms*sentence(question words half)"
+"""Names what `grounding_score` computes, for the identities of reads and thresholds made
+with it (a changed rule reads differently)."""
 _NUMBER = re.compile(r"\d+(?:[.,]\d+)*")
 _WORD = re.compile(r"[^\W\d_][\w'’-]*", re.UNICODE)
 # Capitalised words that start clauses or are titles, not names of things a passage states.
@@ -23,6 +30,13 @@ _NOT_NAMES = frozenset(
     january february march april may june july august september october november december
     monday tuesday wednesday thursday friday saturday sunday""".split()
 )
+# Words that carry no content of their own, left out of `sentence_share` (with every word of
+# fewer than three letters).
+_FUNCTION_WORDS = _NOT_NAMES | frozenset(
+    """is was were are be been being did does do has have had many much than into also
+    him them one""".split()
+)
+_SENTENCE_END = re.compile(r"(?<=[.!?])\s+|\n+")
 
 
 def _fold(text: str) -> str:
@@ -75,10 +89,40 @@ def missing_terms(segment: str, evidence: str, question: str = "") -> list[str]:
     return out
 
 
-def grounding_score(segment: str, evidence: str, question: str = "") -> float | None:
-    """The fraction of `segment`'s key terms found in `evidence` or `question`; None when it
-    states none."""
+def sentence_share(segment: str, evidence: str, question: str = "") -> float | None:
+    """The largest share of `segment`'s content words (words of three letters or more, other
+    than function words; folded) that one sentence (or line) of `evidence` holds, where a word
+    of `question` that the sentence lacks counts half (restating the question is not evidence,
+    and not an invention either); None when the segment has no content word."""
+    words = _content_words(segment)
+    if not words:
+        return None
+    asked = _content_words(question)
+    best = 0.0
+    for sentence in _SENTENCE_END.split(evidence):
+        held = words & _content_words(sentence)
+        best = max(best, (len(held) + 0.5 * len((words - held) & asked)) / len(words))
+    return best
+
+
+def _content_words(text: str) -> set[str]:
+    return {w for w in re.findall(r"\w+", _fold(text)) if len(w) > 2 and w not in _FUNCTION_WORDS}
+
+
+def term_share(segment: str, evidence: str, question: str = "") -> float | None:
+    """The fraction of `segment`'s key terms found in `evidence` or `question`
+    (`missing_terms`); None when it states none."""
     terms = key_terms(segment)
     if not terms:
         return None
     return 1.0 - len(missing_terms(segment, evidence, question)) / len(terms)
+
+
+def grounding_score(segment: str, evidence: str, question: str = "") -> float | None:
+    """`term_share` times `sentence_share` (either alone when the other is None); None when
+    the segment has neither a key term nor a content word."""
+    found = term_share(segment, evidence, question)
+    share = sentence_share(segment, evidence, question)
+    if found is None or share is None:
+        return share if found is None else found
+    return found * share

@@ -22,7 +22,7 @@ from selfrag.infra.lifecycle import Closeable
 from selfrag.pipeline.answerability_model import AnswerabilityError, AnswerabilityModel
 from selfrag.pipeline.critics import RESERVED_PIECES, Critic, CritiqueUnavailable
 from selfrag.pipeline.critics.factory import auto_source
-from selfrag.pipeline.critics.verify import verify_wording_id
+from selfrag.pipeline.critics.verify import verified_support_id
 from selfrag.pipeline.heads import HeadsError, ReflectionHeads
 from selfrag.pipeline.scoring import SUPPORT_THRESHOLD_SCORE
 from selfrag.schemas.settings import ModelSettings, Settings
@@ -216,7 +216,7 @@ class GGUFModel(ModelArtefacts):
         if self.heads_file is not None:
             fingerprint += f" heads:{file_sha256(self.heads_file)}"
         if self.settings.model.support_read == "verify":
-            fingerprint += f" support:verify:{verify_wording_id()}"
+            fingerprint += f" support:verify:{verified_support_id()}"
         else:
             for source in CRITIQUE_SOURCES:
                 path = self.answerability_file(source)

@@ -8,8 +8,9 @@ distribution (`full` = p, `none` = 1 − p), so s_sup is that probability. The q
 draft in full: the model judges a stated claim against the passage rather than trusting the
 assistant turn it wrote itself. Any critique source can take its support from this read
 (`VerifiedCritic`); its other groups are the source's own. A draft that states a number or a
-name its passage and question lack (`pipeline.grounding`) cannot be fully supported whatever
-the model says: s_sup is p(yes) times the share of those it holds.
+name its passage and question lack, or whose words no one sentence of the passage holds
+(`pipeline.grounding`), cannot be fully supported whatever the model says: s_sup is p(yes)
+times its grounding score.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from collections.abc import Sequence
 from selfrag.pipeline.critics.base import RESERVED_PIECES, Branch, Critic, LabelProbs, read_groups
 from selfrag.pipeline.critics.chat import ChatCritic
 from selfrag.pipeline.critics.prompted import first_token_labels
-from selfrag.pipeline.grounding import grounding_score
+from selfrag.pipeline.grounding import GROUNDING_RULE, grounding_score
 from selfrag.pipeline.prompts import (
     Part,
     PromptBuilder,
@@ -46,10 +47,11 @@ VERIFY_WORDS: dict[str, tuple[str, ...]] = {
 }
 
 
-def verify_wording_id() -> str:
-    """A short digest of the verification question: reads, thresholds calibrated on them and
-    answers cached with them belong to one wording (a reworded question reads differently)."""
-    return hashlib.sha256(VERIFY_QUESTION.encode()).hexdigest()[:12]
+def verified_support_id() -> str:
+    """A short digest of the verification question and the grounding rule that weighs its
+    read: reads, thresholds calibrated on them and answers cached with them belong to one
+    wording and rule (either changed reads differently)."""
+    return hashlib.sha256(f"{VERIFY_QUESTION}\n{GROUNDING_RULE}".encode()).hexdigest()[:12]
 
 
 class VerifyReader:
@@ -101,9 +103,8 @@ def _parts(template: str, values: dict[str, str]) -> list[Part]:
 
 
 def support_from_verdict(verdict: LabelProbs, grounding: float | None = None) -> LabelProbs:
-    """The IsSup distribution a verification read stands for: full = p(yes) times the share
-    of the draft's numbers and names its passage or question holds (`grounding`, None when it
-    states none: 1), none = the rest."""
+    """The IsSup distribution a verification read stands for: full = p(yes) times the draft's
+    `grounding_score` in its passage and question (`grounding`; None: 1), none = the rest."""
     p = verdict.probs["yes"] * (1.0 if grounding is None else grounding)
     return LabelProbs({"full": p, "partial": 0.0, "none": 1.0 - p}, verdict.prefill_tokens)
 

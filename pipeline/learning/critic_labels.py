@@ -32,7 +32,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Literal, Protocol
 
 from selfrag.pipeline.critics.base import Branch, Critic
-from selfrag.pipeline.critics.verify import VerifyReader, verified_support, verify_wording_id
+from selfrag.pipeline.critics.verify import VerifyReader, verified_support, verified_support_id
 from selfrag.pipeline.learning.reflection_data import Example
 from selfrag.pipeline.learning.synthetic_qa import SyntheticPair, synthetic_pairs
 from selfrag.pipeline.protocols import Generation, LanguageModel, Passage
@@ -87,7 +87,7 @@ class LabelCache(Protocol):
 def critic_fingerprint(model_identity: str) -> str:
     """The identity the cache keys a critic's reads by: the model file's identity and the
     verification question (a reworded question reads differently)."""
-    return f"{model_identity} verify:{verify_wording_id()}"
+    return f"{model_identity} verify:{verified_support_id()}"
 
 
 def example_key(fingerprint: str, ex: Example) -> str:

@@ -1,6 +1,13 @@
-"""pipeline/grounding.py: the numbers and names a segment states, found or not in its evidence."""
+"""pipeline/grounding.py: the numbers and names a segment states, found or not in its evidence,
+and its words found together in one sentence."""
 
-from selfrag.pipeline.grounding import grounding_score, key_terms, missing_terms
+from selfrag.pipeline.grounding import (
+    grounding_score,
+    key_terms,
+    missing_terms,
+    sentence_share,
+    term_share,
+)
 
 PASSAGE = (
     "The Normans were descended from Norse raiders under their leader Rollo, who agreed to "
@@ -14,14 +21,37 @@ def test_key_terms_are_numbers_and_names_not_sentence_starts_or_function_words()
 
 
 def test_a_segment_copied_from_its_passage_misses_nothing():
-    segment = "The Norse leader who founded Normandy was Rollo, in 911."
-    assert missing_terms(segment, PASSAGE, "Who founded Normandy?") == []
-    assert grounding_score(segment, PASSAGE, "Who founded Normandy?") == 1.0
+    segment = "The Norse raiders' leader was Rollo, in 911."
+    assert missing_terms(segment, PASSAGE, "Who led the Norse raiders?") == []
+    assert sentence_share(segment, PASSAGE) == 1.0
+    assert grounding_score(segment, PASSAGE, "Who led the Norse raiders?") == 1.0
+
+
+def test_words_no_one_sentence_holds_lower_the_score():
+    # "founded" is nowhere in the passage, "rich" and "duchy" are in another sentence.
+    segment = "The Norse leader Rollo founded a rich duchy."
+    assert sentence_share(segment, PASSAGE) == 3 / 6
+    assert grounding_score(segment, PASSAGE) == 3 / 6
+
+
+def test_a_question_word_the_sentence_lacks_counts_half():
+    segment = "The Norse leader who founded Normandy was Rollo."
+    # norse, leader, rollo held; founded and normandy only asked: (3 + 2 / 2) of 5.
+    assert sentence_share(segment, PASSAGE, "Who founded Normandy?") == 4 / 5
+    assert sentence_share(segment, PASSAGE) == 3 / 5
+
+
+def test_a_segment_put_together_from_two_sentences_is_not_one_sentence_s_claim():
+    evidence = "Rollo led the Norse raiders.\nThe duchy grew rich by 1200."
+    assert sentence_share("Rollo grew rich.", evidence) == 2 / 3
+    assert sentence_share("Rollo led the raiders.", evidence) == 1.0
 
 
 def test_an_invented_name_or_number_is_missing():
     segment = "It was founded by Hastein in 876 at Rouen."
     assert missing_terms(segment, PASSAGE) == ["876", "Hastein", "Rouen"]
+    assert term_share(segment, PASSAGE) == 0.0
+    assert term_share("It was Rollo in 876.", PASSAGE) == 0.5
     assert grounding_score(segment, PASSAGE) == 0.0
 
 
@@ -36,5 +66,7 @@ def test_thousands_separators_accents_and_possessives_are_one_form():
     assert missing_terms("Rollo's men came from Zürich.", "Rollo came from Zurich.") == []
 
 
-def test_a_segment_stating_no_key_term_has_no_score():
-    assert grounding_score("it was rich and large.", PASSAGE) is None
+def test_a_segment_stating_no_key_term_is_scored_by_its_sentence_share_alone():
+    assert grounding_score("it was rich and large.", PASSAGE) == 0.5  # "rich" of rich, large
+    assert grounding_score("it was so.", PASSAGE) is None  # no name, number or content word
+    assert sentence_share("", PASSAGE) is None

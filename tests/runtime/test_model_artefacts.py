@@ -11,7 +11,7 @@ import pytest
 
 from selfrag.infra.models.model_files import file_sha256
 from selfrag.pipeline.critics import CritiqueUnavailable
-from selfrag.pipeline.critics.verify import verify_wording_id
+from selfrag.pipeline.critics.verify import verified_support_id
 from selfrag.pipeline.scoring import SUPPORT_THRESHOLD_SCORE
 from selfrag.runtime.model_artefacts import (
     GGUFModel,
@@ -59,7 +59,7 @@ def test_a_gguf_fingerprint_names_the_file_its_heads_and_the_verification_read(
     verify = _gguf(tmp_path / "v", support_read="verify")
     assert verify.heads_file is None  # none trained or shipped for these bytes
     assert verify.fingerprint.endswith(
-        f"sha256:{sha} support:verify:{verify_wording_id()} {SUPPORT_THRESHOLD_SCORE}"
+        f"sha256:{sha} support:verify:{verified_support_id()} {SUPPORT_THRESHOLD_SCORE}"
     )
     assert "engine" not in source.__dict__  # the identity comes from files only
 

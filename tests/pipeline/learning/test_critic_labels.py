@@ -34,8 +34,8 @@ PASSAGES = [
 
 
 def judge(prompt: str, pieces: list[str]) -> dict[str, float]:
-    """Yes (0.9) when the claim names Rollo or is the town's founder, 0.5 for "perhaps", else
-    0.1."""
+    """Yes (0.9) when the claim names Rollo or is the town's founder, 0.5 when it names only
+    Normandy, else 0.1."""
     if "Does the passage state" not in prompt:
         return {}
     claim = prompt.rsplit('is "', 1)[1].split('"', 1)[0]
@@ -43,7 +43,7 @@ def judge(prompt: str, pieces: list[str]) -> dict[str, float]:
         0.9
         if "Rollo" in claim or "Bertram" in claim
         else 0.5
-        if "perhaps" in claim.lower()
+        if "Normandy" in claim
         else 0.1
     )
     return {"yes": yes, "no": 1.0 - yes}
@@ -101,7 +101,7 @@ def test_scores_are_the_verified_support_and_are_read_once():
     labeller = CriticLabeller(
         model, "fp", cache, CriticPlan(batch=2), progress=lambda d, t: seen.append((d, t))
     )
-    examples = [support("full", "Rollo."), support("none", "Hastein."), support("x", "In 876.")]
+    examples = [support("full", "Rollo."), support("none", "It was in 911."), support("x", "In 876.")]
     first = labeller.scores(examples)
     # The third names a number its passage lacks: grounding zeroes it, as in the critique.
     assert first == pytest.approx([0.9, 0.1, 0.0])
@@ -114,7 +114,7 @@ def test_scores_are_the_verified_support_and_are_read_once():
 def labelled(mode: str) -> tuple[list[Example], dict]:
     constructed = [
         support("full", "Rollo founded Normandy."),  # the critic agrees
-        support("full", "Perhaps it was founded."),  # the critic hesitates: partial
+        support("full", "Normandy was founded."),  # the critic hesitates: partial
         support("none", "Hastein founded Normandy."),  # agrees
         Example("relevance", "relevant", Branch("q", "", ROLLO), source="ict", key="p1"),
     ]
