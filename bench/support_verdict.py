@@ -16,11 +16,12 @@ candidate support read scores the same (passage, question, draft) triples:
 Candidates: `source` (the critique source's own s_sup: heads, answerability model), `verify`
 (the generator's yes/no, `pipeline.critics.verify`, in a conversation of its own after the
 passage), `verify_followup` (the same question as a user turn after the draft, on the drafting
-sequence), `grounding` (the share of the draft's
-numbers and names found in the passage or question, `pipeline.grounding`; 1 when it states
-none), `relevance` (s_rel of the branch), `retrieval` (the retriever's dense score: the
-embedder's cosine of question and passage), `verify*grounding`, `verify*grounding*retrieval`,
-and with `--critic-model` that
+sequence), `terms` (the share of the draft's numbers and names found in the passage or
+question), `sentence` (the share of its words one sentence of the passage holds), `grounding`
+(their product, what the critique uses; each `pipeline.grounding`, 1 when there is nothing to
+check), `relevance` (s_rel of the branch), `retrieval` (the retriever's dense score: the
+embedder's cosine of question and passage), `verify*terms`, `verify*grounding`,
+`verify*grounding*retrieval`, and with `--critic-model` that
 preset's verification read of the same drafts (`critic_model`, in a conversation of its own).
 With `--heads H…` only the s_sup of each heads file (`heads:<file stem>`, the learned critique on
 the same model, nothing folded in) is scored instead, e.g. heads trained with and without a critic's
@@ -49,7 +50,7 @@ from selfrag.pipeline.critics import Branch, Critic
 from selfrag.pipeline.critics.chat import ChatCritic
 from selfrag.pipeline.critics.verify import VerifyReader
 from selfrag.pipeline.evaluation.qa_metrics import contains_answer
-from selfrag.pipeline.grounding import grounding_score
+from selfrag.pipeline.grounding import grounding_score, sentence_share, term_share
 from selfrag.pipeline.learning.logistic_fit import auc
 from selfrag.pipeline.protocols import Generation, Passage
 from selfrag.pipeline.scoring import relevance_score, support_score
@@ -171,22 +172,21 @@ def score(
             clock,
             "critic_model",
         )
-    grounding = [
-        g
-        if (g := grounding_score(t.draft.text, t.branch.passage.text, t.branch.question))
-        is not None
-        else 1.0
-        for t in items
-        if t.branch.passage is not None
-    ]
+    terms, sentence, grounding = (
+        [_or_one(read(t.draft.text, t.branch.passage.text, t.branch.question)) for t in items]
+        for read in (term_share, sentence_share, grounding_score)
+    )
     clock["grounding"] = 0.0
     retrieval = timed(lambda: cosines(rag, items), n, clock, "retrieval")
     values = {
         "source": source,
         "verify": verify,
         "verify_followup": followed,
+        "terms": terms,
+        "sentence": sentence,
         "grounding": grounding,
         "relevance": relevance,
+        "verify*terms": [v * g for v, g in zip(verify, terms, strict=True)],
         "retrieval": retrieval,
         "verify*grounding": [v * g for v, g in zip(verify, grounding, strict=True)],
         "verify*grounding*retrieval": [
@@ -200,6 +200,11 @@ def score(
             v * g for v, g in zip(values_judge, grounding, strict=True)
         ]
     return values, clock
+
+
+def _or_one(value: float | None) -> float:
+    """A grounding read that has nothing to check (None) leaves the product as it is."""
+    return 1.0 if value is None else value
 
 
 def cosines(rag: LocalRuntime, items: Sequence[Triple]) -> list[float]:
