@@ -39,13 +39,7 @@ def judge(prompt: str, pieces: list[str]) -> dict[str, float]:
     if "Does the passage state" not in prompt:
         return {}
     claim = prompt.rsplit('is "', 1)[1].split('"', 1)[0]
-    yes = (
-        0.9
-        if "Rollo" in claim or "Bertram" in claim
-        else 0.5
-        if "Normandy" in claim
-        else 0.1
-    )
+    yes = 0.9 if "Rollo" in claim or "Bertram" in claim else 0.5 if "Normandy" in claim else 0.1
     return {"yes": yes, "no": 1.0 - yes}
 
 
@@ -101,7 +95,11 @@ def test_scores_are_the_verified_support_and_are_read_once():
     labeller = CriticLabeller(
         model, "fp", cache, CriticPlan(batch=2), progress=lambda d, t: seen.append((d, t))
     )
-    examples = [support("full", "Rollo."), support("none", "It was in 911."), support("x", "In 876.")]
+    examples = [
+        support("full", "Rollo."),
+        support("none", "It was in 911."),
+        support("x", "In 876."),
+    ]
     first = labeller.scores(examples)
     # The third names a number its passage lacks: grounding zeroes it, as in the critique.
     assert first == pytest.approx([0.9, 0.1, 0.0])
