@@ -207,9 +207,9 @@ class GGUFModel(ModelArtefacts):
     @cached_property
     def fingerprint(self) -> str:
         """The engine's model id, the GGUF file's SHA-256, its reflection heads file's and its
-        answerability models' or the verification question's (each changes the answers), and
-        what the support threshold is compared with, without loading the engine (the batch
-        driver has none)."""
+        answerability models' or the verified support's id (question and grounding rule; each
+        changes the answers), and what the support threshold is compared with, without loading
+        the engine (the batch driver has none)."""
         from selfrag.infra.models.model_files import file_sha256
 
         fingerprint = f"{model_id_for(self.settings.model, self.path)} sha256:{self.sha256}"

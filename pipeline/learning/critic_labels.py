@@ -86,7 +86,8 @@ class LabelCache(Protocol):
 
 def critic_fingerprint(model_identity: str) -> str:
     """The identity the cache keys a critic's reads by: the model file's identity and the
-    verification question (a reworded question reads differently)."""
+    verification question with its grounding rule (`verified_support_id`: either changed
+    reads differently)."""
     return f"{model_identity} verify:{verified_support_id()}"
 
 
