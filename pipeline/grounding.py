@@ -37,6 +37,11 @@ _FUNCTION_WORDS = _NOT_NAMES | frozenset(
     him them one""".split()
 )
 _SENTENCE_END = re.compile(r"(?<=[.!?])\s+|\n+")
+# Scripts written without spaces between words (Chinese, Japanese, Thai, Lao, Myanmar, Khmer):
+# `\w+` finds runs of many words there, whose shares mean nothing.
+_UNSPACED = re.compile(
+    "[\u0e00-\u0eff\u1000-\u109f\u1780-\u17ff\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff]"
+)
 
 
 def _fold(text: str) -> str:
@@ -93,9 +98,10 @@ def sentence_share(segment: str, evidence: str, question: str = "") -> float | N
     """The largest share of `segment`'s content words (words of three letters or more, other
     than function words; folded) that one sentence (or line) of `evidence` holds, where a word
     of `question` that the sentence lacks counts half (restating the question is not evidence,
-    and not an invention either); None when the segment has no content word."""
+    and not an invention either); None when the segment has no content word, or is written in
+    a script without spaces between words."""
     words = _content_words(segment)
-    if not words:
+    if not words or _UNSPACED.search(segment):
         return None
     asked = _content_words(question)
     best = 0.0

@@ -70,3 +70,10 @@ def test_a_segment_stating_no_key_term_is_scored_by_its_sentence_share_alone():
     assert grounding_score("it was rich and large.", PASSAGE) == 0.5  # "rich" of rich, large
     assert grounding_score("it was so.", PASSAGE) is None  # no name, number or content word
     assert sentence_share("", PASSAGE) is None
+
+
+def test_a_script_without_spaces_is_left_to_the_key_terms():
+    evidence = "诺曼人是维京人的后裔。他们的首领罗洛在911年与法王签约。"
+    assert sentence_share("首领是罗洛。", evidence) is None
+    assert grounding_score("罗洛在911年签约。", evidence) == 1.0  # 911 found: the key terms alone
+    assert grounding_score("罗洛在876年签约。", evidence) == 0.0
