@@ -107,3 +107,14 @@ def test_a_name_or_number_the_passage_lacks_caps_the_support():
     # 876 is missing: one of two key terms, and one of two words no sentence holds.
     assert support_score(half.probs) == pytest.approx(0.9 * 0.5 * 0.5)
     assert support_score(none.probs) == pytest.approx(0.0)
+
+
+def test_the_support_id_names_the_question_and_the_grounding_rule(monkeypatch):
+    from selfrag.pipeline.critics import verify
+
+    ids = [verify.verified_support_id()]
+    monkeypatch.setattr(verify, "GROUNDING_RULE", "another rule")
+    ids.append(verify.verified_support_id())
+    monkeypatch.setattr(verify, "VERIFY_QUESTION", "Another question?")
+    ids.append(verify.verified_support_id())
+    assert len(set(ids)) == 3
