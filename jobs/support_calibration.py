@@ -134,9 +134,9 @@ def score_pairs(
         s_sup: dict[int, float] = {
             i: support_score(sup.probs) for i, sup in zip(kept, sups, strict=True)
         }
-        for i, (pair, rel) in enumerate(zip(chunk, rels, strict=True)):
+        similarities = rag.store.similarities([(p.question.question, p.passage) for p in chunk])
+        for i, (pair, rel, similarity) in enumerate(zip(chunk, rels, similarities, strict=True)):
             s_rel = relevance_score(rel.probs)
-            (similarity,) = rag.store.similarities(pair.question.question, [pair.passage])
             pruned = s_rel < (cfg.min_relevance or 0.0)
             out.append(PairScore(pair, s_rel, s_sup.get(i), similarity, pruned))
         bar.update(len(chunk))

@@ -261,13 +261,15 @@ class QdrantStore(Closeable):
             for vector, hits in zip(dense, results, strict=True)
         ]
 
-    def similarities(self, query: str, passages: Sequence[Passage]) -> list[float]:
-        """The embedder's cosine of `query` and each of `passages` as indexed: the
-        `Passage.similarity` a search for `query` would give them, found or not."""
-        if not passages:
+    def similarities(self, pairs: Sequence[tuple[str, Passage]]) -> list[float]:
+        """The embedder's cosine of each (query, passage) pair, the passage as indexed: the
+        `Passage.similarity` a search for the query would give it, found or not. Each distinct
+        text is embedded once, all in one call."""
+        texts = list(dict.fromkeys(t for q, p in pairs for t in (q, embedded_text(p))))
+        if not texts:
             return []
-        vectors = self._embedder.embed([query, *(embedded_text(p) for p in passages)])
-        return [cosine(vectors[0], v) for v in vectors[1:]]
+        vector = dict(zip(texts, self._embedder.embed(texts), strict=True))
+        return [cosine(vector[q], vector[embedded_text(p)]) for q, p in pairs]
 
     def passages(self, batch: int = 256) -> Iterator[Passage]:
         """Every indexed passage, in the collection's point order (for `selfrag train`)."""

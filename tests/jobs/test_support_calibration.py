@@ -276,9 +276,9 @@ class FakeStore:
     def passages(self) -> list[Passage]:
         return list(self._passages)
 
-    def similarities(self, query: str, passages: list[Passage]) -> list[float]:
+    def similarities(self, pairs: list[tuple[str, Passage]]) -> list[float]:
         # Neutral: the thresholds these tests check are s_sup's own.
-        return [1.0] * len(passages)
+        return [1.0] * len(pairs)
 
     def count(self) -> int:
         return len(self._passages)
@@ -360,7 +360,7 @@ def test_the_threshold_is_fitted_on_s_sup_weighed_by_the_pairs_similarity(
         progress=False,
     )
     far = _fake_rag(tmp_path / "b", _four_copies(), OverlapCritic(name="learned"))
-    far.store.similarities = lambda query, ps: [0.5] * len(ps)
+    far.store.similarities = lambda pairs: [0.5] * len(pairs)
     halved, _ = calibrate_support(far, plan, progress=False)
     # The decoder compares s_sup x similarity with the threshold: so does the calibration.
     assert halved.min_support_score == pytest.approx(neutral.min_support_score / 2, abs=1e-6)

@@ -172,6 +172,24 @@ def test_index_then_search_finds_the_right_document_first(
     assert {p.metadata["collection"] for p in store.passages()} == {corpus.name}
 
 
+def test_similarities_of_pairs_are_what_a_search_gives_found_or_not(
+    store: QdrantStore, corpus: Path
+) -> None:
+    index_corpus(corpus, store, progress=False)
+    found = store.search("Where does lava come from?", 5)
+    assert store.similarities([]) == []
+    question = "Where does lava come from?"
+    # Each passage a search found, the same question twice in one call, and another question.
+    pairs = [(question, p) for p in found] + [("Which game ends in checkmate?", found[0])]
+    sims = store.similarities(pairs)
+    # The passages are embedded again (in another batch than at indexing: the last bits move).
+    assert sims[:-1] == pytest.approx([p.similarity for p in found], abs=1e-4)
+    assert sims[-1] == pytest.approx(
+        store.similarities([("Which game ends in checkmate?", found[0])])[0], abs=1e-4
+    )
+    assert sims[-1] < sims[0]
+
+
 def test_reindexing_does_not_duplicate_and_changes_the_version_when_the_corpus_changed(
     store: QdrantStore, corpus: Path
 ) -> None:
