@@ -17,7 +17,7 @@ from __future__ import annotations
 import re
 import unicodedata
 
-GROUNDING_RULE = "terms*sentence(question words half)"
+GROUNDING_RULE = "terms(whole names)*sentence(question words half)"
 """Names what `grounding_score` computes, for the identities of reads and thresholds made
 with it (a changed rule reads differently)."""
 _NUMBER = re.compile(r"\d+(?:[.,]\d+)*")
@@ -82,16 +82,21 @@ def missing_terms(segment: str, evidence: str, question: str = "") -> list[str]:
     """The key terms of `segment` (`key_terms`) found in neither `evidence` nor `question`:
     content the citation does not back. Empty when everything is found (or nothing is key)."""
     seen = _fold(f"{evidence}\n{question}")
-    seen_words = set(re.findall(r"\w+", seen))
     seen_numbers = _number_forms(seen)
     out = []
     for term in key_terms(segment):
         if _NUMBER.fullmatch(term):
             if term.replace(",", "") not in seen_numbers:
                 out.append(term)
-        elif _fold(term) not in seen_words and _fold(term).split("'")[0] not in seen_words:
+        elif not any(_holds(seen, name) for name in {_fold(term), _fold(term).split("'")[0]}):
             out.append(term)
     return out
+
+
+def _holds(text: str, name: str) -> bool:
+    """Whether folded `text` has `name` (a word, or words joined by hyphens or apostrophes)
+    as a whole, not inside a longer word."""
+    return re.search(rf"(?<!\w){re.escape(name)}(?!\w)", text) is not None
 
 
 def sentence_share(segment: str, evidence: str, question: str = "") -> float | None:

@@ -66,6 +66,14 @@ def test_thousands_separators_accents_and_possessives_are_one_form():
     assert missing_terms("Rollo's men came from Zürich.", "Rollo came from Zurich.") == []
 
 
+def test_a_hyphenated_name_is_found_whole_and_not_inside_a_longer_word():
+    passage = "The treaty of Saint-Clair-sur-Epte was signed by Rollo."
+    assert missing_terms("Rollo signed at Saint-Clair-sur-Epte.", passage) == []
+    assert missing_terms("It was at Clair.", passage) == []  # a part of the name
+    assert missing_terms("Rollo signed at Saint-Denis.", passage) == ["Saint-Denis"]
+    assert missing_terms("The Rol signed.", passage) == ["Rol"]
+
+
 def test_a_segment_stating_no_key_term_is_scored_by_its_sentence_share_alone():
     assert grounding_score("it was rich and large.", PASSAGE) == 0.5  # "rich" of rich, large
     assert grounding_score("it was so.", PASSAGE) is None  # no name, number or content word
