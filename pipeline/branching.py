@@ -7,8 +7,10 @@ without a relevance filter, only the branches that the budget admits, or that co
 past them, are read;
 a branch the hard filters would reject whatever it drafts is skipped; the rest draft a segment (a
 no-retrieval branch reuses the closed-book draft its retrieval decision was read from, when
-there is one); drafts are critiqued for support (evidence branches) and utility. What comes
-back is small: `Drafted` scores for the ranker, and the step's token counts.
+there is one); drafts are critiqued for support (evidence branches) and utility. A hypothesis
+whose drafts all fail the hard filters drafts its next passage, one at a time, up to
+`retry_drafts` more: the budget's passages past the first cost only where the first failed.
+What comes back is small: `Drafted` scores for the ranker, and the step's token counts.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from typing import Protocol, runtime_checkable
 
 from selfrag.pipeline.critics import Branch, Critic, LabelProbs
 from selfrag.pipeline.protocols import Generation
-from selfrag.pipeline.ranking import Candidate, Drafted, certainly_filtered
+from selfrag.pipeline.ranking import Candidate, Drafted, certainly_filtered, passes_filters
 from selfrag.pipeline.scoring import relevance_score
 from selfrag.schemas.decoding import DecodingConfig
 
@@ -123,43 +125,46 @@ def read_relevance(
     are read; the rest only where the first reads under 1 - `draft_order_margin`, the one case
     in which another passage can be promoted before it (`draft_order`: s_rel is at most 1)."""
 
-    def read(branches: Sequence[Candidate]) -> None:
-        if branches:
-            for c, rel in zip(
-                branches, critic.relevance([c.branch for c in branches]), strict=True
-            ):
-                c.rel = rel
-                work.prefill_tokens += rel.prefill_tokens
-
     if relevance_filtered(cfg):
-        read(evidence)
+        read_each(critic, evidence, work)
         return []
     first = first_of_each_hypothesis(evidence, cfg.max_drafts)
-    read(first)
+    read_each(critic, first, work)
     leaders: dict[int, float] = {}
     for c in first:
         leaders.setdefault(c.parent, _s_rel(c))
     contested = {p for p, s_rel in leaders.items() if s_rel + cfg.draft_order_margin < 1.0}
-    read([c for c in evidence if c.rel is None and c.parent in contested])
+    read_each(critic, [c for c in evidence if c.rel is None and c.parent in contested], work)
     return [c for c in evidence if c.rel is None]
+
+
+def read_each(critic: Critic, evidence: Sequence[Candidate], work: StepWork) -> None:
+    """Read s_rel of every `evidence` branch, in one call."""
+    if evidence:
+        rels = critic.relevance([c.branch for c in evidence])
+        for c, rel in zip(evidence, rels, strict=True):
+            c.rel = rel
+            work.prefill_tokens += rel.prefill_tokens
 
 
 def within_draft_budget(
     kept: Sequence[Candidate], cfg: DecodingConfig
-) -> tuple[list[Candidate], int]:
+) -> tuple[list[Candidate], list[Candidate]]:
     """`kept` with at most `cfg.max_drafts` evidence branches per hypothesis, chosen in
-    `draft_order` (no-retrieval branches are not counted), and how many were left out."""
+    `draft_order` (no-retrieval branches are not counted), and the ones left out, in that
+    order."""
     evidence = draft_order([c for c in kept if c.rel is not None], cfg.draft_order_margin)
     allowed = {id(c) for c in first_of_each_hypothesis(evidence, cfg.max_drafts)}
     out = [c for c in kept if c.rel is None or id(c) in allowed]
-    return out, len(kept) - len(out)
+    return out, [c for c in evidence if id(c) not in allowed]
 
 
 def admitted(
     candidates: Sequence[Candidate], cfg: DecodingConfig, work: StepWork
-) -> list[Candidate]:
+) -> tuple[list[Candidate], list[Candidate]]:
     """The `candidates` that draft: none of `pruned_by_relevance`, not `certainly_filtered`,
-    and within the draft budget; `work` counts the others as pruned or filtered."""
+    and within the draft budget; and those the budget alone left out, in draft order. `work`
+    counts the pruned and the filtered ones."""
     best: dict[int, float] = {}
     for c in candidates:
         if c.rel is not None:
@@ -172,9 +177,36 @@ def admitted(
             work.filtered += 1
         else:
             kept.append(c)
-    kept, over_budget = within_draft_budget(kept, cfg)
-    work.pruned += over_budget
-    return kept
+    return within_draft_budget(kept, cfg)
+
+
+def unsupported_hypotheses(
+    candidates: Sequence[Candidate], drafted: Sequence[Drafted], cfg: DecodingConfig
+) -> set[int]:
+    """The hypotheses (parents) with evidence among a step's `candidates` none of whose
+    `drafted` evidence branches passes the hard filters (a branch that drafted nothing is not
+    among `drafted`)."""
+    parents = {c.parent for c in candidates if c.branch.passage is not None}
+    passing = {d.parent for d in drafted if d.grounded and passes_filters(d, cfg)}
+    return parents - passing
+
+
+def failed_relevance(drafted: Sequence[Drafted], parents: set[int]) -> dict[int, float]:
+    """The highest s_rel among the drafted evidence branches of each of `parents` (0 for one
+    with none): a passage read no more relevant than one that failed is not drafted after it."""
+    bar = dict.fromkeys(parents, 0.0)
+    for d in drafted:
+        if d.parent in bar and d.rel is not None:
+            bar[d.parent] = max(bar[d.parent], relevance_score(d.rel))
+    return bar
+
+
+def next_drafts(waiting: list[Candidate], parents: set[int]) -> list[Candidate]:
+    """The first `waiting` branch of each of `parents`, taken out of `waiting`."""
+    taken = first_of_each_hypothesis([c for c in waiting if c.parent in parents], 1)
+    chosen = {id(c) for c in taken}
+    waiting[:] = [c for c in waiting if id(c) not in chosen]
+    return taken
 
 
 def expand(
@@ -184,7 +216,9 @@ def expand(
     *,
     clock: Callable[[], float] = time.perf_counter,
 ) -> StepWork:
-    """Relevance, pruning, drafting, support and utility for every candidate of a step."""
+    """Relevance, pruning, drafting, support and utility for every candidate of a step; then,
+    while a hypothesis's drafts all fail the hard filters, its next passage in draft order
+    (at most `retry_drafts` more)."""
     work = StepWork()
 
     def timed(stage: str, start: float) -> None:
@@ -192,11 +226,42 @@ def expand(
 
     t = clock()
     evidence = [c for c in candidates if c.branch.passage is not None]
-    unread = {id(c) for c in read_relevance(critic, evidence, cfg, work)}
+    unread = read_relevance(critic, evidence, cfg, work)
     timed("relevance", t)
-    work.pruned += len(unread)
-    kept = admitted([c for c in candidates if id(c) not in unread], cfg, work)
+    skipped = {id(c) for c in unread}
+    kept, waiting = admitted([c for c in candidates if id(c) not in skipped], cfg, work)
+    waiting += unread
+    drafted = draft_and_critique(critic, kept, cfg, work, clock, timed)
+    # A waiting branch passed the relevance filters and only the budget left it out, or it was
+    # left unread where no relevance filter is on: either way it may draft.
+    for _ in range(cfg.retry_drafts):
+        failing = unsupported_hypotheses(candidates, drafted, cfg)
+        t = clock()
+        read_each(critic, [c for c in waiting if c.parent in failing and c.rel is None], work)
+        timed("relevance", t)
+        bar = failed_relevance(drafted, failing)
+        outread = {id(c) for c in waiting if c.parent in failing and _s_rel(c) <= bar[c.parent]}
+        work.pruned += len(outread)
+        waiting = [c for c in waiting if id(c) not in outread]
+        retried = next_drafts(waiting, failing)
+        if not retried:
+            break
+        drafted += draft_and_critique(critic, retried, cfg, work, clock, timed)
+    work.pruned += len(waiting)
+    work.drafted = drafted
+    return work
 
+
+def draft_and_critique(
+    critic: Critic,
+    kept: Sequence[Candidate],
+    cfg: DecodingConfig,
+    work: StepWork,
+    clock: Callable[[], float],
+    timed: Callable[[str, float], None],
+) -> list[Drafted]:
+    """Draft the `kept` branches that have no draft yet, then read the support (evidence
+    branches) and utility of those that drafted something: what ranking sees of them."""
     t = clock()
     todo = [c for c in kept if c.draft is None]
     drafts = critic.draft([c.branch for c in todo], cfg.max_segment_tokens)
@@ -219,8 +284,7 @@ def expand(
         c.use = use
         work.prefill_tokens += use.prefill_tokens
     timed("critique", t)
-    work.drafted = [c.drafted() for c in kept]
-    return work
+    return [c.drafted() for c in kept]
 
 
 class LocalBranchWorker:

@@ -79,6 +79,16 @@ class DecodingConfig(BaseModel):
         "bound: every branch they keep. Each draft fewer is a sequence fewer in every decode "
         "step (docs/benchmarks.md).",
     )
+    retry_drafts: int = Field(
+        2,
+        ge=0,
+        le=50,
+        description="When no drafted evidence branch of a hypothesis passes the hard filters "
+        "(or every one drafted nothing), up to this many more of its passages draft, one at a "
+        "time in the draft order, until one passes; only a passage whose s_rel is above that "
+        "of every one that failed. A passage past max_drafts costs only where the ones before "
+        "it failed (docs/evaluation.md). 0: never.",
+    )
     # The retriever's order transfers across corpora and models where a reading of s_rel on
     # its own scale does not: the critique reorders it only on a clear call.
     draft_order_margin: float = Field(

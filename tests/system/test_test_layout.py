@@ -95,8 +95,7 @@ COVERED_ELSEWHERE: dict[str, str] = {
     "jobs/evaluation/ray_eval": _BATCH,
     "jobs/indexing": _QDRANT,
     "jobs/ray_indexing": _DOCUMENTS,
-    # pipeline: a step's branch work through the decoder, critique parts through the critics
-    "pipeline/branching": "tests/pipeline/test_decoder.py",
+    # pipeline: critique parts through the critics
     "pipeline/critics/answerability": "tests/pipeline/test_answerability_model.py",
     "pipeline/critics/chat": "tests/pipeline/critics/test_learned.py",
     "pipeline/critics/factory": "tests/pipeline/critics/test_native.py",
