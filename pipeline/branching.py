@@ -201,12 +201,20 @@ def failed_relevance(drafted: Sequence[Drafted], parents: set[int]) -> dict[int,
     return bar
 
 
-def next_drafts(waiting: list[Candidate], parents: set[int]) -> list[Candidate]:
-    """The first `waiting` branch of each of `parents`, taken out of `waiting`."""
-    taken = first_of_each_hypothesis([c for c in waiting if c.parent in parents], 1)
-    chosen = {id(c) for c in taken}
-    waiting[:] = [c for c in waiting if id(c) not in chosen]
-    return taken
+def next_drafts(
+    waiting: Sequence[Candidate], bar: dict[int, float]
+) -> tuple[list[Candidate], list[Candidate], int]:
+    """For each hypothesis of `bar` (`failed_relevance`), the first `waiting` branch whose s_rel
+    is above its bar; the `waiting` branches left after them; and how many were dropped, the
+    waiting branches of those hypotheses at or under the bar."""
+    dropped = {id(c) for c in waiting if c.parent in bar and _s_rel(c) <= bar[c.parent]}
+    eligible = [c for c in waiting if id(c) not in dropped]
+    taken = {id(c) for c in first_of_each_hypothesis([c for c in eligible if c.parent in bar], 1)}
+    return (
+        [c for c in eligible if id(c) in taken],
+        [c for c in eligible if id(c) not in taken],
+        len(dropped),
+    )
 
 
 def expand(
@@ -239,11 +247,8 @@ def expand(
         t = clock()
         read_each(critic, [c for c in waiting if c.parent in failing and c.rel is None], work)
         timed("relevance", t)
-        bar = failed_relevance(drafted, failing)
-        outread = {id(c) for c in waiting if c.parent in failing and _s_rel(c) <= bar[c.parent]}
-        work.pruned += len(outread)
-        waiting = [c for c in waiting if id(c) not in outread]
-        retried = next_drafts(waiting, failing)
+        retried, waiting, dropped = next_drafts(waiting, failed_relevance(drafted, failing))
+        work.pruned += dropped
         if not retried:
             break
         drafted += draft_and_critique(critic, retried, cfg, work, clock, timed)
