@@ -22,7 +22,8 @@ def step(parents: int = 1) -> list[Candidate]:
 
 
 def config(**dials) -> DecodingConfig:
-    return settle_filters(DecodingConfig(**{"min_support_score": 0.5, **dials}), "scripted")
+    dials = {"min_support_score": 0.5, "retry_drafts": 2, **dials}
+    return settle_filters(DecodingConfig(**dials), "scripted")
 
 
 def drafted_ids(work) -> list[str | None]:
