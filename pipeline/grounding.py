@@ -81,14 +81,21 @@ def key_terms(segment: str) -> list[str]:
 def missing_terms(segment: str, evidence: str, question: str = "") -> list[str]:
     """The key terms of `segment` (`key_terms`) found in neither `evidence` nor `question`:
     content the citation does not back. Empty when everything is found (or nothing is key)."""
+    return _missing(key_terms(segment), evidence, question)
+
+
+def _missing(terms: list[str], evidence: str, question: str) -> list[str]:
+    """The `terms` found in neither `evidence` nor `question` (`missing_terms`)."""
     seen = _fold(f"{evidence}\n{question}")
     seen_numbers = _number_forms(seen)
     out = []
-    for term in key_terms(segment):
+    for term in terms:
         if _NUMBER.fullmatch(term):
             if term.replace(",", "") not in seen_numbers:
                 out.append(term)
-        elif not any(_holds(seen, name) for name in {_fold(term), _fold(term).split("'")[0]}):
+            continue
+        name = _fold(term)
+        if not (_holds(seen, name) or _holds(seen, name.split("'")[0])):
             out.append(term)
     return out
 
@@ -126,7 +133,7 @@ def term_share(segment: str, evidence: str, question: str = "") -> float | None:
     terms = key_terms(segment)
     if not terms:
         return None
-    return 1.0 - len(missing_terms(segment, evidence, question)) / len(terms)
+    return 1.0 - len(_missing(terms, evidence, question)) / len(terms)
 
 
 def grounding_score(segment: str, evidence: str, question: str = "") -> float | None:
