@@ -374,7 +374,7 @@ def test_empty_drafts_never_give_an_empty_answer():
     assert out.abstained
 
 
-def test_with_retry_drafts_a_more_relevant_passage_answers_where_the_first_failed():
+def test_by_default_a_more_relevant_passage_answers_where_the_first_failed():
     critic = ScriptedCritic(
         relevance_of={"p1": 0.6, "p2": 0.8},
         drafts={"p1": (" Norman people.", -0.5, "eos"), "p2": (" Rollo.", -0.5, "eos")},
@@ -384,7 +384,7 @@ def test_with_retry_drafts_a_more_relevant_passage_answers_where_the_first_faile
     config = settle_filters(
         DecodingConfig(mode="always", max_segments=1, min_support_score=0.5), "scripted"
     )
-    assert decoder.answer("q", config).abstained  # by default only p1 drafts
-    out = decoder.answer("q", config.model_copy(update={"retry_drafts": 1}))
+    assert decoder.answer("q", config.model_copy(update={"retry_drafts": 0})).abstained
+    out = decoder.answer("q", config)  # by default one more passage drafts: p2
     assert out.answer == "Rollo." and out.segments[0].citation.passage_id == "p2"
     assert out.support == pytest.approx(0.9)
