@@ -25,6 +25,7 @@ from selfrag.pipeline.critics import Branch, Critic, LabelProbs
 from selfrag.pipeline.protocols import Generation
 from selfrag.pipeline.ranking import Candidate, Drafted, certainly_filtered, passes_filters
 from selfrag.pipeline.scoring import relevance_score
+from selfrag.pipeline.timings import timed
 from selfrag.schemas.decoding import DecodingConfig
 
 
@@ -228,30 +229,24 @@ def expand(
     while a hypothesis's drafts all fail the hard filters, its next passage in draft order
     (at most `retry_drafts` more)."""
     work = StepWork()
-
-    def timed(stage: str, start: float) -> None:
-        work.timings_ms[stage] = work.timings_ms.get(stage, 0.0) + (clock() - start) * 1e3
-
-    t = clock()
     evidence = [c for c in candidates if c.branch.passage is not None]
-    unread = read_relevance(critic, evidence, cfg, work)
-    timed("relevance", t)
+    with timed(work.timings_ms, "relevance", clock):
+        unread = read_relevance(critic, evidence, cfg, work)
     skipped = {id(c) for c in unread}
     kept, waiting = admitted([c for c in candidates if id(c) not in skipped], cfg, work)
     waiting += unread
-    drafted = draft_and_critique(critic, kept, cfg, work, clock, timed)
+    drafted = draft_and_critique(critic, kept, cfg, work, clock)
     # A waiting branch passed the relevance filters and only the budget left it out, or it was
     # left unread where no relevance filter is on: either way it may draft.
     for _ in range(cfg.retry_drafts):
         failing = unsupported_hypotheses(candidates, drafted, cfg)
-        t = clock()
-        read_each(critic, [c for c in waiting if c.parent in failing and c.rel is None], work)
-        timed("relevance", t)
+        with timed(work.timings_ms, "relevance", clock):
+            read_each(critic, [c for c in waiting if c.parent in failing and c.rel is None], work)
         retried, waiting, dropped = next_drafts(waiting, failed_relevance(drafted, failing))
         work.pruned += dropped
         if not retried:
             break
-        drafted += draft_and_critique(critic, retried, cfg, work, clock, timed)
+        drafted += draft_and_critique(critic, retried, cfg, work, clock)
     work.pruned += len(waiting)
     work.drafted = drafted
     return work
@@ -263,32 +258,29 @@ def draft_and_critique(
     cfg: DecodingConfig,
     work: StepWork,
     clock: Callable[[], float],
-    timed: Callable[[str, float], None],
 ) -> list[Drafted]:
     """Draft the `kept` branches that have no draft yet, then read the support (evidence
     branches) and utility of those that drafted something: what ranking sees of them."""
-    t = clock()
-    todo = [c for c in kept if c.draft is None]
-    drafts = critic.draft([c.branch for c in todo], cfg.max_segment_tokens)
-    for c, d in zip(todo, drafts, strict=True):
-        c.draft = d
-        work.prefill_tokens += d.prefill_tokens
-    for c in kept:
-        work.decode_tokens += len(c.draft.tokens) if c.draft is not None else 0
-    timed("draft", t)
+    with timed(work.timings_ms, "draft", clock):
+        todo = [c for c in kept if c.draft is None]
+        drafts = critic.draft([c.branch for c in todo], cfg.max_segment_tokens)
+        for c, d in zip(todo, drafts, strict=True):
+            c.draft = d
+            work.prefill_tokens += d.prefill_tokens
+        for c in kept:
+            work.decode_tokens += len(c.draft.tokens) if c.draft is not None else 0
     kept = [c for c in kept if c.draft is not None and c.draft.text.strip()]
 
-    t = clock()
-    grounded = [c for c in kept if c.branch.passage is not None]
-    sups = critic.support([c.branch for c in grounded], [c.draft for c in grounded])  # type: ignore[misc]
-    for c, sup in zip(grounded, sups, strict=True):
-        c.sup = sup
-        work.prefill_tokens += sup.prefill_tokens
-    uses = critic.utility([c.branch for c in kept], [c.draft for c in kept])  # type: ignore[misc]
-    for c, use in zip(kept, uses, strict=True):
-        c.use = use
-        work.prefill_tokens += use.prefill_tokens
-    timed("critique", t)
+    with timed(work.timings_ms, "critique", clock):
+        grounded = [c for c in kept if c.branch.passage is not None]
+        sups = critic.support([c.branch for c in grounded], [c.draft for c in grounded])  # type: ignore[misc]
+        for c, sup in zip(grounded, sups, strict=True):
+            c.sup = sup
+            work.prefill_tokens += sup.prefill_tokens
+        uses = critic.utility([c.branch for c in kept], [c.draft for c in kept])  # type: ignore[misc]
+        for c, use in zip(kept, uses, strict=True):
+            c.use = use
+            work.prefill_tokens += use.prefill_tokens
     return [c.drafted() for c in kept]
 
 

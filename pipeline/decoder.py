@@ -19,6 +19,7 @@ from selfrag.pipeline.ranking import (
     rank_step,
 )
 from selfrag.pipeline.scoring import retrieval_probability, should_retrieve
+from selfrag.pipeline.timings import add_timings, timed
 from selfrag.schemas.answer import AnswerResponse, PassageOut, StopReason, Usage
 from selfrag.schemas.decoding import DecodingConfig
 
@@ -45,9 +46,6 @@ class _Run:
     """`best_support` of the first step: what decides abstention (`AnswerResponse.support`)."""
     asked: str = ""
     """The question as its branches are prompted with: followed by the request's instructions."""
-
-    def timed(self, stage: str, start: float) -> None:
-        self.timings[stage] = self.timings.get(stage, 0.0) + (self.clock() - start) * 1e3
 
     def budget_exceeded(self) -> StopReason | None:
         if self.clock() - self.started > self.config.timeout_s:
@@ -142,15 +140,13 @@ class BeamDecoder:
         run.usage.decode_tokens += work.decode_tokens
         run.usage.branches_pruned += work.pruned
         run.usage.branches_filtered += work.filtered
-        for stage, ms in work.timings_ms.items():
-            run.timings[stage] = run.timings.get(stage, 0.0) + ms
+        add_timings(run.timings, work.timings_ms)
 
         if run.usage.steps == 1:  # only the first step's hypothesis has no segment to keep
             run.support = best_support(work.drafted, cfg)
-        t = run.clock()
-        ranking = self._ranker(beam, live, work.drafted, cfg)
+        with timed(run.timings, "rank", run.clock):
+            ranking = self._ranker(beam, live, work.drafted, cfg)
         run.usage.branches_filtered += ranking.filtered
-        run.timed("rank", t)
         return ranking.beam
 
     def _open_branches(
@@ -160,9 +156,8 @@ class BeamDecoder:
         p_rets: list[float | None] = [None] * len(live)
         closed: list[Generation | None] = [None] * len(live)
         if cfg.mode == "adaptive":
-            t = run.clock()
-            decisions = worker.retrieval([Branch(run.asked, h.text, None) for h in live])
-            run.timed("retrieval_decision", t)
+            with timed(run.timings, "retrieval_decision", run.clock):
+                decisions = worker.retrieval([Branch(run.asked, h.text, None) for h in live])
             for i, d in enumerate(decisions):
                 p_rets[i] = retrieval_probability(d.probs)
                 # The closed-book draft the decision was read from is this hypothesis's
@@ -183,12 +178,11 @@ class BeamDecoder:
                 retrieving.append(index)
         found: dict[int, list[Passage]] = {}
         if retrieving:
-            t = run.clock()
             queries = [" ".join(f"{question} {live[i].text}".split()) for i in retrieving]
-            found = dict(
-                zip(retrieving, self._retriever.search_many(queries, cfg.top_k), strict=True)
-            )
-            run.timed("retrieve", t)
+            with timed(run.timings, "retrieve", run.clock):
+                found = dict(
+                    zip(retrieving, self._retriever.search_many(queries, cfg.top_k), strict=True)
+                )
             run.usage.retrievals += len(retrieving)
             for passages in found.values():
                 for p in passages:

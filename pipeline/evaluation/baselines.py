@@ -27,6 +27,7 @@ from selfrag.pipeline.protocols import (
     Passage,
     PassageSearch,
 )
+from selfrag.pipeline.timings import timed
 from selfrag.schemas.answer import AnswerResponse, PassageOut, SegmentOut, Usage
 from selfrag.schemas.decoding import DecodingConfig
 
@@ -93,15 +94,13 @@ class BaselineAnswerer:
         if retrieve:
             if self._retriever is None:
                 raise ValueError("vanilla RAG needs a retriever")
-            t = self._clock()
-            passages = self._retriever.search(question, config.top_k)
-            timings["retrieve"] = (self._clock() - t) * 1e3
-        t = self._clock()
+            with timed(timings, "retrieve", self._clock):
+                passages = self._retriever.search(question, config.top_k)
         budget = config.max_segment_tokens * config.max_segments
-        (gen,) = self._model.generate(
-            [GenerationRequest(self.prompt(question, passages), budget, stop_at_sentence_end=False)]
-        )
-        timings["draft"] = (self._clock() - t) * 1e3
+        prompt = self.prompt(question, passages)
+        request = GenerationRequest(prompt, budget, stop_at_sentence_end=False)
+        with timed(timings, "draft", self._clock):
+            (gen,) = self._model.generate([request])
         text = gen.text.strip()
         abstained = is_abstention(text)
         segment = SegmentOut(
