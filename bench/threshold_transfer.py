@@ -43,8 +43,8 @@ def main() -> None:
     parser.add_argument("--model", default=None, help="A preset; default: the home's setting.")
     args = parser.parse_args()
     questions = load_questions(args.dataset, article=args.article, limit=args.limit)
-    model = {"preset": args.model} if args.model else {}
-    with SelfRAG.open(args.home, **({"model": model} if model else {})) as rag:
+    overrides = {"model": {"preset": args.model}} if args.model else {}
+    with SelfRAG.open(args.home, **overrides) as rag:
         critique = rag.system.critique_name(rag.settings.decoding.critique)
         cal = rag.system.calibrated.calibration(critique)
         if cal is None:

@@ -178,8 +178,8 @@ class BeamDecoder:
                 retrieving.append(index)
         found: dict[int, list[Passage]] = {}
         if retrieving:
-            queries = [" ".join(f"{question} {live[i].text}".split()) for i in retrieving]
             with timed(run.timings, "retrieve", run.clock):
+                queries = [" ".join(f"{question} {live[i].text}".split()) for i in retrieving]
                 found = dict(
                     zip(retrieving, self._retriever.search_many(queries, cfg.top_k), strict=True)
                 )

@@ -97,9 +97,9 @@ class BaselineAnswerer:
             with timed(timings, "retrieve", self._clock):
                 passages = self._retriever.search(question, config.top_k)
         budget = config.max_segment_tokens * config.max_segments
-        prompt = self.prompt(question, passages)
-        request = GenerationRequest(prompt, budget, stop_at_sentence_end=False)
         with timed(timings, "draft", self._clock):
+            prompt = self.prompt(question, passages)
+            request = GenerationRequest(prompt, budget, stop_at_sentence_end=False)
             (gen,) = self._model.generate([request])
         text = gen.text.strip()
         abstained = is_abstention(text)

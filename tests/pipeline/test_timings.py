@@ -1,9 +1,11 @@
+from collections.abc import Callable
+
 import pytest
 
 from selfrag.pipeline.timings import add_timings, timed
 
 
-def ticking(*readings: float):
+def ticking(*readings: float) -> Callable[[], float]:
     it = iter(readings)
     return lambda: next(it)
 
