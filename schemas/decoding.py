@@ -80,8 +80,8 @@ class DecodingConfig(BaseModel):
         "step (docs/benchmarks.md).",
     )
     # 1, by measurement on the tuning sets (docs/evaluation.md, "One retry by default"): it
-    # gives back most answerable abstentions for a few unanswerable ones; more retries give
-    # back more unanswerable abstentions and no more right answers.
+    # gives back most answerable abstentions for a few unanswerable ones; a second retry gives
+    # back more unanswerable abstentions than it gains right answers.
     retry_drafts: int = Field(
         1,
         ge=0,
