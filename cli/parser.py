@@ -298,7 +298,7 @@ def _calibrate_parser(sub: Any) -> None:
         "--time-limit",
         type=float,
         help="Without a dataset: seconds of critique before calibrating on the pairs read "
-        "(default 300).",
+        "(default 900).",
     )
     _model_flag(p_cal)
     _collection_flag(p_cal)

@@ -367,6 +367,23 @@ def test_the_threshold_is_fitted_on_s_sup_weighed_by_the_pairs_similarity(
     assert halved.answerable["p50"] == pytest.approx(neutral.answerable["p50"] / 2, abs=1e-4)
 
 
+def test_the_time_limit_stops_reading_at_a_batch_and_keeps_what_was_read(
+    tmp_path: Path,
+) -> None:
+    from selfrag.jobs.support_calibration import CorpusCalibrationPlan, draw_pairs, score_pairs
+
+    rag = _fake_rag(tmp_path, _four_copies(), OverlapCritic(name="learned"))
+    plan = CorpusCalibrationPlan(questions=12, batch=4, time_limit_s=250.0)
+    pairs = draw_pairs(rag, plan)
+    assert len(pairs) > 12
+    ticks = iter(range(0, 10_000, 100))  # each batch "takes" 100 s
+    read = score_pairs(rag, "learned", pairs, plan, progress=False, clock=lambda: next(ticks))
+    # Batches start at 100, 200 and 300 s past the start: the third is past 250 s.
+    assert [s.pair for s in read] == pairs[:8]
+    # The default limit is a guard, far above the few minutes the default model takes.
+    assert CorpusCalibrationPlan().time_limit_s >= 900
+
+
 def test_the_job_saves_under_the_index_collection_it_ran_on(tmp_path: Path) -> None:
     from selfrag.infra.models.model_files import file_sha256
     from selfrag.jobs.support_calibration import CorpusCalibrationPlan, calibrate_support
