@@ -292,7 +292,7 @@ def _calibrate_parser(sub: Any) -> None:
         "--max-answerable-abstain",
         type=float,
         help="Without a dataset: the share of synthetic answerable pairs the threshold may "
-        "abstain on (default 0.15).",
+        "abstain on (default 0.05).",
     )
     p_cal.add_argument(
         "--time-limit",
