@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 
 from selfrag.api import SelfRAG
@@ -28,9 +29,9 @@ from selfrag.jobs.evaluation.eval_questions import load_questions
 from selfrag.pipeline.learning.synthetic_qa import choose_threshold, summary, threshold_effect
 
 
-def quantiles(scores: list[float]) -> str:
-    """p10/p25/p50 of `scores` (`summary`), or '-' without any."""
-    s = summary(scores)
+def quantiles(s: Mapping[str, float | int]) -> str:
+    """p10/p25/p50 of a `summary` (a calibration's saved one, or one of scores), '-' where
+    it has none."""
     return "/".join(str(s.get(k, "-")) for k in ("p10", "p25", "p50"))
 
 
@@ -68,12 +69,12 @@ def main() -> None:
     print(
         f"calibration ({critique}): threshold {cal.min_support_score:.4f} at a budget of "
         f"{cal.max_answerable_abstain:.0%}; synthetic answerable p10/p25/p50 "
-        f"{'/'.join(str(cal.answerable.get(k, '-')) for k in ('p10', 'p25', 'p50'))}"
+        f"{quantiles(cal.answerable)}"
     )
     print(
-        f"real answerable n={len(answerable)} p10/p25/p50 {quantiles(finite)}; unanswerable "
-        f"n={len(unanswerable)} p10/p25/p50 "
-        f"{quantiles([s for s in unanswerable if math.isfinite(s)])}; "
+        f"real answerable n={len(answerable)} p10/p25/p50 {quantiles(summary(finite))}; "
+        f"unanswerable n={len(unanswerable)} p10/p25/p50 "
+        f"{quantiles(summary([s for s in unanswerable if math.isfinite(s)]))}; "
         f"{closed_book} did not retrieve"
     )
     unans = fitted.unanswerable_abstain
