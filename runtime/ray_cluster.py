@@ -54,6 +54,14 @@ RAY_SHUTDOWN_S = 2.0
 DAEMONS = frozenset({"gcs_server", "raylet"})
 # The node address of a private instance.
 LOOPBACK = "127.0.0.1"
+# Ray Serve's periods in a private instance: its controller's loop and each replica's export of
+# cached metrics run far more often by default than one machine's autoscaling and metrics need,
+# and on a small machine that idle work takes CPU from the engines' threads
+# (docs/benchmarks.md). A value already in the environment is kept.
+SERVE_PERIODS = {
+    "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5",
+    "RAY_SERVE_METRICS_EXPORT_INTERVAL_MS": "1000",
+}
 # The session folder of the private instance this process started (None: none).
 _session: Path | None = None
 # How long `selfrag serve` waits for its port to be released by a server stopped just before.
@@ -106,7 +114,8 @@ def init_ray(address: str | None, *, log_to_driver: bool) -> bool:
 
 def _private_environment() -> None:
     """What every process of a private instance inherits from this one: loopback as the node
-    address, Ray's token mode with a token of its own, and the `OWNER_ENV` mark."""
+    address, Ray's token mode with a token of its own, the `OWNER_ENV` mark and Serve's
+    `SERVE_PERIODS` (unless set)."""
     from ray._private import ray_constants
     from ray._raylet import Config
 
@@ -120,6 +129,8 @@ def _private_environment() -> None:
     os.environ["RAY_AUTH_TOKEN"] = secrets.token_urlsafe(32)
     Config.initialize("")  # this process read its Ray config at import: read the mode again
     os.environ[OWNER_ENV] = f"{os.getpid()}-{secrets.token_hex(8)}"
+    for name, value in SERVE_PERIODS.items():
+        os.environ.setdefault(name, value)
 
 
 @contextmanager

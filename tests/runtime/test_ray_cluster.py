@@ -38,10 +38,10 @@ def _stale_record(ray_tmp: Path) -> str:
 
 
 def _run(
-    ray_tmp: Path, code: str, timeout_s: float
+    ray_tmp: Path, code: str, timeout_s: float, extra_env: dict[str, str] | None = None
 ) -> tuple[subprocess.CompletedProcess[str], float]:
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    env |= {"RAY_TMPDIR": str(ray_tmp), "PYTHONPATH": str(ROOT)}
+    env |= {"RAY_TMPDIR": str(ray_tmp), "PYTHONPATH": str(ROOT), **(extra_env or {})}
     start = time.monotonic()
     try:
         done = subprocess.run(
@@ -126,7 +126,12 @@ assert ray_cluster.init_ray(None, log_to_driver=False)
 def one():
     return 1
 
+@ray.remote
+def periods():
+    return {name: os.environ.get(name) for name in ray_cluster.SERVE_PERIODS}
+
 assert ray.get(one.remote()) == 1
+worker_periods = ray.get(periods.remote())
 time.sleep(3)  # the agents are up by now
 def comms(pids):
     return sorted({Path(f"/proc/{p}/comm").read_text().strip() for p in pids})
@@ -159,7 +164,7 @@ in_my_group = [n for p, n in zip(pids, map(lambda p: comms([p])[0], pids))
 ray_cluster.shutdown_private_ray()
 print(json.dumps({
     "sockets": sockets, "jobs": refused, "session": session, "names": names, "unmarked": unmarked,
-    "in_my_group": in_my_group,
+    "in_my_group": in_my_group, "periods": worker_periods,
 }))
 """
 
@@ -221,6 +226,10 @@ def _holding_files_in(folder: str) -> list[str]:
     return found
 
 
+# A Serve period the operator set: the private instance keeps it.
+OPERATORS_PERIOD = "RAY_SERVE_METRICS_EXPORT_INTERVAL_MS"
+
+
 @pytest.fixture(scope="module")
 def private_run() -> Iterator[dict]:
     """One private instance: started, its sockets and a job submission tried, stopped."""
@@ -228,7 +237,7 @@ def private_run() -> Iterator[dict]:
 
     folder = Path(tempfile.mkdtemp(prefix="rt", dir="/tmp"))
     try:
-        done, _ = _run(folder, PRIVATE, 180)
+        done, _ = _run(folder, PRIVATE, 180, {OPERATORS_PERIOD: "250"})
         assert done.returncode == 0, done.stderr[-3000:]
         result = json.loads(done.stdout.strip().splitlines()[-1])
         result["left"] = _holding_files_in(result["session"])
@@ -274,3 +283,14 @@ def test_a_private_instances_processes_are_out_of_reach_of_a_signal_to_its_start
     """A supervisor's SIGTERM to `selfrag serve`'s process group reached the GCS and raylet
     too, so the answers in progress could not be drained through them."""
     assert private_run["in_my_group"] == []
+
+
+def test_a_private_instances_workers_run_serve_at_its_periods_or_the_operators(
+    private_run: dict,
+) -> None:
+    """Serve's controller loop and replicas' metrics export ran at Ray's defaults, whose idle
+    work took CPU from the engines on a small machine; a value the operator set is kept."""
+    from selfrag.runtime.ray_cluster import SERVE_PERIODS
+
+    assert private_run["periods"] == SERVE_PERIODS | {OPERATORS_PERIOD: "250"}
+    assert SERVE_PERIODS[OPERATORS_PERIOD] != "250"
