@@ -72,16 +72,22 @@ def held_out_questions(data: Path, n: int) -> list[tuple[str, tuple[str, ...]]]:
 
 def serve_baselines(home: str, port: int) -> None:
     """(a) and (b) over HTTP: POST /vanilla, /pack {"question"}; GET /reference, /ready."""
+    from selfrag.infra.engine.engine_threads import apply_wait_policy
+    from selfrag.infra.settings_loader import load_settings
+
+    settings = load_settings(environ={**os.environ, "SELFRAG_HOME": home})
+    # Before llama.cpp's OpenMP runtime loads (with llama_cpp): the baselines' threads wait as
+    # selfrag's engines do, whatever the environment this bench started in says.
+    apply_wait_policy(settings.model.omp_wait_policy)
+
     import llama_cpp
     import uvicorn
     from fastapi import FastAPI
 
-    from selfrag.infra.settings_loader import load_settings
     from selfrag.pipeline.evaluation.baselines import BaselineAnswerer
     from selfrag.runtime.system import LocalRuntime
     from selfrag.schemas.decoding import DecodingConfig
 
-    settings = load_settings(environ={**os.environ, "SELFRAG_HOME": home})
     rag = LocalRuntime(settings)
     vanilla = BaselineAnswerer(rag.engine, rag.store)
     config = DecodingConfig(top_k=K, max_segments=1, max_segment_tokens=MAX_TOKENS)
