@@ -57,7 +57,7 @@ LOOPBACK = "127.0.0.1"
 # Ray Serve's periods in a private instance: its controller's loop and each replica's export of
 # cached metrics run far more often by default than one machine's autoscaling and metrics need,
 # and on a small machine that idle work takes CPU from the engines' threads
-# (docs/benchmarks.md). A value already in the environment is kept.
+# (docs/cluster.md, "Serve's periods"). A value already in the environment is kept.
 SERVE_PERIODS = {
     "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5",
     "RAY_SERVE_METRICS_EXPORT_INTERVAL_MS": "1000",
