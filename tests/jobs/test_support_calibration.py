@@ -384,6 +384,27 @@ def test_the_time_limit_stops_reading_at_a_batch_and_keeps_what_was_read(
     assert CorpusCalibrationPlan().time_limit_s >= 900
 
 
+def test_selfrag_calibrate_help_states_the_plans_defaults(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The CLI states the plan's defaults as text (importing the job to read them would slow
+    every command's start): a default changed in one place only is caught here."""
+    from selfrag.cli.parser import build_parser
+    from selfrag.jobs.support_calibration import CorpusCalibrationPlan
+
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["calibrate", "--help"])
+    shown = " ".join(capsys.readouterr().out.split())
+    plan = CorpusCalibrationPlan()
+    for flag, value in (
+        ("--questions", plan.questions),
+        ("--seed", plan.seed),
+        ("--max-answerable-abstain", plan.max_answerable_abstain),
+        ("--time-limit", plan.time_limit_s),
+    ):
+        assert f"(default {value:g})" in shown, flag
+
+
 def test_the_job_saves_under_the_index_collection_it_ran_on(tmp_path: Path) -> None:
     from selfrag.infra.models.model_files import file_sha256
     from selfrag.jobs.support_calibration import CorpusCalibrationPlan, calibrate_support
