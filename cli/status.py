@@ -54,6 +54,7 @@ def collect_status(settings: Settings) -> dict[str, Any]:
                 "where": store.where,
                 "collection": r.collection,
                 "hybrid": r.hybrid,
+                "fusion": r.fusion,
                 "embedder": system.embedder.model_id,
                 "embedding_model": r.embedding_model,
             }
@@ -142,7 +143,7 @@ def render_status(s: dict[str, Any]) -> str:
         ("store", f"{index['store']} {index['where']}"),
         ("collection", index["collection"]),
         ("embedder", index["embedder"] + ("" if index["embedding_model"] else " (default)")),
-        ("hybrid", "on" if index["hybrid"] else "off"),
+        ("hybrid", f"on ({index['fusion']})" if index["hybrid"] else "off"),
         ("model", model["id"] or "?"),
         ("model file", model["path"] or f"vLLM server {model['url']}"),
         *_thread_rows(model.get("threads")),

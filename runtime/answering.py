@@ -109,6 +109,7 @@ def query_cache_scope(settings: Settings) -> dict[str, Any]:
             "collection": r.collection,
             "embedding_model": r.embedding_model,
             "hybrid": r.hybrid,
+            "fusion": r.fusion,
             "chunking": r.chunking,
             "passage_tokens": r.passage_tokens,
             "passage_words": r.passage_words,

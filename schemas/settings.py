@@ -178,8 +178,14 @@ class RetrievalSettings(BaseModel):
     )
     hybrid: bool = Field(
         True,
-        description="Fuse dense and BM25 sparse results with RRF (a better hit@1 than "
-        "dense-only on the Normans questions: bench/retrieval.py, docs/benchmarks.md).",
+        description="Fuse dense and BM25 sparse results (a better hit@1 than dense-only on "
+        "the Normans questions: bench/retrieval.py, docs/benchmarks.md).",
+    )
+    fusion: Literal["rrf", "dbsf"] = Field(
+        "rrf",
+        description="How hybrid search fuses its dense and BM25 results: 'dbsf' (Qdrant's "
+        "distribution-based score fusion: each list's scores scaled by their own spread, "
+        "then summed) or 'rrf' (reciprocal rank fusion, k=60).",
     )
     chunking: Literal["structure", "words"] = Field(
         "structure",

@@ -297,7 +297,7 @@ class EdgeEngine:
                 edge.Prefetch(limit=depth, query=dense),
                 edge.Prefetch(limit=depth, query=edge.Query.Nearest(terms, using=SPARSE)),
             ],
-            query=edge.Fusion.Rrf(k=RRF_K),
+            query=edge.Fusion.Rrf(k=RRF_K) if s.fusion == "rrf" else edge.Fusion.Dbsf(),
             with_payload=True,
             with_vector=[DENSE],
         )

@@ -17,7 +17,7 @@ from __future__ import annotations
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 import numpy as np
 
@@ -26,6 +26,10 @@ from selfrag.infra.store import sparse
 DENSE = "dense"
 SPARSE = "sparse"
 RRF_K = 60  # Qdrant's default RRF constant
+Fusion = Literal["rrf", "dbsf"]
+"""How a hybrid query fuses its dense and BM25 hits: reciprocal rank fusion, or Qdrant's
+distribution-based score fusion (each list's scores scaled by its mean and three standard
+deviations, then summed)."""
 # Each branch of a hybrid query fetches this many times `k` before fusion, so a passage ranked
 # a little lower by one method can still be lifted by the other.
 _HYBRID_PREFETCH_FACTOR = 4
@@ -88,8 +92,8 @@ class PointData:
 
 @dataclass(frozen=True)
 class Hit:
-    """One search result: the point's payload, its score (cosine similarity, or the RRF score
-    of a hybrid query) and its dense vector."""
+    """One search result: the point's payload, its score (cosine similarity, or the fused
+    score of a hybrid query) and its dense vector."""
 
     payload: dict[str, Any]
     score: float
@@ -98,11 +102,13 @@ class Hit:
 
 @dataclass(frozen=True)
 class Search:
-    """One query: its dense vector and, for hybrid search, its BM25 terms."""
+    """One query: its dense vector and, for hybrid search, its BM25 terms and how the two
+    result lists are fused."""
 
     dense: list[float]
     terms: sparse.SparseVec | None
     limit: int
+    fusion: Fusion
 
 
 class Engine(Protocol):

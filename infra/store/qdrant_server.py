@@ -144,7 +144,11 @@ class ServerEngine:
                         m.Prefetch(query=s.dense, using=DENSE, limit=depth),
                         m.Prefetch(query=terms, using=SPARSE, limit=depth),
                     ],
-                    query=m.RrfQuery(rrf=m.Rrf(k=RRF_K)),
+                    query=(
+                        m.RrfQuery(rrf=m.Rrf(k=RRF_K))
+                        if s.fusion == "rrf"
+                        else m.FusionQuery(fusion=m.Fusion.DBSF)
+                    ),
                     limit=s.limit,
                     with_payload=True,
                     with_vector=[DENSE],

@@ -231,8 +231,9 @@ class QdrantStore(Closeable):
     def search(self, query: str, k: int) -> list[Passage]:
         """The `k` best passages for `query`, best first; [] when nothing is indexed.
 
-        Dense cosine search, or with `settings.hybrid` dense and BM25 results fused by RRF.
-        `Passage.score` is Qdrant's score (cosine similarity, or the RRF score when hybrid);
+        Dense cosine search, or with `settings.hybrid` dense and BM25 results fused
+        (`settings.fusion`).
+        `Passage.score` is Qdrant's score (cosine similarity, or the fused score when hybrid);
         `Passage.similarity` is the cosine similarity either way.
         """
         return self.search_many([query], k)[0]
@@ -252,6 +253,7 @@ class QdrantStore(Closeable):
                 vector.tolist(),
                 sparse.query_vector(q) if self._settings.hybrid else None,
                 k,
+                self._settings.fusion,
             )
             for q, vector in zip(queries, dense, strict=True)
         ]

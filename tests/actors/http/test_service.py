@@ -134,6 +134,11 @@ def test_the_query_key_covers_the_model_file_settings_and_code_version(
             for s in (
                 _settings(calibration=refit),
                 _settings(retrieval=RetrievalSettings(hybrid=False)),
+                _settings(
+                    retrieval=RetrievalSettings(
+                        fusion="rrf" if RetrievalSettings().fusion == "dbsf" else "dbsf"
+                    )
+                ),
                 _settings(retrieval=RetrievalSettings(embedding_model="/models/e5")),
                 _settings(retrieval=RetrievalSettings(collection="other")),
                 _settings(retrieval=RetrievalSettings(passage_words=100)),

@@ -14,7 +14,7 @@ import threading
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import pytest
@@ -253,6 +253,40 @@ def test_hybrid_search_fuses_dense_and_keyword_results(
         assert all(a.score >= b.score > 0 for a, b in itertools.pairwise(results))
         # A query of stop words only falls back to dense search instead of failing.
         assert len(hybrid.search("what is the", 2)) == 2
+
+
+def _fused_scores(store: QdrantStore) -> list[float]:
+    hits = store.search("Which gases escape from a volcano's magma chamber?", 5)
+    assert hits[0].id == "volcano" and len({p.id for p in hits}) == 5
+    assert all(a.score >= b.score > 0 for a, b in itertools.pairwise(hits))
+    return [p.score for p in hits]
+
+
+@pytest.mark.parametrize("engine", ["embedded", "server"])
+def test_hybrid_search_fuses_by_the_configured_rule(
+    engine: str, home: Path, embedder: SentenceEmbedder, corpus: Path
+) -> None:
+    """RRF scores are sums of 1/(60 + rank from 0), at most 2/60; DBSF scores are each list's
+    scores scaled by its spread and summed, the best near 1 per list. Both engines take the
+    rule (the server's through qdrant-client's in-memory mode, which speaks its API)."""
+    from qdrant_client import QdrantClient
+
+    from selfrag.infra.store.qdrant_server import ServerEngine
+
+    def fused_scores(fusion: Literal["rrf", "dbsf"]) -> list[float]:
+        settings = RetrievalSettings(hybrid=True, fusion=fusion)
+        if engine == "embedded":
+            store = QdrantStore.open(settings, home / fusion, embedder)
+        else:
+            store = QdrantStore(
+                ServerEngine(settings, client=QdrantClient(":memory:")), settings, embedder
+            )
+        with store:
+            index_corpus(corpus, store, progress=False)
+            return _fused_scores(store)
+
+    rrf, dbsf = fused_scores("rrf"), fused_scores("dbsf")
+    assert rrf[0] <= 2 / 60 + 1e-6 < 0.5 < dbsf[0]  # float32 scores
 
 
 def test_one_client_per_folder_and_reopening_after_close(
