@@ -2,11 +2,13 @@
 (Qdrant Edge) against qdrant-client's local mode, side by side in one run.
 
 1. Quality: indexes `squad_v2_small.json` (87 paragraphs) plus `wiki_sample_1000.jsonl` (1,000
-   distractor passages) into a temporary embedded store and reports, over the answerable
-   Normans questions, how often a passage of the gold paragraph comes first (hit@1) or within
-   the top 5 (hit@5), for dense and for hybrid (dense + BM25, RRF) search, with the indexing
-   time and query latency through `QdrantStore` (embedding included). The
-   Computational_complexity_theory questions are the held-out test split and are never read.
+   passages) into a temporary embedded store and reports, over the answerable questions of the
+   tuning sets (SQuAD's Normans article, and the `tune` split of `bench/data/wiki_questions.jsonl`
+   over the Wikipedia passages), how often a passage of the gold document comes first (hit@1)
+   or within the top 5 (hit@5), for dense search and for hybrid (dense + BM25) search fused by
+   RRF and by DBSF, with the indexing time and query latency through `QdrantStore` (embedding
+   included). The held-out sets (Computational_complexity_theory, the `report` split) are
+   never read.
 2. The store alone, with random unit vectors of the embedder's width (no embedding): for each
    size (the corpus's, and `--points`), the time to write every point and the p50/p95 latency
    of a top-5 dense query, for Qdrant Edge (HNSW, what selfrag uses) and qdrant-client's
@@ -35,9 +37,19 @@ from selfrag.jobs.indexing import index_corpus
 from selfrag.schemas.settings import RetrievalSettings
 
 TUNING_ARTICLE = "Normans"
+WIKI_QUESTIONS = Path(__file__).resolve().parent / "data" / "wiki_questions.jsonl"
 TOP_K = 5
 QUERIES = 200  # per store and size in part 2
 WRITE_BATCH = 256
+
+
+def wiki_tune_questions(path: Path) -> list[tuple[str, str]]:
+    """(question, gold document id) for every answerable question of the wiki set's tuning
+    split."""
+    rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line]
+    return [
+        (r["question"], r["passage_id"]) for r in rows if r["answerable"] and r["split"] == "tune"
+    ]
 
 
 def normans_questions(squad_path: Path) -> list[tuple[str, str]]:
@@ -170,15 +182,23 @@ def main() -> None:
     args = parser.parse_args()
     squad = args.data / "squad_v2_small.json"
     wiki = args.data / "wiki_sample_1000.jsonl"
-    questions = normans_questions(squad)
+    question_sets = {
+        TUNING_ARTICLE: normans_questions(squad),
+        "wiki_tune": wiki_tune_questions(WIKI_QUESTIONS),
+    }
 
     embedder = SentenceEmbedder(threads=args.threads)
     started = time.perf_counter()
     embedder.embed(["load"])  # convert (once) and load the model outside the indexing time
     load_s = time.perf_counter() - started
 
-    # Dense first: hybrid is the default.
+    searches = {
+        "dense": {"hybrid": False},
+        "rrf": {"hybrid": True, "fusion": "rrf"},
+        "dbsf": {"hybrid": True, "fusion": "dbsf"},
+    }
     settings = RetrievalSettings(hybrid=False, chunking=args.chunking)
+    quality: dict[str, dict[str, tuple[float, float, float, float]]] = {}
     with tempfile.TemporaryDirectory() as home:
         with QdrantStore.open(settings, Path(home), embedder) as store:
             started = time.perf_counter()
@@ -190,20 +210,24 @@ def main() -> None:
             documents = sum(r.documents for r in reports)
             passages = store.count()
             errors = sum(len(r.errors) for r in reports)
-            dense = evaluate(store, questions)
-        hybrid_settings = settings.model_copy(update={"hybrid": True})
-        with QdrantStore.open(hybrid_settings, Path(home), embedder) as store:
-            hybrid = evaluate(store, questions)
+        for search, update in searches.items():
+            searching = settings.model_copy(update=update)
+            with QdrantStore.open(searching, Path(home), embedder) as store:
+                quality[search] = {
+                    name: evaluate(store, questions) for name, questions in question_sets.items()
+                }
 
     print(f"corpus: {documents} documents, {passages} passages, {errors} errors")
     print(
         f"model load {load_s:.1f} s, indexing {index_s:.1f} s "
         f"({passages / index_s:.1f} passages/s, {args.threads} embedding thread(s))"
     )
-    print(f"questions: {len(questions)} answerable '{TUNING_ARTICLE}' questions\n")
-    print(f"{'search':<8} {'hit@1':>7} {'hit@5':>7} {'p50 ms':>7} {'p95 ms':>7}")
-    for name, (h1, h5, p50, p95) in (("dense", dense), ("hybrid", hybrid)):
-        print(f"{name:<8} {h1:>7.3f} {h5:>7.3f} {p50:>7.1f} {p95:>7.1f}")
+    for name, questions in question_sets.items():
+        print(f"\n{name}: {len(questions)} answerable questions")
+        print(f"{'search':<8} {'hit@1':>7} {'hit@5':>7} {'p50 ms':>7} {'p95 ms':>7}")
+        for search, by_set in quality.items():
+            h1, h5, p50, p95 = by_set[name]
+            print(f"{search:<8} {h1:>7.3f} {h5:>7.3f} {p50:>7.1f} {p95:>7.1f}")
 
     rng = np.random.default_rng(0)
     sizes = [] if args.quality_only else sorted({passages, args.points})
@@ -218,13 +242,17 @@ def main() -> None:
         "chunking": args.chunking,
         "index_s": f"{index_s:.1f}",
         "passages": str(passages),
-        "questions": str(len(questions)),
-        "hit1": f"{dense[0]:.3f}",
-        "hit5": f"{dense[1]:.3f}",
-        "hybrid_hit1": f"{hybrid[0]:.3f}",
-        "hybrid_hit5": f"{hybrid[1]:.3f}",
-        "dense_p50_ms": f"{dense[2]:.1f}",
-        "hybrid_p50_ms": f"{hybrid[2]:.1f}",
+        **{f"{name}_questions": str(len(questions)) for name, questions in question_sets.items()},
+        **{
+            f"{search}_{name}_hit{k}": f"{by_set[name][i]:.3f}"
+            for search, by_set in quality.items()
+            for name in question_sets
+            for i, k in ((0, 1), (1, 5))
+        },
+        **{
+            f"{search}_p50_ms": f"{by_set[TUNING_ARTICLE][2]:.1f}"
+            for search, by_set in quality.items()
+        },
     }
     for size, engines in alone.items():
         for name, (seconds, p50, p95) in engines.items():
