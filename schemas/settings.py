@@ -30,6 +30,10 @@ ModelPresetName = Literal["smollm2", "qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b"]
 DEFAULT_PRESET: ModelPresetName = "qwen2.5-coder-0.5b"
 WaitPolicy = Literal["passive", "active", "inherit"]
 SupportRead = Literal["verify", "source"]
+HybridFusion = Literal["rrf", "dbsf"]
+"""How a hybrid search fuses its dense and BM25 hits: reciprocal rank fusion, or Qdrant's
+distribution-based score fusion (each list's scores scaled by its mean and three standard
+deviations, then summed)."""
 
 MASK = "**********"
 COLLECTION_NAME = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
@@ -181,7 +185,7 @@ class RetrievalSettings(BaseModel):
         description="Fuse dense and BM25 sparse results (a better hit@1 than dense-only on "
         "the Normans questions: bench/retrieval.py, docs/benchmarks.md).",
     )
-    fusion: Literal["rrf", "dbsf"] = Field(
+    fusion: HybridFusion = Field(
         "rrf",
         description="How hybrid search fuses its dense and BM25 results: 'dbsf' (Qdrant's "
         "distribution-based score fusion: each list's scores scaled by their own spread, "

@@ -17,19 +17,16 @@ from __future__ import annotations
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
 from selfrag.infra.store import sparse
+from selfrag.schemas.settings import HybridFusion
 
 DENSE = "dense"
 SPARSE = "sparse"
 RRF_K = 60  # Qdrant's default RRF constant
-Fusion = Literal["rrf", "dbsf"]
-"""How a hybrid query fuses its dense and BM25 hits: reciprocal rank fusion, or Qdrant's
-distribution-based score fusion (each list's scores scaled by its mean and three standard
-deviations, then summed)."""
 # Each branch of a hybrid query fetches this many times `k` before fusion, so a passage ranked
 # a little lower by one method can still be lifted by the other.
 _HYBRID_PREFETCH_FACTOR = 4
@@ -108,7 +105,7 @@ class Search:
     dense: list[float]
     terms: sparse.SparseVec | None
     limit: int
-    fusion: Fusion
+    fusion: HybridFusion
 
 
 class Engine(Protocol):

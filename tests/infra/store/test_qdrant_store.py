@@ -14,7 +14,7 @@ import threading
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 import pytest
@@ -23,7 +23,7 @@ from selfrag.infra.embeddings.embedder import SentenceEmbedder
 from selfrag.infra.store.qdrant_store import QdrantStore, StoreError, point_id
 from selfrag.jobs.indexing import index_corpus
 from selfrag.pipeline.protocols import Passage, PassageSearch
-from selfrag.schemas.settings import RetrievalSettings
+from selfrag.schemas.settings import HybridFusion, RetrievalSettings
 from tests.fakes import HashEmbedder
 
 pytestmark = pytest.mark.real
@@ -273,7 +273,7 @@ def test_hybrid_search_fuses_by_the_configured_rule(
 
     from selfrag.infra.store.qdrant_server import ServerEngine
 
-    def fused_scores(fusion: Literal["rrf", "dbsf"]) -> list[float]:
+    def fused_scores(fusion: HybridFusion) -> list[float]:
         settings = RetrievalSettings(hybrid=True, fusion=fusion)
         if engine == "embedded":
             store = QdrantStore.open(settings, home / fusion, embedder)
