@@ -128,6 +128,26 @@ def qa_examples(
 ) -> list[Example]:
     """Labelled examples: retrieved passages for IsRel, and the critic's own drafts from the
     evidence passage (the gold paragraph, else the best retrieved) for IsSup and IsUse."""
+    out, todo = qa_relevance(questions, search, plan)
+    bar = tqdm(total=len(todo), desc="drafts", file=sys.stderr, disable=not progress)
+    for start in range(0, len(todo), plan.batch):
+        chunk = todo[start : start + plan.batch]
+        drafts = critic.draft([Branch(q.question, "", p) for q, p in chunk], plan.draft_tokens)
+        for (q, p), d in zip(chunk, drafts, strict=True):
+            out += qa_draft_examples(q.id, q.question, q.golds, q.answerable, p, d.text)
+        bar.update(len(chunk))
+    bar.close()
+    return out
+
+
+def qa_relevance(
+    questions: Sequence[EvalQuestion],
+    search: Callable[[str, int], list[Passage]],
+    plan: TrainingPlan,
+) -> tuple[list[Example], list[tuple[EvalQuestion, Passage]]]:
+    """The IsRel examples of labelled questions (retrieved passages, and for an answerable
+    question its gold paragraph and as many others of its article), and each question's
+    evidence passage (the gold paragraph, else the best retrieved) for its drafts."""
     out: list[Example] = []
     todo: list[tuple[EvalQuestion, Passage]] = []
     rng = random.Random(plan.seed)
@@ -153,15 +173,7 @@ def qa_examples(
         evidence = gold or (retrieved[0] if retrieved else None)
         if evidence is not None:
             todo.append((q, evidence))
-    bar = tqdm(total=len(todo), desc="drafts", file=sys.stderr, disable=not progress)
-    for start in range(0, len(todo), plan.batch):
-        chunk = todo[start : start + plan.batch]
-        drafts = critic.draft([Branch(q.question, "", p) for q, p in chunk], plan.draft_tokens)
-        for (q, p), d in zip(chunk, drafts, strict=True):
-            out += qa_draft_examples(q.id, q.question, q.golds, q.answerable, p, d.text)
-        bar.update(len(chunk))
-    bar.close()
-    return out
+    return out, todo
 
 
 def _gold_passage(q: EvalQuestion) -> Passage | None:
@@ -274,7 +286,8 @@ def lowered(W: np.ndarray, X: np.ndarray, ceiling: float = -10.0) -> tuple[np.nd
     return W - c * mu_hat[None, :], c
 
 
-def _is_validation(key: str, seed: int) -> bool:
+def is_validation(key: str, seed: int) -> bool:
+    """Whether the example about `key` is in the validation split (a fixed share, by key)."""
     return zlib.crc32(f"{seed}:{key}".encode()) % 1000 < VALIDATION_SHARE * 1000
 
 
@@ -309,7 +322,7 @@ def fit_heads(
         Xg = X[idx]
         present = Counter(y.tolist())
         sw = np.array([1.0 / present[v] for v in y])
-        val = np.array([_is_validation(examples[i].key, seed) for i in idx])
+        val = np.array([is_validation(examples[i].key, seed) for i in idx])
         tried: dict[float, float | None] = {}
         for l2 in L2_GRID:
             W = fit_softmax(Xg[~val], y[~val], len(labels), l2, sw[~val])
