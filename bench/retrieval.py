@@ -232,8 +232,9 @@ def main() -> None:
     rng = np.random.default_rng(0)
     sizes = [] if args.quality_only else sorted({passages, args.points})
     alone = {size: store_alone(size, embedder.dim, rng) for size in sizes}
-    print(f"\nstore alone ({embedder.dim}-d random vectors, top-{TOP_K}, {QUERIES} queries)")
-    print(f"{'points':>8} {'engine':<6} {'write s':>8} {'p50 ms':>7} {'p95 ms':>7}")
+    if alone:
+        print(f"\nstore alone ({embedder.dim}-d random vectors, top-{TOP_K}, {QUERIES} queries)")
+        print(f"{'points':>8} {'engine':<6} {'write s':>8} {'p50 ms':>7} {'p95 ms':>7}")
     for size, engines in alone.items():
         for name, (seconds, p50, p95) in engines.items():
             print(f"{size:>8} {name:<6} {seconds:>8.1f} {p50:>7.2f} {p95:>7.2f}")
