@@ -17,7 +17,7 @@ Features are the final hidden states (llama.cpp, embeddings on, pooling none) at
 prompt token (what `learned` reads), the passage's last token, the mean over the question and
 task tokens, the mean over all tokens, and last + question mean. Heads: logistic regression on
 standardised features with a bias (C = 1 and 0.05), the product's bias-free softmax
-(`jobs.training.fit_softmax`, L2 0.1), and a one-hidden-layer MLP (64 units). Reported: AUC
+(`jobs.head_fitting.fit_softmax`, L2 0.1), and a one-hidden-layer MLP (64 units). Reported: AUC
 on the test pairs for every training set, position and head. About 17 minutes on 2 cores.
 
     .venv/bin/python -m bench.head_features [--threads 2]
@@ -37,7 +37,7 @@ import numpy as np
 
 from selfrag.infra.engine.cpu_builds.llama_cpu_builds import ensure_backend
 from selfrag.infra.models.model_files import default_model_path, derive_weights
-from selfrag.jobs.training import fit_softmax
+from selfrag.jobs.head_fitting import fit_softmax
 from selfrag.pipeline.critics import PromptedQuestions
 from selfrag.pipeline.learning.logistic_fit import auc
 from selfrag.pipeline.prompts import SYSTEM_PROMPT

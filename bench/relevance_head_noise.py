@@ -5,7 +5,7 @@ Builds the relevance examples `selfrag train` builds (inverse-cloze passages of 
 with hard negatives, and the tuning article's retrieved, gold and sibling paragraphs),
 reads each example's hidden state twice, once through the engine as training reads it and
 once on a bare context with the passage head decoded first and the rest after it
-(`bench.read_noise.RawDecoder`), and fits a head per L2 of `jobs.training`'s grid on the
+(`bench.read_noise.RawDecoder`), and fits a head per L2 of `jobs.head_fitting`'s grid on the
 engine's reads of the training split. Printed per L2: the weight norm, the validation AUC on
 either read, and how far s_rel moves between the two reads over all examples (median, 90th
 percentile, max). Last line: name=value.
@@ -47,18 +47,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     from selfrag import SelfRAG
     from selfrag.jobs.evaluation.eval_questions import load_questions
-    from selfrag.jobs.training import (
-        L2_GRID,
-        TrainingPlan,
-        corpus_examples,
-        fit_softmax,
-        group_auc,
-        hidden_features,
-        is_validation,
-        qa_relevance,
-    )
+    from selfrag.jobs.head_fitting import L2_GRID, GroupData, probabilities
+    from selfrag.jobs.training import TrainingPlan, corpus_examples, hidden_features, qa_relevance
     from selfrag.pipeline.critics import SequenceCritic
     from selfrag.pipeline.heads import GROUP_LABELS
+    from selfrag.pipeline.scoring import relevance_score
 
     plan = TrainingPlan()
     if args.passages is not None:
@@ -84,20 +77,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     decoder = RawDecoder(path)
     split_reads = np.array([decoder.last(tokens, [head])[0] for tokens, head in prompts])
 
-    labels = GROUP_LABELS[GROUP]
-    y = np.array([labels.index(ex.label) for ex in examples])
-    present = Counter(y.tolist())
-    weights = np.array([1.0 / present[v] for v in y])
-    val = np.array([is_validation(ex.key, plan.seed) for ex in examples])
-    val_names = [ex.label for ex, v in zip(examples, val, strict=True) if v]
+    data = GroupData.of(GROUP, examples, engine_reads, plan.seed)
     drift = np.linalg.norm(engine_reads - split_reads, axis=1) / np.linalg.norm(
         engine_reads, axis=1
     )
 
     def s_rel(W: np.ndarray, X: np.ndarray) -> np.ndarray:
-        z = X @ W.T
-        e = np.exp(z - z.max(axis=1, keepdims=True))
-        return e[:, labels.index("relevant")] / e.sum(axis=1)
+        return np.array([relevance_score(p) for p in probabilities(W, X, GROUP_LABELS[GROUP])])
 
     print(
         f"{len(examples)} examples ({dict(Counter(ex.label for ex in examples))}), "
@@ -113,9 +99,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "drift_median": f"{np.median(drift):.4f}",
     }
     for l2 in L2_GRID:
-        W = fit_softmax(engine_reads[~val], y[~val], len(labels), l2, weights[~val])
-        auc_engine = _shown(group_auc(GROUP, W, engine_reads[val], val_names))
-        auc_split = _shown(group_auc(GROUP, W, split_reads[val], val_names))
+        W = data.fit_training(l2)
+        auc_engine = _shown(data.validation_auc(W))
+        auc_split = _shown(data.validation_auc(W, split_reads))
         moved = np.abs(s_rel(W, engine_reads) - s_rel(W, split_reads))
         norm = float(np.linalg.norm(W[0] - W[1]))
         print(

@@ -3,10 +3,8 @@
 Examples come from `pipeline.learning.reflection_data` (self-supervised from the index, plus
 labelled QA when given; with a critic model, support labels from it:
 `pipeline.learning.critic_labels`); each is turned into the prompt the learned critique reads
-at inference (`SequenceCritic`'s layout) and the engine returns the final hidden state there.
-Each group is a multinomial logistic regression without bias (rows of the output matrix,
-`pipeline.heads`), balanced over the labels present, its L2 strength chosen on a validation
-split held out by passage or question.
+at inference (`SequenceCritic`'s layout) and the engine returns the final hidden state there;
+`jobs.head_fitting` fits each group's head on those states.
 """
 
 from __future__ import annotations
@@ -14,7 +12,6 @@ from __future__ import annotations
 import random
 import sys
 import time
-import zlib
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -22,13 +19,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-from scipy.optimize import minimize
 from tqdm import tqdm
 
 from selfrag.jobs.evaluation.eval_questions import EvalQuestion
+from selfrag.jobs.head_fitting import CONTRAST, fit_heads
 from selfrag.pipeline.critics import Branch, ChatCritic, SequenceCritic
 from selfrag.pipeline.heads import GROUP_LABELS
-from selfrag.pipeline.learning.logistic_fit import auc
 from selfrag.pipeline.learning.reflection_data import (
     EntityPool,
     Example,
@@ -40,12 +36,6 @@ from selfrag.pipeline.learning.reflection_data import (
     utility_examples,
 )
 from selfrag.pipeline.protocols import Generation, LanguageModel, Passage, TokenScoreRequest
-from selfrag.pipeline.scoring import (
-    relevance_score,
-    retrieval_probability,
-    support_score,
-    utility_score,
-)
 
 if TYPE_CHECKING:
     from selfrag.pipeline.learning.critic_labels import CriticLabeller
@@ -54,21 +44,6 @@ if TYPE_CHECKING:
 # The fewest examples, and of each group's two contrasted labels, a group trains on.
 MIN_EXAMPLES = 20
 MIN_PER_LABEL = 5
-L2_GRID = (0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1.0, 3.0)
-VALIDATION_SHARE = 0.2
-# The labels whose score separation the validation AUC measures, per group.
-CONTRAST = {
-    "retrieve": ("yes", "no"),
-    "relevance": ("relevant", "irrelevant"),
-    "support": ("full", "none"),
-    "utility": ("5", "1"),
-}
-SCORE = {
-    "retrieve": retrieval_probability,
-    "relevance": relevance_score,
-    "support": support_score,
-    "utility": utility_score,
-}
 
 
 class TrainingError(ValueError):
@@ -223,74 +198,6 @@ def hidden_features(
     return out
 
 
-def fit_softmax(
-    X: np.ndarray, y: np.ndarray, n_labels: int, l2: float, sample_weight: np.ndarray
-) -> np.ndarray:
-    """Weights (n_labels × d) of softmax(W·x) without bias: weighted cross-entropy + l2/2·|W|².
-
-    Features are scaled per dimension (not centred, which would need a bias) for the fit and
-    the scale folded back into W.
-    """
-    scale = np.sqrt((X.astype(np.float64) ** 2).mean(axis=0)) + 1e-6
-    Z = X / scale
-    Y = np.eye(n_labels)[y]
-    w = sample_weight / sample_weight.sum()
-    d = Z.shape[1]
-
-    def loss(flat: np.ndarray) -> tuple[float, np.ndarray]:
-        W = flat.reshape(n_labels, d)
-        logits = Z @ W.T
-        logits -= logits.max(axis=1, keepdims=True)
-        log_p = logits - np.log(np.exp(logits).sum(axis=1, keepdims=True))
-        value = -(w * (Y * log_p).sum(axis=1)).sum() + 0.5 * l2 * (W * W).sum()
-        grad = (np.exp(log_p) - Y).T @ (Z * w[:, None]) + l2 * W
-        return float(value), grad.ravel()
-
-    result = minimize(
-        loss, np.zeros(n_labels * d), jac=True, method="L-BFGS-B", options={"maxiter": 500}
-    )
-    return result.x.reshape(n_labels, d) / scale
-
-
-def probabilities(W: np.ndarray, X: np.ndarray, labels: Sequence[str]) -> list[dict[str, float]]:
-    z = X.astype(np.float64) @ W.T.astype(np.float64)
-    z -= z.max(axis=1, keepdims=True)
-    p = np.exp(z)
-    p /= p.sum(axis=1, keepdims=True)
-    return [dict(zip(labels, row.tolist(), strict=True)) for row in p]
-
-
-def group_auc(group: str, W: np.ndarray, X: np.ndarray, labels: Sequence[str]) -> float | None:
-    """AUC of the group's score (p_ret, s_rel, s_sup, s_use) for its two contrasted labels."""
-    positive, negative = CONTRAST[group]
-    keep = [i for i, label in enumerate(labels) if label in (positive, negative)]
-    if not keep:
-        return None
-    probs = probabilities(W, X[keep], GROUP_LABELS[group])
-    return auc([SCORE[group](p) for p in probs], [labels[i] == positive for i in keep])
-
-
-def lowered(W: np.ndarray, X: np.ndarray, ceiling: float = -10.0) -> tuple[np.ndarray, float]:
-    """W with every row moved by the same vector −c·μ̂ (μ̂: the mean hidden-state direction) so
-    that no row's logit exceeds `ceiling` on the training states. Within-group probabilities
-    do not change (softmax ignores a shift common to a group), but as rows of an exported
-    output matrix the reflection tokens then stay far below ordinary tokens (whose top logit is
-    ~8-25 for SmolLM2) and never interrupt generated text. Returns W and c."""
-    mu = X.astype(np.float64).mean(axis=0)
-    mu_hat = mu / (np.linalg.norm(mu) + 1e-12)
-    along = X.astype(np.float64) @ mu_hat
-    if along.min() <= 0.0:
-        return W, 0.0  # no direction every state shares: leave the rows as they are
-    top = (X.astype(np.float64) @ W.T).max(axis=1)
-    c = max(float(((top - ceiling) / along).max()), 0.0)
-    return W - c * mu_hat[None, :], c
-
-
-def is_validation(key: str, seed: int) -> bool:
-    """Whether the example about `key` is in the validation split (a fixed share, by key)."""
-    return zlib.crc32(f"{seed}:{key}".encode()) % 1000 < VALIDATION_SHARE * 1000
-
-
 def check_counts(examples: Sequence[Example]) -> dict[str, Counter[str]]:
     counts: dict[str, Counter[str]] = {g: Counter() for g in GROUP_LABELS}
     for ex in examples:
@@ -306,44 +213,6 @@ def check_counts(examples: Sequence[Example]) -> dict[str, Counter[str]]:
                 f"{' and '.join(contrast)}. Index more passages or pass labelled questions (--qa)"
             )
     return counts
-
-
-def fit_heads(
-    examples: Sequence[Example], X: np.ndarray, seed: int
-) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
-    """Per group: choose L2 on the validation split, refit on all examples. Returns the weights
-    (rounded to float16, the precision an exported output matrix keeps) and statistics."""
-    weights: dict[str, np.ndarray] = {}
-    stats: dict[str, Any] = {}
-    for group, labels in GROUP_LABELS.items():
-        idx = [i for i, ex in enumerate(examples) if ex.group == group]
-        y = np.array([labels.index(examples[i].label) for i in idx])
-        names = [examples[i].label for i in idx]
-        Xg = X[idx]
-        present = Counter(y.tolist())
-        sw = np.array([1.0 / present[v] for v in y])
-        val = np.array([is_validation(examples[i].key, seed) for i in idx])
-        tried: dict[float, float | None] = {}
-        for l2 in L2_GRID:
-            W = fit_softmax(Xg[~val], y[~val], len(labels), l2, sw[~val])
-            tried[l2] = group_auc(
-                group, W, Xg[val], [n for n, v in zip(names, val, strict=True) if v]
-            )
-        best = max(L2_GRID, key=lambda v: (tried[v] or 0.0, v))
-        W = fit_softmax(Xg, y, len(labels), best, sw)
-        W, shift = lowered(W, X)
-        weights[group] = W.astype(np.float16).astype(np.float32)
-        stats[group] = {
-            "examples": len(idx),
-            "labels": {label: int((y == k).sum()) for k, label in enumerate(labels)},
-            "sources": dict(Counter(examples[i].source for i in idx)),
-            "validation_examples": int(val.sum()),
-            "validation_auc": tried[best],
-            "l2": best,
-            "l2_grid_auc": {str(k): v for k, v in tried.items()},
-            "shift": shift,
-        }
-    return weights, stats
 
 
 def train(

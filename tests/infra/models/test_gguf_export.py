@@ -62,7 +62,7 @@ def base(base_path: Path) -> Iterator[LlamaEngine]:
 def heads_file(base: LlamaEngine, base_path: Path, tmp_path_factory: pytest.TempPathFactory):
     """Heads with random rows (seeded), lowered below ordinary logits the way training does:
     the export must carry whatever rows it is given."""
-    from selfrag.jobs.training import lowered
+    from selfrag.jobs.head_fitting import lowered
 
     rng = np.random.default_rng(0)
     prompt = base.tokenize("<|im_start|>user\nTell me about the sea.<|im_end|>\n", special=True)
