@@ -116,9 +116,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--home", required=True)
     parser.add_argument("--model", default=None, help="a preset; default: the configured one")
     parser.add_argument("--questions", type=int, default=20)
-    parser.add_argument(
-        "--data", type=Path, default=Path(__file__).resolve().parents[2] / "shared" / "data"
-    )
+    parser.add_argument("--data", type=Path, default=DEFAULT_DATA)
     args = parser.parse_args(argv)
 
     from selfrag import SelfRAG
