@@ -41,7 +41,6 @@ from selfrag.infra.store.qdrant_engine import (
     StoreHeld,
     StoreMisconfigured,
     dense_of,
-    prefetch_depth,
 )
 from selfrag.infra.store.qdrant_migration import migrate_local_store
 from selfrag.infra.store.store_holder import held_error, record_holder
@@ -290,12 +289,11 @@ class EdgeEngine:
                 limit=s.limit, query=dense, with_payload=True, with_vector=[DENSE]
             )
         terms = edge.SparseVector(s.terms.indices, s.terms.values)
-        depth = prefetch_depth(s.limit)
         return edge.QueryRequest(
             limit=s.limit,
             prefetches=[
-                edge.Prefetch(limit=depth, query=dense),
-                edge.Prefetch(limit=depth, query=edge.Query.Nearest(terms, using=SPARSE)),
+                edge.Prefetch(limit=s.depth, query=dense),
+                edge.Prefetch(limit=s.depth, query=edge.Query.Nearest(terms, using=SPARSE)),
             ],
             query=edge.Fusion.Rrf(k=RRF_K) if s.fusion == "rrf" else edge.Fusion.Dbsf(),
             with_payload=True,

@@ -31,6 +31,11 @@ RRF_K = 60  # Qdrant's default RRF constant
 # a little lower by one method can still be lifted by the other.
 _HYBRID_PREFETCH_FACTOR = 4
 _HYBRID_PREFETCH_MIN = 20
+# Hits fetched past `k`, so that passages tied with the k-th are all seen and the tie is
+# broken by `search_order`, not by how an index build left its points. RRF gives two passages
+# exactly equal scores when their dense and BM25 ranks are swapped, or when each is found by
+# one branch alone at the same rank: a tie holds two passages.
+TIE_MARGIN = 2
 # Fixed namespace: the same passage id maps to the same point id on every machine.
 _POINT_NAMESPACE = uuid.UUID("6f1c3a52-2d4e-5b8a-9c0e-51f0a7b3d9e4")
 
@@ -99,13 +104,22 @@ class Hit:
 
 @dataclass(frozen=True)
 class Search:
-    """One query: its dense vector and, for hybrid search, its BM25 terms and how the two
-    result lists are fused."""
+    """One query: its dense vector and, for hybrid search, its BM25 terms, how many hits each
+    branch fetches (`depth`) and how the two result lists are fused."""
 
     dense: list[float]
     terms: sparse.SparseVec | None
     limit: int
     fusion: HybridFusion
+    depth: int
+
+    @classmethod
+    def of(
+        cls, dense: list[float], terms: sparse.SparseVec | None, k: int, fusion: HybridFusion
+    ) -> Search:
+        """The query for the `k` best passages: `TIE_MARGIN` hits more, each branch as deep as
+        `k` needs (`prefetch_depth`), so the margin changes no fused score."""
+        return cls(dense, terms, k + TIE_MARGIN, fusion, prefetch_depth(k))
 
 
 class Engine(Protocol):
@@ -146,6 +160,12 @@ class Engine(Protocol):
 def prefetch_depth(k: int) -> int:
     """How many hits each branch of a hybrid query fetches before fusion, for `k` results."""
     return max(k * _HYBRID_PREFETCH_FACTOR, _HYBRID_PREFETCH_MIN)
+
+
+def search_order(score: float, similarity: float, passage_id: str) -> tuple[float, float, str]:
+    """The sort key of a hit, best first: its score, then its cosine similarity, then its
+    passage id, so that equal scores rank the same on every index build."""
+    return (-score, -similarity, passage_id)
 
 
 def cosine(a: Sequence[float], b: Sequence[float]) -> float:

@@ -13,7 +13,6 @@ from selfrag.infra.store.qdrant_engine import (
     PointData,
     Search,
     dense_of,
-    prefetch_depth,
 )
 from selfrag.schemas.settings import RetrievalSettings
 
@@ -136,13 +135,12 @@ class ServerEngine:
                     )
                 )
                 continue
-            depth = prefetch_depth(s.limit)
             terms = m.SparseVector(indices=s.terms.indices, values=s.terms.values)
             requests.append(
                 m.QueryRequest(
                     prefetch=[
-                        m.Prefetch(query=s.dense, using=DENSE, limit=depth),
-                        m.Prefetch(query=terms, using=SPARSE, limit=depth),
+                        m.Prefetch(query=s.dense, using=DENSE, limit=s.depth),
+                        m.Prefetch(query=terms, using=SPARSE, limit=s.depth),
                     ],
                     query=(
                         m.RrfQuery(rrf=m.Rrf(k=RRF_K))

@@ -36,6 +36,7 @@ from selfrag.infra.store.qdrant_engine import (
     StoreUnavailable,
     cosine,
     point_id,
+    search_order,
 )
 from selfrag.infra.store.qdrant_facts import NO_VERSION, adopt, check_facts, new_facts, replaced_by
 from selfrag.infra.store.qdrant_server import ServerEngine
@@ -249,7 +250,7 @@ class QdrantStore(Closeable):
                 return [[] for _ in queries]
         dense = self._embedder.embed(list(queries))
         searches = [
-            Search(
+            Search.of(
                 vector.tolist(),
                 sparse.query_vector(q) if self._settings.hybrid else None,
                 k,
@@ -258,9 +259,13 @@ class QdrantStore(Closeable):
             for q, vector in zip(queries, dense, strict=True)
         ]
         results = self._engine.search(searches)
-        return [
+        found = [
             [passage_of(h.payload, h.score, cosine(vector, h.dense)) for h in hits]
             for vector, hits in zip(dense, results, strict=True)
+        ]
+        return [
+            sorted(passages, key=lambda p: search_order(p.score, p.similarity or 0.0, p.id))[:k]
+            for passages in found
         ]
 
     def similarities(self, pairs: Sequence[tuple[str, Passage]]) -> list[float]:

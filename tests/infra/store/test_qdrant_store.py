@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 from selfrag.infra.embeddings.embedder import SentenceEmbedder
+from selfrag.infra.store.qdrant_engine import TIE_MARGIN, Search, prefetch_depth, search_order
 from selfrag.infra.store.qdrant_store import QdrantStore, StoreError, point_id
 from selfrag.jobs.indexing import index_corpus
 from selfrag.pipeline.protocols import Passage, PassageSearch
@@ -287,6 +288,50 @@ def test_hybrid_search_fuses_by_the_configured_rule(
 
     rrf, dbsf = fused_scores("rrf"), fused_scores("dbsf")
     assert rrf[0] <= 2 / 60 + 1e-6 < 0.5 < dbsf[0]  # float32 scores
+
+
+@pytest.mark.parametrize("engine", ["embedded", "server"])
+def test_tied_fused_scores_rank_alike_whatever_the_build_order_and_k(
+    engine: str, tmp_path: Path, embedder: SentenceEmbedder
+) -> None:
+    """ "gases escape": the comet and volcano passages have swapped dense and BM25 ranks, so
+    their RRF scores are exactly equal (Qdrant alone orders such a tie by how many hits are
+    asked for). The closer in meaning (comet) comes first whichever passage was written first
+    and however many passages are asked for."""
+    from qdrant_client import QdrantClient
+
+    from selfrag.infra.store.qdrant_server import ServerEngine
+
+    settings = RetrievalSettings(hybrid=True)
+    rankings = []
+    for n, order in enumerate((DOCUMENTS, DOCUMENTS[::-1])):
+        path = tmp_path / f"corpus-{n}.jsonl"
+        path.write_text("\n".join(json.dumps(d) for d in order) + "\n", encoding="utf-8")
+        if engine == "embedded":
+            store = QdrantStore.open(settings, tmp_path / f"home-{n}", embedder)
+        else:
+            store = QdrantStore(
+                ServerEngine(settings, client=QdrantClient(":memory:")), settings, embedder
+            )
+        with store:
+            index_corpus(path, store, progress=False)
+            hits = store.search("gases escape", 5)
+            assert hits[0].score == hits[1].score
+            assert hits[0].similarity is not None and hits[1].similarity is not None
+            assert hits[0].similarity > hits[1].similarity
+            rankings += [[p.id for p in store.search("gases escape", k)] for k in range(1, 6)]
+    top = [p.id for p in hits]
+    assert top[:2] == ["comet", "volcano"]
+    assert rankings == [top[:k] for k in range(1, 6)] * 2
+
+
+def test_a_search_fetches_past_k_for_ties_with_each_branch_as_deep_as_k_needs() -> None:
+    search = Search.of([1.0, 0.0], None, 5, "rrf")
+    assert (search.limit, search.depth) == (5 + TIE_MARGIN, prefetch_depth(5))
+    assert sorted(
+        [(0.5, 0.1, "b"), (0.5, 0.3, "c"), (0.5, 0.1, "a"), (0.6, 0.0, "d")],
+        key=lambda h: search_order(*h),
+    ) == [(0.6, 0.0, "d"), (0.5, 0.3, "c"), (0.5, 0.1, "a"), (0.5, 0.1, "b")]
 
 
 def test_one_client_per_folder_and_reopening_after_close(
