@@ -1,6 +1,7 @@
 """Fitting the reflection heads on hidden states: each group a multinomial logistic regression
 without bias (rows of the output matrix, `pipeline.heads`), balanced over its labels, its L2
-strength chosen on a validation split held out by passage or question (`fit_heads`)."""
+strength chosen on a validation split held out by passage or question (`fit_heads`): the
+strongest L2 whose validation AUC is within one standard error of the best (`chosen_l2`)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import numpy as np
 from scipy.optimize import minimize
 
 from selfrag.pipeline.heads import GROUP_LABELS
-from selfrag.pipeline.learning.logistic_fit import auc
+from selfrag.pipeline.learning.logistic_fit import auc, auc_standard_error
 from selfrag.pipeline.learning.reflection_data import Example
 from selfrag.pipeline.scoring import (
     relevance_score,
@@ -103,6 +104,19 @@ def lowered(W: np.ndarray, X: np.ndarray, ceiling: float = -10.0) -> tuple[np.nd
     return W - c * mu_hat[None, :], c
 
 
+def chosen_l2(tried: dict[float, float | None], standard_error: float) -> float:
+    """The strongest L2 whose validation AUC in `tried` is within `standard_error` of the best
+    one (the one-standard-error rule). A weaker L2 buys the last hundredths of validation AUC
+    with larger weights, and a head's score moves with its weights' norm whenever the hidden
+    state does: llama.cpp's state for one prompt changes with how its decode calls split it.
+    The strongest L2 when no AUC could be measured."""
+    measured = [a for a in tried.values() if a is not None]
+    if not measured:
+        return max(tried)
+    floor = max(measured) - standard_error
+    return max(l2 for l2, a in tried.items() if a is not None and a >= floor)
+
+
 def is_validation(key: str, seed: int) -> bool:
     """Whether the example about `key` is in the validation split (a fixed share, by key)."""
     return zlib.crc32(f"{seed}:{key}".encode()) % 1000 < VALIDATION_SHARE * 1000
@@ -153,18 +167,31 @@ class GroupData:
         names = [ex.label for ex, v in zip(self.examples, self.validation, strict=True) if v]
         return group_auc(self.group, W, rows[self.validation], names)
 
+    def validation_auc_error(self, area: float | None) -> float:
+        """The standard error of a validation AUC of `area` on this data's validation split
+        (0 when it has no AUC)."""
+        positive, negative = CONTRAST[self.group]
+        names = [ex.label for ex, v in zip(self.examples, self.validation, strict=True) if v]
+        n_pos, n_neg = names.count(positive), names.count(negative)
+        if area is None or not n_pos or not n_neg:
+            return 0.0
+        return auc_standard_error(area, n_pos, n_neg)
+
 
 def fit_heads(
     examples: Sequence[Example], X: np.ndarray, seed: int
 ) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
-    """Per group: choose L2 on the validation split, refit on all examples. Returns the weights
-    (rounded to float16, the precision an exported output matrix keeps) and statistics."""
+    """Per group: choose L2 on the validation split (`chosen_l2`), refit on all examples.
+    Returns the weights (rounded to float16, the precision an exported output matrix keeps)
+    and statistics."""
     weights: dict[str, np.ndarray] = {}
     stats: dict[str, Any] = {}
     for group, labels in GROUP_LABELS.items():
         data = GroupData.of(group, examples, X, seed)
         tried = {l2: data.validation_auc(data.fit_training(l2)) for l2 in L2_GRID}
-        best = max(L2_GRID, key=lambda v: (tried[v] or 0.0, v))
+        top = max((a for a in tried.values() if a is not None), default=None)
+        error = data.validation_auc_error(top)
+        best = chosen_l2(tried, error)
         W = fit_softmax(data.X, data.y, len(labels), best, data.weights)
         W, shift = lowered(W, X)
         weights[group] = W.astype(np.float16).astype(np.float32)
@@ -175,6 +202,8 @@ def fit_heads(
             "validation_examples": int(data.validation.sum()),
             "validation_auc": tried[best],
             "l2": best,
+            "validation_auc_best": top,
+            "validation_auc_error": error,
             "l2_grid_auc": {str(k): v for k, v in tried.items()},
             "shift": shift,
         }

@@ -269,8 +269,10 @@ def train(
 def describe(manifest: dict[str, Any], path: Path) -> str:
     lines = [f"reflection heads for {manifest['model_file']} -> {path}"]
     for group, s in manifest["groups"].items():
-        a = s["validation_auc"]
-        shown = f"{a:.3f}" if a is not None else "n/a"
+        a, best = s["validation_auc"], s.get("validation_auc_best")
+        shown = f"{a:.3f} at L2 {s['l2']:g}" if a is not None else "n/a"
+        if a is not None and best is not None and best > a:
+            shown += f" (best {best:.3f}, standard error {s['validation_auc_error']:.3f})"
         labels = ", ".join(f"{k} {v}" for k, v in s["labels"].items() if v)
         lines.append(f"  {group:<9} {s['examples']:>5} examples ({labels}); validation AUC {shown}")
     if c := manifest.get("critic"):

@@ -64,6 +64,19 @@ def auc(xs: Sequence[float], ys: Sequence[int | bool]) -> float | None:
     return wins / (len(pos) * len(neg))
 
 
+def auc_standard_error(area: float, n_pos: int, n_neg: int) -> float:
+    """The standard error of an AUC of `area` measured on `n_pos` positives and `n_neg`
+    negatives (Hanley and McNeil, 1982)."""
+    if n_pos < 1 or n_neg < 1:
+        raise ValueError(f"an AUC needs both classes, got {n_pos} and {n_neg}")
+    q1 = area / (2.0 - area)
+    q2 = 2.0 * area * area / (1.0 + area)
+    variance = (
+        area * (1.0 - area) + (n_pos - 1) * (q1 - area * area) + (n_neg - 1) * (q2 - area * area)
+    ) / (n_pos * n_neg)
+    return math.sqrt(max(variance, 0.0))
+
+
 def sigmoid(z: float) -> float:
     """1 / (1 + e^−z), without overflow for large |z|."""
     if z >= 0:

@@ -13,6 +13,7 @@ import pytest
 from selfrag.jobs.head_fitting import (
     L2_GRID,
     GroupData,
+    chosen_l2,
     fit_heads,
     fit_softmax,
     group_auc,
@@ -137,6 +138,13 @@ def test_fit_heads_returns_float16_representable_weights_and_counts_per_label() 
         assert s["l2"] in L2_GRID
         assert set(s["l2_grid_auc"]) == {str(v) for v in L2_GRID}
         assert s["validation_auc"] == s["l2_grid_auc"][str(s["l2"])]
+        assert s["validation_auc_error"] >= 0
+        assert (
+            s["validation_auc_best"] - s["validation_auc_error"]
+            <= s["validation_auc"]
+            <= s["validation_auc_best"]
+            == max(s["l2_grid_auc"].values())
+        )
 
 
 def test_group_data_holds_one_groups_examples_and_fits_as_fit_heads_does() -> None:
@@ -154,3 +162,12 @@ def test_group_data_holds_one_groups_examples_and_fits_as_fit_heads_does() -> No
     flipped = data.X.copy()
     flipped[:, [0, 1]] = flipped[:, [1, 0]]
     assert data.validation_auc(W, flipped) < 0.5 < data.validation_auc(W)
+
+
+def test_the_chosen_l2_is_the_strongest_within_one_standard_error_of_the_best() -> None:
+    tried: dict[float, float | None] = {0.01: 0.907, 0.03: 0.914, 0.3: 0.894, 1.0: 0.864}
+    assert chosen_l2(tried, 0.033) == 0.3
+    assert chosen_l2(tried, 0.0) == 0.03
+    assert chosen_l2(tried, 0.1) == 1.0
+    assert chosen_l2({0.1: None, 0.3: 0.7, 1.0: None}, 0.05) == 0.3
+    assert chosen_l2({0.1: None, 3.0: None}, 0.05) == 3.0

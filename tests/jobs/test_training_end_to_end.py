@@ -27,7 +27,7 @@ def test_train_small_corpus_then_answer_with_the_heads(
     args = ["--home", str(indexed_home), "train", "--passages", "20", "--seed", "3"]
     assert main([*args, "--out", str(out), "--no-progress"]) == 0
     printed = capsys.readouterr().out
-    assert "validation AUC" in printed and str(out) in printed
+    assert "validation AUC" in printed and " at L2 " in printed and str(out) in printed
     heads = load_heads(out)
     manifest = read_manifest(out)
     assert set(manifest["groups"]) == set(GROUP_LABELS)

@@ -8,7 +8,12 @@ import random
 
 import pytest
 
-from selfrag.pipeline.learning.logistic_fit import auc, fit_logistic, sigmoid
+from selfrag.pipeline.learning.logistic_fit import (
+    auc,
+    auc_standard_error,
+    fit_logistic,
+    sigmoid,
+)
 
 
 def test_the_fit_recovers_the_parameters_that_generated_the_labels():
@@ -48,6 +53,24 @@ def test_auc_counts_wins_and_half_ties_and_needs_both_classes():
     assert auc([0.5, 0.5], [1, 0]) == 0.5
     assert auc([0.9, 0.3, 0.5], [1, 0, 1]) == 1.0
     assert auc([0.9, 0.3], [1, 1]) is None
+
+
+def test_auc_standard_error_is_the_rank_sum_null_at_one_half_and_matches_resampling():
+    # At AUC 0.5 the formula is the Mann-Whitney statistic's null variance.
+    assert auc_standard_error(0.5, 30, 50) == pytest.approx(math.sqrt(81 / (12 * 30 * 50)))
+    # Against the spread of AUCs over repeated samples of two shifted normal classes.
+    rng = random.Random(3)
+    areas = []
+    for _ in range(300):
+        pos = [rng.gauss(1.2, 1.0) for _ in range(40)]
+        neg = [rng.gauss(0.0, 1.0) for _ in range(50)]
+        areas.append(auc(pos + neg, [True] * 40 + [False] * 50))
+    mean = sum(areas) / len(areas)
+    spread = math.sqrt(sum((a - mean) ** 2 for a in areas) / (len(areas) - 1))
+    assert auc_standard_error(mean, 40, 50) == pytest.approx(spread, rel=0.2)
+    assert auc_standard_error(0.9, 400, 500) < auc_standard_error(0.9, 40, 50)
+    with pytest.raises(ValueError, match="both classes"):
+        auc_standard_error(0.9, 0, 5)
 
 
 def test_sigmoid_is_symmetric_and_does_not_overflow():
