@@ -18,7 +18,8 @@ draft per question is written from its gold paragraph by the learned critic's dr
   retrieval is needed) against the question with that right draft as the answer so far
   (negative).
 
-An AUC with an empty class is n/a. The heads are those of the model file (`selfrag train`), or
+An AUC with an empty class is n/a. The model is the configured one (`model.preset`, `model.path`,
+`model.weights`). The heads are those of its file (`selfrag train`), or
 `--heads PATH`; the likelihood source uses the calibration of the settings' data folder.
 
 Second, one branch step of the learned critique (relevance of K passages, a draft of
@@ -47,7 +48,8 @@ from bench.kv_cache import branch_step
 from selfrag.infra.corpus.reading import Document, read_documents
 from selfrag.infra.engine.llama_engine import LlamaEngine
 from selfrag.infra.models.heads_store import find_heads, load_heads
-from selfrag.infra.models.model_files import default_model_path, derive_weights, file_sha256
+from selfrag.infra.models.model_files import derive_weights, file_sha256
+from selfrag.infra.models.model_presets import model_title, resolve_model
 from selfrag.infra.settings_loader import load_settings
 from selfrag.jobs.evaluation.eval_questions import EvalQuestion, load_questions
 from selfrag.pipeline.critics import (
@@ -238,7 +240,7 @@ def main(argv: list[str] | None = None) -> None:
     chosen, passages, rel_pairs = held_out(squad, args.questions, args.negatives, args.seed)
     settings = load_settings()
     home = settings.home
-    model_path = derive_weights(default_model_path(), "auto", home)
+    model_path = derive_weights(resolve_model(settings.model, home), settings.model.weights, home)
     heads, heads_file = resolve_heads(args.heads, home, model_path)
     engine = LlamaEngine(
         model_path,
@@ -246,7 +248,7 @@ def main(argv: list[str] | None = None) -> None:
         n_seq_max=16,
         n_threads=args.threads,
         n_batch=512,
-        model_id="smollm2",
+        model_id=model_title(settings.model),
     )
     try:
         critics = {s: make_critic(engine, s, settings.calibration, heads) for s in SOURCES}
