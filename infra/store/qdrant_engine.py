@@ -163,9 +163,14 @@ def prefetch_depth(k: int) -> int:
 
 
 def search_order(score: float, similarity: float, passage_id: str) -> tuple[float, float, str]:
-    """The sort key of a hit, best first: its score, then its cosine similarity, then its
-    passage id, so that equal scores rank the same on every index build."""
-    return (-score, -similarity, passage_id)
+    """The sort key of a hit, best first: its score; among equal scores the lower cosine
+    similarity, then the passage id, so that a tie ranks the same on every index build.
+
+    Two passages tie under RRF when the dense and BM25 lists rank them the other way round, or
+    when each list alone finds one of them at the same rank; either way the less similar one
+    is the one BM25 ranks higher. The tie goes to the keyword match, the better of the two on
+    questions written from a passage (docs/benchmarks.md, "RRF ties")."""
+    return (-score, similarity, passage_id)
 
 
 def cosine(a: Sequence[float], b: Sequence[float]) -> float:

@@ -296,8 +296,8 @@ def test_tied_fused_scores_rank_alike_whatever_the_build_order_and_k(
 ) -> None:
     """ "gases escape": the comet and volcano passages have swapped dense and BM25 ranks, so
     their RRF scores are exactly equal (Qdrant alone orders such a tie by how many hits are
-    asked for). The closer in meaning (comet) comes first whichever passage was written first
-    and however many passages are asked for."""
+    asked for). The one BM25 ranks higher, the less similar (volcano), comes first whichever
+    passage was written first and however many passages are asked for."""
     from qdrant_client import QdrantClient
 
     from selfrag.infra.store.qdrant_server import ServerEngine
@@ -318,10 +318,10 @@ def test_tied_fused_scores_rank_alike_whatever_the_build_order_and_k(
             hits = store.search("gases escape", 5)
             assert hits[0].score == hits[1].score
             assert hits[0].similarity is not None and hits[1].similarity is not None
-            assert hits[0].similarity > hits[1].similarity
+            assert hits[0].similarity < hits[1].similarity
             rankings += [[p.id for p in store.search("gases escape", k)] for k in range(1, 6)]
     top = [p.id for p in hits]
-    assert top[:2] == ["comet", "volcano"]
+    assert top[:2] == ["volcano", "comet"]
     assert rankings == [top[:k] for k in range(1, 6)] * 2
 
 
@@ -331,7 +331,7 @@ def test_a_search_fetches_past_k_for_ties_with_each_branch_as_deep_as_k_needs() 
     assert sorted(
         [(0.5, 0.1, "b"), (0.5, 0.3, "c"), (0.5, 0.1, "a"), (0.6, 0.0, "d")],
         key=lambda h: search_order(*h),
-    ) == [(0.6, 0.0, "d"), (0.5, 0.3, "c"), (0.5, 0.1, "a"), (0.5, 0.1, "b")]
+    ) == [(0.6, 0.0, "d"), (0.5, 0.1, "a"), (0.5, 0.1, "b"), (0.5, 0.3, "c")]
 
 
 def test_one_client_per_folder_and_reopening_after_close(
