@@ -164,14 +164,17 @@ class GroupData:
         """`group_auc` of `W` on the validation split, read from `X` (rows as this data's;
         default: its own hidden states)."""
         rows = self.X if X is None else X
-        names = [ex.label for ex, v in zip(self.examples, self.validation, strict=True) if v]
-        return group_auc(self.group, W, rows[self.validation], names)
+        return group_auc(self.group, W, rows[self.validation], self.validation_labels())
+
+    def validation_labels(self) -> list[str]:
+        """The labels of the validation split's examples, in order."""
+        return [ex.label for ex, v in zip(self.examples, self.validation, strict=True) if v]
 
     def validation_auc_error(self, area: float | None) -> float:
         """The standard error of a validation AUC of `area` on this data's validation split
         (0 when it has no AUC)."""
         positive, negative = CONTRAST[self.group]
-        names = [ex.label for ex, v in zip(self.examples, self.validation, strict=True) if v]
+        names = self.validation_labels()
         n_pos, n_neg = names.count(positive), names.count(negative)
         if area is None or not n_pos or not n_neg:
             return 0.0
@@ -191,8 +194,8 @@ def fit_heads(
         tried = {l2: data.validation_auc(data.fit_training(l2)) for l2 in L2_GRID}
         top = max((a for a in tried.values() if a is not None), default=None)
         error = data.validation_auc_error(top)
-        best = chosen_l2(tried, error)
-        W = fit_softmax(data.X, data.y, len(labels), best, data.weights)
+        chosen = chosen_l2(tried, error)
+        W = fit_softmax(data.X, data.y, len(labels), chosen, data.weights)
         W, shift = lowered(W, X)
         weights[group] = W.astype(np.float16).astype(np.float32)
         stats[group] = {
@@ -200,8 +203,8 @@ def fit_heads(
             "labels": {label: int((data.y == k).sum()) for k, label in enumerate(labels)},
             "sources": dict(Counter(ex.source for ex in data.examples)),
             "validation_examples": int(data.validation.sum()),
-            "validation_auc": tried[best],
-            "l2": best,
+            "validation_auc": tried[chosen],
+            "l2": chosen,
             "validation_auc_best": top,
             "validation_auc_error": error,
             "l2_grid_auc": {str(k): v for k, v in tried.items()},

@@ -32,9 +32,10 @@ RRF_K = 60  # Qdrant's default RRF constant
 _HYBRID_PREFETCH_FACTOR = 4
 _HYBRID_PREFETCH_MIN = 20
 # Hits fetched past `k`, so that passages tied with the k-th are all seen and the tie is
-# broken by `search_order`, not by how an index build left its points. RRF gives two passages
-# exactly equal scores when their dense and BM25 ranks are swapped, or when each is found by
-# one branch alone at the same rank: a tie holds two passages.
+# broken by `search_order`, not by how an index build left its points or by the limit asked
+# for (Qdrant orders a tie by both). RRF gives two passages exactly equal scores when their
+# dense and BM25 ranks are swapped, or when each is found by one branch alone at the same
+# rank: a tie holds two passages.
 TIE_MARGIN = 2
 # Fixed namespace: the same passage id maps to the same point id on every machine.
 _POINT_NAMESPACE = uuid.UUID("6f1c3a52-2d4e-5b8a-9c0e-51f0a7b3d9e4")
