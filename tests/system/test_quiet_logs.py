@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -24,6 +25,9 @@ RAY_NATIVE_ALARM = re.compile(r"\[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} [WEF] \d+
 """The prefix of a line that Ray's C++ processes log at warning severity or worse, glog-style
 ("[2026-12-04 17:00:00,123 E 1234 5678] core_worker.cc:2465: ..."): no "WARNING" or "ERROR"
 in it, only the letter."""
+DISK_ALARM = re.compile(r"file_system_monitor\.cc:\d+: (\S+) is over (\d+)% full")
+"""The raylet's alarm that the disk under Ray's temp folder is nearly full: a fact about the
+machine, which CI machines share, not noise of selfrag's."""
 
 FACTS = {
     "normandy": "Rollo, a Viking leader, founded the Duchy of Normandy in 911.",
@@ -57,7 +61,25 @@ def _selfrag(*args: str) -> list[str]:
     return [sys.executable, "-m", "selfrag", *args]
 
 
+def _disk_alarms_dropped(stderr: str) -> str:
+    """`stderr` less each `DISK_ALARM` line whose disk is indeed that full now (within two
+    points: other processes write to it meanwhile)."""
+    kept = []
+    for line in stderr.splitlines(keepends=True):
+        alarm = DISK_ALARM.search(line)
+        if alarm is not None:
+            folder = Path(alarm[1])
+            while not folder.exists():
+                folder = folder.parent
+            usage = shutil.disk_usage(folder)
+            if 1 - usage.free / usage.total >= int(alarm[2]) / 100 - 0.02:
+                continue
+        kept.append(line)
+    return "".join(kept)
+
+
 def _assert_quiet(stderr: str) -> None:
+    stderr = _disk_alarms_dropped(stderr)
     assert "Traceback" not in stderr, stderr
     assert "\x1b[" not in stderr, stderr
     assert "WARNING" not in stderr and "ERROR" not in stderr, stderr
@@ -132,3 +154,15 @@ def test_a_batch_leaves_stderr_quiet(home: Path, tmp_path: Path):
     assert done.returncode == 0, done.stderr
     assert "answered=10 failed=0" in done.stdout
     _assert_quiet(done.stderr)
+
+
+def test_a_disk_alarm_is_forgiven_only_where_the_disk_is_that_full(tmp_path: Path):
+    used = 1 - shutil.disk_usage(tmp_path).free / shutil.disk_usage(tmp_path).total
+    assert used < 0.97, "this check needs a disk with room on it"
+    alarm = (
+        "(raylet) [2026-12-05 21:26:53,057 E 21523 21533] (raylet) file_system_monitor.cc:116: "
+        f"{tmp_path}/ray/session_x is over {{}}% full, available space: 1 GB; capacity: 2 GB.\n"
+    )
+    assert _disk_alarms_dropped("a\n" + alarm.format(0) + "b\n") == "a\nb\n"
+    with pytest.raises(AssertionError):
+        _assert_quiet(alarm.format(99))
