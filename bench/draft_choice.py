@@ -4,8 +4,9 @@ first, or the retriever's first unless the critique reads another far more relev
 For the answerable questions of the tuning sets (SQuAD's "Normans" article and the tune half of
 `bench/data/wiki_questions`), the top `--top-k` passages and their s_rel (`SelfRAG.retrieve`, no
 drafting); each rule picks one, and the count is how often the pick holds a gold answer, beside
-how often any of the top passages does. Run it with each model (`--model`); the home must hold
-both corpora (the SQuAD sample and `wiki_sample_1000.jsonl`). Last line: name=value.
+how often any of the top passages does. Run it with each model (`--model`) and source of s_rel
+(`--critique`); the home must hold both corpora (the SQuAD sample and `wiki_sample_1000.jsonl`).
+Last line: name=value.
 
     .venv/bin/python -m bench.draft_choice --home H --model qwen2.5-coder-0.5b
 """
@@ -37,6 +38,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--model", default=None, help="a preset; default: the configured one")
     parser.add_argument("--questions", type=int, default=40, help="answerable ones per set")
     parser.add_argument("--top-k", type=int, default=3)
+    parser.add_argument(
+        "--critique", default=None, help="the source of s_rel; default: the configured one"
+    )
     args = parser.parse_args(argv)
 
     from selfrag import SelfRAG
@@ -51,14 +55,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             questions = [q for q in load_questions(path, article=article) if q.answerable]
             rows = held.setdefault(name, [])
             for q in questions[: args.questions]:
-                found = rag.retrieve(q.question, top_k=args.top_k)
+                found = rag.retrieve(q.question, top_k=args.top_k, critique=args.critique)
                 # `retrieve` ranks by s_rel: the retriever's order is by its score (stable).
                 found.sort(key=lambda p: -p.score)
                 rows.append(
                     ([p.s_rel for p in found], [contains_answer(p.text, q.golds) for p in found])
                 )
 
-    figures: dict[str, object] = {"model": args.model or "default"}
+    figures: dict[str, object] = {
+        "model": args.model or "default",
+        "critique": args.critique or "default",
+    }
     print("| set | questions | answer in top k | " + " | ".join(f"m={m}" for m in MARGINS) + " |")
     print("| --- " * (3 + len(MARGINS)) + "|")
     for name in [*held, "all"]:
