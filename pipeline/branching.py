@@ -7,7 +7,9 @@ without a relevance filter, only the branches that the budget admits, or that co
 past them, are read;
 a branch the hard filters would reject whatever it drafts is skipped; the rest draft a segment (a
 no-retrieval branch reuses the closed-book draft its retrieval decision was read from, when
-there is one); drafts are critiqued for support (evidence branches) and utility. A hypothesis
+there is one; a draft that only repeats the question drafts again, past its echo; one stuck in a
+loop counts as drafting nothing); drafts are critiqued for support (evidence branches) and
+utility. A hypothesis
 whose drafts all fail the hard filters drafts its next passage, one at a time, up to
 `retry_drafts` more: the budget's passages past the first cost only where the first failed.
 What comes back is small: `Drafted` scores for the ranker, and the step's token counts.
@@ -18,13 +20,14 @@ from __future__ import annotations
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol, runtime_checkable
 
 from selfrag.pipeline.critics import Branch, Critic, LabelProbs
 from selfrag.pipeline.protocols import Generation
 from selfrag.pipeline.ranking import Candidate, Drafted, certainly_filtered, passes_filters
 from selfrag.pipeline.scoring import relevance_score
+from selfrag.pipeline.segmenting import loops, restates_question
 from selfrag.pipeline.timings import timed
 from selfrag.schemas.decoding import DecodingConfig
 
@@ -263,13 +266,13 @@ def draft_and_critique(
     branches) and utility of those that drafted something: what ranking sees of them."""
     with timed(work.timings_ms, "draft", clock):
         todo = [c for c in kept if c.draft is None]
-        drafts = critic.draft([c.branch for c in todo], cfg.max_segment_tokens)
+        drafts = draft_past_echoes(critic, [c.branch for c in todo], cfg.max_segment_tokens, work)
         for c, d in zip(todo, drafts, strict=True):
             c.draft = d
-            work.prefill_tokens += d.prefill_tokens
         for c in kept:
             work.decode_tokens += len(c.draft.tokens) if c.draft is not None else 0
-    kept = [c for c in kept if c.draft is not None and c.draft.text.strip()]
+    # A draft of nothing, or one stuck in a loop, says nothing to critique: it drafted nothing.
+    kept = [c for c in kept if c.draft and c.draft.text.strip() and not loops(c.draft.text)]
 
     with timed(work.timings_ms, "critique", clock):
         grounded = [c for c in kept if c.branch.passage is not None]
@@ -282,6 +285,28 @@ def draft_and_critique(
             c.use = use
             work.prefill_tokens += use.prefill_tokens
     return [c.drafted() for c in kept]
+
+
+def draft_past_echoes(
+    critic: Critic, branches: Sequence[Branch], max_tokens: int, work: StepWork
+) -> list[Generation]:
+    """Draft `branches`. A draft that only restates its question (`restates_question`) drafts
+    once more, on past its echo: the echo stays in that draft's prompt and out of the answer.
+    The prompt tokens of both, and the echo's tokens, count in `work`."""
+    drafts = list(critic.draft(branches, max_tokens))
+    work.prefill_tokens += sum(d.prefill_tokens for d in drafts)
+    echoed = [
+        i
+        for i, (b, d) in enumerate(zip(branches, drafts, strict=True))
+        if restates_question(d.text, b.question)
+    ]
+    if echoed:
+        past = [replace(branches[i], prefix=branches[i].prefix + drafts[i].text) for i in echoed]
+        for i, d in zip(echoed, critic.draft(past, max_tokens), strict=True):
+            work.prefill_tokens += d.prefill_tokens
+            work.decode_tokens += len(drafts[i].tokens)
+            drafts[i] = d
+    return drafts
 
 
 class LocalBranchWorker:

@@ -1,4 +1,5 @@
-"""Where a drafted segment ends: at the end of a sentence."""
+"""Where a drafted segment ends (at the end of a sentence), and the drafts that say nothing: an
+echo of the question, a loop."""
 
 from __future__ import annotations
 
@@ -69,3 +70,40 @@ def sentence_spans(text: str) -> list[tuple[int, int]]:
         if gap is not None:
             start = gap.end()
     return spans
+
+
+def restates_question(segment: str, question: str) -> bool:
+    """Whether a drafted `segment` only repeats `question`, with or without a "Question:"
+    label: a small model echoing its prompt, which answers nothing (its answer tends to come
+    after the echo)."""
+    said, asked = _words(segment), _words(question)
+    if said[:1] == ["question"] and asked[:1] != ["question"]:
+        said = said[1:]
+    return bool(asked) and said == asked
+
+
+def _words(text: str) -> list[str]:
+    return re.findall(r"\w+", text.casefold())
+
+
+# A stretch of text repeated back to back this many times, over at least this many characters,
+# is a model stuck on a phrase: no sentence says the same thing three times running.
+LOOP_REPEATS = 3
+LOOP_MIN_CHARS = 20
+# The longest stretch looked for: a longer one is rarely what a model loops on, and the check
+# stays linear in the draft's length.
+LOOP_MAX_PERIOD = 48
+
+
+def loops(text: str) -> bool:
+    """Whether `text` holds a loop: a stretch (of one character or more) repeated back to back
+    at least `LOOP_REPEATS` times over at least `LOOP_MIN_CHARS` characters ("port 80, port
+    80, port 80, ", "SERVE-SERVE-SERVE-SERVE", "100000000000000000000")."""
+    n = len(text)
+    for period in range(1, min(n // LOOP_REPEATS, LOOP_MAX_PERIOD) + 1):
+        run = 0
+        for i in range(period, n):
+            run = run + 1 if text[i] == text[i - period] else 0
+            if run + period >= max(LOOP_REPEATS * period, LOOP_MIN_CHARS):
+                return True
+    return False

@@ -1,4 +1,7 @@
-"""A step's branch work when the drafted passages fail the hard filters: the next ones draft."""
+"""A step's branch work when the drafted passages fail the hard filters: the next ones draft;
+a draft that only repeats the question drafts again past its echo."""
+
+from dataclasses import replace
 
 from selfrag.pipeline.branching import expand
 from selfrag.pipeline.critics import Branch, settle_filters
@@ -101,3 +104,38 @@ def test_retries_follow_the_draft_order_past_the_relevance_filter_per_hypothesis
         (1, "p2"),
     ]
     assert [c for c in critic.calls if c.startswith("draft")] == ["draft:2", "draft:2"]
+
+
+class EchoingCritic(ScriptedCritic):
+    """Drafts the question back, labelled, unless the answer so far already repeated it."""
+
+    def draft(self, branches, max_tokens):
+        out = super().draft(branches, max_tokens)
+        return [
+            g if b.prefix else replace(g, text=f"Question: {b.question}", tokens=[0, 1, 2])
+            for b, g in zip(branches, out, strict=True)
+        ]
+
+
+def test_a_draft_that_only_repeats_the_question_drafts_again_past_its_echo():
+    critic = EchoingCritic(support_of={"p1": STRONG})
+    candidates = step()
+    for c in candidates:
+        c.branch = replace(c.branch, question="Which port is the default?")
+    work = expand(critic, candidates, config(min_support_score=0.0))
+    first = work.drafted[0]
+    assert first.citation is not None and first.citation.passage_id == "p1"
+    assert first.text == " An answer."
+    # Both draft calls' prompts and the echo's tokens are paid for.
+    assert [c for c in critic.calls if c.startswith("draft")] == ["draft:2", "draft:2"]
+    assert work.decode_tokens == 2 * (3 + 2)
+    assert work.prefill_tokens >= 4 * 30
+
+
+def test_a_draft_stuck_in_a_loop_counts_as_drafting_nothing():
+    loop = ("The answer is: " * 8, -1.0, "length")
+    critic = ScriptedCritic(drafts={"p1": loop}, support_of={"p2": STRONG})
+    work = expand(critic, step(), config())
+    # p1's loop is not critiqued and does not stand; the next passage drafts in its place.
+    assert drafted_ids(work) == ["p2"]
+    assert [c for c in critic.calls if c.startswith("support")] == ["support:0", "support:1"]
