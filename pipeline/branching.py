@@ -9,9 +9,9 @@ a branch the hard filters would reject whatever it drafts is skipped; the rest d
 no-retrieval branch reuses the closed-book draft its retrieval decision was read from, when
 there is one; a draft that only repeats the question drafts again, past its echo; one stuck in a
 loop counts as drafting nothing); drafts are critiqued for support (evidence branches) and
-utility. A hypothesis
-whose drafts all fail the hard filters drafts its next passage, one at a time, up to
-`retry_drafts` more: the budget's passages past the first cost only where the first failed.
+utility. A hypothesis whose drafts all fail the hard filters drafts its next passage, one at a
+time, up to `retry_drafts` more: the budget's passages past the first cost only where the first
+failed.
 What comes back is small: `Drafted` scores for the ranker, and the step's token counts.
 """
 

@@ -1,5 +1,6 @@
 """A step's branch work when the drafted passages fail the hard filters: the next ones draft;
-a draft that only repeats the question drafts again past its echo."""
+a draft that only repeats the question drafts again past its echo, and one stuck in a loop
+counts as drafting nothing."""
 
 from dataclasses import replace
 
@@ -126,10 +127,11 @@ def test_a_draft_that_only_repeats_the_question_drafts_again_past_its_echo():
     first = work.drafted[0]
     assert first.citation is not None and first.citation.passage_id == "p1"
     assert first.text == " An answer."
-    # Both draft calls' prompts and the echo's tokens are paid for.
+    # Both draft calls' prompts and the echo's tokens are paid for (beside p1's relevance read,
+    # its support read and both utility reads).
     assert [c for c in critic.calls if c.startswith("draft")] == ["draft:2", "draft:2"]
     assert work.decode_tokens == 2 * (3 + 2)
-    assert work.prefill_tokens >= 4 * 30
+    assert work.prefill_tokens == 4 * 30 + 20 + 5 + 2 * 5
 
 
 def test_a_draft_stuck_in_a_loop_counts_as_drafting_nothing():
