@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from selfrag.infra.calibration_files import save_calibration
+from selfrag.pipeline.branching import StepWork, draft_past_echoes, drafted_something
 from selfrag.pipeline.critics import Branch
 from selfrag.pipeline.critics.filters import settle_filters
 from selfrag.pipeline.learning.logistic_fit import auc
@@ -94,7 +95,7 @@ class PairScore:
     pair: SyntheticPair
     s_rel: float
     s_sup: float | None
-    """None when the draft was empty (the decoder drops such a branch)."""
+    """None when the draft was empty or a loop (the decoder drops such a branch)."""
     similarity: float
     """The retriever's similarity of the pair's passage to its question."""
     pruned: bool
@@ -138,8 +139,10 @@ def score_pairs(
         chunk = pairs[start : start + plan.batch]
         branches = [Branch(p.question.question, "", p.passage) for p in chunk]
         rels = critic.relevance(branches)
-        drafts = critic.draft(branches, cfg.max_segment_tokens)
-        kept = [i for i, d in enumerate(drafts) if d.text.strip()]
+        # Drafted as the decoder drafts (past an echo of the question; a loop is no draft);
+        # the calibration keeps no token counts.
+        drafts = draft_past_echoes(critic, branches, cfg.max_segment_tokens, StepWork())
+        kept = [i for i, d in enumerate(drafts) if drafted_something(d)]
         sups = critic.support([branches[i] for i in kept], [drafts[i] for i in kept])
         s_sup: dict[int, float] = {
             i: support_score(sup.probs) for i, sup in zip(kept, sups, strict=True)

@@ -271,8 +271,7 @@ def draft_and_critique(
             c.draft = d
         for c in kept:
             work.decode_tokens += len(c.draft.tokens) if c.draft is not None else 0
-    # A draft of nothing, or one stuck in a loop, says nothing to critique: it drafted nothing.
-    kept = [c for c in kept if c.draft and c.draft.text.strip() and not loops(c.draft.text)]
+    kept = [c for c in kept if drafted_something(c.draft)]
 
     with timed(work.timings_ms, "critique", clock):
         grounded = [c for c in kept if c.branch.passage is not None]
@@ -285,6 +284,11 @@ def draft_and_critique(
             c.use = use
             work.prefill_tokens += use.prefill_tokens
     return [c.drafted() for c in kept]
+
+
+def drafted_something(draft: Generation | None) -> bool:
+    """Whether `draft` is a segment to critique: not blank, and not stuck in a loop (`loops`)."""
+    return draft is not None and bool(draft.text.strip()) and not loops(draft.text)
 
 
 def draft_past_echoes(

@@ -599,3 +599,45 @@ def test_an_entity_pool_holds_the_corpus_names_and_numbers_by_kind() -> None:
         ]
     )
     assert pool == {"year": ["1011"], "number": ["300"], "name": ["Paris Hilton"]}
+
+
+@dataclass
+class EchoingLoopingCritic(OverlapCritic):
+    """Loops on the passages of TEXTS[0], echoes the question once on those of TEXTS[1]."""
+
+    drafted: list[str] = field(default_factory=list)
+
+    def draft(self, branches: Sequence[Branch], max_tokens: int) -> list[Generation]:
+        out = []
+        for b, g in zip(branches, super().draft(branches, max_tokens), strict=True):
+            assert b.passage is not None
+            if b.passage.id.startswith("p0-"):
+                g = replace(g, text="The answer is: " * 6)
+            elif b.passage.id.startswith("p1-") and not b.prefix:
+                g = replace(g, text=f"Question: {b.question}")
+            out.append(g)
+        return out
+
+    def support(self, branches: Sequence[Branch], drafts: Sequence[Generation]) -> list[LabelProbs]:
+        self.drafted += [d.text for d in drafts]
+        return super().support(branches, drafts)
+
+
+def test_the_calibration_drafts_as_the_decoder_does_past_echoes_and_without_loops(
+    tmp_path: Path,
+) -> None:
+    from selfrag.jobs.support_calibration import (
+        CorpusCalibrationPlan,
+        draw_pairs,
+        score_pairs,
+    )
+
+    critic = EchoingLoopingCritic(name="learned")
+    rag = _fake_rag(tmp_path, _four_copies(), critic)
+    plan = CorpusCalibrationPlan(questions=12)
+    scores = score_pairs(rag, "learned", draw_pairs(rag, plan), plan, progress=False)
+    looped = [s for s in scores if s.pair.passage.id.startswith("p0-")]
+    assert looped and all(s.s_sup is None for s in looped)
+    assert critic.asked and not any(b.passage.id.startswith("p0-") for b in critic.asked)
+    assert any(b.passage.id.startswith("p1-") for b in critic.asked)
+    assert critic.drafted and not any(t.startswith("Question:") for t in critic.drafted)
