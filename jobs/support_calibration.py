@@ -19,6 +19,7 @@ sampled in one pass over the index).
 
 from __future__ import annotations
 
+import itertools
 import math
 import random
 import sys
@@ -40,9 +41,9 @@ from selfrag.pipeline.learning.synthetic_qa import (
     ThresholdChoice,
     choose_threshold,
     lowest_threshold,
+    question_pairs,
     sample_by_collection,
     summary,
-    synthetic_pairs,
     threshold_effect,
 )
 from selfrag.pipeline.protocols import COLLECTION
@@ -251,47 +252,46 @@ def _collection_thresholds(
 
 
 def draw_pairs(rag: LocalRuntime, plan: CorpusCalibrationPlan) -> list[SyntheticPair]:
-    """The calibration's question/passage pairs: drawn per collection of the index (each at
-    least MIN_QUESTIONS_PER_COLLECTION questions when there are several), interleaved."""
+    """The calibration's question/passage pairs, drawn per collection of the index:
+    `plan.questions` questions, and when the index has several collections, an equal share of
+    them each, at least MIN_QUESTIONS_PER_COLLECTION. The questions a small collection cannot
+    give (a README beside a folder of docs) are drawn from the others, one each in turn, so the
+    sample their thresholds are read from does not shrink. The collections' questions come out
+    interleaved, so a time limit cuts every collection alike."""
     rng = random.Random(plan.seed)
     groups = sample_by_collection(rag.store.passages(), 4 * plan.questions, rng)
     per = plan.questions
     if len(groups) > 1:
         per = max(MIN_QUESTIONS_PER_COLLECTION, math.ceil(plan.questions / len(groups)))
-    by_collection = [
-        # Sorted, so the draw does not depend on the order the store lists its points in.
-        synthetic_pairs(
-            sorted(groups[c], key=lambda p: p.id), rag.store.search, per, rng, plan.style
-        )
+    # Sorted, so the draw does not depend on the order the store lists its points in.
+    streams = [
+        question_pairs(sorted(groups[c], key=lambda p: p.id), rag.store.search, rng, plan.style)
         for c in sorted(groups)
     ]
-    return _interleaved(by_collection)
+    drawn = [list(itertools.islice(stream, per)) for stream in streams]
+    missing = per * len(drawn) - sum(len(d) for d in drawn)
+    with_more = [i for i, d in enumerate(drawn) if len(d) == per]
+    while missing and with_more:
+        for i in list(with_more):
+            group = next(streams[i], None)
+            if group is None:
+                with_more.remove(i)
+                continue
+            drawn[i].append(group)
+            missing -= 1
+            if not missing:
+                break
+    return [
+        pair
+        for turn in itertools.zip_longest(*drawn)
+        for question in turn
+        if question is not None
+        for pair in question
+    ]
 
 
 def _rounded(share: float | None) -> float | None:
     return None if share is None else round(share, 4)
-
-
-def _interleaved(groups: list[list[SyntheticPair]]) -> list[SyntheticPair]:
-    """The collections' pairs question by question in turn (a question's answerable pair and
-    its unanswerable one stay together), so a time limit cuts every collection alike."""
-    questions = [_by_question(g) for g in groups]
-    out: list[SyntheticPair] = []
-    for i in range(max((len(q) for q in questions), default=0)):
-        for q in questions:
-            if i < len(q):
-                out += q[i]
-    return out
-
-
-def _by_question(pairs: list[SyntheticPair]) -> list[list[SyntheticPair]]:
-    out: list[list[SyntheticPair]] = []
-    for p in pairs:
-        if p.answerable or not out:
-            out.append([p])
-        else:
-            out[-1].append(p)
-    return out
 
 
 def _collection_choices(

@@ -22,10 +22,11 @@ abstain more often than the budget allows.
 
 from __future__ import annotations
 
+import itertools
 import math
 import random
 import re
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import Literal
 
@@ -158,23 +159,33 @@ def synthetic_pairs(
     rng: random.Random,
     style: QuestionStyle = "wh",
 ) -> list[SyntheticPair]:
-    """Up to `n` questions from `passages` (in a seeded order), each with an answerable pair
-    and unanswerable ones: the question with a near neighbour without its answer, when the
-    retriever finds one, and a perturbed question on its own passage (`perturbed_questions`),
-    when one can be made."""
+    """The pairs of the first `n` questions of `question_pairs`, in order."""
+    return [
+        pair
+        for group in itertools.islice(question_pairs(passages, search, rng, style), n)
+        for pair in group
+    ]
+
+
+def question_pairs(
+    passages: Sequence[Passage],
+    search: Callable[[str, int], list[Passage]],
+    rng: random.Random,
+    style: QuestionStyle = "wh",
+) -> Iterator[list[SyntheticPair]]:
+    """The pairs of one question at a time, from `passages` in a seeded order (drawn as they are
+    asked for): the answerable pair first, then the unanswerable ones, the question with a near
+    neighbour without its answer, when the retriever finds one, and a perturbed question on its
+    own passage (`perturbed_questions`), when one can be made. A passage without a sentence to
+    ask about gives none."""
     pool = entity_pool(passages)
     order = list(passages)
     rng.shuffle(order)
-    pairs: list[SyntheticPair] = []
-    made = 0
     for p in order:
-        if made >= n:
-            break
         q = question_for(p, rng, style)
         if q is None:
             continue
-        made += 1
-        pairs.append(SyntheticPair(q, p, True))
+        pairs = [SyntheticPair(q, p, True)]
         neighbour = near_neighbour(q, search)
         if neighbour is not None:
             pairs.append(SyntheticPair(q, neighbour, False, "neighbour"))
@@ -183,7 +194,7 @@ def synthetic_pairs(
             # One trap of the question's own passage per question, of a kind drawn at random.
             kind, text = rng.choice(perturbed)
             pairs.append(SyntheticPair(replace(q, question=text), p, False, kind))
-    return pairs
+        yield pairs
 
 
 def entity_pool(passages: Iterable[Passage]) -> dict[str, list[str]]:

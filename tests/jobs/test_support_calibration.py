@@ -462,6 +462,51 @@ def test_each_collection_gets_its_own_threshold_and_the_lowest_is_kept(tmp_path:
     assert drawn == {"low", "high"}
 
 
+def _collection_copies(collection: str, copies: int) -> list[Passage]:
+    """`copies` of each of TEXTS in `collection`, each copy's "the" spelled apart."""
+    return [
+        Passage(
+            f"{collection}{i}-{j}",
+            text.replace("the", f"the{j}" if j else "the"),
+            f"T{i}",
+            metadata={"collection": collection},
+        )
+        for j in range(copies)
+        for i, text in enumerate(TEXTS)
+    ]
+
+
+def test_a_small_collection_leaves_its_questions_to_the_others(tmp_path: Path) -> None:
+    """A README beside a folder of docs: the README gives what it can, and the questions it
+    cannot give are drawn from the folder, so the folder's own threshold is read from the whole
+    sample and not from a share of it."""
+    from selfrag.jobs.support_calibration import (
+        MIN_QUESTIONS_PER_COLLECTION,
+        CorpusCalibrationPlan,
+        draw_pairs,
+    )
+
+    small = _collection_copies("README.md", 1)[:2]
+    rag = _fake_rag(tmp_path, _collection_copies("docs", 12) + small, OverlapCritic())
+    plan = CorpusCalibrationPlan(questions=40)
+    pairs = draw_pairs(rag, plan)
+    asked = [p.question.passage.metadata["collection"] for p in pairs if p.answerable]
+    assert asked.count("README.md") == 2 and len(asked) == 40
+    # The collections take turns while both have questions: a time limit cuts both alike.
+    assert asked[:4] == ["README.md", "docs", "README.md", "docs"]
+    # Several collections with room: each gets at least its minimum, past `questions`.
+    (tmp_path / "b").mkdir()
+    rag = _fake_rag(
+        tmp_path / "b", _collection_copies("a", 8) + _collection_copies("b", 8), OverlapCritic()
+    )
+    asked = [
+        p.question.passage.metadata["collection"]
+        for p in draw_pairs(rag, CorpusCalibrationPlan(questions=30))
+        if p.answerable
+    ]
+    assert asked.count("a") == asked.count("b") == MIN_QUESTIONS_PER_COLLECTION
+
+
 def test_too_small_a_corpus_calibrates_nothing_before_any_model_work(tmp_path: Path) -> None:
     from selfrag.jobs.support_calibration import CorpusCalibrationPlan, run_calibration
 
