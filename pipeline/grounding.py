@@ -1,5 +1,5 @@
-"""Whether a segment's content is found in its evidence: its numbers and names, and its words
-in one sentence.
+"""Whether a segment's content is found in its evidence: its numbers, names and identifiers,
+and its words in one sentence.
 
 A drafted segment copies its facts from the passage it was drafted on. A number or a name the
 segment states that is in neither the passage nor the question was not copied from anything
@@ -14,14 +14,17 @@ Both checks are exact and cost one pass over the passage's words (no model call)
 
 from __future__ import annotations
 
+import itertools
 import re
 import unicodedata
 
-GROUNDING_RULE = "terms(whole names)*sentence(question words half)"
+GROUNDING_RULE = "terms(whole names, identifiers)*sentence(question words half)"
 """Names what `grounding_score` computes, for the identities of reads and thresholds made
 with it (a changed rule reads differently)."""
 _NUMBER = re.compile(r"\d+(?:[.,]\d+)*")
 _WORD = re.compile(r"[^\W\d_][\w'’-]*", re.UNICODE)
+# A run of the characters identifiers, paths and flags are written with (`_identifier`).
+_CODE_RUN = re.compile(r"[\w./=-]+")
 # Capitalised words that start clauses or are titles, not names of things a passage states.
 _NOT_NAMES = frozenset(
     """a an the this that these those it its he she they we you i his her their our my your
@@ -59,10 +62,28 @@ def _number_forms(text: str) -> set[str]:
     return out
 
 
+def _identifier(run: str) -> bool:
+    """Whether `run` is written as code is: a flag (`--top-k`), a name with an underscore
+    (`retry_drafts`), a setting (`selfrag-index=true`), a dotted name (`config.toml`) or a path
+    (`/healthz`, `bench/data/`); not a number, a version ("Qwen2.5"), an abbreviation ("e.g",
+    "U.S") or two words joined by one slash ("and/or")."""
+    if not any(c.isalpha() for c in run):
+        return False
+    if run.startswith("--"):
+        return run[2:3].isalpha()
+    name, _, value = run.partition("=")
+    if (name and value) or "_" in run.strip("_"):
+        return True
+    pieces = run.split(".")
+    if any(len(a) > 1 and len(b) > 1 and b[0].isalpha() for a, b in itertools.pairwise(pieces)):
+        return True
+    return run.count("/") > 1 or (run.startswith("/") and run[1:2].isalpha())
+
+
 def key_terms(segment: str) -> list[str]:
-    """The numbers and names `segment` states, in order: numbers, and capitalised words other
-    than the first word of a sentence (unless it is in capitals inside) and common function
-    words."""
+    """The numbers, names and identifiers `segment` states, in order: numbers; capitalised
+    words other than the first word of a sentence (unless it is in capitals inside) and common
+    function words; and words written as code (`_identifier`)."""
     terms: list[str] = []
     for m in _NUMBER.finditer(segment):
         terms.append(m.group(0))
@@ -75,6 +96,10 @@ def key_terms(segment: str) -> list[str]:
         if (starts_sentence and not word[1:].isupper()) or _fold(word) in _NOT_NAMES:
             continue
         terms.append(word)
+    for m in _CODE_RUN.finditer(segment):
+        run = m.group(0).rstrip(".=-").lstrip(".")
+        if _identifier(run):
+            terms.append(run)
     return list(dict.fromkeys(terms))
 
 

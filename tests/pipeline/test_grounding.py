@@ -85,3 +85,32 @@ def test_a_script_without_spaces_is_left_to_the_key_terms():
     assert sentence_share("首领是罗洛。", evidence) is None
     assert grounding_score("罗洛在911年签约。", evidence) == 1.0  # 911 found: the key terms alone
     assert grounding_score("罗洛在876年签约。", evidence) == 0.0
+
+
+def test_identifiers_are_key_terms_and_prose_abbreviations_are_not():
+    segment = (
+        "Set `retry_drafts`, pass --top-k or selfrag-index=true, edit config.toml and "
+        "deploy/selfrag.json, call /healthz, e.g. in the U.S., and/or at 3.5 GHz."
+    )
+    terms = key_terms(segment)
+    for identifier in (
+        "retry_drafts",
+        "--top-k",
+        "selfrag-index=true",
+        "config.toml",
+        "deploy/selfrag.json",
+        "/healthz",
+    ):
+        assert identifier in terms
+    # Abbreviations and words joined by a slash are prose; a number stays a number.
+    assert not {"e.g", "e.g.", "U.S", "U.S.", "and/or"} & set(terms)
+    assert "3.5" in terms
+
+
+def test_an_invented_identifier_is_missing_and_a_copied_one_is_found():
+    passage = "Run `selfrag index --no-calibrate` to skip it; the file is SELFRAG_HOME/config.toml."
+    assert missing_terms("Pass --no-calibrate to selfrag index.", passage) == []
+    assert missing_terms("It reads config.toml.", passage) == []
+    assert missing_terms("Pass --skip-calibration.", passage) == ["--skip-calibration"]
+    assert missing_terms("It reads settings.yaml.", passage) == ["settings.yaml"]
+    assert missing_terms("Set retry_budget.", passage) == ["retry_budget"]
