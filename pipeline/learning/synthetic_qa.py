@@ -51,6 +51,11 @@ _FUNCTION = frozenset(
 _MONTHS = frozenset(
     "January February March April May June July August September October November December".split()
 )
+# A plain word, with the quotes, brackets and punctuation prose puts around it.
+_PLAIN_WORD = re.compile(r"[\"“‘'(]*[^\W\d_]+(?:['’-][^\W\d_]+)*[.,;:!?)\"”’']*")
+MIN_PLAIN_SHARE = 2 / 3
+"""The share of a question's words (the entity's kind aside) that must be plain words
+(`reads_as_prose`)."""
 
 
 @dataclass(frozen=True)
@@ -84,8 +89,9 @@ class SyntheticPair:
 def make_question(
     sentence: str, rng: random.Random, style: QuestionStyle = "wh"
 ) -> tuple[str, str, str] | None:
-    """(question, answer, kind) from one entity of `sentence`, or None when it has none (or
-    the answer would still be written in the question)."""
+    """(question, answer, kind) from one entity of `sentence`, or None when it has none, the
+    words around it do not read as prose (`reads_as_prose`), or the answer would still be
+    written in the question."""
     found = [(kind, m) for kind, m in entity_matches(sentence) if _askable(sentence, kind, m)]
     if not found:
         return None
@@ -93,6 +99,8 @@ def make_question(
     answer = match.group(0)
     before = sentence[: match.start()].split()[-WINDOW:]
     after = sentence[match.end() :].split()[:WINDOW]
+    if not reads_as_prose(before + after):
+        return None
     left = _LEADING.sub("", " ".join(before))
     right = _LEADING.sub("", " ".join(after).rstrip(".!?"))
     while right.split()[-1:] and right.split()[-1] in _FUNCTION | {"the", "a", "an"}:
@@ -106,6 +114,16 @@ def make_question(
     if contains_answer(question, [answer]):
         return None
     return question, answer, kind
+
+
+def reads_as_prose(words: Sequence[str]) -> bool:
+    """Whether the words a question is made of read as prose: no table bars or markup, and at
+    least MIN_PLAIN_SHARE of them plain words, not numbers, code or symbols. A table row or a
+    log line of a technical corpus makes a question no one asks, whose answer the model cannot
+    read off the passage, and it would count as an answerable pair all the same."""
+    if any(c in w for w in words for c in "|<>{}"):
+        return False
+    return sum(1 for w in words if _PLAIN_WORD.fullmatch(w)) >= MIN_PLAIN_SHARE * len(words)
 
 
 def _askable(sentence: str, kind: str, m: re.Match[str]) -> bool:

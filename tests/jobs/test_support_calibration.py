@@ -95,6 +95,20 @@ def test_questions_ask_for_an_entity_the_question_no_longer_holds() -> None:
     )
 
 
+def test_a_table_row_or_a_log_line_makes_no_question_and_prose_with_code_does() -> None:
+    """A technical corpus's tables and logs hold years and counts too, but no one asks about
+    "0.389 / 0.279 | 0.757 | in what year"; prose that names an identifier is still asked."""
+    for rng_seed in range(10):
+        for line in (
+            "| Normans | 0.389 / 0.279 | 0.757 | 1473 runs | 0.2142 / 0.1473 | 2019 |",
+            "duration_s=604 sent=2606 succeeded=949 rejected=12 started=2026 p50_ms=1457",
+            "0.635 13.13 16.36 4.1 1999 0.294 0.311 217.3 88.0 0.727 0.979",
+        ):
+            assert make_question(line, random.Random(rng_seed)) is None
+    prose = "The server `selfrag serve` answered 12 requests after the restart of 2019."
+    assert make_question(prose, random.Random(0)) is not None
+
+
 def test_pairs_answerable_with_their_passage_unanswerable_with_a_neighbour_or_a_trap() -> None:
     passages = _passages()
     pairs = synthetic_pairs(passages, _search(passages), 10, random.Random(3))
