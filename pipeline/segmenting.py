@@ -6,7 +6,8 @@ from __future__ import annotations
 import re
 
 # A sentence ends at . ! ? (optionally closed by a quote or bracket) or a line break, but not
-# inside a number ("3.5"), an initial ("J. S. Bach") or a common abbreviation.
+# inside a number ("3.5"), an initial ("J. S. Bach"), a common abbreviation or inline code
+# ("`model." goes on as "omp_wait_policy`": a dotted name is one word).
 _END = re.compile(r"""(?:[.!?]["'”’)\]]*|\n)\s*$""")
 _ABBREVIATIONS = frozenset(
     {
@@ -37,7 +38,7 @@ def ends_sentence(text: str) -> bool:
         return False
     if text.endswith("\n") and stripped:
         return True
-    if not _END.search(stripped):
+    if not _END.search(stripped) or stripped.count("`") % 2:
         return False
     body = stripped.rstrip("\"'”’)]")
     if not body.endswith("."):

@@ -11,6 +11,7 @@ from selfrag.pipeline.segmenting import ends_sentence, loops, restates_question
         'He said "stop here."',
         "Was it the tenth century?",
         "A long first line\n",
+        "The default wait policy is `passive`.",
     ],
 )
 def test_sentence_ends(text):
@@ -26,6 +27,8 @@ def test_sentence_ends(text):
         "They met Dr.",
         "The Normans settled in",
         "e.g. the Normans, etc.",
+        "The wait policy of the engine's threads (`model.",
+        "Set it in `SELFRAG_HOME/config.",
     ],
 )
 def test_not_sentence_ends(text):
