@@ -432,6 +432,20 @@ def test_the_job_saves_under_the_index_collection_it_ran_on(tmp_path: Path) -> N
     assert rag.calibrated.filters("learned") == {"min_support_score": cal.min_support_score}
 
 
+def _collection_copies(collection: str, copies: int) -> list[Passage]:
+    """`copies` of each of TEXTS in `collection`, each copy's "the" spelled apart."""
+    return [
+        Passage(
+            f"{collection}{i}-{j}",
+            text.replace("the", f"the{j}" if j else "the"),
+            f"T{i}",
+            metadata={"collection": collection},
+        )
+        for j in range(copies)
+        for i, text in enumerate(TEXTS)
+    ]
+
+
 @dataclass
 class ScaledCritic(OverlapCritic):
     """OverlapCritic with s_sup scaled per collection of the question's own passage: two
@@ -451,17 +465,7 @@ class ScaledCritic(OverlapCritic):
 def test_each_collection_gets_its_own_threshold_and_the_lowest_is_kept(tmp_path: Path) -> None:
     from selfrag.jobs.support_calibration import CorpusCalibrationPlan, calibrate_support
 
-    passages = [
-        Passage(
-            f"{c}{i}-{j}",
-            text.replace("the", f"the{j}" if j else "the"),
-            f"T{i}",
-            metadata={"collection": c},
-        )
-        for c in ("low", "high")
-        for j in range(4)
-        for i, text in enumerate(TEXTS)
-    ]
+    passages = _collection_copies("low", 4) + _collection_copies("high", 4)
     critic = ScaledCritic(name="learned", scale={"low": 0.5, "high": 1.0})
     rag = _fake_rag(tmp_path, passages, critic)
     cal, _ = calibrate_support(rag, CorpusCalibrationPlan(questions=24), progress=False)
@@ -474,20 +478,6 @@ def test_each_collection_gets_its_own_threshold_and_the_lowest_is_kept(tmp_path:
     # Questions are drawn from both, however many passages each has.
     drawn = {b.passage.metadata["collection"] for b in critic.asked}
     assert drawn == {"low", "high"}
-
-
-def _collection_copies(collection: str, copies: int) -> list[Passage]:
-    """`copies` of each of TEXTS in `collection`, each copy's "the" spelled apart."""
-    return [
-        Passage(
-            f"{collection}{i}-{j}",
-            text.replace("the", f"the{j}" if j else "the"),
-            f"T{i}",
-            metadata={"collection": collection},
-        )
-        for j in range(copies)
-        for i, text in enumerate(TEXTS)
-    ]
 
 
 def test_a_small_collection_leaves_its_questions_to_the_others(tmp_path: Path) -> None:
