@@ -31,6 +31,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Literal, Protocol
 
+from selfrag.pipeline.branching import StepWork, draft_past_echoes, drafted_something
 from selfrag.pipeline.critics.base import Branch, Critic
 from selfrag.pipeline.critics.verify import VerifyReader, verified_support, verified_support_id
 from selfrag.pipeline.learning.reflection_data import Example
@@ -102,14 +103,16 @@ def draft_examples(
     drafter: Critic, pairs: Sequence[SyntheticPair], plan: CriticPlan
 ) -> list[Example]:
     """The target model's drafts on `pairs`, as support examples without a label yet (the
-    empty label); empty drafts are dropped, as the decoder drops such a branch."""
+    empty label), drafted as the decoder drafts: past an echo of the question, and an empty
+    draft or a loop dropped, as the decoder drops such a branch."""
     out: list[Example] = []
     for start in range(0, len(pairs), plan.batch):
         chunk = pairs[start : start + plan.batch]
         branches = [Branch(p.question.question, "", p.passage) for p in chunk]
-        drafts = drafter.draft(branches, plan.draft_tokens)
+        # Training keeps no token counts.
+        drafts = draft_past_echoes(drafter, branches, plan.draft_tokens, StepWork())
         for pair, b, d in zip(chunk, branches, drafts, strict=True):
-            if d.text.strip():
+            if drafted_something(d):
                 source = f"{DRAFT_SOURCE}-{pair.trap or 'answerable'}"
                 out.append(
                     Example("support", "", b, d.text.strip(), source, pair.question.passage.id)

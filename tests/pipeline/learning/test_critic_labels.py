@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from selfrag.pipeline.critics import Branch
@@ -11,9 +13,11 @@ from selfrag.pipeline.learning.critic_labels import (
     CriticPlan,
     SupportBands,
     critic_fingerprint,
+    draft_examples,
     example_key,
 )
 from selfrag.pipeline.learning.reflection_data import Example
+from selfrag.pipeline.learning.synthetic_qa import SyntheticPair, SyntheticQuestion
 from selfrag.pipeline.protocols import Passage
 from tests.fakes import ListRetriever, ScriptedCritic, WordModel
 
@@ -150,3 +154,28 @@ def test_add_keeps_the_construction_labels_and_labels_the_drafts():
     drafted = [ex for ex in out if ex.source.startswith(DRAFT_SOURCE)]
     assert info["labelled"] == len(drafted) > 0
     assert all(ex.label for ex in drafted)
+
+
+class EchoingLoopingDrafter(ScriptedCritic):
+    """Loops on w0, echoes the question once on w1, answers on the others."""
+
+    def draft(self, branches, max_tokens):  # type: ignore[no-untyped-def]
+        out = []
+        for b, g in zip(branches, super().draft(branches, max_tokens), strict=True):
+            if b.passage.id == "w0":
+                g = replace(g, text="The answer is: " * 6)
+            elif b.passage.id == "w1" and not b.prefix:
+                g = replace(g, text=f"Question: {b.question}")
+            out.append(g)
+        return out
+
+
+def test_the_drafts_to_label_are_drafted_as_the_decoder_drafts() -> None:
+    """An echo of the question drafts again past it, and a loop is no draft to label."""
+    pairs = [
+        SyntheticPair(SyntheticQuestion("Who founded it?", "Bertram Vale", "name", p), p, True)
+        for p in PASSAGES[:3]
+    ]
+    drafted = draft_examples(EchoingLoopingDrafter(), pairs, CriticPlan())
+    assert [ex.branch.passage.id for ex in drafted if ex.branch.passage] == ["w1", "w2"]
+    assert [ex.answer for ex in drafted] == ["An answer.", "An answer."]
