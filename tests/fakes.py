@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -12,6 +12,23 @@ import numpy as np
 from selfrag.pipeline.critics import Branch, LabelProbs
 from selfrag.pipeline.protocols import Generation, Passage
 from selfrag.schemas.calibration import SupportCalibration
+
+
+def echo_or_loop(
+    branches: Sequence[Branch], drafts: Sequence[Generation], *, loop_on: str, echo_on: str
+) -> list[Generation]:
+    """`drafts` as a small model writes some: a loop for the branches whose passage id starts
+    with `loop_on`, and the question echoed back, labelled, for those starting with `echo_on`
+    until the answer so far holds the echo."""
+    out = []
+    for b, g in zip(branches, drafts, strict=True):
+        assert b.passage is not None
+        if b.passage.id.startswith(loop_on):
+            g = replace(g, text="The answer is: " * 6)
+        elif b.passage.id.startswith(echo_on) and not b.prefix:
+            g = replace(g, text=f"Question: {b.question}")
+        out.append(g)
+    return out
 
 
 @dataclass

@@ -44,7 +44,7 @@ from selfrag.schemas.answer import AnswerResponse
 from selfrag.schemas.calibration import SupportCalibration
 from selfrag.schemas.decoding import DecodingConfig
 from selfrag.schemas.settings import DEFAULT_COLLECTION
-from tests.fakes import ListRetriever, ScriptedCritic
+from tests.fakes import ListRetriever, ScriptedCritic, echo_or_loop
 from tests.fakes import support_calibration as _calibration
 
 TEXTS = [
@@ -657,15 +657,8 @@ class EchoingLoopingCritic(OverlapCritic):
     drafted: list[str] = field(default_factory=list)
 
     def draft(self, branches: Sequence[Branch], max_tokens: int) -> list[Generation]:
-        out = []
-        for b, g in zip(branches, super().draft(branches, max_tokens), strict=True):
-            assert b.passage is not None
-            if b.passage.id.startswith("p0-"):
-                g = replace(g, text="The answer is: " * 6)
-            elif b.passage.id.startswith("p1-") and not b.prefix:
-                g = replace(g, text=f"Question: {b.question}")
-            out.append(g)
-        return out
+        drafts = super().draft(branches, max_tokens)
+        return echo_or_loop(branches, drafts, loop_on="p0-", echo_on="p1-")
 
     def support(self, branches: Sequence[Branch], drafts: Sequence[Generation]) -> list[LabelProbs]:
         self.drafted += [d.text for d in drafts]

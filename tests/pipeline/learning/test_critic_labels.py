@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import pytest
 
 from selfrag.pipeline.critics import Branch
@@ -19,7 +17,7 @@ from selfrag.pipeline.learning.critic_labels import (
 from selfrag.pipeline.learning.reflection_data import Example
 from selfrag.pipeline.learning.synthetic_qa import SyntheticPair, SyntheticQuestion
 from selfrag.pipeline.protocols import Passage
-from tests.fakes import ListRetriever, ScriptedCritic, WordModel
+from tests.fakes import ListRetriever, ScriptedCritic, WordModel, echo_or_loop
 
 CHATML = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
@@ -160,14 +158,8 @@ class EchoingLoopingDrafter(ScriptedCritic):
     """Loops on w0, echoes the question once on w1, answers on the others."""
 
     def draft(self, branches, max_tokens):  # type: ignore[no-untyped-def]
-        out = []
-        for b, g in zip(branches, super().draft(branches, max_tokens), strict=True):
-            if b.passage.id == "w0":
-                g = replace(g, text="The answer is: " * 6)
-            elif b.passage.id == "w1" and not b.prefix:
-                g = replace(g, text=f"Question: {b.question}")
-            out.append(g)
-        return out
+        drafts = super().draft(branches, max_tokens)
+        return echo_or_loop(branches, drafts, loop_on="w0", echo_on="w1")
 
 
 def test_the_drafts_to_label_are_drafted_as_the_decoder_drafts() -> None:
