@@ -52,6 +52,7 @@ from selfrag.pipeline.critics.verify import VerifyReader
 from selfrag.pipeline.evaluation.qa_metrics import contains_answer
 from selfrag.pipeline.grounding import grounding_score, sentence_share, term_share
 from selfrag.pipeline.learning.logistic_fit import auc
+from selfrag.pipeline.prompts import passage_text
 from selfrag.pipeline.protocols import Generation, Passage
 from selfrag.pipeline.scoring import relevance_score, support_score
 from selfrag.runtime.system import LocalRuntime
@@ -172,9 +173,14 @@ def score(
             clock,
             "critic_model",
         )
-    terms, sentence, grounding = (
-        [_or_one(read(t.draft.text, t.branch.passage.text, t.branch.question)) for t in items]
-        for read in (term_share, sentence_share, grounding_score)
+    evidence = [passage_text(t.branch.passage) for t in items]
+    terms = [_or_one(term_share(t.draft.text, e)) for t, e in zip(items, evidence, strict=True)]
+    sentence, grounding = (
+        [
+            _or_one(read(t.draft.text, e, t.branch.question))
+            for t, e in zip(items, evidence, strict=True)
+        ]
+        for read in (sentence_share, grounding_score)
     )
     clock["grounding"] = 0.0
     retrieval = timed(lambda: cosines(rag, items), n, clock, "retrieval")

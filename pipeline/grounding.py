@@ -1,14 +1,14 @@
 """Whether a segment's content is found in its evidence: its numbers, names and identifiers,
 and its words in one sentence.
 
-A drafted segment copies its facts from the passage it was drafted on. A number or a name the
-segment states that is in neither the passage nor the question was not copied from anything
-shown: the model made it up, or brought it from memory, and the citation does not back it.
-Words the question already holds are left out there: repeating the question's own names says
-nothing about the evidence. A segment that a passage supports also says what one of its
-sentences says, while one put together from words scattered over the passage, or from the
-question's words that no sentence holds with the answer, does not (`sentence_share`; such a
-word of the question counts half).
+A drafted segment copies its facts from the passage it was drafted on (its title and text, as
+the prompt shows it). A number or a name the segment states that the passage lacks was not
+copied from anything shown: the model made it up, brought it from memory, or repeated a name of
+the question that the passage does not hold (a question about Illinois over a passage about
+Indiana), and the citation does not back it. A segment that a passage supports also says what
+one of its sentences says, while one put together from words scattered over the passage, or
+from the question's words that no sentence holds with the answer, does not (`sentence_share`;
+such a word of the question counts half).
 Both checks are exact and cost one pass over the passage's words (no model call).
 """
 
@@ -18,7 +18,10 @@ import itertools
 import re
 import unicodedata
 
-GROUNDING_RULE = "terms(whole names, identifiers)*sentence(question words half)"
+GROUNDING_RULE = (
+    "terms(whole names or their plurals, identifiers; in the passage only)"
+    "*sentence(question words half)"
+)
 """Names what `grounding_score` computes, for the identities of reads and thresholds made
 with it (a changed rule reads differently)."""
 _NUMBER = re.compile(r"\d+(?:[.,]\d+)*")
@@ -103,15 +106,16 @@ def key_terms(segment: str) -> list[str]:
     return list(dict.fromkeys(terms))
 
 
-def missing_terms(segment: str, evidence: str, question: str = "") -> list[str]:
-    """The key terms of `segment` (`key_terms`) found in neither `evidence` nor `question`:
-    content the citation does not back. Empty when everything is found (or nothing is key)."""
-    return _missing(key_terms(segment), evidence, question)
+def missing_terms(segment: str, evidence: str) -> list[str]:
+    """The key terms of `segment` (`key_terms`) that `evidence` lacks: content the citation
+    does not back, whether the model invented it or repeated it from the question. Empty when
+    everything is found (or nothing is key)."""
+    return _missing(key_terms(segment), evidence)
 
 
-def _missing(terms: list[str], evidence: str, question: str) -> list[str]:
-    """The `terms` found in neither `evidence` nor `question` (`missing_terms`)."""
-    seen = _fold(f"{evidence}\n{question}")
+def _missing(terms: list[str], evidence: str) -> list[str]:
+    """The `terms` that `evidence` lacks (`missing_terms`)."""
+    seen = _fold(evidence)
     seen_numbers = _number_forms(seen)
     out = []
     for term in terms:
@@ -127,8 +131,8 @@ def _missing(terms: list[str], evidence: str, question: str) -> list[str]:
 
 def _holds(text: str, name: str) -> bool:
     """Whether folded `text` has `name` (a word, or words joined by hyphens or apostrophes)
-    as a whole, not inside a longer word."""
-    return re.search(rf"(?<!\w){re.escape(name)}(?!\w)", text) is not None
+    as a whole or in its plural ("Norman" in "the Normans"), not inside a longer word."""
+    return re.search(rf"(?<!\w){re.escape(name)}(?:e?s)?(?!\w)", text) is not None
 
 
 def sentence_share(segment: str, evidence: str, question: str = "") -> float | None:
@@ -152,19 +156,19 @@ def _content_words(text: str) -> set[str]:
     return {w for w in re.findall(r"\w+", _fold(text)) if len(w) > 2 and w not in _FUNCTION_WORDS}
 
 
-def term_share(segment: str, evidence: str, question: str = "") -> float | None:
-    """The fraction of `segment`'s key terms found in `evidence` or `question`
-    (`missing_terms`); None when it states none."""
+def term_share(segment: str, evidence: str) -> float | None:
+    """The fraction of `segment`'s key terms that `evidence` holds (`missing_terms`); None
+    when it states none."""
     terms = key_terms(segment)
     if not terms:
         return None
-    return 1.0 - len(_missing(terms, evidence, question)) / len(terms)
+    return 1.0 - len(_missing(terms, evidence)) / len(terms)
 
 
 def grounding_score(segment: str, evidence: str, question: str = "") -> float | None:
     """`term_share` times `sentence_share` (either alone when the other is None); None when
     the segment has neither a key term nor a content word."""
-    found = term_share(segment, evidence, question)
+    found = term_share(segment, evidence)
     share = sentence_share(segment, evidence, question)
     if found is None or share is None:
         return share if found is None else found

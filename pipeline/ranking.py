@@ -8,6 +8,7 @@ from dataclasses import dataclass, replace
 from selfrag.pipeline.critics import RELEVANCE_LABELS, SUPPORT_LABELS, Branch, LabelProbs
 from selfrag.pipeline.evidence import evidence_span
 from selfrag.pipeline.grounding import missing_terms
+from selfrag.pipeline.prompts import passage_text
 from selfrag.pipeline.protocols import Generation
 from selfrag.pipeline.scoring import (
     CritiqueWeights,
@@ -76,7 +77,7 @@ class Candidate:
             sup=self.sup.probs if self.sup is not None else None,
             use=self.use.probs if self.use is not None else None,
             similarity=p.similarity if p is not None else None,
-            unsupported_terms=tuple(missing_terms(d.text, p.text, self.branch.question))
+            unsupported_terms=tuple(missing_terms(d.text, passage_text(p)))
             if p is not None
             else (),
         )

@@ -8,7 +8,7 @@ distribution (`full` = p, `none` = 1 − p), so s_sup is that probability. The q
 draft in full: the model judges a stated claim against the passage rather than trusting the
 assistant turn it wrote itself. Any critique source can take its support from this read
 (`VerifiedCritic`); its other groups are the source's own. A draft that states a number or a
-name its passage and question lack, or whose words no one sentence of the passage holds
+name its passage (title and text) lacks, or whose words no one sentence of the passage holds
 (`pipeline.grounding`), cannot be fully supported whatever the model says: s_sup is p(yes)
 times its grounding score.
 """
@@ -29,6 +29,7 @@ from selfrag.pipeline.prompts import (
     Untrusted,
     chat_glue,
     evidence_head,
+    passage_text,
 )
 from selfrag.pipeline.protocols import Generation, LanguageModel
 
@@ -118,7 +119,7 @@ def verified_support(
     verdicts = reader.read(branches, drafts)
     return [
         support_from_verdict(
-            v, grounding_score(d.text, b.passage.text, b.question) if b.passage else None
+            v, grounding_score(d.text, passage_text(b.passage), b.question) if b.passage else None
         )
         for b, d, v in zip(branches, drafts, verdicts, strict=True)
     ]

@@ -31,7 +31,8 @@ def drafted(text: str, *, cited: bool, retrieved: bool = True, full: float = 0.9
 
 def test_a_drafted_branch_records_the_names_and_numbers_its_passage_lacks():
     c = Candidate(0, Branch("Who founded Normandy?", "", ROLLO), True, None)
-    c.draft = Generation([1, 2], " Rollo founded it in 876 with Hastein.", [-0.1, -0.1], "eos", 0)
+    text = " The Normans' Rollo founded it in 876 with Hastein."  # "Normans": the title's
+    c.draft = Generation([1, 2], text, [-0.1, -0.1], "eos", 0)
     c.rel = LabelProbs({"relevant": 0.9, "irrelevant": 0.1}, 0)
     assert c.drafted().unsupported_terms == ("876", "Hastein")
 

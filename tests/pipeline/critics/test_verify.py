@@ -1,5 +1,7 @@
 """pipeline/critics/verify.py: the generator's own yes/no read becomes s_sup."""
 
+import dataclasses
+
 import pytest
 
 from selfrag.pipeline.critics import Branch, PromptedCritic
@@ -107,6 +109,21 @@ def test_a_name_or_number_the_passage_lacks_caps_the_support():
     # 876 is missing: one of two key terms, and one of two words no sentence holds.
     assert support_score(half.probs) == pytest.approx(0.9 * 0.5 * 0.5)
     assert support_score(none.probs) == pytest.approx(0.0)
+
+
+def test_the_passage_s_title_is_evidence_as_the_prompt_shows_it():
+    m = model()
+    critic = VerifiedCritic(PromptedCritic(m), m)
+    untitled = dataclasses.replace(ROLLO, title=None)
+    question = "Who was the Normans' leader?"
+    d = draft(m, "The Normans' leader was Rollo.")  # "Normans": only in the title
+    titled, bare = critic.support(
+        [Branch(question, "", ROLLO), Branch(question, "", untitled)], [d, d]
+    )
+    # Both key terms found with the title, one of two without; the sentence share (2/3) is
+    # the text sentence's either way.
+    assert support_score(titled.probs) == pytest.approx(0.9 * 2 / 3)
+    assert support_score(bare.probs) == pytest.approx(0.9 * 0.5 * 2 / 3)
 
 
 def test_the_support_id_names_the_question_and_the_grounding_rule(monkeypatch):
