@@ -16,8 +16,8 @@ candidate support read scores the same (passage, question, draft) triples:
 Candidates: `source` (the critique source's own s_sup: heads, answerability model), `verify`
 (the generator's yes/no, `pipeline.critics.verify`, in a conversation of its own after the
 passage), `verify_followup` (the same question as a user turn after the draft, on the drafting
-sequence), `terms` (the share of the draft's numbers and names found in the passage or
-question), `sentence` (the share of its words one sentence of the passage holds), `grounding`
+sequence), `terms` (the share of the draft's numbers and names found in the passage and its
+title), `sentence` (the share of its words one sentence of the passage holds), `grounding`
 (their product, what the critique uses; each `pipeline.grounding`, 1 when there is nothing to
 check), `relevance` (s_rel of the branch), `retrieval` (the retriever's dense score: the
 embedder's cosine of question and passage), `verify*terms`, `verify*grounding`,
