@@ -74,7 +74,7 @@ def test_a_name_is_found_in_its_plural_not_inside_a_longer_word():
         "Northman"
     ]
     assert missing_terms("Rollo led the Normand.", "Rollo of Normandy.") == ["Normand"]
-    assert missing_terms("Two Churches stood there.", "Two churches stood.") == []
+    assert missing_terms("The Church stood there.", "Two churches stood.") == []  # "-es"
 
 
 def test_thousands_separators_accents_and_possessives_are_one_form():
