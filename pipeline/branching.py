@@ -9,9 +9,9 @@ a branch the hard filters would reject whatever it drafts is skipped; the rest d
 no-retrieval branch reuses the closed-book draft its retrieval decision was read from, when
 there is one; a draft that only repeats the question drafts again, past its echo; one stuck in a
 loop counts as drafting nothing); drafts are critiqued for support (evidence branches) and
-utility. A hypothesis whose drafts all fail the hard filters drafts its next passage, one at a
-time, up to `retry_drafts` more: the budget's passages past the first cost only where the first
-failed.
+utility. A hypothesis whose drafts all fail the hard filters (or, with `retry_flagged`, all
+pass them flagged) drafts its next passage, one at a time, up to `retry_drafts` more: the
+budget's passages past the first cost only where the first failed.
 What comes back is small: `Drafted` scores for the ranker, and the step's token counts.
 """
 
@@ -25,7 +25,13 @@ from typing import Protocol, runtime_checkable
 
 from selfrag.pipeline.critics import Branch, Critic, LabelProbs
 from selfrag.pipeline.protocols import Generation
-from selfrag.pipeline.ranking import Candidate, Drafted, certainly_filtered, passes_filters
+from selfrag.pipeline.ranking import (
+    Candidate,
+    Drafted,
+    certainly_filtered,
+    passes_filters,
+    segment_flags,
+)
 from selfrag.pipeline.scoring import relevance_score
 from selfrag.pipeline.segmenting import loops, restates_question
 from selfrag.pipeline.timings import timed
@@ -184,14 +190,21 @@ def admitted(
     return within_draft_budget(kept, cfg)
 
 
-def unsupported_hypotheses(
+def failing_hypotheses(
     candidates: Sequence[Candidate], drafted: Sequence[Drafted], cfg: DecodingConfig
 ) -> set[int]:
     """The hypotheses (parents) with evidence among a step's `candidates` none of whose
     `drafted` evidence branches passes the hard filters (a branch that drafted nothing is not
-    among `drafted`)."""
+    among `drafted`), or, with `cfg.retry_flagged`, passes them without a flag a reader would
+    be asked to check (`segment_flags`: low support, or numbers or names its passage lacks)."""
     parents = {c.parent for c in candidates if c.branch.passage is not None}
-    passing = {d.parent for d in drafted if d.grounded and passes_filters(d, cfg)}
+    passing = {
+        d.parent
+        for d in drafted
+        if d.grounded
+        and passes_filters(d, cfg)
+        and not (cfg.retry_flagged and segment_flags(d, answer_retrieved=True))
+    }
     return parents - passing
 
 
@@ -229,8 +242,8 @@ def expand(
     clock: Callable[[], float] = time.perf_counter,
 ) -> StepWork:
     """Relevance, pruning, drafting, support and utility for every candidate of a step; then,
-    while a hypothesis's drafts all fail the hard filters, its next passage in draft order
-    (at most `retry_drafts` more)."""
+    while a hypothesis's drafts all fail (`failing_hypotheses`), its next passage in draft
+    order (at most `retry_drafts` more)."""
     work = StepWork()
     evidence = [c for c in candidates if c.branch.passage is not None]
     with timed(work.timings_ms, "relevance", clock):
@@ -242,7 +255,7 @@ def expand(
     # A waiting branch passed the relevance filters and only the budget left it out, or it was
     # left unread where no relevance filter is on: either way it may draft.
     for _ in range(cfg.retry_drafts):
-        failing = unsupported_hypotheses(candidates, drafted, cfg)
+        failing = failing_hypotheses(candidates, drafted, cfg)
         with timed(work.timings_ms, "relevance", clock):
             read_each(critic, [c for c in waiting if c.parent in failing and c.rel is None], work)
         retried, waiting, dropped = next_drafts(waiting, failed_relevance(drafted, failing))

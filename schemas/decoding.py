@@ -87,10 +87,21 @@ class DecodingConfig(BaseModel):
         ge=0,
         le=50,
         description="When no drafted evidence branch of a hypothesis passes the hard filters "
-        "(or every one drafted nothing), up to this many more of its passages draft, one at a "
+        "(or every one drafted nothing, or, with retry_flagged, every one that passes is "
+        "flagged), up to this many more of its passages draft, one at a "
         "time in the draft order, until one passes; only a passage whose s_rel is above that "
         "of every one that failed. A passage past max_drafts costs only where the ones before "
         "it failed (docs/evaluation.md). 0: never.",
+    )
+    # Off, by measurement (docs/evaluation.md, "A flagged draft tries the next passage"): on,
+    # it gains a right answer on some sets and none held out, and its extra drafts cost more
+    # than Self-RAG's margin over vanilla RAG's price.
+    retry_flagged: bool = Field(
+        False,
+        description="Retry (retry_drafts) also when every drafted evidence branch of a "
+        "hypothesis that passes the hard filters is flagged (low support, or numbers or names "
+        "its passage lacks); the drafts then compete in the ranking. False: retry only when "
+        "none passes.",
     )
     # The retriever's order transfers across corpora and models where a reading of s_rel on
     # its own scale does not: the critique reorders it only on a clear call.

@@ -1,4 +1,5 @@
-"""A step's branch work when the drafted passages fail the hard filters: the next ones draft;
+"""A step's branch work when the drafted passages fail the hard filters, or pass them flagged: the
+next ones draft;
 a draft that only repeats the question drafts again past its echo, and one stuck in a loop
 counts as drafting nothing."""
 
@@ -80,6 +81,37 @@ def test_without_a_hard_filter_a_draft_passes_unless_it_drafted_nothing():
     critic = ScriptedCritic(drafts={"p1": ("  ", -1.0, "eos")})
     work = expand(critic, step(), config(min_support_score=0.0))
     assert drafted_ids(work) == [None, "p2"]
+
+
+def test_a_flagged_draft_that_passes_the_filters_has_the_next_more_relevant_passage_draft():
+    # No support threshold: p1's draft passes, but reads low support; p2 reads no more
+    # relevant than p1, p3 does; p3's draft is clean, so p4 never drafts.
+    relevance = {"p1": 0.6, "p2": 0.5, "p3": 0.8, "p4": 0.9}
+    support = {"p1": WEAK, "p2": STRONG, "p3": STRONG, "p4": STRONG}
+    critic = ScriptedCritic(relevance_of=relevance, support_of=support)
+    work = expand(critic, step(), config(min_support_score=0.0, retry_flagged=True))
+    assert drafted_ids(work) == ["p1", None, "p3"]
+    assert [c for c in critic.calls if c.startswith("draft")] == ["draft:2", "draft:1"]
+    # Off (the default), the flagged draft is the step's: nothing more drafts.
+    critic = ScriptedCritic(relevance_of=relevance, support_of=support)
+    work = expand(critic, step(), config(min_support_score=0.0))
+    assert drafted_ids(work) == ["p1", None]
+    # On, a clean first draft costs nothing more.
+    critic = ScriptedCritic(relevance_of=relevance, support_of={"p1": STRONG})
+    work = expand(critic, step(), config(min_support_score=0.0, retry_flagged=True))
+    assert drafted_ids(work) == ["p1", None]
+
+
+def test_a_draft_naming_what_its_passage_lacks_counts_as_flagged():
+    # Fully supported by the read, but "Rollo" is in neither passage 1's title nor text.
+    relevance = {"p1": 0.6, "p2": 0.8}
+    drafts = {"p1": (" It was Rollo.", -1.0, "eos"), "p2": (" It was passage 2.", -1.0, "eos")}
+    critic = ScriptedCritic(
+        relevance_of=relevance, drafts=drafts, support_of={p.id: STRONG for p in PASSAGES}
+    )
+    work = expand(critic, step(), config(retry_flagged=True))
+    assert drafted_ids(work) == ["p1", "p2"]
+    assert [d.unsupported_terms for d in work.drafted] == [("Rollo",), ()]
 
 
 def test_retries_follow_the_draft_order_past_the_relevance_filter_per_hypothesis():

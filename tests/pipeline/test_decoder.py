@@ -388,3 +388,20 @@ def test_by_default_a_more_relevant_passage_answers_where_the_first_failed():
     out = decoder.answer("q", config)  # by default one more passage drafts: p2
     assert out.answer == "Rollo." and out.segments[0].citation.passage_id == "p2"
     assert out.support == pytest.approx(0.9)
+
+
+def test_with_retry_flagged_a_more_relevant_passage_answers_where_the_first_was_flagged():
+    # No support threshold: p1's draft answers, but would be flagged low support; p2 reads more
+    # relevant, drafts, and its fully supported draft ranks first.
+    critic = ScriptedCritic(
+        relevance_of={"p1": 0.6, "p2": 0.8},
+        drafts={"p1": (" Norman people.", -0.5, "eos"), "p2": (" Rollo.", -0.5, "eos")},
+        support_of={"p1": {"full": 0.3, "none": 0.7}, "p2": {"full": 0.9, "none": 0.1}},
+    )
+    decoder, _ = make(critic, PASSAGES[:2])
+    config = settle_filters(DecodingConfig(mode="always", max_segments=1), "scripted")
+    out = decoder.answer("q", config)  # off by default
+    assert out.answer == "Norman people." and out.segments[0].flags == ["low_support"]
+    out = decoder.answer("q", config.model_copy(update={"retry_flagged": True}))
+    assert out.answer == "Rollo." and out.segments[0].citation.passage_id == "p2"
+    assert out.segments[0].flags == []
