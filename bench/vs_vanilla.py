@@ -263,6 +263,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="Self-RAG's draft budget per step (`max_drafts`; default: the product's; 50: no "
         "budget, every branch the relevance filters keep drafts).",
     )
+    p.add_argument(
+        "--retry-flagged",
+        action="store_true",
+        help="Self-RAG also retries drafts that pass the hard filters flagged (`retry_flagged`; "
+        "default: the product's).",
+    )
     p.add_argument("--port", type=int, default=8771)
     p.add_argument("--serve-baselines", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -279,13 +285,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     config = dict(SELFRAG_CONFIG)
     if args.max_drafts is not None:
         config["max_drafts"] = args.max_drafts
+    if args.retry_flagged:
+        config["retry_flagged"] = True
 
     def ask(url: str) -> Any:
         return lambda q, g: ask_selfrag(url, q, g, config)
 
     print(
         f"{len(qs)} held-out questions, K={K}, {MAX_TOKENS} answer tokens, "
-        f"max_drafts={config.get('max_drafts', 'default')}",
+        f"max_drafts={config.get('max_drafts', 'default')}, "
+        f"retry_flagged={config.get('retry_flagged', 'default')}",
         flush=True,
     )
     with baselines(home, args.port) as url:
