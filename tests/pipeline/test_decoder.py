@@ -374,13 +374,22 @@ def test_empty_drafts_never_give_an_empty_answer():
     assert out.abstained
 
 
-def test_by_default_a_more_relevant_passage_answers_where_the_first_failed():
+def norman_then_rollo(p1_support: float) -> BeamDecoder:
+    """A decoder over two passages: p1 drafts "Norman people." with support `p1_support`, p2,
+    read more relevant, drafts a fully supported "Rollo."."""
     critic = ScriptedCritic(
         relevance_of={"p1": 0.6, "p2": 0.8},
         drafts={"p1": (" Norman people.", -0.5, "eos"), "p2": (" Rollo.", -0.5, "eos")},
-        support_of={"p1": {"full": 0.1, "none": 0.9}, "p2": {"full": 0.9, "none": 0.1}},
+        support_of={
+            "p1": {"full": p1_support, "none": 1 - p1_support},
+            "p2": {"full": 0.9, "none": 0.1},
+        },
     )
-    decoder, _ = make(critic, PASSAGES[:2])
+    return make(critic, PASSAGES[:2])[0]
+
+
+def test_by_default_a_more_relevant_passage_answers_where_the_first_failed():
+    decoder = norman_then_rollo(0.1)
     config = settle_filters(
         DecodingConfig(mode="always", max_segments=1, min_support_score=0.5), "scripted"
     )
@@ -393,12 +402,7 @@ def test_by_default_a_more_relevant_passage_answers_where_the_first_failed():
 def test_with_retry_flagged_a_more_relevant_passage_answers_where_the_first_was_flagged():
     # No support threshold: p1's draft answers, but would be flagged low support; p2 reads more
     # relevant, drafts, and its fully supported draft ranks first.
-    critic = ScriptedCritic(
-        relevance_of={"p1": 0.6, "p2": 0.8},
-        drafts={"p1": (" Norman people.", -0.5, "eos"), "p2": (" Rollo.", -0.5, "eos")},
-        support_of={"p1": {"full": 0.3, "none": 0.7}, "p2": {"full": 0.9, "none": 0.1}},
-    )
-    decoder, _ = make(critic, PASSAGES[:2])
+    decoder = norman_then_rollo(0.3)
     config = settle_filters(DecodingConfig(mode="always", max_segments=1), "scripted")
     out = decoder.answer("q", config)  # off by default
     assert out.answer == "Norman people." and out.segments[0].flags == ["low_support"]
