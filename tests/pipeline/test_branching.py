@@ -1,7 +1,6 @@
-"""A step's branch work when the drafted passages fail the hard filters, or pass them flagged: the
-next ones draft;
-a draft that only repeats the question drafts again past its echo, and one stuck in a loop
-counts as drafting nothing."""
+"""A step's branch work when the drafted passages fail the hard filters, or pass them flagged:
+the next ones draft; a draft that only repeats the question drafts again past its echo, and one
+stuck in a loop counts as drafting nothing."""
 
 from dataclasses import replace
 
