@@ -77,7 +77,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     from selfrag import SelfRAG
     from selfrag.jobs.evaluation.eval_questions import load_questions
-    from selfrag.pipeline.branching import StepWork, draft_past_echoes, drafted_something
+    from selfrag.pipeline.branching import read_evidence_branches
     from selfrag.pipeline.critics import Branch
     from selfrag.pipeline.critics.filters import settle_filters
     from selfrag.pipeline.evaluation.qa_metrics import contains_answer
@@ -98,24 +98,21 @@ def main(argv: Sequence[str] | None = None) -> int:
             if not branches:
                 per_question.append([])
                 continue
-            rels = critic.relevance(branches)
-            drafts = draft_past_echoes(critic, branches, cfg.max_segment_tokens, StepWork())
-            kept = [i for i, d in enumerate(drafts) if drafted_something(d)]
-            reads = critic.support([branches[i] for i in kept], [drafts[i] for i in kept])
-            s_sup = {i: support_score(r.probs) for i, r in zip(kept, reads, strict=True)}
+            reads = read_evidence_branches(critic, branches, cfg.max_segment_tokens)
             sims = rt.store.similarities([(q.question, p) for p in passages])
-            per_question.append(
-                [
+            drafts = []
+            for p, read, sim in zip(passages, reads, sims, strict=True):
+                s_sup = None if read.sup is None else support_score(read.sup.probs)
+                drafts.append(
                     Draft(
-                        right=contains_answer(d.text, q.golds),
+                        right=contains_answer(read.draft.text, q.golds),
                         passage_has_answer=contains_answer(p.text, q.golds),
-                        s_rel=relevance_score(r.probs),
-                        s_sup=s_sup.get(i),
-                        support=evidence_support(s_sup[i], sims[i]) if i in s_sup else None,
+                        s_rel=relevance_score(read.rel.probs),
+                        s_sup=s_sup,
+                        support=None if s_sup is None else evidence_support(s_sup, sim),
                     )
-                    for i, (p, d, r) in enumerate(zip(passages, drafts, rels, strict=True))
-                ]
-            )
+                )
+            per_question.append(drafts)
 
     chosen = rules(cfg.draft_order_margin, cfg.w_rel, cfg.w_sup)
     answered = [drafts for drafts in per_question if drafts]

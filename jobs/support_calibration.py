@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from selfrag.infra.calibration_files import save_calibration
-from selfrag.pipeline.branching import StepWork, draft_past_echoes, drafted_something
+from selfrag.pipeline.branching import read_evidence_branches
 from selfrag.pipeline.critics import Branch
 from selfrag.pipeline.critics.filters import settle_filters
 from selfrag.pipeline.learning.logistic_fit import auc
@@ -139,20 +139,13 @@ def score_pairs(
             break
         chunk = pairs[start : start + plan.batch]
         branches = [Branch(p.question.question, "", p.passage) for p in chunk]
-        rels = critic.relevance(branches)
-        # Drafted as the decoder drafts (past an echo of the question; a loop is no draft);
-        # the calibration keeps no token counts.
-        drafts = draft_past_echoes(critic, branches, cfg.max_segment_tokens, StepWork())
-        kept = [i for i, d in enumerate(drafts) if drafted_something(d)]
-        sups = critic.support([branches[i] for i in kept], [drafts[i] for i in kept])
-        s_sup: dict[int, float] = {
-            i: support_score(sup.probs) for i, sup in zip(kept, sups, strict=True)
-        }
+        reads = read_evidence_branches(critic, branches, cfg.max_segment_tokens)
         similarities = rag.store.similarities([(p.question.question, p.passage) for p in chunk])
-        for i, (pair, rel, similarity) in enumerate(zip(chunk, rels, similarities, strict=True)):
-            s_rel = relevance_score(rel.probs)
+        for pair, read, similarity in zip(chunk, reads, similarities, strict=True):
+            s_rel = relevance_score(read.rel.probs)
+            s_sup = None if read.sup is None else support_score(read.sup.probs)
             pruned = s_rel < (cfg.min_relevance or 0.0)
-            out.append(PairScore(pair, s_rel, s_sup.get(i), similarity, pruned))
+            out.append(PairScore(pair, s_rel, s_sup, similarity, pruned))
         bar.update(len(chunk))
     bar.close()
     return out

@@ -304,6 +304,38 @@ def drafted_something(draft: Generation | None) -> bool:
     return draft is not None and bool(draft.text.strip()) and not loops(draft.text)
 
 
+@dataclass(frozen=True)
+class EvidenceReads:
+    """One evidence branch read as a first step reads it, no filter applied."""
+
+    rel: LabelProbs
+    draft: Generation
+    sup: LabelProbs | None
+    """None when the draft is no segment to critique (`drafted_something`)."""
+
+
+def read_evidence_branches(
+    critic: Critic, branches: Sequence[Branch], max_tokens: int
+) -> list[EvidenceReads]:
+    """Relevance, a draft of `max_tokens` past any echo of the question, and support of each
+    evidence branch, as the decoder's first step reads them, with no filter, budget or retry:
+    what calibrating the support threshold and measuring the draft's choice read."""
+    rels = critic.relevance(branches)
+    drafts = draft_past_echoes(critic, branches, max_tokens, StepWork())
+    kept = [i for i, d in enumerate(drafts) if drafted_something(d)]
+    sups = dict(
+        zip(
+            kept,
+            critic.support([branches[i] for i in kept], [drafts[i] for i in kept]),
+            strict=True,
+        )
+    )
+    return [
+        EvidenceReads(rel, draft, sups.get(i))
+        for i, (rel, draft) in enumerate(zip(rels, drafts, strict=True))
+    ]
+
+
 def draft_past_echoes(
     critic: Critic, branches: Sequence[Branch], max_tokens: int, work: StepWork
 ) -> list[Generation]:
