@@ -11,6 +11,29 @@ from selfrag.cli.versions import VersionAction
 from selfrag.schemas.decoding import DecodingOverrides
 
 
+class _NamedScores(argparse.Action):
+    """A repeated NAME=SCORE flag, gathered into one {name: score} mapping (validated with the
+    rest of the request)."""
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
+        name, sep, score = str(values).rpartition("=")
+        try:
+            value = float(score)
+        except ValueError:
+            value = None
+        if not sep or value is None:
+            parser.error(f"{option_string}: expected NAME=SCORE, got {values!r}")
+        scores = dict(getattr(namespace, self.dest) or {})
+        scores[name] = value
+        setattr(namespace, self.dest, scores)
+
+
 def _decoding_flags(parser: argparse.ArgumentParser) -> None:
     """One flag per `DecodingOverrides` field, so the CLI and the API share their dials."""
     group = parser.add_argument_group("decoding (per request; defaults from `selfrag config`)")
@@ -27,6 +50,10 @@ def _decoding_flags(parser: argparse.ArgumentParser) -> None:
             group.add_argument(flag, choices=typing.get_args(kind), default=None, help=help_text)
         elif kind in (int, float, str):
             group.add_argument(flag, type=kind, default=None, help=help_text)
+        elif typing.get_origin(kind) is dict:
+            group.add_argument(
+                flag, action=_NamedScores, metavar="NAME=SCORE", default=None, help=help_text
+            )
         else:  # pragma: no cover - guards new field types
             raise TypeError(f"no CLI flag type for {name}: {kind}")
 

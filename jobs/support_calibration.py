@@ -11,8 +11,9 @@ passage)`: relevance, then a draft of `max_segment_tokens`, then support, and s_
 the system serves (`LocalRuntime.critic`: heads, answerability model and all). The threshold is
 `choose_threshold` of the two score lists: the highest that abstains on at most
 `max_answerable_abstain` of the answerable pairs. An index of several collections (corpus
-files) is sampled and thresholded per collection, and the lowest collection's threshold is
-kept, so that it holds the budget in each (the score's scale moves between collections). Cost:
+files) is sampled and thresholded per collection, since the score's scale moves between
+collections: answers hold a passage to its collection's own threshold, and passages of a
+collection without one to the lowest (`min_support_score`), which keeps the budget in each. Cost:
 the number of pairs times three critique calls, whatever the corpus size (the passages are
 sampled in one pass over the index).
 """
@@ -44,7 +45,6 @@ from selfrag.pipeline.learning.synthetic_qa import (
     question_pairs,
     sample_by_collection,
     summary,
-    threshold_effect,
 )
 from selfrag.pipeline.protocols import COLLECTION
 from selfrag.pipeline.scoring import evidence_support, relevance_score, support_score
@@ -176,7 +176,7 @@ def calibrate_support(
     per_collection = _collection_choices(scores, plan.max_answerable_abstain)
     if per_collection:
         lowest, picked = lowest_threshold(per_collection)
-        choice = threshold_effect(picked.threshold, answerable, unanswerable)
+        choice = _applied_effect(scores, per_collection, picked.threshold)
     else:  # no collection gave enough pairs alone: all of them as one
         lowest, choice = (
             None,
@@ -303,6 +303,26 @@ def _collection_choices(
     return out
 
 
+def _applied_effect(
+    scores: list[PairScore], per_collection: dict[str, ThresholdChoice], lowest: float
+) -> ThresholdChoice:
+    """What the thresholds abstain on together, as answers apply them: a pair's score is held
+    to its passage's collection's own threshold, else to `lowest`."""
+
+    def below(s: PairScore) -> bool:
+        own = per_collection.get(s.pair.passage.metadata.get(COLLECTION, ""))
+        return s.score is not None and s.score < (own.threshold if own else lowest)
+
+    read = [s for s in scores if s.score is not None]
+    ans = [s for s in read if s.pair.answerable]
+    unans = [s for s in read if not s.pair.answerable]
+    return ThresholdChoice(
+        lowest,
+        sum(map(below, ans)) / len(ans),
+        sum(map(below, unans)) / len(unans) if unans else None,
+    )
+
+
 def _collection(s: PairScore) -> str:
     """The collection a pair's question was drawn from (its unanswerable pair's passage may
     lie in another)."""
@@ -344,7 +364,11 @@ def describe(cal: SupportCalibration, path: Path) -> str:
             f"{cal.max_answerable_abstain:.0%}), {unans} of unanswerable; {cal.seconds:.0f} s",
             *(
                 f"  corpus {name or '(unnamed)'}: {c['threshold']:.4f}"
-                + (" (kept: the lowest)" if name == cal.threshold_collection else "")
+                + (
+                    " (also for passages of other collections: the lowest)"
+                    if name == cal.threshold_collection
+                    else ""
+                )
                 for name, c in sorted(cal.collections.items())
             ),
         ]

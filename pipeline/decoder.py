@@ -15,6 +15,7 @@ from selfrag.pipeline.ranking import (
     Drafted,
     Hypothesis,
     StepRanking,
+    SupportRead,
     best_support,
     rank_step,
 )
@@ -42,7 +43,7 @@ class _Run:
     usage: Usage = field(default_factory=Usage)
     timings: dict[str, float] = field(default_factory=dict)
     passages: dict[str, Passage] = field(default_factory=dict)
-    support: float | None = None
+    support: SupportRead | None = None
     """`best_support` of the first step: what decides abstention (`AnswerResponse.support`)."""
     asked: str = ""
     """The question as its branches are prompted with: followed by the request's instructions."""
@@ -215,7 +216,8 @@ class BeamDecoder:
             question=question,
             answer=text,
             abstained=abstained,
-            support=run.support,
+            support=run.support.score if run.support is not None else None,
+            support_threshold=run.support.threshold if run.support is not None else None,
             segments=list(best.segments),
             passages=[PassageOut.model_validate(p.shown()) for p in order],
             usage=run.usage,

@@ -9,7 +9,7 @@ from selfrag.pipeline.critics import RELEVANCE_LABELS, SUPPORT_LABELS, Branch, L
 from selfrag.pipeline.evidence import evidence_span
 from selfrag.pipeline.grounding import missing_terms
 from selfrag.pipeline.prompts import passage_text
-from selfrag.pipeline.protocols import Generation
+from selfrag.pipeline.protocols import COLLECTION, Generation
 from selfrag.pipeline.scoring import (
     CritiqueWeights,
     evidence_support,
@@ -77,6 +77,7 @@ class Candidate:
             sup=self.sup.probs if self.sup is not None else None,
             use=self.use.probs if self.use is not None else None,
             similarity=p.similarity if p is not None else None,
+            collection=p.metadata.get(COLLECTION) if p is not None else None,
             unsupported_terms=tuple(missing_terms(d.text, passage_text(p)))
             if p is not None
             else (),
@@ -103,6 +104,8 @@ class Drafted:
     """Numbers and names of the segment that neither its passage nor the question holds."""
     similarity: float | None = None
     """The retriever's similarity of the branch's passage to the query (`Passage.similarity`)."""
+    collection: str | None = None
+    """The collection the branch's passage was indexed from (`protocols.COLLECTION`), if known."""
 
     @property
     def evidence_support(self) -> float | None:
@@ -132,9 +135,9 @@ def passes_filters(c: Drafted, cfg: DecodingConfig) -> bool:
         c.rel is None or most_likely(c.rel, RELEVANCE_LABELS) != "relevant"
     ):
         return False
-    if cfg.min_support_score:
+    if threshold := cfg.support_threshold(c.collection):
         score = c.evidence_support
-        if score is None or score < cfg.min_support_score:
+        if score is None or score < threshold:
             return False
     if cfg.min_support not in (None, "none"):
         if c.sup is None:
@@ -145,25 +148,43 @@ def passes_filters(c: Drafted, cfg: DecodingConfig) -> bool:
     return True
 
 
-def best_support(drafted: Sequence[Drafted], cfg: DecodingConfig) -> float | None:
-    """The highest `Drafted.evidence_support` among the grounded `drafted` branches that pass
-    every hard filter but `min_support_score`. With that filter on (and `on_unsupported`
-    abstain), a hypothesis without segments whose step retrieved abstains exactly when this is
-    None or below it."""
-    others = cfg.model_copy(update={"min_support_score": 0.0})
-    scores = [
-        score
+@dataclass(frozen=True)
+class SupportRead:
+    """A branch's `Drafted.evidence_support` and the threshold its passage is held to
+    (`DecodingConfig.support_threshold`; 0 with the filter off)."""
+
+    score: float
+    threshold: float
+
+    @property
+    def margin(self) -> float:
+        return self.score - self.threshold
+
+
+def best_support(drafted: Sequence[Drafted], cfg: DecodingConfig) -> SupportRead | None:
+    """The support of the grounded `drafted` branch that passes every hard filter but the
+    support threshold with the most support above its threshold. With that filter on (and
+    `on_unsupported` abstain), a hypothesis without segments whose step retrieved abstains
+    exactly when this is None or below its threshold."""
+    others = cfg.model_copy(
+        update={"min_support_score": 0.0, "min_support_score_by_collection": {}}
+    )
+    reads = [
+        SupportRead(score, cfg.support_threshold(c.collection))
         for c in drafted
         if c.grounded and (score := c.evidence_support) is not None and passes_filters(c, others)
     ]
-    return max(scores, default=None)
+    return max(reads, key=lambda r: r.margin, default=None)
 
 
 def needs_evidence(cfg: DecodingConfig) -> bool:
     """Whether a hard filter asks for relevance or support, which a branch without a passage
     cannot show."""
     return (
-        cfg.require_relevant or bool(cfg.min_support_score) or cfg.min_support not in (None, "none")
+        cfg.require_relevant
+        or bool(cfg.min_support_score)
+        or any((cfg.min_support_score_by_collection or {}).values())
+        or cfg.min_support not in (None, "none")
     )
 
 

@@ -2,11 +2,11 @@
 
 `selfrag calibrate` (and the end of `selfrag index`) writes a `SupportCalibration` per model
 file, index collection and critique source; answers whose request leaves `min_support_score`
-unset take their collection's when the answer path settles their config
-(`pipeline.critics.filters.settle_filters`, with the `CritiqueFacts` of the runtime on that
-collection). Without a calibration the threshold is off, which is logged once per process,
-model file, collection and source (`selfrag ask` calibrates on first use instead:
-`cli/first_use.py`).
+unset take their index collection's, and each corpus collection's own threshold, when the
+answer path settles their config (`pipeline.critics.filters.settle_filters`, with the
+`CritiqueFacts` of the runtime on that collection). Without a calibration the threshold is
+off, which is logged once per process, model file, collection and source (`selfrag ask`
+calibrates on first use instead: `cli/first_use.py`).
 """
 
 from __future__ import annotations
@@ -71,11 +71,15 @@ class CalibratedDefaults:
         return cal
 
     def filters(self, critique: str) -> dict[str, object]:
-        """The filter defaults calibrated for `critique` (its `min_support_score`); empty
-        without a calibration, which is logged once (answers then never abstain for support)."""
+        """The filter defaults calibrated for `critique`: its `min_support_score` (for passages
+        of a collection without its own) and each collection's own threshold; empty without a
+        calibration, which is logged once (answers then never abstain for support)."""
         cal = self.calibration(critique)
         if cal is not None:
-            return {"min_support_score": cal.min_support_score}
+            return {
+                "min_support_score": cal.min_support_score,
+                "min_support_score_by_collection": cal.collection_thresholds(),
+            }
         warn_uncalibrated(self._sha(), critique, self.collection)
         return {}
 

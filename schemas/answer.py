@@ -156,12 +156,19 @@ class AnswerResponse(BaseModel):
         None,
         ge=0.0,
         le=1.0,
-        description="The highest s_sup times passage similarity (each branch's s_sup weighed by "
-        "its passage's `similarity`, when the retriever gives one) among the first step's "
-        "grounded branches that pass every hard filter but min_support_score: with that "
-        "filter on, an answer whose first "
+        description="s_sup times passage similarity (each branch's s_sup weighed by its "
+        "passage's `similarity`, when the retriever gives one) of the first step's grounded "
+        "branch that passes every hard filter but the support threshold with the most support "
+        "above its threshold (`support_threshold`): with that filter on, an answer whose first "
         "step retrieved abstains exactly when this is None or below it. None when nothing "
         "grounded was drafted first (no retrieval, every passage pruned).",
+    )
+    support_threshold: float | None = Field(
+        None,
+        ge=0.0,
+        le=1.0,
+        description="The support threshold that branch was held to: min_support_score, or its "
+        "passage's collection's own (min_support_score_by_collection); 0 with the filter off.",
     )
     segments: list[SegmentOut]
     passages: list[PassageOut]

@@ -106,11 +106,14 @@ class SupportCalibration(BaseModel):
     )
     collections: dict[str, dict[str, float | None]] = Field(
         default_factory=dict,
-        description="Per collection (corpus file) with enough pairs: its own threshold and what "
-        "it abstains on; `min_support_score` is the lowest of them.",
+        description="Per collection (corpus file) with enough pairs: its own threshold, which "
+        "its passages are held to, and what it abstains on; `min_support_score`, the lowest of "
+        "them, holds passages of other collections.",
     )
     threshold_collection: str | None = Field(
-        None, description="The collection whose threshold was kept (None: all pairs as one)."
+        None,
+        description="The collection whose threshold is `min_support_score` (None: all pairs "
+        "as one).",
     )
     style: str = Field(description="How the questions were written (wh or cloze).")
     seed: int
@@ -118,3 +121,11 @@ class SupportCalibration(BaseModel):
     passages: int = Field(description="Passages in the index when fitted.")
     seconds: float
     created: str = Field(description="When, UTC, ISO 8601.")
+
+    def collection_thresholds(self) -> dict[str, float]:
+        """Each collection's own threshold (`collections`), by collection name."""
+        return {
+            name: float(own)
+            for name, c in self.collections.items()
+            if (own := c.get("threshold")) is not None
+        }

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, create_model
 from pydantic.fields import FieldInfo
@@ -22,6 +22,7 @@ MAX_ANSWER_TOKENS = MAX_SEGMENTS * MAX_SEGMENT_TOKENS
 bounds): a larger token cap (`max_tokens`) would change nothing, so it is refused."""
 MAX_INSTRUCTIONS_CHARS = 4_000
 MAX_SEED = 2**63 - 1
+SupportScore = Annotated[float, Field(ge=0.0, le=1.0)]
 
 
 class DecodingConfig(BaseModel):
@@ -129,6 +130,14 @@ class DecodingConfig(BaseModel):
         "on the served corpus for the model and critique source (`selfrag calibrate`, or the "
         "first `selfrag ask`), else 0 (off).",
     )
+    min_support_score_by_collection: dict[str, SupportScore] | None = Field(
+        None,
+        description="Hard filter per collection (the corpus file or folder the index recorded "
+        "a passage from): a branch citing a passage of a collection named here must reach its "
+        "score instead of min_support_score. None: each collection's own calibrated threshold "
+        "when min_support_score is unset too, else none. On the command line, NAME=SCORE, "
+        "repeated.",
+    )
     require_relevant: bool = Field(
         False, description="Hard filter: the most likely IsRel label must be 'relevant'."
     )
@@ -181,6 +190,12 @@ class DecodingConfig(BaseModel):
         description="Instructions the drafts follow (an OpenAI system message), such as the "
         "answer's language or tone. Retrieval searches the question alone.",
     )
+
+    def support_threshold(self, collection: str | None) -> float:
+        """The `min_support_score` a branch citing a passage of `collection` must reach: the
+        collection's own (`min_support_score_by_collection`), else the one for all."""
+        own = (self.min_support_score_by_collection or {}).get(collection or "")
+        return own if own is not None else self.min_support_score or 0.0
 
     @property
     def repeatable(self) -> bool:

@@ -3,11 +3,12 @@ accuracy–coverage outputs of `selfrag eval` (points as CSV, a PNG, a Markdown 
 
 Every system gets one number per question, higher meaning "answer" (`abstention_score`):
 
-- Self-RAG (`selfrag-*`): `AnswerResponse.support`, the best s_sup times passage similarity
-  (`pipeline.scoring.evidence_support`) among the first step's grounded branches that pass
-  every other hard filter. `min_support_score` thresholds exactly
-  this, so with that filter on (the learned critique's default) an answer whose first step
-  retrieved abstains iff its score is below the threshold: the curve is the decision's own.
+- Self-RAG (`selfrag-*`): `AnswerResponse.support` less `AnswerResponse.support_threshold`,
+  the margin of the best s_sup times passage similarity (`pipeline.scoring.evidence_support`)
+  among the first step's grounded branches that pass every other hard filter over the support
+  threshold its passage is held to. With that filter on (the learned critique's default) an
+  answer whose first step retrieved abstains iff its score is below 0: the curve is the
+  decision's own, also when the collections of a corpus have thresholds of their own.
 - closed-book and vanilla RAG: the answer's mean token log-probability, a confidence of the
   same kind. They abstain by replying "I don't know"; such a reply has no score.
 
@@ -29,7 +30,8 @@ from selfrag.schemas.answer import AnswerResponse
 CURVE_CSV = "accuracy_coverage.csv"
 CURVE_PNG = "accuracy_coverage.png"
 SELFRAG_SCORE = (
-    "support (best first-step s_sup x passage similarity, what min_support_score thresholds)"
+    "support margin (best first-step s_sup x passage similarity, less the support threshold "
+    "its passage is held to)"
 )
 BASELINE_SCORE = "mean token log-prob of the answer"
 
@@ -42,7 +44,9 @@ def score_name(system: str) -> str:
 def abstention_score(system: str, response: AnswerResponse) -> float | None:
     """The number `system`'s abstention decision is judged by (module docstring)."""
     if system.startswith("selfrag-"):
-        return response.support
+        if response.support is None:
+            return None
+        return response.support - (response.support_threshold or 0.0)
     if response.abstained or not response.segments or response.segments[0].n_tokens <= 0:
         return None
     segment = response.segments[0]

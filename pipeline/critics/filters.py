@@ -18,6 +18,7 @@ FILTERS_OFF: dict[str, object] = {
     "relevance_margin": 1.0,
     "min_support": "none",
     "min_support_score": 0.0,
+    "min_support_score_by_collection": {},
 }
 
 
@@ -27,8 +28,11 @@ def settle_filters(
     """`config` settled for the concrete critique `source` (not `auto`): its critique set to
     `source`, and each filter it leaves unset (None) filled with what was calibrated on the
     served corpus for this model and source (`calibrated`), else off (`FILTERS_OFF`). Filters
-    the request set stay as they are."""
+    the request set stay as they are; a `min_support_score` it set applies to every
+    collection, unless it set `min_support_score_by_collection` too."""
     defaults = {**FILTERS_OFF, **(calibrated or {})}
+    if config.min_support_score is not None:
+        defaults["min_support_score_by_collection"] = {}
     update: dict[str, object] = {
         name: defaults[name] for name in FILTERS_OFF if getattr(config, name) is None
     }

@@ -15,9 +15,9 @@ passages, search results and seed give the same pairs.
 
 `choose_threshold` turns the critique's s_sup on both kinds of pair into a `min_support_score`.
 An index of several collections (corpus files) is sampled per collection
-(`sample_by_collection`), since s_sup's scale differs between them: the threshold is then the
-lowest of the collections' own (`lowest_threshold`), so that no collection's answerable pairs
-abstain more often than the budget allows.
+(`sample_by_collection`) and thresholded per collection, since s_sup's scale differs between
+them; the lowest of the collections' own (`lowest_threshold`) holds passages of a collection
+without one, so that no collection's answerable pairs abstain more often than the budget allows.
 """
 
 from __future__ import annotations

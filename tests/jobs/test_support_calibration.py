@@ -188,7 +188,10 @@ def test_a_calibration_is_kept_per_model_file_and_critique(tmp_path: Path) -> No
     assert read_calibration(tmp_path, "b" * 64, "learned") is None  # another model file
     assert read_calibration(tmp_path, "a" * 64, "likelihood") is None  # another source
     defaults = CalibratedDefaults(tmp_path, lambda: "a" * 64, lambda: "model-fp")
-    assert defaults.filters("learned") == {"min_support_score": 0.52}
+    assert defaults.filters("learned") == {
+        "min_support_score": 0.52,
+        "min_support_score_by_collection": {},
+    }
     other_model = CalibratedDefaults(tmp_path, lambda: "b" * 64, lambda: "model-fp")
     assert other_model.filters("likelihood") == {}
     # Same file, other heads (the fingerprint differs): not used.
@@ -357,7 +360,10 @@ def test_the_job_reads_each_pair_as_a_first_step_branch_and_saves_the_threshold(
     # Every read is a first-step branch: the question, nothing written yet, one passage.
     assert critic.asked and all(b.prefix == "" and b.passage is not None for b in critic.asked)
     # Answers through this system now take it.
-    assert rag.calibrated.filters("learned") == {"min_support_score": cal.min_support_score}
+    assert rag.calibrated.filters("learned") == {
+        "min_support_score": cal.min_support_score,
+        "min_support_score_by_collection": {"": cal.min_support_score},  # one, unnamed
+    }
 
 
 def test_the_threshold_is_fitted_on_s_sup_weighed_by_the_pairs_similarity(
@@ -429,7 +435,10 @@ def test_the_job_saves_under_the_index_collection_it_ran_on(tmp_path: Path) -> N
     assert cal.index_collection == "docs"
     assert path == calibration_path(tmp_path, sha, "learned", "docs")
     assert read_calibration(tmp_path, sha, "learned") is None  # the default collection's
-    assert rag.calibrated.filters("learned") == {"min_support_score": cal.min_support_score}
+    assert rag.calibrated.filters("learned") == {
+        "min_support_score": cal.min_support_score,
+        "min_support_score_by_collection": {"": cal.min_support_score},  # one, unnamed
+    }
 
 
 def _collection_copies(collection: str, copies: int) -> list[Passage]:
@@ -462,7 +471,9 @@ class ScaledCritic(OverlapCritic):
         return out
 
 
-def test_each_collection_gets_its_own_threshold_and_the_lowest_is_kept(tmp_path: Path) -> None:
+def test_each_collection_gets_its_own_threshold_and_the_lowest_holds_others(
+    tmp_path: Path,
+) -> None:
     from selfrag.jobs.support_calibration import CorpusCalibrationPlan, calibrate_support
 
     passages = _collection_copies("low", 4) + _collection_copies("high", 4)
@@ -473,8 +484,19 @@ def test_each_collection_gets_its_own_threshold_and_the_lowest_is_kept(tmp_path:
     assert cal.threshold_collection == "low"
     assert cal.min_support_score == cal.collections["low"]["threshold"]
     assert cal.collections["low"]["threshold"] < cal.collections["high"]["threshold"]
-    # Each collection's own answerable pairs abstain within the budget at the kept threshold.
+    # Each collection's own answerable pairs abstain within the budget at its own threshold,
+    # and so do all of them as answers apply the thresholds.
     assert cal.collections["low"]["answerable_abstain"] <= 0.05
+    assert cal.collections["high"]["answerable_abstain"] <= 0.05
+    assert cal.answerable_abstain <= 0.05
+    assert cal.collection_thresholds() == {
+        "low": cal.collections["low"]["threshold"],
+        "high": cal.collections["high"]["threshold"],
+    }
+    # Answers that leave min_support_score unset hold each collection to its own.
+    filters = rag.calibrated.filters("learned")
+    assert filters["min_support_score_by_collection"] == cal.collection_thresholds()
+    assert filters["min_support_score"] == cal.min_support_score
     # Questions are drawn from both, however many passages each has.
     drawn = {b.passage.metadata["collection"] for b in critic.asked}
     assert drawn == {"low", "high"}

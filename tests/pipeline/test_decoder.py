@@ -291,6 +291,48 @@ def test_the_support_threshold_weighs_s_sup_by_the_passages_similarity():
     assert decoder.answer("q", cfg(min_support_score=0.55)).abstained
 
 
+def test_each_collection_holds_its_passages_to_its_own_support_threshold():
+    # p1 (collection "squad") reads 0.6, p2 ("wiki") 0.5, p3 (no collection recorded) 0.45.
+    passages = [
+        Passage("p1", "Normandy is a region of France.", "N", 0.9, {"collection": "squad"}),
+        Passage("p2", "Rollo was a Viking leader.", "R", 0.8, {"collection": "wiki"}),
+        Passage("p3", "Bananas are yellow.", "B", 0.7),
+    ]
+    critic = ScriptedCritic(
+        relevance_of={"p1": 0.9, "p2": 0.9, "p3": 0.9},
+        drafts={
+            "p1": (" A.", -0.1, "eos"),
+            "p2": (" B.", -0.1, "eos"),
+            "p3": (" C.", -0.1, "eos"),
+            None: (" D.", -9, "eos"),
+        },
+        support_of={
+            "p1": {"full": 0.6, "none": 0.4},
+            "p2": {"full": 0.5, "none": 0.5},
+            "p3": {"full": 0.45, "none": 0.55},
+        },
+    )
+    decoder, _ = make(critic, passages)
+    own = {"squad": 0.7, "wiki": 0.4}
+    out = decoder.answer("q", cfg(min_support_score=0.4, min_support_score_by_collection=own))
+    # p1 falls under squad's 0.7; p2 clears wiki's 0.4 by 0.1, p3 the one for all by 0.05.
+    assert not out.abstained and out.segments[0].citation.passage_id == "p2"
+    assert out.support == pytest.approx(0.5) and out.support_threshold == pytest.approx(0.4)
+    # Every passage under its own threshold: abstains, reporting the closest call.
+    own = {"squad": 0.9, "wiki": 0.55}
+    out = decoder.answer("q", cfg(min_support_score=0.5, min_support_score_by_collection=own))
+    assert out.abstained
+    assert out.support == pytest.approx(0.45) and out.support_threshold == pytest.approx(0.5)
+    # Thresholds per collection alone: a passage of no named collection is held to none ...
+    own = {"squad": 0.9, "wiki": 0.9}
+    out = decoder.answer("q", cfg(min_support_score_by_collection=own))
+    assert not out.abstained and out.segments[0].citation.passage_id == "p3"
+    # ... and they still ask for evidence: no fallback to the draft without a passage.
+    decoder, _ = make(critic, passages[:2])
+    out = decoder.answer("q", cfg(min_support_score_by_collection=own))
+    assert out.abstained and out.answer == ABSTAIN_MESSAGE
+
+
 def test_require_relevant_filter():
     critic = ScriptedCritic(
         relevance_of={"p1": 0.4, "p2": 0.6}, drafts={"p1": (" x.", -0.1, "eos")}
