@@ -136,8 +136,17 @@ def render_answer(r: AnswerResponse) -> str:
         f"prefill={u.prefill_tokens} decode={u.decode_tokens} "
         f"time={r.timings_ms.get('total', 0.0) / 1000:.1f}s"
         + (f" stopped_by={u.stopped_by}" if u.stopped_by else "")
+        + _support_field(r)
     )
     return "\n".join(lines)
+
+
+def _support_field(r: AnswerResponse) -> str:
+    """The support that decided abstention and the threshold it was held to, when read."""
+    if r.support is None:
+        return ""
+    held = f" threshold={r.support_threshold:.3f}" if r.support_threshold else ""
+    return f" support={r.support:.3f}{held}"
 
 
 def _evidence_lines(segments: Sequence[SegmentOut], passage_id: str) -> list[str]:

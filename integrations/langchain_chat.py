@@ -70,12 +70,14 @@ def citations(response: AnswerResponse) -> list[dict[str, Any]]:
 
 
 def reply_metadata(response: AnswerResponse) -> dict[str, Any]:
-    """A reply's `response_metadata`: `citations`, `abstained`, `support`, `model_name` and
-    the whole response (`selfrag`, JSON-ready)."""
+    """A reply's `response_metadata`: `citations`, `abstained`, `support` and the
+    `support_threshold` it was held to, `model_name` and the whole response (`selfrag`,
+    JSON-ready)."""
     return {
         "citations": citations(response),
         "abstained": response.abstained,
         "support": response.support,
+        "support_threshold": response.support_threshold,
         "model_name": response.model_id,
         "selfrag": response.model_dump(mode="json"),
     }

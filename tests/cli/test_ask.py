@@ -131,3 +131,14 @@ def test_terminal_control_characters_from_a_corpus_or_model_never_reach_the_term
     assert "Normans]0;PWNED TITLE[2J" in out
     assert "Low support" in out
     assert "skipped file]0;PWNED TITLE" in err
+
+
+def test_the_support_that_decided_abstention_and_its_threshold_are_shown() -> None:
+    r = _response("none", 0.3).model_copy(
+        update={"abstained": True, "support": 0.157, "support_threshold": 0.20814}
+    )
+    assert render_answer(r).splitlines()[-1].endswith(" support=0.157 threshold=0.208")
+    off = r.model_copy(update={"support_threshold": 0.0})
+    assert render_answer(off).splitlines()[-1].endswith(" support=0.157")
+    unread = r.model_copy(update={"support": None})
+    assert "support=" not in render_answer(unread)

@@ -69,7 +69,13 @@ def response(question: str) -> AnswerResponse:
         PassageOut(id="b", title="B", text="Passage b.", score=0.5),
     ]
     return base.model_copy(
-        update={"segments": segments, "passages": passages, "answer": "One. Two. Three. Four."}
+        update={
+            "segments": segments,
+            "passages": passages,
+            "answer": "One. Two. Three. Four.",
+            "support": 0.4,
+            "support_threshold": 0.2,
+        }
     )
 
 
@@ -199,6 +205,7 @@ def test_chat_model_answers_with_citations_and_follows_system_messages():
     ]
     assert meta["citations"][1]["passage_text"] == "Passage a."
     assert meta["selfrag"]["answer"] == reply.content and meta["abstained"] is False
+    assert (meta["support"], meta["support_threshold"]) == (0.4, 0.2)
     assert asyncio.run(model.ainvoke("Q?", max_tokens=64)).content == reply.content
     assert fake.calls()[-1] == ("Q?", {"top_k": 2}) and fake.seen[-1].max_tokens == 64
     with pytest.raises(ValueError, match="user message"):
