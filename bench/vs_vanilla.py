@@ -14,7 +14,8 @@ HTTP endpoint, on the same questions, model, index and K = 3, at 1 and 4 concurr
 baselines' KV cache is emptied before each level (the levels ask the same questions; a whole
 prompt left from the level before would be a query-cache hit), so every answer is computed.
 Reported per system and level: p50/p95 latency, answers/s, prefill and
-decode tokens per answer and accuracy (the answer contains a gold answer, held-out questions),
+decode tokens per answer, accuracy (the answer contains a gold answer, answerable held-out
+questions) and the share of answers that abstained (vanilla RAG's "I don't know"),
 and as the physical reference the engine's prefill tokens/s and decode ms/token on this CPU.
 Last line: name=value.
 
@@ -57,6 +58,7 @@ class Result:
     correct: bool
     prefill: int
     decode: int
+    abstained: bool
 
 
 def held_out_questions(data: Path, n: int) -> list[tuple[str, tuple[str, ...]]]:
@@ -126,7 +128,12 @@ def serve_baselines(home: str, port: int) -> None:
                 )
                 if score > best[1]:
                     best = (text, score)
-        return {"answer": best[0].strip(), "prefill_tokens": prefill, "decode_tokens": decode}
+        return {
+            "answer": best[0].strip(),
+            "abstained": False,  # the pack has no way to decline
+            "prefill_tokens": prefill,
+            "decode_tokens": decode,
+        }
 
     @app.post("/vanilla")
     def vanilla_answer(body: dict[str, str]) -> dict[str, Any]:
@@ -134,6 +141,7 @@ def serve_baselines(home: str, port: int) -> None:
             r = vanilla.answer(body["question"], config, retrieve=True)
         return {
             "answer": r.answer,
+            "abstained": r.abstained,  # its "I don't know"
             "prefill_tokens": r.usage.prefill_tokens,
             "decode_tokens": r.usage.decode_tokens,
         }
@@ -211,6 +219,7 @@ def ask_baseline(url: str, route: str, question: str, golds: Sequence[str]) -> R
         contains_answer(body["answer"], golds),
         body["prefill_tokens"],
         body["decode_tokens"],
+        body["abstained"],
     )
 
 
@@ -223,7 +232,13 @@ def ask_selfrag(
     body = r.json()
     correct = not body["abstained"] and contains_answer(body["answer"], golds)
     u = body["usage"]
-    return Result(time.perf_counter() - started, correct, u["prefill_tokens"], u["decode_tokens"])
+    return Result(
+        time.perf_counter() - started,
+        correct,
+        u["prefill_tokens"],
+        u["decode_tokens"],
+        body["abstained"],
+    )
 
 
 def level(ask: Any, qs: Sequence[tuple[str, tuple[str, ...]]], clients: int) -> dict[str, float]:
@@ -241,6 +256,7 @@ def level(ask: Any, qs: Sequence[tuple[str, tuple[str, ...]]], clients: int) -> 
         "prefill": statistics.mean(r.prefill for r in results),
         "decode": statistics.mean(r.decode for r in results),
         "accuracy": sum(r.correct for r in results) / n,
+        "abstained": sum(r.abstained for r in results) / n,
         "first_s": results[0].seconds,
     }
 
@@ -325,13 +341,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"decode {reference['decode_ms_per_token']:.1f} ms/token"
     )
     head = f"{'system':<8} {'clients':>7} {'p50 s':>7} {'p95 s':>7} {'ans/s':>7} {'prefill':>8}"
-    print(head + f" {'decode':>7} {'acc':>6} {'first s':>8}")
+    print(head + f" {'decode':>7} {'acc':>6} {'abst':>6} {'first s':>8}")
     for system, levels in out.items():
         for c, r in levels.items():
             print(
                 f"{system:<8} {c:>7} {r['p50_s']:>7.2f} {r['p95_s']:>7.2f} "
                 f"{r['answers_per_s']:>7.3f} {r['prefill']:>8.0f} {r['decode']:>7.0f} "
-                f"{r['accuracy']:>6.3f} {r['first_s']:>8.2f}"
+                f"{r['accuracy']:>6.3f} {r['abstained']:>6.3f} {r['first_s']:>8.2f}"
             )
     figures = {
         "questions": str(len(qs)),
@@ -342,6 +358,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for c, r in levels.items():
             figures[f"{system}_p50_s_c{c}"] = f"{r['p50_s']:.2f}"
             figures[f"{system}_acc_c{c}"] = f"{r['accuracy']:.3f}"
+            figures[f"{system}_abst_c{c}"] = f"{r['abstained']:.3f}"
     one = {s: out[s][1]["p50_s"] for s in out}
     acc = {s: out[s][1]["accuracy"] for s in out}
 
