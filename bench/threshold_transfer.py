@@ -10,6 +10,8 @@ calibration's threshold and its synthetic answerable quantiles; the real answera
 unanswerable questions' quantiles; the share of each the calibrated threshold abstains on; and
 the threshold the same budget on the real answerable questions would have given. Questions
 whose first step did not retrieve are counted apart (the threshold does not apply to them).
+On a home of several corpus files, whose answers hold each passage to its own file's
+threshold, this reads the lowest (`min_support_score`) for all, and says so.
 Last line: name=value.
 
     OMP_WAIT_POLICY=PASSIVE .venv/bin/python -m bench.threshold_transfer --home HOME \\
@@ -71,6 +73,12 @@ def main() -> None:
         f"{cal.max_answerable_abstain:.0%}; synthetic answerable p10/p25/p50 "
         f"{quantiles(cal.answerable)}"
     )
+    if len(own := cal.collection_thresholds()) > 1:
+        print(
+            "note: answers hold each corpus file's passages to its own threshold ("
+            + ", ".join(f"{name} {t:.4f}" for name, t in sorted(own.items()))
+            + "); this reads the lowest for all"
+        )
     print(
         f"real answerable n={len(answerable)} p10/p25/p50 {quantiles(summary(finite))}; "
         f"unanswerable n={len(unanswerable)} p10/p25/p50 "
