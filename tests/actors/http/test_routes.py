@@ -48,6 +48,17 @@ def test_answer_round_trip_uses_request_dials(client: TestClient, service: FakeS
     assert body.config.top_k == 5 and body.config.mode == "always"
     assert r.headers["x-cache"] == "miss"
     assert service.seen[0].config.top_k == 5
+    # A mapping dial: each corpus file's own support threshold.
+    own = {"squad_v2_small.json": 0.3}
+    r = client.post(
+        "/v1/answer",
+        json={
+            "question": "Who founded Normandy?",
+            "config": {"min_support_score_by_collection": own},
+        },
+    )
+    assert r.status_code == 200, r.text
+    assert service.seen[-1].config.min_support_score_by_collection == own
 
 
 @pytest.mark.parametrize(
@@ -57,6 +68,14 @@ def test_answer_round_trip_uses_request_dials(client: TestClient, service: FakeS
         ({"question": "q", "colour": "blue"}, "colour"),
         ({"question": "q", "config": {"top_k": 0}}, "config.top_k"),
         ({"question": "q", "config": {"beam_width": 2}}, "config.beam_width"),
+        (
+            {"question": "q", "config": {"min_support_score_by_collection": {"a.json": 2}}},
+            "config.min_support_score_by_collection.a.json",
+        ),
+        (
+            {"question": "q", "config": {"min_support_score_by_collection": [0.2]}},
+            "config.min_support_score_by_collection",
+        ),
         ({"question": "   "}, "question"),
         ({"question": "\u200b\x00\u202e\x1b\u3164"}, "question"),
         ({}, "question"),
