@@ -73,7 +73,7 @@ def main() -> None:
         f"{cal.max_answerable_abstain:.0%}; synthetic answerable p10/p25/p50 "
         f"{quantiles(cal.answerable)}"
     )
-    if len(own := cal.collection_thresholds()) > 1:
+    if len(own := cal.corpus_thresholds()) > 1:
         print(
             "note: answers hold each corpus file's passages to its own threshold ("
             + ", ".join(f"{name} {t:.4f}" for name, t in sorted(own.items()))

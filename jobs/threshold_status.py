@@ -24,7 +24,7 @@ def threshold_status(
         return {"min_support_score": value, "calibrated": False}
     return {
         "min_support_score": cal.min_support_score,
-        "by_collection": cal.collection_thresholds(),
+        "by_corpus": cal.corpus_thresholds(),
         "calibrated": True,
         "file": str(calibration_path(home, model_sha256, critique, collection)),
         "questions": cal.questions,
@@ -41,10 +41,10 @@ def describe_threshold(t: dict[str, object]) -> str:
         value = t["min_support_score"]
         return f"{value} (constant, not calibrated on this corpus: `selfrag calibrate`)"
     changed = "; the index changed since: `selfrag calibrate`" if t["index_changed"] else ""
-    own = t.get("by_collection") or {}
+    own = t.get("by_corpus") or {}
     assert isinstance(own, dict)
     per_collection = (
-        "; per collection " + ", ".join(f"{name or '(unnamed)'} {v}" for name, v in own.items())
+        "; per corpus " + ", ".join(f"{name or '(unnamed)'} {v}" for name, v in own.items())
         if len(own) > 1
         else ""
     )

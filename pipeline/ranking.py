@@ -166,9 +166,7 @@ def best_support(drafted: Sequence[Drafted], cfg: DecodingConfig) -> SupportRead
     support threshold with the most support above its threshold. With that filter on (and
     `on_unsupported` abstain), a hypothesis without segments whose step retrieved abstains
     exactly when this is None or below its threshold."""
-    others = cfg.model_copy(
-        update={"min_support_score": 0.0, "min_support_score_by_collection": {}}
-    )
+    others = cfg.model_copy(update={"min_support_score": 0.0, "min_support_score_by_corpus": {}})
     reads = [
         SupportRead(score, cfg.support_threshold(c.collection))
         for c in drafted
@@ -183,7 +181,7 @@ def needs_evidence(cfg: DecodingConfig) -> bool:
     return (
         cfg.require_relevant
         or bool(cfg.min_support_score)
-        or any((cfg.min_support_score_by_collection or {}).values())
+        or any((cfg.min_support_score_by_corpus or {}).values())
         or cfg.min_support not in (None, "none")
     )
 

@@ -2,7 +2,7 @@
 
 `selfrag calibrate` (and the end of `selfrag index`) writes a `SupportCalibration` per model
 file, index collection and critique source; answers whose request leaves `min_support_score`
-unset take their index collection's, and each corpus collection's own threshold, when the
+unset take their index collection's, and each corpus's own threshold, when the
 answer path settles their config (`pipeline.critics.filters.settle_filters`, with the
 `CritiqueFacts` of the runtime on that collection). Without a calibration the threshold is
 off, which is logged once per process, model file, collection and source (`selfrag ask`
@@ -78,7 +78,7 @@ class CalibratedDefaults:
         if cal is not None:
             return {
                 "min_support_score": cal.min_support_score,
-                "min_support_score_by_collection": cal.collection_thresholds(),
+                "min_support_score_by_corpus": cal.corpus_thresholds(),
             }
         warn_uncalibrated(self._sha(), critique, self.collection)
         return {}

@@ -168,7 +168,7 @@ class AnswerResponse(BaseModel):
         ge=0.0,
         le=1.0,
         description="The support threshold that branch was held to: min_support_score, or its "
-        "passage's collection's own (min_support_score_by_collection); 0 with the filter off.",
+        "passage's corpus's own (min_support_score_by_corpus); 0 with the filter off.",
     )
     segments: list[SegmentOut]
     passages: list[PassageOut]

@@ -122,7 +122,7 @@ class SupportCalibration(BaseModel):
     seconds: float
     created: str = Field(description="When, UTC, ISO 8601.")
 
-    def collection_thresholds(self) -> dict[str, float]:
+    def corpus_thresholds(self) -> dict[str, float]:
         """Each collection's own threshold (`collections`), by collection name."""
         return {
             name: float(own)

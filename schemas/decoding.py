@@ -130,13 +130,13 @@ class DecodingConfig(BaseModel):
         "on the served corpus for the model and critique source (`selfrag calibrate`, or the "
         "first `selfrag ask`), else 0 (off).",
     )
-    min_support_score_by_collection: dict[str, SupportScore] | None = Field(
+    min_support_score_by_corpus: dict[str, SupportScore] | None = Field(
         None,
-        description="Hard filter per collection (the corpus file or folder the index recorded "
-        "a passage from): a branch citing a passage of a collection named here must reach its "
-        "score instead of min_support_score. None: each collection's own calibrated threshold "
-        "when min_support_score is unset too, else none. On the command line, NAME=SCORE, "
-        "repeated.",
+        description="Hard filter per corpus (the file or folder the index recorded a passage "
+        "from, as `selfrag calibrate` names it): a branch citing a passage of a corpus named "
+        "here must reach its score instead of min_support_score. None: each corpus's own "
+        "calibrated threshold when min_support_score is unset too, else none. On the command "
+        "line, NAME=SCORE, repeated.",
     )
     require_relevant: bool = Field(
         False, description="Hard filter: the most likely IsRel label must be 'relevant'."
@@ -191,10 +191,11 @@ class DecodingConfig(BaseModel):
         "answer's language or tone. Retrieval searches the question alone.",
     )
 
-    def support_threshold(self, collection: str | None) -> float:
-        """The `min_support_score` a branch citing a passage of `collection` must reach: the
-        collection's own (`min_support_score_by_collection`), else the one for all."""
-        own = (self.min_support_score_by_collection or {}).get(collection or "")
+    def support_threshold(self, corpus: str | None) -> float:
+        """The `min_support_score` a branch citing a passage of `corpus` (its
+        `pipeline.protocols.COLLECTION`) must reach: the corpus's own
+        (`min_support_score_by_corpus`), else the one for all."""
+        own = (self.min_support_score_by_corpus or {}).get(corpus or "")
         return own if own is not None else self.min_support_score or 0.0
 
     @property

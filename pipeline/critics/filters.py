@@ -18,7 +18,7 @@ FILTERS_OFF: dict[str, object] = {
     "relevance_margin": 1.0,
     "min_support": "none",
     "min_support_score": 0.0,
-    "min_support_score_by_collection": {},
+    "min_support_score_by_corpus": {},
 }
 
 
@@ -29,10 +29,10 @@ def settle_filters(
     `source`, and each filter it leaves unset (None) filled with what was calibrated on the
     served corpus for this model and source (`calibrated`), else off (`FILTERS_OFF`). Filters
     the request set stay as they are; a `min_support_score` it set applies to every
-    collection, unless it set `min_support_score_by_collection` too."""
+    corpus, unless it set `min_support_score_by_corpus` too."""
     defaults = {**FILTERS_OFF, **(calibrated or {})}
     if config.min_support_score is not None:
-        defaults["min_support_score_by_collection"] = {}
+        defaults["min_support_score_by_corpus"] = {}
     update: dict[str, object] = {
         name: defaults[name] for name in FILTERS_OFF if getattr(config, name) is None
     }

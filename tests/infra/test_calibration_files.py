@@ -46,7 +46,7 @@ def test_an_existing_homes_calibration_still_serves_the_default_collection(tmp_p
     assert calibration_path(tmp_path, SHA, "learned") == legacy
     assert read_calibration(tmp_path, SHA, "learned", DEFAULT_COLLECTION) is not None
     default = CalibratedDefaults(tmp_path, lambda: SHA, lambda: "model-fp")
-    assert default.filters("learned") == {"min_support_score": 0.52}
+    assert default.filters("learned")["min_support_score"] == 0.52
     # Another collection does not take the default one's threshold.
     assert read_calibration(tmp_path, SHA, "learned", "docs") is None
     assert default.for_collection("docs").filters("learned") == {}
@@ -61,14 +61,16 @@ def test_each_collection_keeps_its_own_calibration(tmp_path: Path):
     assert docs_path == calibration_path(tmp_path, SHA, "learned", "docs")
     assert odd_path.parent.name == "learned.json" and odd_path.is_file()
     thresholds = {
-        c: CalibratedDefaults(tmp_path, lambda: SHA, lambda: "model-fp", c).filters("learned")
+        c: CalibratedDefaults(tmp_path, lambda: SHA, lambda: "model-fp", c)
+        .filters("learned")
+        .get("min_support_score")
         for c in (DEFAULT_COLLECTION, "docs", "learned.json", "other")
     }
     assert thresholds == {
-        DEFAULT_COLLECTION: {"min_support_score": 0.52},
-        "docs": {"min_support_score": 0.31},
-        "learned.json": {"min_support_score": 0.44},
-        "other": {},
+        DEFAULT_COLLECTION: 0.52,
+        "docs": 0.31,
+        "learned.json": 0.44,
+        "other": None,
     }
     default = read_calibration(tmp_path, SHA, "learned")
     assert default is not None and default.index_collection == DEFAULT_COLLECTION

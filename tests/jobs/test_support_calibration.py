@@ -190,7 +190,7 @@ def test_a_calibration_is_kept_per_model_file_and_critique(tmp_path: Path) -> No
     defaults = CalibratedDefaults(tmp_path, lambda: "a" * 64, lambda: "model-fp")
     assert defaults.filters("learned") == {
         "min_support_score": 0.52,
-        "min_support_score_by_collection": {},
+        "min_support_score_by_corpus": {},
     }
     other_model = CalibratedDefaults(tmp_path, lambda: "b" * 64, lambda: "model-fp")
     assert other_model.filters("likelihood") == {}
@@ -362,7 +362,7 @@ def test_the_job_reads_each_pair_as_a_first_step_branch_and_saves_the_threshold(
     # Answers through this system now take it.
     assert rag.calibrated.filters("learned") == {
         "min_support_score": cal.min_support_score,
-        "min_support_score_by_collection": {"": cal.min_support_score},  # one, unnamed
+        "min_support_score_by_corpus": {"": cal.min_support_score},  # one, unnamed
     }
 
 
@@ -437,7 +437,7 @@ def test_the_job_saves_under_the_index_collection_it_ran_on(tmp_path: Path) -> N
     assert read_calibration(tmp_path, sha, "learned") is None  # the default collection's
     assert rag.calibrated.filters("learned") == {
         "min_support_score": cal.min_support_score,
-        "min_support_score_by_collection": {"": cal.min_support_score},  # one, unnamed
+        "min_support_score_by_corpus": {"": cal.min_support_score},  # one, unnamed
     }
 
 
@@ -489,13 +489,13 @@ def test_each_collection_gets_its_own_threshold_and_the_lowest_holds_others(
     assert cal.collections["low"]["answerable_abstain"] <= 0.05
     assert cal.collections["high"]["answerable_abstain"] <= 0.05
     assert cal.answerable_abstain <= 0.05
-    assert cal.collection_thresholds() == {
+    assert cal.corpus_thresholds() == {
         "low": cal.collections["low"]["threshold"],
         "high": cal.collections["high"]["threshold"],
     }
     # Answers that leave min_support_score unset hold each collection to its own.
     filters = rag.calibrated.filters("learned")
-    assert filters["min_support_score_by_collection"] == cal.collection_thresholds()
+    assert filters["min_support_score_by_corpus"] == cal.corpus_thresholds()
     assert filters["min_support_score"] == cal.min_support_score
     # Questions are drawn from both, however many passages each has.
     drawn = {b.passage.metadata["collection"] for b in critic.asked}

@@ -30,7 +30,7 @@ def test_a_calibration_says_its_file_and_whether_the_index_changed_since(tmp_pat
     same = threshold_status(tmp_path, SHA, "learned", "v1", DEFAULT_COLLECTION)
     assert same == {
         "min_support_score": 0.52,
-        "by_collection": {},
+        "by_corpus": {},
         "calibrated": True,
         "file": str(calibration_path(tmp_path, SHA, "learned", DEFAULT_COLLECTION)),
         "questions": 40,
@@ -52,5 +52,5 @@ def test_a_calibration_of_several_collections_names_each_ones_threshold(tmp_path
     own = {"squad.json": {"threshold": 0.61}, "wiki.jsonl": {"threshold": 0.52}}
     save_calibration(tmp_path, support_calibration(collections=own))
     t = threshold_status(tmp_path, SHA, "learned", "v1", DEFAULT_COLLECTION)
-    assert t["by_collection"] == {"squad.json": 0.61, "wiki.jsonl": 0.52}
-    assert describe_threshold(t).endswith("; per collection squad.json 0.61, wiki.jsonl 0.52)")
+    assert t["by_corpus"] == {"squad.json": 0.61, "wiki.jsonl": 0.52}
+    assert describe_threshold(t).endswith("; per corpus squad.json 0.61, wiki.jsonl 0.52)")

@@ -314,22 +314,22 @@ def test_each_collection_holds_its_passages_to_its_own_support_threshold():
     )
     decoder, _ = make(critic, passages)
     own = {"squad": 0.7, "wiki": 0.4}
-    out = decoder.answer("q", cfg(min_support_score=0.4, min_support_score_by_collection=own))
+    out = decoder.answer("q", cfg(min_support_score=0.4, min_support_score_by_corpus=own))
     # p1 falls under squad's 0.7; p2 clears wiki's 0.4 by 0.1, p3 the one for all by 0.05.
     assert not out.abstained and out.segments[0].citation.passage_id == "p2"
     assert out.support == pytest.approx(0.5) and out.support_threshold == pytest.approx(0.4)
     # Every passage under its own threshold: abstains, reporting the closest call.
     own = {"squad": 0.9, "wiki": 0.55}
-    out = decoder.answer("q", cfg(min_support_score=0.5, min_support_score_by_collection=own))
+    out = decoder.answer("q", cfg(min_support_score=0.5, min_support_score_by_corpus=own))
     assert out.abstained
     assert out.support == pytest.approx(0.45) and out.support_threshold == pytest.approx(0.5)
     # Thresholds per collection alone: a passage of no named collection is held to none ...
     own = {"squad": 0.9, "wiki": 0.9}
-    out = decoder.answer("q", cfg(min_support_score_by_collection=own))
+    out = decoder.answer("q", cfg(min_support_score_by_corpus=own))
     assert not out.abstained and out.segments[0].citation.passage_id == "p3"
     # ... and they still ask for evidence: no fallback to the draft without a passage.
     decoder, _ = make(critic, passages[:2])
-    out = decoder.answer("q", cfg(min_support_score_by_collection=own))
+    out = decoder.answer("q", cfg(min_support_score_by_corpus=own))
     assert out.abstained and out.answer == ABSTAIN_MESSAGE
 
 

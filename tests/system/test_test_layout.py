@@ -88,7 +88,6 @@ COVERED_ELSEWHERE: dict[str, str] = {
     "jobs/batch/batch_inputs": _BATCH,
     "jobs/batch/batch_records": _BATCH,
     "jobs/ray_pool": _BATCH,
-    "jobs/evaluation/abstention": _EVAL,
     "jobs/evaluation/eval_plots": _EVAL,
     "jobs/evaluation/eval_questions": _EVAL,
     "jobs/evaluation/eval_report": _EVAL,

@@ -54,11 +54,11 @@ def test_answer_round_trip_uses_request_dials(client: TestClient, service: FakeS
         "/v1/answer",
         json={
             "question": "Who founded Normandy?",
-            "config": {"min_support_score_by_collection": own},
+            "config": {"min_support_score_by_corpus": own},
         },
     )
     assert r.status_code == 200, r.text
-    assert service.seen[-1].config.min_support_score_by_collection == own
+    assert service.seen[-1].config.min_support_score_by_corpus == own
 
 
 @pytest.mark.parametrize(
@@ -69,12 +69,12 @@ def test_answer_round_trip_uses_request_dials(client: TestClient, service: FakeS
         ({"question": "q", "config": {"top_k": 0}}, "config.top_k"),
         ({"question": "q", "config": {"beam_width": 2}}, "config.beam_width"),
         (
-            {"question": "q", "config": {"min_support_score_by_collection": {"a.json": 2}}},
-            "config.min_support_score_by_collection.a.json",
+            {"question": "q", "config": {"min_support_score_by_corpus": {"a.json": 2}}},
+            "config.min_support_score_by_corpus.a.json",
         ),
         (
-            {"question": "q", "config": {"min_support_score_by_collection": [0.2]}},
-            "config.min_support_score_by_collection",
+            {"question": "q", "config": {"min_support_score_by_corpus": [0.2]}},
+            "config.min_support_score_by_corpus",
         ),
         ({"question": "   "}, "question"),
         ({"question": "\u200b\x00\u202e\x1b\u3164"}, "question"),

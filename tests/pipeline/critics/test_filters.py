@@ -37,7 +37,7 @@ def test_unsettled_filters_names_each_filter_left_unset_in_order():
     assert unsettled_filters(config) == [
         "min_relevance",
         "min_support_score",
-        "min_support_score_by_collection",
+        "min_support_score_by_corpus",
     ]
     assert unsettled_filters(DecodingConfig()) == list(FILTERS_OFF)
 
@@ -48,12 +48,12 @@ def test_the_request_is_not_changed_by_settling_it():
     assert config.min_support_score is None and config.critique == "auto"
 
 
-CALIBRATED = {"min_support_score": 0.15, "min_support_score_by_collection": {"squad": 0.21}}
+CALIBRATED = {"min_support_score": 0.15, "min_support_score_by_corpus": {"squad": 0.21}}
 
 
 def test_each_collection_takes_its_own_calibrated_threshold_when_the_request_sets_none():
     settled = settle_filters(DecodingConfig(), "learned", CALIBRATED)
-    assert settled.min_support_score_by_collection == {"squad": 0.21}
+    assert settled.min_support_score_by_corpus == {"squad": 0.21}
     assert settled.support_threshold("squad") == 0.21
     assert settled.support_threshold("wiki") == 0.15  # no threshold of its own: the lowest
     assert settled.support_threshold(None) == 0.15
@@ -61,16 +61,16 @@ def test_each_collection_takes_its_own_calibrated_threshold_when_the_request_set
 
 def test_a_requested_support_threshold_holds_every_collection():
     settled = settle_filters(DecodingConfig(min_support_score=0.3), "learned", CALIBRATED)
-    assert settled.min_support_score_by_collection == {}
+    assert settled.min_support_score_by_corpus == {}
     assert settled.support_threshold("squad") == 0.3
 
 
 def test_requested_thresholds_per_collection_are_kept():
-    config = DecodingConfig(min_support_score=0.3, min_support_score_by_collection={"a": 0.1})
+    config = DecodingConfig(min_support_score=0.3, min_support_score_by_corpus={"a": 0.1})
     settled = settle_filters(config, "learned", CALIBRATED)
     assert settled.support_threshold("a") == 0.1
     assert settled.support_threshold("squad") == 0.3
-    config = DecodingConfig(min_support_score_by_collection={"a": 0.1})
+    config = DecodingConfig(min_support_score_by_corpus={"a": 0.1})
     settled = settle_filters(config, "learned", CALIBRATED)
     assert settled.support_threshold("a") == 0.1
     assert settled.support_threshold("squad") == 0.15  # calibrated for all, not per collection
