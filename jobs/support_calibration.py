@@ -365,7 +365,7 @@ def describe(cal: SupportCalibration, path: Path) -> str:
             *(
                 f"  corpus {name or '(unnamed)'}: {c['threshold']:.4f}"
                 + (
-                    " (also for passages of other collections: the lowest)"
+                    " (also for passages of other corpora: the lowest)"
                     if name == cal.threshold_collection
                     else ""
                 )
