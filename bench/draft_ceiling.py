@@ -81,7 +81,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from selfrag.pipeline.critics import Branch
     from selfrag.pipeline.critics.filters import settle_filters
     from selfrag.pipeline.evaluation.qa_metrics import contains_answer
-    from selfrag.pipeline.scoring import evidence_support, relevance_score, support_score
+    from selfrag.pipeline.scoring import evidence_support
 
     questions = [
         q for q in load_questions(args.data, article=args.article, limit=args.limit) if q.answerable
@@ -102,12 +102,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             sims = rt.store.similarities([(q.question, p) for p in passages])
             drafts = []
             for p, read, sim in zip(passages, reads, sims, strict=True):
-                s_sup = None if read.sup is None else support_score(read.sup.probs)
+                s_sup = read.s_sup
                 drafts.append(
                     Draft(
                         right=contains_answer(read.draft.text, q.golds),
                         passage_has_answer=contains_answer(p.text, q.golds),
-                        s_rel=relevance_score(read.rel.probs),
+                        s_rel=read.s_rel,
                         s_sup=s_sup,
                         support=None if s_sup is None else evidence_support(s_sup, sim),
                     )

@@ -47,7 +47,7 @@ from selfrag.pipeline.learning.synthetic_qa import (
     summary,
 )
 from selfrag.pipeline.protocols import COLLECTION
-from selfrag.pipeline.scoring import evidence_support, relevance_score, support_score
+from selfrag.pipeline.scoring import evidence_support
 from selfrag.schemas.calibration import SupportCalibration
 from selfrag.schemas.settings import DEFAULT_COLLECTION
 
@@ -142,10 +142,8 @@ def score_pairs(
         reads = read_evidence_branches(critic, branches, cfg.max_segment_tokens)
         similarities = rag.store.similarities([(p.question.question, p.passage) for p in chunk])
         for pair, read, similarity in zip(chunk, reads, similarities, strict=True):
-            s_rel = relevance_score(read.rel.probs)
-            s_sup = None if read.sup is None else support_score(read.sup.probs)
-            pruned = s_rel < (cfg.min_relevance or 0.0)
-            out.append(PairScore(pair, s_rel, s_sup, similarity, pruned))
+            pruned = read.s_rel < (cfg.min_relevance or 0.0)
+            out.append(PairScore(pair, read.s_rel, read.s_sup, similarity, pruned))
         bar.update(len(chunk))
     bar.close()
     return out

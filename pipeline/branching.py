@@ -32,7 +32,7 @@ from selfrag.pipeline.ranking import (
     passes_filters,
     segment_flags,
 )
-from selfrag.pipeline.scoring import relevance_score
+from selfrag.pipeline.scoring import relevance_score, support_score
 from selfrag.pipeline.segmenting import loops, restates_question
 from selfrag.pipeline.timings import timed
 from selfrag.schemas.decoding import DecodingConfig
@@ -312,6 +312,15 @@ class EvidenceReads:
     draft: Generation
     sup: LabelProbs | None
     """None when the draft is no segment to critique (`drafted_something`)."""
+
+    @property
+    def s_rel(self) -> float:
+        return relevance_score(self.rel.probs)
+
+    @property
+    def s_sup(self) -> float | None:
+        """`scoring.support_score` of the support read; None without one."""
+        return None if self.sup is None else support_score(self.sup.probs)
 
 
 def read_evidence_branches(
