@@ -45,10 +45,12 @@ from selfrag.pipeline.learning.synthetic_qa import (
     question_pairs,
     sample_by_collection,
     summary,
+    threshold_effect,
 )
 from selfrag.pipeline.protocols import COLLECTION
 from selfrag.pipeline.scoring import evidence_support
 from selfrag.schemas.calibration import SupportCalibration
+from selfrag.schemas.decoding import DecodingConfig
 from selfrag.schemas.settings import DEFAULT_COLLECTION
 
 if TYPE_CHECKING:
@@ -304,21 +306,22 @@ def _collection_choices(
 def _applied_effect(
     scores: list[PairScore], per_collection: dict[str, ThresholdChoice], lowest: float
 ) -> ThresholdChoice:
-    """What the thresholds abstain on together, as answers apply them: a pair's score is held
-    to its passage's collection's own threshold, else to `lowest`."""
-
-    def below(s: PairScore) -> bool:
-        own = per_collection.get(s.pair.passage.metadata.get(COLLECTION, ""))
-        return s.score is not None and s.score < (own.threshold if own else lowest)
-
-    read = [s for s in scores if s.score is not None]
-    ans = [s for s in read if s.pair.answerable]
-    unans = [s for s in read if not s.pair.answerable]
-    return ThresholdChoice(
-        lowest,
-        sum(map(below, ans)) / len(ans),
-        sum(map(below, unans)) / len(unans) if unans else None,
+    """What the thresholds abstain on together, as answers apply them
+    (`DecodingConfig.support_threshold`): a pair's score is held to its passage's collection's
+    own threshold, else to `lowest`; counted on each score's margin over its threshold."""
+    held = DecodingConfig(
+        min_support_score=lowest,
+        min_support_score_by_corpus={c: t.threshold for c, t in per_collection.items()},
     )
+
+    def margins(answerable: bool) -> list[float]:
+        return [
+            s.score - held.support_threshold(s.pair.passage.metadata.get(COLLECTION))
+            for s in scores
+            if s.pair.answerable == answerable and s.score is not None
+        ]
+
+    return replace(threshold_effect(0.0, margins(True), margins(False)), threshold=lowest)
 
 
 def _collection(s: PairScore) -> str:
