@@ -22,8 +22,8 @@ def calibrate_on_first_use(rag: LocalRuntime, critique: str, progress: bool = Tr
         CalibrationSkipped,
         calibrate_support,
         corpus_plan,
-        describe,
     )
+    from selfrag.jobs.threshold_status import describe_calibration
 
     if rag.settings.model.backend != "llama_cpp" or not rag.settings.model.calibrate_on_first_use:
         return False
@@ -41,7 +41,7 @@ def calibrate_on_first_use(rag: LocalRuntime, critique: str, progress: bool = Tr
     except CalibrationSkipped as exc:
         log.warning("support threshold not calibrated (%s): answers will not abstain", exc)
         return False
-    print(describe(cal, path), file=sys.stderr)
+    print(describe_calibration(cal, path), file=sys.stderr)
     return True
 
 

@@ -3,59 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import typing
 from pathlib import Path
 from typing import Any
 
+from selfrag.cli.decoding_flags import add_decoding_flags
 from selfrag.cli.versions import VersionAction
-from selfrag.schemas.decoding import DecodingOverrides
-
-
-class _NamedScores(argparse.Action):
-    """A repeated NAME=SCORE flag, gathered into one {name: score} mapping (validated with the
-    rest of the request)."""
-
-    def __call__(
-        self,
-        parser: argparse.ArgumentParser,
-        namespace: argparse.Namespace,
-        values: Any,
-        option_string: str | None = None,
-    ) -> None:
-        name, sep, score = str(values).rpartition("=")
-        try:
-            value = float(score)
-        except ValueError:
-            value = None
-        if not sep or value is None:
-            parser.error(f"{option_string}: expected NAME=SCORE, got {values!r}")
-        scores = dict(getattr(namespace, self.dest) or {})
-        scores[name] = value
-        setattr(namespace, self.dest, scores)
-
-
-def _decoding_flags(parser: argparse.ArgumentParser) -> None:
-    """One flag per `DecodingOverrides` field, so the CLI and the API share their dials."""
-    group = parser.add_argument_group("decoding (per request; defaults from `selfrag config`)")
-    for name, field in DecodingOverrides.model_fields.items():
-        flag = "--" + name.replace("_", "-")
-        inner = [a for a in typing.get_args(field.annotation) if a is not type(None)]
-        kind = inner[0] if inner else field.annotation
-        help_text = field.description or ""
-        if kind is bool:
-            group.add_argument(
-                flag, action=argparse.BooleanOptionalAction, default=None, help=help_text
-            )
-        elif typing.get_origin(kind) is typing.Literal:
-            group.add_argument(flag, choices=typing.get_args(kind), default=None, help=help_text)
-        elif kind in (int, float, str):
-            group.add_argument(flag, type=kind, default=None, help=help_text)
-        elif typing.get_origin(kind) is dict:
-            group.add_argument(
-                flag, action=_NamedScores, metavar="NAME=SCORE", default=None, help=help_text
-            )
-        else:  # pragma: no cover - guards new field types
-            raise TypeError(f"no CLI flag type for {name}: {kind}")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -137,7 +89,7 @@ def _ask_parser(sub: Any) -> None:
     p_ask.add_argument("--json", action="store_true", help="Print the full response as JSON.")
     _model_flag(p_ask)
     _collection_flag(p_ask)
-    _decoding_flags(p_ask)
+    add_decoding_flags(p_ask)
 
 
 def _serve_parser(sub: Any) -> None:
@@ -298,7 +250,7 @@ def _eval_parser(sub: Any) -> None:
         action="store_true",
         help="Print every column (report.md's tables) instead of the short summary.",
     )
-    _decoding_flags(p_eval)
+    add_decoding_flags(p_eval)
 
 
 def _calibrate_parser(sub: Any) -> None:

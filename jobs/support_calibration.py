@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from selfrag.infra.calibration_files import save_calibration
+from selfrag.jobs.threshold_status import describe_calibration
 from selfrag.pipeline.branching import read_evidence_branches
 from selfrag.pipeline.critics import Branch
 from selfrag.pipeline.critics.filters import settle_filters
@@ -51,7 +52,6 @@ from selfrag.pipeline.protocols import COLLECTION
 from selfrag.pipeline.scoring import evidence_support
 from selfrag.schemas.calibration import SupportCalibration
 from selfrag.schemas.decoding import DecodingConfig
-from selfrag.schemas.settings import DEFAULT_COLLECTION
 
 if TYPE_CHECKING:
     from selfrag.runtime.system import LocalRuntime
@@ -344,38 +344,6 @@ def _auroc(answerable: list[float], unanswerable: list[float]) -> float | None:
     return round(value, 4) if value is not None else None
 
 
-def describe(cal: SupportCalibration, path: Path) -> str:
-    """What a calibration chose and from what, for the terminal."""
-    a, u = cal.answerable, cal.unanswerable
-    unans = "-" if cal.unanswerable_abstain is None else f"{cal.unanswerable_abstain:.0%}"
-    return "\n".join(
-        [
-            f"support threshold ({cal.critique}, {cal.model_file}, collection "
-            f"{cal.index_collection or DEFAULT_COLLECTION}): min_support_score "
-            f"{cal.min_support_score:.4f} -> {path}",
-            f"  {cal.questions} synthetic questions ({cal.style}); support score answerable "
-            f"n={a.get('n')} p10 {a.get('p10', '-')} p50 {a.get('p50', '-')}, unanswerable "
-            f"n={u.get('n')} p10 {u.get('p10', '-')} p50 {u.get('p50', '-')}; AUROC "
-            f"{'-' if cal.auroc is None else f'{cal.auroc:.3f}'}"
-            + "".join(
-                f", {trap} {'-' if a is None else f'{a:.3f}'}"
-                for trap, a in cal.auroc_by_trap.items()
-            ),
-            f"  abstains on {cal.answerable_abstain:.0%} of answerable pairs (at most "
-            f"{cal.max_answerable_abstain:.0%}), {unans} of unanswerable; {cal.seconds:.0f} s",
-            *(
-                f"  corpus {name or '(unnamed)'}: {c['threshold']:.4f}"
-                + (
-                    " (also for passages of other corpora: the lowest)"
-                    if name == cal.threshold_collection
-                    else ""
-                )
-                for name, c in sorted(cal.collections.items())
-            ),
-        ]
-    )
-
-
 def corpus_plan(**overrides: object) -> CorpusCalibrationPlan:
     """The default plan with the `overrides` that are not None (command-line flags)."""
     given = {k: v for k, v in overrides.items() if v is not None}
@@ -401,4 +369,4 @@ def run_calibration(
         cal, path = calibrate_support(rag, plan, progress=progress)
     except CalibrationSkipped as exc:
         return False, f"support threshold: not calibrated: {exc}"
-    return True, describe(cal, path)
+    return True, describe_calibration(cal, path)

@@ -1,13 +1,15 @@
-"""Where a support threshold comes from, for `selfrag status`: the calibration saved for the
-model file, critique source and index collection (`jobs.support_calibration`), else the
-source's constant. Reads no model."""
+"""Support thresholds described for the terminal: where one comes from, for `selfrag status`
+(the calibration saved for the model file, critique source and index collection, else the
+source's constant; reads no model), and what a calibration chose (`jobs.support_calibration`)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 from selfrag.pipeline.critics.filters import settle_filters
+from selfrag.schemas.calibration import SupportCalibration
 from selfrag.schemas.decoding import DecodingConfig
+from selfrag.schemas.settings import DEFAULT_COLLECTION
 
 
 def threshold_status(
@@ -51,4 +53,36 @@ def describe_threshold(t: dict[str, object]) -> str:
     return (
         f"{t['min_support_score']} (calibrated on {t['questions']} synthetic questions from the "
         f"index, {t['created']}{changed}{per_collection})"
+    )
+
+
+def describe_calibration(cal: SupportCalibration, path: Path) -> str:
+    """What a calibration chose and from what, for the terminal."""
+    a, u = cal.answerable, cal.unanswerable
+    unans = "-" if cal.unanswerable_abstain is None else f"{cal.unanswerable_abstain:.0%}"
+    return "\n".join(
+        [
+            f"support threshold ({cal.critique}, {cal.model_file}, collection "
+            f"{cal.index_collection or DEFAULT_COLLECTION}): min_support_score "
+            f"{cal.min_support_score:.4f} -> {path}",
+            f"  {cal.questions} synthetic questions ({cal.style}); support score answerable "
+            f"n={a.get('n')} p10 {a.get('p10', '-')} p50 {a.get('p50', '-')}, unanswerable "
+            f"n={u.get('n')} p10 {u.get('p10', '-')} p50 {u.get('p50', '-')}; AUROC "
+            f"{'-' if cal.auroc is None else f'{cal.auroc:.3f}'}"
+            + "".join(
+                f", {trap} {'-' if a is None else f'{a:.3f}'}"
+                for trap, a in cal.auroc_by_trap.items()
+            ),
+            f"  abstains on {cal.answerable_abstain:.0%} of answerable pairs (at most "
+            f"{cal.max_answerable_abstain:.0%}), {unans} of unanswerable; {cal.seconds:.0f} s",
+            *(
+                f"  corpus {name or '(unnamed)'}: {c['threshold']:.4f}"
+                + (
+                    " (also for passages of other corpora: the lowest)"
+                    if name == cal.threshold_collection
+                    else ""
+                )
+                for name, c in sorted(cal.collections.items())
+            ),
+        ]
     )

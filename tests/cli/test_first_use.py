@@ -38,6 +38,7 @@ def _rag(tmp_path: Path, *, has: bool, source: str = "learned", **model: Any) ->
 @pytest.fixture
 def runs(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     import selfrag.jobs.support_calibration as job
+    import selfrag.jobs.threshold_status as status
 
     calls: list[str] = []
 
@@ -46,7 +47,7 @@ def runs(monkeypatch: pytest.MonkeyPatch) -> list[str]:
         return SimpleNamespace(), Path("cal.json")
 
     monkeypatch.setattr(job, "calibrate_support", fake)
-    monkeypatch.setattr(job, "describe", lambda cal, path: f"wrote {path}")
+    monkeypatch.setattr(status, "describe_calibration", lambda cal, path: f"wrote {path}")
     return calls
 
 
