@@ -126,7 +126,8 @@ def render_answer(r: AnswerResponse) -> str:
         for pid, n in numbers.items():
             p = by_id.get(pid)
             title = p.title if p is not None and p.title else pid
-            lines.append(f"[{n}] {title} ({pid})")
+            source = f"{pid}, {p.corpus}" if p is not None and p.corpus else pid
+            lines.append(f"[{n}] {title} ({source})")
             lines.extend(_evidence_lines(r.segments, pid))
         lines.append("")
     u = r.usage

@@ -159,6 +159,11 @@ class LanguageModel(Protocol):
     ) -> list[ContinuationScores]: ...
 
 
+COLLECTION = "collection"
+"""The `Passage.metadata` key naming the collection a passage was indexed from (the corpus
+file or folder), when the index recorded it."""
+
+
 @dataclass(frozen=True)
 class Passage:
     id: str
@@ -180,12 +185,8 @@ class Passage:
             "text": self.text,
             "score": self.score,
             "similarity": self.similarity,
+            "corpus": self.metadata.get(COLLECTION),
         }
-
-
-COLLECTION = "collection"
-"""The `Passage.metadata` key naming the collection a passage was indexed from (the corpus
-file or folder), when the index recorded it."""
 
 
 @runtime_checkable

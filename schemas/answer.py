@@ -132,6 +132,11 @@ class PassageOut(BaseModel):
         description="The embedder's cosine of the query and the passage (the retriever's dense "
         "score; `score` is a fused rank score when the search is hybrid).",
     )
+    corpus: str | None = Field(
+        None,
+        description="The corpus file or folder the passage was indexed from, when the index "
+        "recorded it: the key of its own support threshold (`min_support_score_by_corpus`).",
+    )
 
 
 class Usage(BaseModel):

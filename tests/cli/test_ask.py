@@ -96,6 +96,12 @@ def test_each_citation_shows_the_sentence_that_supports_its_segment() -> None:
     assert lines[lines.index("[1] Normans (p1)") + 1] == ""
 
 
+def test_a_source_names_the_corpus_file_its_passage_was_indexed_from() -> None:
+    r = _response("full", 0.93)
+    r.passages[0].corpus = "squad_v2_small.json"
+    assert "[1] Normans (p1, squad_v2_small.json)" in render_answer(r).splitlines()
+
+
 HOSTILE = "\x1b]0;PWNED TITLE\x07\x1b[2J\x1b]8;;https://evil.example/\x1b\\link\x1b]8;;\x1b\\\r\x9b2J\u202e"
 
 

@@ -318,6 +318,8 @@ def test_each_collection_holds_its_passages_to_its_own_support_threshold():
     # p1 falls under squad's 0.7; p2 clears wiki's 0.4 by 0.1, p3 the one for all by 0.05.
     assert not out.abstained and out.segments[0].citation.passage_id == "p2"
     assert out.support == pytest.approx(0.5) and out.support_threshold == pytest.approx(0.4)
+    # Each passage shown names its corpus, the key of its threshold.
+    assert {p.id: p.corpus for p in out.passages} == {"p1": "squad", "p2": "wiki", "p3": None}
     # Every passage under its own threshold: abstains, reporting the closest call.
     own = {"squad": 0.9, "wiki": 0.55}
     out = decoder.answer("q", cfg(min_support_score=0.5, min_support_score_by_corpus=own))

@@ -20,6 +20,7 @@ def test_a_ranked_passage_is_a_passage_with_its_read():
         "text": "Body.",
         "score": 0.4,
         "similarity": 0.7,
+        "corpus": None,
         "s_rel": 0.9,
     }
 
