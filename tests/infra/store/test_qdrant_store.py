@@ -169,6 +169,8 @@ def test_index_then_search_finds_the_right_document_first(
         },
     )
     assert 0.0 < top.score <= 1.0
+    # An answer shows the corpus file a passage came from, the key of its support threshold.
+    assert top.shown()["corpus"] == corpus.name
     # The collection (the corpus file) is kept for every passage: calibration groups by it.
     assert {p.metadata["collection"] for p in store.passages()} == {corpus.name}
 
