@@ -271,8 +271,8 @@ def _calibrate_parser(sub: Any) -> None:
         "--max-answerable-abstain",
         type=float,
         help="Without a dataset: the share of the synthetic answerable pairs read that the "
-        "threshold may abstain on (default 0.05; new pairs like them fall below it more often, "
-        "about 10%% with 20 pairs per corpus file: docs/cli.md).",
+        "threshold may abstain on (default 0.05). New pairs like them fall below it more "
+        "often: about 10%% with 20 pairs per corpus file (docs/cli.md).",
     )
     p_cal.add_argument(
         "--time-limit",
