@@ -315,6 +315,7 @@ class EvidenceReads:
 
     @property
     def s_rel(self) -> float:
+        """`scoring.relevance_score` of the relevance read."""
         return relevance_score(self.rel.probs)
 
     @property
