@@ -80,7 +80,7 @@ def pruned_by_relevance(c: Candidate, best: dict[int, float], cfg: DecodingConfi
     `relevance_margin` below `best[parent]`, the best s_rel of its hypothesis."""
     if c.rel is None:
         return False
-    s_rel = relevance_score(c.rel.probs)
+    s_rel = candidate_relevance(c)
     if s_rel < (cfg.min_relevance or 0.0):
         return True
     return cfg.relevance_margin is not None and s_rel < best[c.parent] - cfg.relevance_margin
@@ -92,15 +92,16 @@ def draft_order(evidence: Sequence[Candidate], margin: float) -> list[Candidate]
     of its hypothesis's first retrieved passage goes first, the most relevant first."""
     first: dict[int, float] = {}
     for c in evidence:
-        first.setdefault(c.parent, _s_rel(c))
-    promoted = [c for c in evidence if _s_rel(c) > first[c.parent] + margin]
+        first.setdefault(c.parent, candidate_relevance(c))
+    promoted = [c for c in evidence if candidate_relevance(c) > first[c.parent] + margin]
     # A stable sort: equal s_rel (a saturated read) leaves the retriever's order.
-    promoted.sort(key=_s_rel, reverse=True)
+    promoted.sort(key=candidate_relevance, reverse=True)
     chosen = {id(c) for c in promoted}
     return promoted + [c for c in evidence if id(c) not in chosen]
 
 
-def _s_rel(c: Candidate) -> float:
+def candidate_relevance(c: Candidate) -> float:
+    """s_rel of `c`'s relevance read (`scoring.relevance_score`); 0 for a branch without one."""
     return relevance_score(c.rel.probs) if c.rel is not None else 0.0
 
 
@@ -142,7 +143,7 @@ def read_relevance(
     read_each(critic, first, work)
     leaders: dict[int, float] = {}
     for c in first:
-        leaders.setdefault(c.parent, _s_rel(c))
+        leaders.setdefault(c.parent, candidate_relevance(c))
     contested = {p for p, s_rel in leaders.items() if s_rel + cfg.draft_order_margin < 1.0}
     read_each(critic, [c for c in evidence if c.rel is None and c.parent in contested], work)
     return [c for c in evidence if c.rel is None]
@@ -178,7 +179,7 @@ def admitted(
     best: dict[int, float] = {}
     for c in candidates:
         if c.rel is not None:
-            best[c.parent] = max(best.get(c.parent, 0.0), relevance_score(c.rel.probs))
+            best[c.parent] = max(best.get(c.parent, 0.0), candidate_relevance(c))
     kept: list[Candidate] = []
     for c in candidates:
         if pruned_by_relevance(c, best, cfg):
@@ -224,7 +225,9 @@ def next_drafts(
     """For each hypothesis of `bar` (`failed_relevance`), the first `waiting` branch whose s_rel
     is above its bar; the `waiting` branches left after them; and how many were dropped, the
     waiting branches of those hypotheses at or under the bar."""
-    dropped = {id(c) for c in waiting if c.parent in bar and _s_rel(c) <= bar[c.parent]}
+    dropped = {
+        id(c) for c in waiting if c.parent in bar and candidate_relevance(c) <= bar[c.parent]
+    }
     eligible = [c for c in waiting if id(c) not in dropped]
     taken = {id(c) for c in first_of_each_hypothesis([c for c in eligible if c.parent in bar], 1)}
     return (
