@@ -1,11 +1,14 @@
 """`selfrag eval`'s report: every record of the requested systems and questions (the latest
 of each) summarised per system, with each system's abstention score and accuracy–coverage
-curve, written as report.json and report.md and printed as a narrow table."""
+curve, and each two systems compared question by question; written as report.json and
+report.md and printed as a narrow table."""
 
 from __future__ import annotations
 
+import itertools
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, fields
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +20,13 @@ from selfrag.jobs.evaluation.abstention import (
     write_curves,
 )
 from selfrag.jobs.evaluation.eval_questions import EvalQuestion
-from selfrag.pipeline.evaluation.qa_metrics import Outcome, accuracy_coverage, summarize
+from selfrag.pipeline.evaluation.qa_metrics import (
+    Outcome,
+    PairedCounts,
+    accuracy_coverage,
+    paired_counts,
+    summarize,
+)
 from selfrag.schemas.decoding import DecodingConfig
 
 RECORDS_FILE = "records.jsonl"
@@ -76,7 +85,8 @@ def build_report(
     config: DecodingConfig | None = None,
 ) -> dict[str, Any]:
     """Summaries per system over the records of the given questions (latest record wins), with
-    each system's abstention score and accuracy–coverage curve (`jobs.evaluation.abstention`)."""
+    each system's abstention score and accuracy–coverage curve (`jobs.evaluation.abstention`),
+    and every two systems compared on the questions both answered (`paired`)."""
     ids = {q.id for q in questions}
     latest: dict[tuple[str, str], dict[str, Any]] = {}
     for r in records:
@@ -89,10 +99,46 @@ def build_report(
         report["systems"][system] = summarize(outcomes)
         report["abstention_score"][system] = score_name(system)
         report["accuracy_coverage"][system] = curve_rows(accuracy_coverage(outcomes))
+    report["paired"] = paired(latest, questions, systems)
     report["questions"] = len(questions)
     if config is not None:
         report["config"] = config.model_dump(mode="json")
     return report
+
+
+PAIRED_SPLITS = (("answerable", True), ("unanswerable", False))
+"""The question kinds systems are compared on, apart: right answers to answerable questions,
+abstentions on unanswerable ones (`Outcome.correct`)."""
+
+
+def paired(
+    latest: Mapping[tuple[str, str], dict[str, Any]],
+    questions: Sequence[EvalQuestion],
+    systems: Sequence[str],
+) -> list[dict[str, Any]]:
+    """Each two `systems` (in their order) on the questions with a record of both, per kind of
+    question (`PAIRED_SPLITS`): how many both, only the first, only the second and neither got
+    right, and the exact McNemar p-value of that split (`qa_metrics.PairedCounts`)."""
+    rows = []
+    for first, second in itertools.combinations(systems, 2):
+        row: dict[str, Any] = {"first": first, "second": second}
+        for split, answerable in PAIRED_SPLITS:
+            pairs = [
+                (outcome(latest[(first, q.id)]), outcome(latest[(second, q.id)]))
+                for q in questions
+                if q.answerable == answerable
+                and (first, q.id) in latest
+                and (second, q.id) in latest
+            ]
+            if pairs:
+                counts = paired_counts(pairs)
+                row[split] = {
+                    "questions": counts.questions,
+                    **asdict(counts),
+                    "p_value": counts.p_value,
+                }
+        rows.append(row)
+    return rows
 
 
 def write_report(
@@ -109,8 +155,9 @@ def write_report(
 
 
 def render_table(report: dict[str, Any]) -> str:
-    """The report as Markdown: one table of every column (rates in %, latency in ms), then the
-    abstention table (`jobs.evaluation.abstention.render_abstention_table`)."""
+    """The report as Markdown: one table of every column (rates in %, latency in ms), the
+    abstention table (`jobs.evaluation.abstention.render_abstention_table`), then the paired
+    comparison (`render_paired`) when there are two systems or more."""
     head = ["system", "n", *REPORT_COLUMNS]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for name, row in report["systems"].items():
@@ -118,7 +165,30 @@ def render_table(report: dict[str, Any]) -> str:
         for col in REPORT_COLUMNS:
             cells.append(_cell(col, row.get(col)))
         lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n\n" + render_abstention_table(report)
+    table = "\n".join(lines) + "\n\n" + render_abstention_table(report)
+    comparison = render_paired(report)
+    return table + ("\n\n" + comparison if comparison else "")
+
+
+PAIRED_COUNTS = tuple(f.name for f in fields(PairedCounts))
+PAIRED_HEADINGS = {"answerable": "answerable (right)", "unanswerable": "unanswerable (abstained)"}
+
+
+def render_paired(report: dict[str, Any]) -> str:
+    """The report's `paired` rows as a Markdown table; "" without any (one system, or a report
+    written before this field)."""
+    head = ["first", "second", "questions", "n", "both", "only first", "only second"]
+    head += ["neither", "McNemar p"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for row in report.get("paired", []):
+        for split, _ in PAIRED_SPLITS:
+            c = row.get(split)
+            if c is not None:
+                cells = [row["first"], row["second"], PAIRED_HEADINGS[split]]
+                cells += [str(c[k]) for k in ("questions", *PAIRED_COUNTS)]
+                cells.append(f"{c['p_value']:.3f}")
+                lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) if len(lines) > 2 else ""
 
 
 SUMMARY_COLUMNS = (
@@ -132,13 +202,31 @@ SUMMARY_COLUMNS = (
 
 
 def render_summary(report: dict[str, Any]) -> str:
-    """The report's headline columns as a plain-text table narrower than 80 columns."""
+    """The report's headline columns as a plain-text table narrower than 80 columns, then, with
+    two systems or more, which of each two got the answerable questions right (`paired`)."""
     width = max([len("system"), *(len(name) for name in report["systems"])])
     head = f"{'system':<{width}} {'n':>5}" + "".join(f" {h:>10}" for _, h in SUMMARY_COLUMNS)
     lines = [head]
     for name, row in report["systems"].items():
         cells = "".join(f" {_cell(col, row.get(col)):>10}" for col, _ in SUMMARY_COLUMNS)
         lines.append(f"{name:<{width}} {row['questions']:>5}{cells}")
+    pairs = [
+        (f"{r['first']} / {r['second']}", r["answerable"])
+        for r in report.get("paired", [])
+        if "answerable" in r
+    ]
+    if pairs:
+        width = max(len("right on answerable: first / second"), *(len(n) for n, _ in pairs))
+        lines.append("")
+        lines.append(
+            f"{'right on answerable: first / second':<{width}} {'both':>5} {'only 1st':>9} "
+            f"{'only 2nd':>9} {'McNemar p':>10}"
+        )
+        for name, c in pairs:
+            lines.append(
+                f"{name:<{width}} {c['both']:>5} {c['only_first']:>9} {c['only_second']:>9} "
+                f"{c['p_value']:>10.3f}"
+            )
     return "\n".join(lines)
 
 

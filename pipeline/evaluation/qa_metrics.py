@@ -232,3 +232,39 @@ def summarize(outcomes: Sequence[Outcome]) -> dict[str, float | int | str | None
         "p95_ms": percentile(latencies, 95),
         "prefill_tokens": mean_or_none([float(o.prefill_tokens) for o in outcomes]),
     }
+
+
+@dataclass(frozen=True)
+class PairedCounts:
+    """Two systems judged on the same questions (`Outcome.correct`): how many both, only the
+    first, only the second and neither got right."""
+
+    both: int
+    only_first: int
+    only_second: int
+    neither: int
+
+    @property
+    def questions(self) -> int:
+        return self.both + self.only_first + self.only_second + self.neither
+
+    @property
+    def p_value(self) -> float:
+        """The exact two-sided McNemar test: how likely a split of the discordant questions
+        (right for one system only) at least this uneven is when either system is as likely
+        to be the one right. 1.0 without a discordant question."""
+        n = self.only_first + self.only_second
+        k = min(self.only_first, self.only_second)
+        tail = sum(math.comb(n, i) for i in range(k + 1)) / 2**n
+        return min(1.0, 2 * tail)
+
+
+def paired_counts(pairs: Sequence[tuple[Outcome, Outcome]]) -> PairedCounts:
+    """`PairedCounts` of `pairs`: each question's outcome under the first and second system."""
+    counts = Counter((first.correct, second.correct) for first, second in pairs)
+    return PairedCounts(
+        both=counts[True, True],
+        only_first=counts[True, False],
+        only_second=counts[False, True],
+        neither=counts[False, False],
+    )

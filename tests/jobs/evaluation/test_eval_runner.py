@@ -10,8 +10,13 @@ import pytest
 
 from selfrag.cli import main
 from selfrag.jobs.evaluation.eval_plots import threshold_curve
-from selfrag.jobs.evaluation.eval_questions import EvalError, load_questions
-from selfrag.jobs.evaluation.eval_report import REPORT_COLUMNS, read_records, render_summary
+from selfrag.jobs.evaluation.eval_questions import EvalError, EvalQuestion, load_questions
+from selfrag.jobs.evaluation.eval_report import (
+    REPORT_COLUMNS,
+    build_report,
+    read_records,
+    render_summary,
+)
 from selfrag.jobs.evaluation.eval_runner import parse_systems, run_evaluation
 from selfrag.pipeline.decoder import BeamDecoder
 from selfrag.pipeline.protocols import Passage
@@ -192,13 +197,78 @@ def test_report_has_abstention_scores_and_the_accuracy_coverage_curve(
     summary = render_summary(report).splitlines()
     heads = ["system", "n", "accuracy", "abstain", "wrong+sure", "retrieval"]
     assert summary[0].split()[:6] == heads
-    assert summary[0].endswith("p50 ms") and len(summary) == 3
+    assert summary[0].endswith("p50 ms") and len(summary) == 6
     assert summary[2].split()[:3] == ["selfrag-prompted", "3", "50.0%"]
     assert max(len(line) for line in summary) < 80
+    # Question by question: both systems answer q1 right and q2 wrong, and neither abstains
+    # on q3 (the `FakeRag` retrieves the same passages for each).
+    assert report["paired"] == [
+        {
+            "first": "closed-book",
+            "second": "selfrag-prompted",
+            "answerable": {
+                "questions": 2,
+                **{"both": 1, "only_first": 0, "only_second": 0, "neither": 1},
+                "p_value": 1.0,
+            },
+            "unanswerable": {
+                "questions": 1,
+                **{"both": 0, "only_first": 0, "only_second": 0, "neither": 1},
+                "p_value": 1.0,
+            },
+        }
+    ]
+    assert summary[4].startswith("right on answerable: first / second")
+    assert summary[5].split() == ["closed-book", "/", "selfrag-prompted", "1", "0", "0", "1.000"]
+    assert (
+        "| closed-book | selfrag-prompted | answerable (right) | 2 | 1 | 0 | 0 | 1 | 1.000 |"
+        in table
+    )
     # Without unanswerable questions the AUROC is undefined, and the table says why.
     report = run_evaluation(rag, qs[:2], systems, out, cfg, progress=False)  # type: ignore[arg-type]
     assert report["systems"]["closed-book"]["abstention_auroc"] is None
     assert "– (no unanswerable questions)" in (out / "report.md").read_text()
+
+
+def _record(system: str, qid: str, answerable: bool, answer: str) -> dict[str, Any]:
+    return {
+        "system": system,
+        "id": qid,
+        "answerable": answerable,
+        "golds": ["Rollo"] if answerable else [],
+        "answer": answer,
+        "abstained": answer == "",
+        "retrieved": True,
+        "latency_ms": 1.0,
+        "prefill_tokens": 1,
+    }
+
+
+def test_paired_comparison_matches_questions_by_id_and_skips_the_unshared():
+    questions = [
+        EvalQuestion(id=f"a{i}", question="Who?", golds=("Rollo",), answerable=True)
+        for i in range(4)
+    ] + [EvalQuestion(id="u0", question="Who?", golds=(), answerable=False)]
+    records = [
+        # Written in another order for each system: pairs are made by question id.
+        *(_record("A", f"a{i}", True, a) for i, a in enumerate(["Rollo", "Rollo", "Odo", "Odo"])),
+        *(_record("B", f"a{i}", True, a) for i, a in [(3, "Rollo"), (1, "Odo"), (0, "Rollo")]),
+        _record("A", "u0", False, "Odo"),
+        _record("B", "u0", False, ""),
+        _record("C", "a0", True, "Rollo"),
+    ]
+    report = build_report(records, questions, ["A", "B", "C"])
+    ab, ac, bc = report["paired"]
+    # a2 has no record of B, so it is left out of A / B.
+    assert ab["answerable"] == {
+        "questions": 3,
+        **{"both": 1, "only_first": 1, "only_second": 1, "neither": 0},
+        "p_value": 1.0,
+    }
+    assert ab["unanswerable"]["only_second"] == 1  # B abstained where A answered
+    assert ac["answerable"]["questions"] == 1 and "unanswerable" not in ac
+    assert (bc["first"], bc["second"]) == ("B", "C") and bc["answerable"]["both"] == 1
+    assert build_report(records, questions, ["A"])["paired"] == []
 
 
 def test_threshold_curve_uses_closed_book_where_retrieval_is_skipped():

@@ -6,9 +6,11 @@ import pytest
 
 from selfrag.pipeline.evaluation.qa_metrics import (
     Outcome,
+    PairedCounts,
     best_f1,
     contains_answer,
     normalize_answer,
+    paired_counts,
     percentile,
     summarize,
     token_f1,
@@ -206,3 +208,22 @@ def test_accuracy_coverage_never_loses_coverage():
         row = summarize(rows)
         assert pts[-1].coverage == row["coverage"]
         assert pts[-1].selective_accuracy == pytest.approx(row["selective_accuracy"])
+
+
+def test_paired_counts_split_the_questions_by_which_system_got_them_right():
+    right, wrong = _o(True, "In France."), _o(True, "In Spain.")
+    declined, answered = _o(False, "", abstained=True), _o(False, "In France.")
+    pairs = [(right, right), (right, wrong), (right, wrong), (wrong, right), (wrong, wrong)]
+    assert paired_counts(pairs) == PairedCounts(both=1, only_first=2, only_second=1, neither=1)
+    assert paired_counts(pairs).questions == 5
+    # An unanswerable question is right when the system abstained.
+    assert paired_counts([(declined, answered)]) == PairedCounts(0, 1, 0, 0)
+
+
+def test_mcnemar_p_value_by_hand():
+    # 1 against 8 discordant questions: 2 * (C(9,0) + C(9,1)) / 2^9 = 20 / 512.
+    assert PairedCounts(18, 1, 8, 18).p_value == pytest.approx(20 / 512)
+    assert PairedCounts(18, 8, 1, 18).p_value == pytest.approx(20 / 512)  # symmetric
+    assert PairedCounts(0, 0, 4, 0).p_value == pytest.approx(2 / 16)
+    assert PairedCounts(5, 3, 3, 5).p_value == 1.0  # an even split is capped at 1
+    assert PairedCounts(7, 0, 0, 2).p_value == 1.0  # no discordant question
