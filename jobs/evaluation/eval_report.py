@@ -216,11 +216,11 @@ def render_summary(report: dict[str, Any]) -> str:
         if "answerable" in r
     ]
     if pairs:
-        width = max(len("right on answerable: first / second"), *(len(n) for n, _ in pairs))
+        title = "right on answerable: first / second"
+        width = max(len(title), *(len(n) for n, _ in pairs))
         lines.append("")
         lines.append(
-            f"{'right on answerable: first / second':<{width}} {'both':>5} {'only 1st':>9} "
-            f"{'only 2nd':>9} {'McNemar p':>10}"
+            f"{title:<{width}} {'both':>5} {'only 1st':>9} {'only 2nd':>9} {'McNemar p':>10}"
         )
         for name, c in pairs:
             lines.append(
