@@ -92,14 +92,14 @@ def build_report(
     for r in records:
         if r["id"] in ids and r["system"] in systems:
             latest[(r["system"], r["id"])] = r
+    judged = {key: outcome(r) for key, r in latest.items()}
     report: dict[str, Any] = {"systems": {}, "abstention_score": {}, "accuracy_coverage": {}}
     for system in systems:
-        rows = [latest[(system, q.id)] for q in questions if (system, q.id) in latest]
-        outcomes = [outcome(r) for r in rows]
+        outcomes = [judged[(system, q.id)] for q in questions if (system, q.id) in judged]
         report["systems"][system] = summarize(outcomes)
         report["abstention_score"][system] = score_name(system)
         report["accuracy_coverage"][system] = curve_rows(accuracy_coverage(outcomes))
-    report["paired"] = paired(latest, questions, systems)
+    report["paired"] = paired(judged, questions, systems)
     report["questions"] = len(questions)
     if config is not None:
         report["config"] = config.model_dump(mode="json")
@@ -112,23 +112,24 @@ abstentions on unanswerable ones (`Outcome.correct`)."""
 
 
 def paired(
-    latest: Mapping[tuple[str, str], dict[str, Any]],
+    judged: Mapping[tuple[str, str], Outcome],
     questions: Sequence[EvalQuestion],
     systems: Sequence[str],
 ) -> list[dict[str, Any]]:
-    """Each two `systems` (in their order) on the questions with a record of both, per kind of
-    question (`PAIRED_SPLITS`): how many both, only the first, only the second and neither got
-    right, and the exact McNemar p-value of that split (`qa_metrics.PairedCounts`)."""
+    """Each two `systems` (in their order) on the questions `judged` (by system and question
+    id) for both, per kind of question (`PAIRED_SPLITS`): how many both, only the first, only
+    the second and neither got right, and the exact McNemar p-value of that split
+    (`qa_metrics.PairedCounts`)."""
     rows = []
     for first, second in itertools.combinations(systems, 2):
         row: dict[str, Any] = {"first": first, "second": second}
         for split, answerable in PAIRED_SPLITS:
             pairs = [
-                (outcome(latest[(first, q.id)]), outcome(latest[(second, q.id)]))
+                (judged[(first, q.id)], judged[(second, q.id)])
                 for q in questions
                 if q.answerable == answerable
-                and (first, q.id) in latest
-                and (second, q.id) in latest
+                and (first, q.id) in judged
+                and (second, q.id) in judged
             ]
             if pairs:
                 counts = paired_counts(pairs)
@@ -158,16 +159,25 @@ def render_table(report: dict[str, Any]) -> str:
     """The report as Markdown: one table of every column (rates in %, latency in ms), the
     abstention table (`jobs.evaluation.abstention.render_abstention_table`), then the paired
     comparison (`render_paired`) when there are two systems or more."""
-    head = ["system", "n", *REPORT_COLUMNS]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines = markdown_head(["system", "n", *REPORT_COLUMNS])
     for name, row in report["systems"].items():
         cells = [name, str(row["questions"])]
         for col in REPORT_COLUMNS:
             cells.append(_cell(col, row.get(col)))
-        lines.append("| " + " | ".join(cells) + " |")
+        lines.append(markdown_row(cells))
     table = "\n".join(lines) + "\n\n" + render_abstention_table(report)
     comparison = render_paired(report)
     return table + ("\n\n" + comparison if comparison else "")
+
+
+def markdown_row(cells: Sequence[str]) -> str:
+    """One row of a Markdown table."""
+    return "| " + " | ".join(cells) + " |"
+
+
+def markdown_head(head: Sequence[str]) -> list[str]:
+    """A Markdown table's heading row and the rule under it."""
+    return [markdown_row(head), "|" + "---|" * len(head)]
 
 
 PAIRED_COUNTS = tuple(f.name for f in fields(PairedCounts))
@@ -178,8 +188,7 @@ def render_paired(report: dict[str, Any]) -> str:
     """The report's `paired` rows as a Markdown table; "" without any (one system, or a report
     written before this field)."""
     head = ["first", "second", "questions", "n", "both", "only first", "only second"]
-    head += ["neither", "McNemar p"]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines = markdown_head([*head, "neither", "McNemar p"])
     for row in report.get("paired", []):
         for split, _ in PAIRED_SPLITS:
             c = row.get(split)
@@ -187,7 +196,7 @@ def render_paired(report: dict[str, Any]) -> str:
                 cells = [row["first"], row["second"], PAIRED_HEADINGS[split]]
                 cells += [str(c[k]) for k in ("questions", *PAIRED_COUNTS)]
                 cells.append(f"{c['p_value']:.3f}")
-                lines.append("| " + " | ".join(cells) + " |")
+                lines.append(markdown_row(cells))
     return "\n".join(lines) if len(lines) > 2 else ""
 
 
