@@ -30,7 +30,9 @@ def test_a_request_of_keyword_dials_keeps_its_length_cap_and_collection_apart():
         AnswerRequest.of("Who?", not_a_dial=1)
 
 
-@pytest.mark.parametrize("question", ["", "   ", "\u200b\u200b", "\x00\x1b", "\u3164"])
+@pytest.mark.parametrize(
+    "question", ["", "   ", "\u200b\u200b", "\x00\x1b", "\u3164", "\x1b[2J\x07", "\x1b]0;x\x07"]
+)
 def test_a_question_without_visible_text_is_refused(question: str):
     with pytest.raises(ValidationError, match="question"):
         AnswerRequest(question=question)

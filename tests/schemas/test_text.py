@@ -26,7 +26,27 @@ def test_text_of_blanks_controls_zero_width_and_fillers_shows_nothing(text: str)
     assert not has_visible_text(text)
 
 
-@pytest.mark.parametrize("text", ["a", " \u200b x", "\u3164.", "東", "✓"])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "\x1b[2J\x07",  # clear the screen, ring the bell
+        "\x1b[31;1m\x1b[0m",  # SGR colours
+        "\x1b]0;owned\x07",  # OSC: retitle the window, BEL-terminated
+        "\x1b]8;;https://evil.example\x1b\\\x1b]8;;\x1b\\",  # OSC 8 link, ST-terminated
+        "\x1bP+q\x1b\\",  # DCS
+        "\x9b2J\x9d0;t\x9c",  # 8-bit CSI and OSC
+        "\x1b]0;never terminated",  # an OSC left open swallows the rest
+        "\x1b(B\x1b=\x1bc",  # charset, keypad, reset
+    ],
+)
+def test_terminal_escape_sequences_show_nothing(text: str):
+    """`ESC [2J` left `[2J` behind as visible text, so a question of escapes was accepted."""
+    assert not has_visible_text(text)
+
+
+@pytest.mark.parametrize(
+    "text", ["a", " \u200b x", "\u3164.", "東", "✓", "\x1b[1mbold\x1b[0m", "[2J", "a\x1b"]
+)
 def test_one_visible_character_is_visible_text(text: str):
     assert has_visible_text(text)
 
