@@ -16,6 +16,7 @@ from typing import Any
 
 from tqdm import tqdm
 
+from selfrag.infra.corpus.formats import ReadLimits
 from selfrag.infra.corpus.passages import Counter
 from selfrag.infra.corpus.reading import (
     CorpusError,
@@ -113,7 +114,9 @@ def corpus_passages(
     split = passage_splitter(retrieval, embedder)
     return [
         tagged(p, Path(path))
-        for item in read_documents(path, retrieval.max_document_bytes)
+        for item in read_documents(
+            path, retrieval.max_document_bytes, limits=ReadLimits.of(retrieval)
+        )
         if not isinstance(item, CorpusError)
         for p in split(item)
     ]
@@ -161,7 +164,12 @@ class CorpusRead:
         follow_links: bool = False,
     ) -> None:
         self.path = Path(path)
-        self._items = read_documents(path, retrieval.max_document_bytes, follow_links=follow_links)
+        self._items = read_documents(
+            path,
+            retrieval.max_document_bytes,
+            follow_links=follow_links,
+            limits=ReadLimits.of(retrieval),
+        )
         self._split = passage_splitter(retrieval, embedder)
         self._model = str(getattr(embedder, "model_id", None) or retrieval.embedding_model)
         self._report = report

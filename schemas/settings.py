@@ -39,6 +39,12 @@ MASK = "**********"
 COLLECTION_NAME = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
 """What a collection may be called: also a folder name, so no path separators or `..`."""
 DEFAULT_COLLECTION = "passages"
+# Defaults of the bounds on reading one file (`infra.corpus.formats.ReadLimits`): a dense page
+# of a real document is a few thousand characters, a long book's text a few megabytes, and
+# pypdf reads a thousand ordinary pages in well under a minute.
+MAX_DOCUMENT_BYTES = 10_000_000
+MAX_PAGE_CHARS = 100_000
+READ_TIMEOUT_S = 120.0
 """The collection a home uses unless told otherwise (`retrieval.collection`)."""
 
 
@@ -209,10 +215,25 @@ class RetrievalSettings(BaseModel):
     )
     passage_overlap_words: int = Field(30, ge=0, le=500)
     max_document_bytes: int = Field(
-        10_000_000,
+        MAX_DOCUMENT_BYTES,
         ge=1,
-        description="Indexing skips a document larger than this (UTF-8 bytes) with an error "
-        "naming it; the rest of the corpus is indexed.",
+        description="Indexing skips a document larger than this (UTF-8 bytes: its record or "
+        "file, and the text a PDF or HTML file yields) with an error naming it; the rest of "
+        "the corpus is indexed.",
+    )
+    max_page_chars: int = Field(
+        MAX_PAGE_CHARS,
+        ge=1,
+        description="Indexing skips a PDF one of whose pages yields more characters of text "
+        "than this (a few kilobytes of nested forms can yield megabytes) with an error naming "
+        "it; the rest of the corpus is indexed.",
+    )
+    read_timeout_s: float = Field(
+        READ_TIMEOUT_S,
+        gt=0.0,
+        le=86_400.0,
+        description="Indexing skips a PDF or HTML file whose reading takes longer than this "
+        "(seconds) with an error naming it; the rest of the corpus is indexed.",
     )
 
 

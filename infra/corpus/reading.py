@@ -33,6 +33,7 @@ from selfrag.infra.corpus.formats import (
     HTML_SUFFIXES,
     PDF_SUFFIXES,
     Extracted,
+    ReadLimits,
     UnreadableFile,
     bad_url,
     read_html,
@@ -123,13 +124,15 @@ def read_documents(
     max_json_bytes: int = MAX_JSON_FILE_BYTES,
     *,
     follow_links: bool = False,
+    limits: ReadLimits | None = None,
 ) -> Iterator[Document | CorpusError]:
     """Yield the documents of the corpus at `path`, with a `CorpusError` for every bad record.
 
     A document over `max_bytes` (its JSONL line, file, or SQuAD paragraph) is such an error,
     and so is a SQuAD JSON file over `max_json_bytes` (parsing it needs the whole file). In a
     folder, every file passed over is such an error too, with its reason (`_folder_files`):
-    symbolic links leaving the folder are followed only with `follow_links`.
+    symbolic links leaving the folder are followed only with `follow_links`. A PDF or HTML
+    file is read within `limits` (default: `ReadLimits` with `max_bytes`).
 
     Raises FileNotFoundError when `path` does not exist and CorpusFormatError for an unknown
     format. Both are raised when the iterator is created, before the first item is read.
@@ -139,8 +142,9 @@ def read_documents(
         raise FileNotFoundError(f"corpus not found: {source}")
     if max_bytes < 1:
         raise ValueError(f"max_bytes must be >= 1, got {max_bytes}")
+    limits = limits or ReadLimits(max_document_bytes=max_bytes)
     if source.is_dir():
-        return _read_folder(source, max_bytes, follow_links)
+        return _read_folder(source, max_bytes, follow_links, limits)
     real = source.resolve()
     if is_pseudo(real) or not stat.S_ISREG(real.stat().st_mode):
         raise CorpusFormatError(f"{source} is not a regular file ({real}): never read")
@@ -150,7 +154,7 @@ def read_documents(
     if suffix == ".json":
         return _read_squad(source, max_bytes, max_json_bytes)
     if suffix in FILE_SUFFIXES:
-        return _read_files([source], max_bytes)
+        return _read_files([source], max_bytes, limits)
     raise CorpusFormatError(
         f"unknown corpus format for {source}: expected .jsonl, SQuAD .json, "
         f"{'/'.join(sorted(FILE_SUFFIXES))}, or a folder of them"
@@ -289,7 +293,7 @@ def _read_squad(
 
 
 def _read_folder(
-    folder: Path, max_bytes: int, follow_links: bool
+    folder: Path, max_bytes: int, follow_links: bool, limits: ReadLimits
 ) -> Iterator[Document | CorpusError]:
     items = [
         item if isinstance(item, Path) else CorpusError(item.path, None, item.reason)
@@ -299,20 +303,22 @@ def _read_folder(
         raise CorpusFormatError(
             f"folder {folder} holds no {'/'.join(sorted(FILE_SUFFIXES))} files to index"
         )
-    return _read_items(items, max_bytes)
+    return _read_items(items, max_bytes, limits)
 
 
 def _read_items(
-    items: list[Path | CorpusError], max_bytes: int
+    items: list[Path | CorpusError], max_bytes: int, limits: ReadLimits
 ) -> Iterator[Document | CorpusError]:
     for item in items:
         if isinstance(item, CorpusError):
             yield item
         else:
-            yield from _read_files([item], max_bytes)
+            yield from _read_files([item], max_bytes, limits)
 
 
-def _read_files(files: list[Path], max_bytes: int) -> Iterator[Document | CorpusError]:
+def _read_files(
+    files: list[Path], max_bytes: int, limits: ReadLimits
+) -> Iterator[Document | CorpusError]:
     for file in files:
         data = read_bounded(file, max_bytes)
         if isinstance(data, str):
@@ -321,7 +327,8 @@ def _read_files(files: list[Path], max_bytes: int) -> Iterator[Document | Corpus
         suffix = file.suffix.lower()
         if suffix in PDF_SUFFIXES | HTML_SUFFIXES:
             try:
-                found = read_pdf(data) if suffix in PDF_SUFFIXES else read_html(data)
+                reader = read_pdf if suffix in PDF_SUFFIXES else read_html
+                found = reader(data, limits)
             except UnreadableFile as error:
                 yield CorpusError(str(file), None, str(error))
                 continue

@@ -63,7 +63,6 @@ COVERED_ELSEWHERE: dict[str, str] = {
     # infra: parts of the engine, the store and the caches, tested through their front
     "infra/cache/tiers": "tests/infra/cache/test_answer_cache.py",
     "infra/cache/kv_staging": "tests/infra/cache/test_kv_cache.py",
-    "infra/corpus/formats": _DOCUMENTS,
     "infra/corpus/passages": _DOCUMENTS,
     "infra/embeddings/bert_gguf": "tests/infra/embeddings/test_embedder.py",
     "infra/engine/llama_batch": _LLAMA,
