@@ -51,27 +51,63 @@ def save_calibration(home: Path, cal: SupportCalibration) -> Path:
     return path
 
 
+class CalibrationFileError(ValueError):
+    """A calibration file that cannot be used; the message names it and says what to do,
+    `reason` says why alone."""
+
+    def __init__(self, path: Path, reason: str) -> None:
+        super().__init__(
+            f"ignoring the support calibration {path}: {reason}; run `selfrag calibrate` to "
+            "fit it again (or delete the file)"
+        )
+        self.path = path
+        self.reason = reason
+
+
 def read_calibration(
     home: Path, model_sha256: str, critique: str, collection: str = DEFAULT_COLLECTION
 ) -> SupportCalibration | None:
     """The calibration of this model file, critique and collection in `home`; None when
-    there is none or it cannot be read (logged: the caller falls back to the source's
-    constant)."""
+    there is none or it cannot be used (`load_calibration`'s error is logged: the caller goes
+    on without a threshold, or fits one)."""
+    try:
+        return load_calibration(home, model_sha256, critique, collection)
+    except CalibrationFileError as exc:
+        log.warning("%s", exc)
+        return None
+
+
+def load_calibration(
+    home: Path, model_sha256: str, critique: str, collection: str = DEFAULT_COLLECTION
+) -> SupportCalibration | None:
+    """The calibration of this model file, critique and collection in `home`, None when there
+    is none; `CalibrationFileError` when its file cannot be read, holds a value a fit cannot
+    give (a threshold that is not a finite number in [0, 1], ...), or was written for another
+    model file, critique or collection."""
     path = calibration_path(home, model_sha256, critique, collection)
     if not path.is_file():
         return None
     try:
         doc = load_json(path.read_text(encoding="utf-8"), MAX_JSON_DEPTH)
         cal = SupportCalibration.model_validate(doc)
-    except (OSError, ValueError, ValidationError) as exc:  # JSONInputError: deep nesting too
-        log.warning(
-            "ignoring the unreadable calibration %s (%s): rerun `selfrag calibrate`", path, exc
-        )
-        return None
+    except ValidationError as exc:
+        raise CalibrationFileError(path, invalid_fields(exc)) from None
+    except (OSError, ValueError) as exc:  # JSONInputError: deep nesting too
+        raise CalibrationFileError(path, f"unreadable calibration ({exc})") from None
     fitted_on = cal.index_collection or DEFAULT_COLLECTION  # None: written before collections
     if cal.model_sha256 != model_sha256 or cal.critique != critique or fitted_on != collection:
-        log.warning(
-            "ignoring %s: it was written for another model file, critique or collection", path
+        raise CalibrationFileError(
+            path, "it was written for another model file, critique or collection"
         )
-        return None
     return cal
+
+
+def invalid_fields(exc: ValidationError, shown: int = 3) -> str:
+    """What a validation error found, on one line without pydantic's links: `field.path:
+    message` for the first `shown` fields."""
+    errors = exc.errors(include_url=False)
+    parts = [
+        f"{'.'.join(str(p) for p in e['loc']) or 'the file'}: {e['msg']}" for e in errors[:shown]
+    ]
+    more = f" (and {len(errors) - shown} more)" if len(errors) > shown else ""
+    return "; ".join(parts) + more

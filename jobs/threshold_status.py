@@ -17,10 +17,24 @@ def threshold_status(
 ) -> dict[str, object]:
     """Where the support threshold of `critique` on this model file and index `collection`
     comes from, for `selfrag status`: the calibration (and whether the index changed since),
-    else the source's constant (or none). Reads no model."""
-    from selfrag.infra.calibration_files import calibration_path, read_calibration
+    else the source's constant (or none), with why a calibration file is not used
+    (`invalid`). Reads no model."""
+    from selfrag.infra.calibration_files import (
+        CalibrationFileError,
+        calibration_path,
+        load_calibration,
+    )
 
-    cal = read_calibration(home, model_sha256, critique, collection)
+    try:
+        cal = load_calibration(home, model_sha256, critique, collection)
+    except CalibrationFileError as exc:
+        value = settle_filters(DecodingConfig(), critique).min_support_score
+        return {
+            "min_support_score": value,
+            "calibrated": False,
+            "file": str(exc.path),
+            "invalid": exc.reason,
+        }
     if cal is None:
         value = settle_filters(DecodingConfig(), critique).min_support_score
         return {"min_support_score": value, "calibrated": False}
@@ -37,6 +51,12 @@ def threshold_status(
 
 def describe_threshold(t: dict[str, object]) -> str:
     """`threshold_status` on one line."""
+    if t.get("invalid"):
+        value = t["min_support_score"] or "off"
+        return (
+            f"{value} (the calibration {t['file']} is not used: {t['invalid']}; run `selfrag "
+            "calibrate` to fit it again)"
+        )
     if not t["calibrated"]:
         if not t["min_support_score"]:
             return "off (not calibrated: `selfrag calibrate`)"

@@ -8,8 +8,11 @@ fitted for the embedded SmolLM2-135M-Instruct on the "Normans" questions (docs/e
 from __future__ import annotations
 
 import math
+from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field
+
+Fraction = Annotated[float, Field(ge=0.0, le=1.0)]
 
 
 class LogisticParams(BaseModel):
@@ -72,7 +75,8 @@ class SupportCalibration(BaseModel):
     `.../<model sha256>/collections/<collection>/<critique>.json`.
     """
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # Every number finite: a NaN or infinite threshold passed every check it met later.
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     format: int = 1
     model_sha256: str = Field(description="SHA-256 of the model file it was fitted with.")
@@ -89,10 +93,12 @@ class SupportCalibration(BaseModel):
     )
     min_support_score: float = Field(ge=0.0, le=1.0)
     max_answerable_abstain: float = Field(ge=0.0, lt=1.0)
-    answerable_abstain: float = Field(description="Synthetic answerable pairs below it.")
-    unanswerable_abstain: float | None = Field(description="Synthetic unanswerable pairs below it.")
-    auroc: float | None = Field(description="s_sup's AUROC, answerable vs unanswerable pairs.")
-    auroc_by_trap: dict[str, float | None] = Field(
+    answerable_abstain: Fraction = Field(description="Synthetic answerable pairs below it.")
+    unanswerable_abstain: Fraction | None = Field(
+        description="Synthetic unanswerable pairs below it."
+    )
+    auroc: Fraction | None = Field(description="s_sup's AUROC, answerable vs unanswerable pairs.")
+    auroc_by_trap: dict[str, Fraction | None] = Field(
         default_factory=dict,
         description="s_sup's AUROC, answerable pairs against each kind of unanswerable one "
         "(`pipeline.learning.synthetic_qa.SyntheticPair.trap`).",
@@ -104,7 +110,7 @@ class SupportCalibration(BaseModel):
         description="Pairs the source's default relevance filter (min_relevance) would prune "
         "before drafting, per kind."
     )
-    collections: dict[str, dict[str, float | None]] = Field(
+    collections: dict[str, dict[str, Fraction | None]] = Field(
         default_factory=dict,
         description="Per collection (corpus file) with enough pairs: its own threshold, which "
         "its passages are held to, and what it abstains on; `min_support_score`, the lowest of "

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from pydantic import ValidationError
 
 from selfrag.infra.calibration_files import (
     calibration_path,
@@ -151,3 +152,74 @@ def test_selfrag_calibrate_and_ask_on_another_collection_with_the_real_model(
     assert main(ask) == 0
     response = json.loads(capsys.readouterr().out)
     assert response["config"]["min_support_score"] == cal.min_support_score
+
+
+BAD_NUMBERS = ["NaN", "Infinity", "-Infinity", "-1.0", "1.5"]
+
+
+def _corrupt(path: Path, field: str, value: str) -> None:
+    """`field` (a dotted path) of the calibration at `path` set to the JSON text `value`, as a
+    hand edit or a damaged disk leaves it (NaN and Infinity are what Python's json writes)."""
+    doc = json.loads(path.read_text())
+    *parents, last = field.split(".")
+    target = doc
+    for key in parents:
+        target = target[key]
+    target[last] = "@@"
+    path.write_text(json.dumps(doc, indent=2).replace('"@@"', value))
+
+
+@pytest.mark.parametrize("value", BAD_NUMBERS)
+@pytest.mark.parametrize("field", ["min_support_score", "collections.squad.json.threshold"])
+def test_a_corrupt_threshold_is_not_used_and_the_warning_names_the_file_and_what_to_do(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, field: str, value: str
+):
+    """A per-corpus threshold of NaN, ±Infinity or -1.0 was accepted: `status` still showed the
+    old value, and every answer failed on a raw pydantic error about `support_threshold`."""
+    own = {"squad.json": {"threshold": 0.4, "answerable_abstain": 0.05}}
+    cal = support_calibration(SHA, index_collection=DEFAULT_COLLECTION, collections=own)
+    path = save_calibration(tmp_path, cal)
+    if field.startswith("collections."):
+        doc = json.loads(path.read_text())
+        doc["collections"]["squad.json"]["threshold"] = "@@"
+        path.write_text(json.dumps(doc).replace('"@@"', value))
+    else:
+        _corrupt(path, field, value)
+    with caplog.at_level("WARNING"):
+        assert read_calibration(tmp_path, SHA, "learned") is None
+        assert (
+            CalibratedDefaults(tmp_path, lambda: SHA, lambda: "model-fp").filters("learned") == {}
+        )
+    assert str(path) in caplog.text and "selfrag calibrate" in caplog.text
+    assert "threshold" in caplog.text or "min_support_score" in caplog.text
+    assert "errors.pydantic.dev" not in caplog.text and "validation error" not in caplog.text
+
+
+def test_a_corrupt_calibration_leaves_answers_unfiltered_not_failing(tmp_path: Path):
+    with _runtime(tmp_path) as rt:
+        from selfrag.infra.models.model_files import file_sha256
+
+        own = {"squad.json": {"threshold": 0.4}}
+        cal = _calibration(0.52, DEFAULT_COLLECTION, file_sha256(rt.model.path))
+        path = save_calibration(tmp_path, cal.model_copy(update={"collections": own}))
+        path.write_text(path.read_text().replace('"threshold": 0.4', '"threshold": NaN'))
+        settled = rt.answer_path.settle(DecodingConfig(critique="learned"))
+        assert settled.min_support_score == 0.0 and settled.min_support_score_by_corpus == {}
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("auroc", "NaN"),
+        ("auroc", "1.5"),
+        ("answerable_abstain", "-0.1"),
+        ("unanswerable_abstain", "Infinity"),
+        ("auroc_by_trap.entity", "NaN"),
+        ("answerable.p50", "NaN"),
+    ],
+)
+def test_every_number_of_a_calibration_is_checked_on_load(field: str, value: str, tmp_path: Path):
+    path = save_calibration(tmp_path, support_calibration(SHA, auroc_by_trap={"entity": 0.6}))
+    _corrupt(path, field, value)
+    with pytest.raises(ValidationError):
+        SupportCalibration.model_validate(json.loads(path.read_text()))

@@ -54,3 +54,16 @@ def test_a_calibration_of_several_collections_names_each_ones_threshold(tmp_path
     t = threshold_status(tmp_path, SHA, "learned", "v1", DEFAULT_COLLECTION)
     assert t["by_corpus"] == {"squad.json": 0.61, "wiki.jsonl": 0.52}
     assert describe_threshold(t).endswith("; per corpus squad.json 0.61, wiki.jsonl 0.52)")
+
+
+def test_a_corrupt_calibration_says_so_naming_the_file_and_what_to_do(tmp_path: Path) -> None:
+    """`selfrag status` showed the old threshold of a file whose per-corpus one was NaN."""
+    own = {"squad.json": {"threshold": 0.61}, "wiki.jsonl": {"threshold": 0.52}}
+    path = save_calibration(tmp_path, support_calibration(collections=own))
+    path.write_text(path.read_text().replace("0.61", "NaN"))
+    t = threshold_status(tmp_path, SHA, "learned", "v1", DEFAULT_COLLECTION)
+    assert t["calibrated"] is False and t["file"] == str(path)
+    assert "collections.squad.json.threshold" in str(t["invalid"])
+    line = describe_threshold(t)
+    assert str(path) in line and "selfrag calibrate" in line and "not used" in line
+    assert "pydantic" not in line
