@@ -75,16 +75,18 @@ def _waiting_for(port: int) -> Callable[[str], None]:
 
 def _ready_model(settings: Settings) -> None:
     """Fail here, naming the file, before Ray starts: a missing or corrupt model, or one no
-    CPU backend can run, would otherwise surface as a replica that keeps failing to start.
-    Then fit the served collection's support threshold if it is missing (abstention needs
-    it), while the port answers 503, rather than serve without one."""
+    CPU backend can run, would otherwise surface as a replica that keeps failing to start, and
+    a malformed reflection heads or answerability file as every answer failing. Then fit the
+    served collection's support threshold if it is missing or unusable (abstention needs it),
+    while the port answers 503, rather than serve without one."""
     from selfrag.cli.first_use import calibrate_before_answering
     from selfrag.infra.models.model_presets import recheck_model
     from selfrag.runtime.system import LocalRuntime
 
     recheck_model(settings.model, settings.home)  # its bytes, not its remembered hash
-    # One runtime for both, closed before Ray starts: Serve's replicas open the store next.
+    # One runtime for all, closed before Ray starts: Serve's replicas open the store next.
     with LocalRuntime(settings) as rag:
+        rag.model.check_critique(rag.critique_name(settings.decoding.critique))
         _check_model_runs(rag.model.path, settings.model.n_threads)
         calibrate_before_answering(settings, rag)
 

@@ -176,6 +176,15 @@ class ModelArtefacts(Closeable, ABC):
         """The heads a critic of `source` reads (`auto` and `learned` only)."""
         return self.heads if source in ("auto", "learned") else None
 
+    def check_critique(self, source: str) -> None:
+        """Read the files a critic of the concrete `source` reads (its reflection heads, its
+        answerability model), without an engine: a malformed or mismatched one is a
+        `HeadsError` or `AnswerabilityError` naming it and what to do, here rather than in
+        every answer."""
+        self.critique_heads(source)
+        if self.settings.model.support_read != "verify":
+            self.answerability(source)
+
     def note_critic(self, source: str, critic: Critic) -> None:
         """Called with each critic built for `source` on this model."""
 

@@ -123,9 +123,23 @@ def load_heads(path: Path) -> ReflectionHeads:
             )
         return ReflectionHeads(model_sha256=str(doc["model_sha256"]), groups=groups)
     except HeadsError as exc:
-        raise HeadsError(f"{path}: {exc}") from exc
+        raise HeadsError(f"{path}: {exc}{_refit(path, HEADS_REFIT)}") from exc
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
-        raise HeadsError(f"{path} is not a reflection heads file ({exc})") from exc
+        raise HeadsError(
+            f"{path} is not a reflection heads file ({exc}){_refit(path, HEADS_REFIT)}"
+        ) from exc
+
+
+HEADS_REFIT = "run `selfrag train` to fit them again"
+ANSWERABILITY_REFIT = "run `selfrag train --answerability` to fit it again"
+
+
+def _refit(path: Path, command: str) -> str:
+    """What to do about a bad file at `path`: fit it again (or delete it) in a home; the
+    package's own copy needs a reinstall."""
+    if path.parent == SHIPPED_DIR:
+        return "; the file shipped with selfrag is damaged: reinstall selfrag"
+    return f"; {command}, or delete the file"
 
 
 def check_layout(layout: object, error: type[ValueError], retrain: str) -> None:
@@ -210,6 +224,8 @@ def load_answerability(path: Path) -> AnswerabilityModel:
         )
         return AnswerabilityModel.from_json(doc)
     except AnswerabilityError as exc:
-        raise AnswerabilityError(f"{path}: {exc}") from exc
+        raise AnswerabilityError(f"{path}: {exc}{_refit(path, ANSWERABILITY_REFIT)}") from exc
     except (OSError, ValueError, AttributeError) as exc:
-        raise AnswerabilityError(f"{path} is not an answerability model ({exc})") from exc
+        raise AnswerabilityError(
+            f"{path} is not an answerability model ({exc}){_refit(path, ANSWERABILITY_REFIT)}"
+        ) from exc

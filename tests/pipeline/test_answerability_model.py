@@ -352,6 +352,7 @@ def test_a_degenerate_answerability_file_is_refused_naming_the_file(
     with pytest.raises(AnswerabilityError, match=why) as err:
         load_answerability(path)
     assert str(path) in str(err.value)
+    assert "run `selfrag train --answerability` to fit it again" in str(err.value)
 
 
 def test_probes_of_another_width_than_the_model_are_refused_naming_the_file(

@@ -243,6 +243,8 @@ def test_heads_with_non_finite_weights_are_refused_naming_the_file(tmp_path: Pat
     with pytest.raises(HeadsError, match="not finite") as err:
         load_heads(path)
     assert str(path) in str(err.value) and "'relevance'" in str(err.value)
+    # ... and says what to do about it.
+    assert "run `selfrag train` to fit them again" in str(err.value)
 
 
 def test_a_deeply_nested_heads_file_is_an_error_naming_the_file(tmp_path: Path) -> None:

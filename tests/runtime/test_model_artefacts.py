@@ -99,3 +99,33 @@ def test_closing_closes_an_opened_engine_once(tmp_path: Path) -> None:
     model.close()
     model.close()
     assert closed == ["engine"]
+
+
+def test_the_critiques_files_are_checked_without_an_engine_naming_a_bad_one(
+    tmp_path: Path,
+) -> None:
+    """A heads file with one NaN weight served as ready while every answer failed in the
+    branch pool: `check_critique` reads what a critic of the source reads, before any engine,
+    so `selfrag serve` refuses to start on it."""
+    import base64
+    import json
+
+    import numpy as np
+
+    from selfrag.infra.models.heads_store import save_heads
+    from selfrag.pipeline.heads import GROUP_LABELS, HeadsError
+
+    heads = tmp_path / "heads.json"
+    model = _gguf(tmp_path, heads=heads, answerability=False)
+    rows = {g: np.ones((len(labels), 4), dtype=np.float32) for g, labels in GROUP_LABELS.items()}
+    save_heads(heads, file_sha256(model.path), rows, {})
+    model.check_critique("learned")  # well-formed: nothing to say
+    doc = json.loads(heads.read_text())
+    rows["support"][1, 2] = np.nan
+    doc["groups"]["support"]["float32_base64"] = base64.b64encode(rows["support"]).decode()
+    heads.write_text(json.dumps(doc))
+    fresh = _gguf(tmp_path, heads=heads, answerability=False)
+    fresh.check_critique("likelihood")  # reads no heads
+    with pytest.raises(HeadsError, match="not finite") as err:
+        fresh.check_critique("learned")
+    assert str(heads) in str(err.value) and "selfrag train" in str(err.value)
