@@ -43,6 +43,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     settings = settings_from_args(args)
     host = args.host or settings.serve.host
     port = args.port or settings.serve.port
+    # The flags in the settings too: the app checks Host headers against the bind address.
+    serve_settings = settings.serve.model_copy(update={"host": host, "port": port})
+    settings = settings.model_copy(update={"serve": serve_settings})
     # Until Serve's proxy takes the port: 503 with Retry-After, not a refused connection. First
     # thing, before the imports, checks and Ray that take seconds to minutes.
     starting = StartingResponder(host, port, settings.serve.retry_after_s)
