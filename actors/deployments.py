@@ -278,4 +278,6 @@ class SelfRAGIngress:
             allowed_hosts=self._serve_settings.allowed_hosts,
             # Serve's proxy sets X-Request-Id on the request and echoes it on the response.
             request_id_header=False,
+            # Ready only once an answer went through every deployment (guards.AnswerSelfTest).
+            self_test=True,
         )

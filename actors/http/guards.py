@@ -1,6 +1,6 @@
 """What keeps a web page, a rebound DNS name or a flood of probes from using the HTTP API:
 the JSON content type on every POST, the Host check of a loopback server, and the readiness
-check shared by every caller within a second.
+check shared by every caller within a second, with its answer self-test.
 
 A browser sends a cross-site POST without asking first (no CORS preflight) only when its
 Content-Type is `text/plain`, `multipart/form-data` or `application/x-www-form-urlencoded`;
@@ -12,6 +12,7 @@ loopback server under its own name in `Host`: the check refuses any name but the
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Awaitable, Callable, Iterable
 
@@ -19,6 +20,11 @@ from fastapi import Request
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from selfrag.infra.settings_loader import is_loopback
+from selfrag.runtime.answer_client import AnswerClient
+from selfrag.schemas.answer import AnswerRequest
+from selfrag.schemas.errors import DeadlineExceeded, Overloaded
+
+log = logging.getLogger("selfrag.http")
 
 JSON_MEDIA_TYPE = "application/json"
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
@@ -137,3 +143,100 @@ class SharedReadiness:
             return
         exc = task.exception()
         self._last = (time.monotonic(), exc if exc is not None else task.result())
+
+
+# The self-test's question: one segment of a few tokens from one retrieved passage, through the
+# retrieval decision, the retriever, the critique, the thresholds and the ranker. Sampled (no
+# seed), so that it is never a query-cache hit: the path itself must answer.
+SELF_TEST_REQUEST = {
+    "question": "What is this collection about?",
+    "config": {
+        "mode": "always",
+        "top_k": 1,
+        "max_segments": 1,
+        "max_segment_tokens": 4,
+        "temperature": 0.7,
+    },
+}
+SELF_TEST_RETRY_S = 10.0
+"""How long after a failed self-test the next one starts (at the next readiness check)."""
+SELF_TEST_RECHECK_S = 300.0
+"""How long a passed self-test holds before one runs again."""
+SELF_TEST_TIMEOUT_S = 120.0
+
+
+class AnswerSelfTest:
+    """Readiness with one answer through the whole answer path: a dependency can answer its
+    probe while every answer fails (a corrupt heads file, threshold or answerability model
+    read by the engine replicas). Once the dependencies are ready, a test answer runs in the
+    background (`SELF_TEST_REQUEST`); the check `answer` is False until one has passed, and
+    again after one fails. It runs again `retry_s` after a failure and `recheck_s` after a
+    pass. A test turned away by load (`Overloaded`) or past its deadline tells nothing about
+    the path: the last outcome stands. Each failure is logged (WARNING) with its cause, once
+    per distinct message. The test answer counts in the answer metrics like any other."""
+
+    def __init__(
+        self,
+        client: AnswerClient,
+        *,
+        retry_s: float = SELF_TEST_RETRY_S,
+        recheck_s: float = SELF_TEST_RECHECK_S,
+        timeout_s: float = SELF_TEST_TIMEOUT_S,
+    ) -> None:
+        self._client = client
+        self._retry_s = retry_s
+        self._recheck_s = recheck_s
+        self._timeout_s = timeout_s
+        self._passed = False
+        self._due = 0.0  # time.monotonic() when the next test may start
+        self._running: asyncio.Task[None] | None = None
+        self._last_failure: str | None = None
+
+    async def readiness(self) -> dict[str, bool]:
+        """The client's readiness checks and `answer`: whether a test answer passed."""
+        checks = await self._client.readiness()
+        if all(checks.values()):
+            self._start_if_due()
+        checks["answer"] = self._passed
+        return checks
+
+    async def settled(self) -> None:
+        """Wait for the test running now, if any (for tests and shutdown)."""
+        if self._running is not None and not self._running.done():
+            await asyncio.shield(self._running)
+
+    def _start_if_due(self) -> None:
+        loop = asyncio.get_running_loop()
+        task = self._running
+        if task is not None and not task.done() and task.get_loop() is loop:
+            return  # one at a time (a task of a loop now gone never ends: start anew)
+        if time.monotonic() < self._due:
+            return
+        self._running = loop.create_task(self._test())
+
+    async def _test(self) -> None:
+        request = AnswerRequest.model_validate(SELF_TEST_REQUEST)
+        try:
+            async with asyncio.timeout(self._timeout_s):
+                await self._client.run(request)
+        except (Overloaded, DeadlineExceeded, TimeoutError) as exc:
+            log.info("readiness: the answer self-test told nothing (%s); trying again later", exc)
+            self._due = time.monotonic() + self._retry_s
+        except Exception as exc:
+            self._passed = False
+            self._due = time.monotonic() + self._retry_s
+            message = f"{type(exc).__name__}: {exc}"
+            if message != self._last_failure:
+                self._last_failure = message
+                log.warning(
+                    "readiness: an answer through the whole path failed, so this server is "
+                    "not ready until one passes (%s)",
+                    message,
+                    exc_info=exc,
+                )
+        else:
+            if not self._passed and self._last_failure is not None:
+                log.warning("readiness: the answer self-test passes again")
+            self._passed = True
+            self._last_failure = None
+            self._due = time.monotonic() + self._recheck_s

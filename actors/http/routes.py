@@ -30,7 +30,12 @@ from pydantic import SecretStr
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from selfrag.actors.http.documents_routes import DocumentService, add_document_routes
-from selfrag.actors.http.guards import HostCheck, SharedReadiness, require_json
+from selfrag.actors.http.guards import (
+    AnswerSelfTest,
+    HostCheck,
+    SharedReadiness,
+    require_json,
+)
 from selfrag.actors.http.metrics import Metrics
 from selfrag.actors.http.openai_routes import add_openai_routes
 from selfrag.actors.http.playground import add_playground
@@ -194,13 +199,15 @@ def build_http_app(
     readiness_ttl_s: float = 1.0,
     request_id_header: bool = True,
     documents: DocumentService | None = None,
+    self_test: bool = False,
 ) -> FastAPI:
     """The FastAPI app. With `api_keys`, `/v1/*` and `/metrics` need one of them as
     `Authorization: Bearer <key>` or `X-API-Key: <key>`; probes, the OpenAPI document and
     the playground page stay open. Every POST needs `Content-Type: application/json` (415).
     When `bind_host` (the address the server listens on) is loopback, a request whose
     `Host` names neither loopback, `bind_host` nor one of `allowed_hosts` gets 421.
-    `/readyz` reuses one check's result for `readiness_ttl_s` seconds.
+    `/readyz` reuses one check's result for `readiness_ttl_s` seconds; with `self_test` it is
+    ready only once a test answer went through the whole path (`guards.AnswerSelfTest`).
     Every 503 carries `Retry-After: retry_after_s`. Each answer is logged at INFO with its
     status, latency and request id; the question text only with `log_questions`. A stream
     sends `: keep-alive` every `keepalive_s` without an event; a body over `max_body_bytes`
@@ -214,7 +221,8 @@ def build_http_app(
     app = _app_with_edge(title, metrics, failures, max_body_bytes, host_check, request_id_header)
     authed = [Depends(api_key_check(api_keys))]
     posted = [*authed, Depends(require_json)]
-    readiness = SharedReadiness(service.readiness, readiness_ttl_s)
+    check = AnswerSelfTest(service).readiness if self_test else service.readiness
+    readiness = SharedReadiness(check, readiness_ttl_s)
 
     _add_answer_routes(app, service, metrics, failures, log_answer, posted, keepalive_s)
     _add_probe_routes(app, service, metrics, failures, readiness, authed)

@@ -78,6 +78,11 @@ def api(
     settings = load_settings(environ=env)
     serve.run(build_app(settings), name=APP_NAME, route_prefix="/")
     with httpx.Client(base_url=f"http://127.0.0.1:{ray_session}", timeout=180) as client:
+        # Ready once the ingress's self-test answered through every deployment.
+        deadline = time.monotonic() + 180
+        while (ready := client.get("/readyz")).status_code != 200:
+            assert time.monotonic() < deadline, ready.text
+            time.sleep(0.5)
         yield client
     # Frees the embedded Qdrant folder for other modules.
     serve.delete(APP_NAME)
@@ -160,7 +165,8 @@ def test_readiness_and_health(api: httpx.Client):
     assert health.headers.get_list("x-request-id") == ["probe-1"]
     r = api.get("/readyz")
     assert r.status_code == 200, r.text
-    assert r.json() == {"ready": True, "checks": {"model": True, "store": True, "cache": True}}
+    checks = {"model": True, "store": True, "cache": True, "answer": True}
+    assert r.json() == {"ready": True, "checks": checks}
     assert "/v1/answer" in api.get("/openapi.json").json()["paths"]
 
 

@@ -237,3 +237,70 @@ def test_a_failing_readiness_check_is_shared_too(caplog: pytest.LogCaptureFixtur
         assert r.status_code == 503 and "s3cret" not in r.text
     assert service.checks == 1
     assert "s3cret" in caplog.text
+
+
+# --- the answer self-test of readiness -----------------------------------------------------
+
+
+def _ready_after(client: TestClient, limit_s: float = 10.0) -> httpx.Response:
+    """`/readyz` polled until it is 200 (or `limit_s` passed): the self-test runs in the
+    background."""
+    deadline = time.monotonic() + limit_s
+    while True:
+        r = client.get("/readyz")
+        if r.status_code == 200 or time.monotonic() > deadline:
+            return r
+        time.sleep(0.02)
+
+
+def test_readiness_answers_one_question_through_the_whole_path_first():
+    """A corrupt heads file failed every answer (500) while each dependency answered its own
+    probe: /readyz said 200 all along."""
+    service = FakeService(fail=ValueError("heads.json: weights that are not finite"))
+    with TestClient(build_http_app(service, Metrics(), readiness_ttl_s=0.0, self_test=True)) as c:
+        r = _ready_after(c, 1.0)
+        assert r.status_code == 503
+        assert r.json()["checks"] == {"model": True, "store": True, "cache": True, "answer": False}
+        assert service.seen and service.seen[0].config.model_dump(exclude_unset=True)["mode"] == (
+            "always"
+        )
+        # The test answer is sampled, so no query cache can answer it in the path's place.
+        assert service.seen[0].config.model_dump(exclude_unset=True)["temperature"] > 0
+        service.fail = None  # fixed (a new replica, a file put right): ready once one passes
+        r = _ready_after(c)
+        assert r.status_code == 200 and r.json()["checks"]["answer"] is True
+
+
+def test_the_self_test_waits_for_the_dependencies_and_is_not_repeated_while_it_passes():
+    service = FakeService(ready={"model": False, "store": True, "cache": True})
+    with TestClient(build_http_app(service, Metrics(), readiness_ttl_s=0.0, self_test=True)) as c:
+        for _ in range(3):
+            assert c.get("/readyz").json()["checks"]["answer"] is False
+        assert service.seen == []  # nothing to answer with yet
+        service.ready["model"] = True
+        assert _ready_after(c).status_code == 200
+        for _ in range(5):
+            assert c.get("/readyz").status_code == 200
+        assert len(service.seen) == 1
+
+
+def test_a_busy_server_keeps_the_readiness_its_self_test_gave(caplog: pytest.LogCaptureFixture):
+    """A self-test turned away because the server is at its in-flight limit (or past its
+    deadline) tells nothing about the path: the last outcome stands."""
+    from selfrag.actors.http.guards import AnswerSelfTest
+    from selfrag.schemas.errors import Overloaded
+
+    async def scenario() -> list[bool]:
+        service = FakeService()
+        self_test = AnswerSelfTest(service, retry_s=0.0, recheck_s=0.0)
+        seen = []
+        for fail in (None, Overloaded("busy"), ValueError("broken")):
+            service.fail = fail
+            await self_test.readiness()
+            await self_test.settled()
+            seen.append((await self_test.readiness())["answer"])
+        return seen
+
+    caplog.set_level("WARNING", logger="selfrag.http")
+    assert asyncio.run(scenario()) == [True, True, False]
+    assert "broken" in caplog.text and "busy" not in caplog.text
