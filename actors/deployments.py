@@ -14,7 +14,9 @@ schedules a replica asking for more CPUs than the cluster has, and `serve.run` w
 Every replica records its metrics through `ray.serve.metrics` (`actors.http.metrics.RaySink`), which
 Ray's metrics agent exports per node, tagged with the replica; the ingress also keeps them in a
 registry of its own for `GET /metrics`. Each replica's selfrag log records go where Serve's own
-go (`adopt_serve_logging`), at `serve.log_level` and in `serve.log_encoding`.
+go (`adopt_serve_logging`), at `serve.log_level` and in `serve.log_encoding`. Each replica's
+inter-deployment gRPC server binds the node's address when that is loopback
+(`runtime.ray_cluster.loopback_replica_grpc`, in each constructor).
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from selfrag.runtime.answering import AnswerPath, Deadline
 from selfrag.runtime.engine_worker import EngineWorker
 from selfrag.runtime.merging import MergedCritic
 from selfrag.runtime.passage_service import PassageService
+from selfrag.runtime.ray_cluster import loopback_replica_grpc
 from selfrag.runtime.ray_logs import (
     is_terminal_handler,
     serve_logs_to_files_only,
@@ -98,6 +101,7 @@ class _EngineWorker:
 
     def __init__(self, settings: Settings, max_threads: int) -> None:
         adopt_serve_logging(settings.serve.log_level)
+        loopback_replica_grpc()
         self.metrics = EngineMetrics([RaySink()])
         self._worker = EngineWorker(
             settings,
@@ -208,12 +212,16 @@ class Retriever(PassageService):
 
     def __init__(self, settings: Settings) -> None:
         adopt_serve_logging(settings.serve.log_level)
+        loopback_replica_grpc()
         super().__init__(settings)
 
 
 @serve.deployment(ray_actor_options={"num_cpus": 0.1}, max_ongoing_requests=64)
 class Ranker:
     """Critique-weighted scores, hard filters and the segment beam of one step."""
+
+    def __init__(self) -> None:
+        loopback_replica_grpc()
 
     def rank(
         self,
@@ -240,6 +248,7 @@ class SelfRAGIngress:
         settings: Settings,
     ) -> None:
         adopt_serve_logging(settings.serve.log_level)
+        loopback_replica_grpc()
         # Its own registry for GET /metrics, and Ray's export with every other replica's.
         self._metrics = Metrics(PrometheusSink("ingress"), RaySink())
         self._service = ServeAnswerService(

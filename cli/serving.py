@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from selfrag.cli.common import settings_from_args
-from selfrag.runtime.ray_cluster import PORT_WAIT_S, starts_private, wait_for_port
+from selfrag.runtime.ray_cluster import PORT_WAIT_S, reap_orphans, starts_private, wait_for_port
 from selfrag.schemas.settings import Settings
 
 if TYPE_CHECKING:
@@ -46,6 +46,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     # The flags in the settings too: the app checks Host headers against the bind address.
     serve_settings = settings.serve.model_copy(update={"host": host, "port": port})
     settings = settings.model_copy(update={"serve": serve_settings})
+    if starts_private(args.address):
+        # What a server killed outright left (its proxy on this port, its store's replica, its
+        # agents' ports) goes before anything here needs them.
+        reap_orphans()
     # Until Serve's proxy takes the port: 503 with Retry-After, not a refused connection. First
     # thing, before the imports, checks and Ray that take seconds to minutes.
     starting = StartingResponder(host, port, settings.serve.retry_after_s)

@@ -13,6 +13,11 @@ on every interface), and it runs in Ray's token mode with a random token that on
 processes inherit, which the GCS, raylet and the dashboard agent's HTTP API (job submission
 among it) require. No dashboard is started.
 
+Serve's replicas also serve each other over gRPC, on a port Ray 2.60 binds on every interface
+(`[::]:0`, with no setting); `loopback_replica_grpc`, called in each replica before Serve opens
+that port, binds it to the node's address instead when that is loopback (the callers dial the
+node's address).
+
 `stop_private_ray` finds the processes of a private instance by its session folder, which each
 of them holds files open in (its logs), and by `OWNER_ENV`, which each inherits: a process title
 can overwrite the start of the environment block (Ray's agents: "ray::DashboardAgent"), open
@@ -20,13 +25,17 @@ files it cannot. Ray's workers run in process groups of their own, so a signal t
 serve`'s process group does not reach them, and they outlive a killed GCS and raylet for a
 while; Serve's HTTP proxy among them keeps its port, bound with SO_REUSEPORT, which a new proxy
 on that port would then share with it. `wait_for_port` keeps a new server from sharing a port
-with anything.
+with anything. A starter killed outright stops nothing: its instance's agents keep their ports
+(the job agent's among them) for minutes. So the session folder names its starter
+(`OWNER_FILE`), and the next private start (`reap_orphans`) kills what is left of instances whose
+starter is gone.
 """
 
 from __future__ import annotations
 
 import errno
 import functools
+import logging
 import os
 import secrets
 import signal
@@ -39,6 +48,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
+
+log = logging.getLogger(__name__)
 
 # A GCS that is up accepts a connection in milliseconds, even across a data centre.
 CONNECT_TIMEOUT_S = 3.0
@@ -64,6 +75,10 @@ SERVE_PERIODS = {
 }
 # The session folder of the private instance this process started (None: none).
 _session: Path | None = None
+# The file in a private instance's session folder that names its starter: "PID START", START
+# the process's start time in clock ticks since boot (/proc/PID/stat), so a reused pid is not
+# taken for it.
+OWNER_FILE = "selfrag_owner"
 # How long `selfrag serve` waits for its port to be released by a server stopped just before.
 PORT_WAIT_S = 60.0
 
@@ -87,6 +102,7 @@ def init_ray(address: str | None, *, log_to_driver: bool) -> bool:
     address = address or os.environ.get("RAY_ADDRESS") or None
     target = None if address in (None, "local") else _target(address)
     if target is None:
+        reap_orphans()
         _private_environment()
         with _daemons_in_their_own_group():
             ray.init(
@@ -97,6 +113,7 @@ def init_ray(address: str | None, *, log_to_driver: bool) -> bool:
             )
         global _session
         _session = Path(ray._private.worker._global_node.get_session_dir_path())
+        (_session / OWNER_FILE).write_text(_owner_id(os.getpid()) or "")
         return True
     host, port, shown = target
     try:
@@ -128,7 +145,7 @@ def _private_environment() -> None:
     os.environ["RAY_AUTH_MODE"] = "token"
     os.environ["RAY_AUTH_TOKEN"] = secrets.token_urlsafe(32)
     Config.initialize("")  # this process read its Ray config at import: read the mode again
-    os.environ[OWNER_ENV] = f"{os.getpid()}-{secrets.token_hex(8)}"
+    os.environ[OWNER_ENV] = f"{os.getpid()}-{secrets.token_hex(8)}-{_owner_id(os.getpid())}"
     for name, value in SERVE_PERIODS.items():
         os.environ.setdefault(name, value)
 
@@ -153,6 +170,111 @@ def _daemons_in_their_own_group() -> Iterator[None]:
         yield
     finally:
         services.ConsolePopen = popen
+
+
+def loopback_replica_grpc() -> None:
+    """In a Serve replica on a node whose address is loopback (a private instance), make the
+    replica's inter-deployment gRPC server bind that address instead of every interface: Ray
+    2.60 binds it to `[::]:0` with no setting, and its callers dial the node's address and the
+    port. Call it in the replica before Serve opens that server (the deployment's
+    constructor); elsewhere (a cluster's node, no Ray) it changes nothing. Ray is pinned, so
+    this internal name is the one this code was tested with."""
+    import ray
+
+    if not ray.is_initialized():
+        return
+    node = str(ray.get_runtime_context().worker.node_ip_address or "")
+    if not _is_loopback(node):
+        return
+    from ray.serve._private import replica
+
+    bind = replica.add_port_to_grpc_server
+    if getattr(bind, "selfrag_node", None) is not None:
+        return
+
+    def on_node_address(server: Any, address: str) -> int:
+        host, _, port = address.rpartition(":")
+        return int(bind(server, f"{node}:{port}" if host == "[::]" else address))
+
+    on_node_address.selfrag_node = node  # type: ignore[attr-defined]
+    replica.add_port_to_grpc_server = on_node_address
+
+
+def _is_loopback(address: str) -> bool:
+    from selfrag.infra.settings_loader import is_loopback
+
+    return bool(address) and is_loopback(address)
+
+
+def _owner_id(pid: int) -> str | None:
+    """ "PID START" of a live process (START: its start time, /proc/PID/stat's 22nd field),
+    which a later process with the same pid does not share; None when it is gone (or there is
+    no /proc)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return f"{pid} {stat.rsplit(')', 1)[1].split()[19]}"
+
+
+def reap_orphans(wait_s: float = STOP_WAIT_S) -> int:
+    """SIGKILL what is left of the private instances whose starter is gone (killed outright,
+    it stopped nothing): every process running Ray or this Python that holds files open in a
+    session folder whose `OWNER_FILE` names a process no longer running, or whose
+    `OWNER_ENV` mark names one; then wait up to `wait_s` for them to be gone, so that their
+    ports are free. Instances whose starter runs, and clusters (no such file), are left
+    alone. Returns how many were killed."""
+    if not Path("/proc/self/stat").exists():
+        return 0
+    sessions: dict[str, bool] = {}  # session folder -> whether its starter is gone
+
+    def orphaned_session(target: str) -> bool:
+        head, sep, _ = target.partition("/logs/")
+        if not sep or "/session_" not in head:
+            return False
+        if head not in sessions:
+            try:
+                owner = (Path(head) / OWNER_FILE).read_text().strip()
+            except OSError:
+                owner = ""  # not a private instance of selfrag's, or not readable
+            sessions[head] = bool(owner) and _owner_id(int(owner.split()[0])) != owner
+        return sessions[head]
+
+    def orphaned_mark(entry: Path) -> bool:
+        for item in (entry / "environ").read_bytes().split(b"\0"):
+            if item.startswith(f"{OWNER_ENV}=".encode()):
+                parts = item.decode(errors="replace").split("=", 1)[1].split("-")
+                if len(parts) == 3 and parts[2]:  # PID-TOKEN-"PID START"
+                    return _owner_id(int(parts[0])) != parts[2]
+        return False
+
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            if not _runs_ray(entry):
+                continue
+            targets = (os.readlink(fd) for fd in (entry / "fd").iterdir())
+            if orphaned_mark(entry) or any(map(orphaned_session, targets)):
+                found.append(int(entry.name))
+        except (OSError, ValueError):  # gone meanwhile, another user's, or a stranger's mark
+            continue
+    if found:
+        log.info(
+            "stopping %d processes of a private Ray instance whose starter was killed (its "
+            "agents and workers keep their ports until then)",
+            len(found),
+        )
+    for pid in found:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + wait_s
+    while any(map(_exiting, found)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return len(found)
 
 
 def starts_private(address: str | None) -> bool:

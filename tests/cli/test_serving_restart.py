@@ -70,11 +70,25 @@ def _owned(server_pid: int) -> list[int]:
 
 
 class Server:
-    """`selfrag serve --port P` in a process group of its own, as a supervisor runs it."""
+    """`selfrag serve --port P` in a process group of its own, as a supervisor runs it;
+    `host`: its `--host`, `env`: more of its environment."""
 
-    def __init__(self, home: Path, port: int, log: Path) -> None:
-        env = {**os.environ, "SELFRAG_HOME": str(home), "SELFRAG_MODEL__N_THREADS": "1"}
+    def __init__(
+        self,
+        home: Path,
+        port: int,
+        log: Path,
+        host: str | None = None,
+        env: dict[str, str] | None = None,
+    ) -> None:
+        env = {
+            **os.environ,
+            "SELFRAG_HOME": str(home),
+            "SELFRAG_MODEL__N_THREADS": "1",
+            **(env or {}),
+        }
         cmd = [sys.executable, "-m", "selfrag.cli", "serve", "--port", str(port)]
+        cmd += ["--host", host] if host else []
         self.url = f"http://127.0.0.1:{port}"
         self.log = log
         with log.open("ab") as out:

@@ -294,3 +294,41 @@ def test_a_private_instances_workers_run_serve_at_its_periods_or_the_operators(
 
     assert private_run["periods"] == SERVE_PERIODS | {OPERATORS_PERIOD: "250"}
     assert SERVE_PERIODS[OPERATORS_PERIOD] != "250"
+
+
+def _holding_a_log_in(session: Path) -> subprocess.Popen[bytes]:
+    """A Python process with a file open in `session`'s logs, as each of a Ray instance's
+    processes has (its agents included, whose titles can overwrite their environment)."""
+    (session / "logs").mkdir(parents=True, exist_ok=True)
+    code = "import sys, time; f = open(sys.argv[1], 'a'); time.sleep(120)"
+    return subprocess.Popen([sys.executable, "-c", code, str(session / "logs" / "agent.out")])
+
+
+def test_the_next_start_reaps_an_instance_whose_starter_was_killed_and_no_other(
+    tmp_path: Path,
+) -> None:
+    """After a SIGKILL of `selfrag serve`, Ray's agents kept their ports (the job agent's among
+    them) for minutes. What a live starter runs, or a cluster without the file, stays."""
+    from selfrag.runtime.ray_cluster import OWNER_FILE, _owner_id, reap_orphans
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead_owner = _owner_id(gone.pid)
+    gone.wait()
+    sessions = {name: tmp_path / f"session_{name}" for name in ("orphan", "live", "cluster")}
+    sessions["orphan"].mkdir()
+    (sessions["orphan"] / OWNER_FILE).write_text(dead_owner or f"{gone.pid} 0")
+    sessions["live"].mkdir()
+    (sessions["live"] / OWNER_FILE).write_text(_owner_id(os.getpid()) or "")
+    held = {name: _holding_a_log_in(folder) for name, folder in sessions.items()}
+    try:
+        deadline = time.monotonic() + 10
+        while not all(_holding_files_in(str(f)) for f in sessions.values()):
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert reap_orphans() >= 1
+        assert held["orphan"].wait(5) == -9
+        assert held["live"].poll() is None and held["cluster"].poll() is None
+    finally:
+        for proc in held.values():
+            proc.kill()
+            proc.wait()
