@@ -38,6 +38,7 @@ from pydantic_settings import (
     TomlConfigSettingsSource,
 )
 
+from selfrag.infra.engine.cpu_builds.cpu_variants import CPU_BACKEND_ENV
 from selfrag.schemas.settings import Settings
 
 log = logging.getLogger("selfrag.settings")
@@ -50,7 +51,7 @@ CONFIG_ENV = "SELFRAG_CONFIG"
 API_KEYS_ENV = "SELFRAG_API_KEYS"
 # Read by scripts/install.sh: the model presets to install.
 MODELS_ENV = "SELFRAG_MODELS"
-_NOT_SETTINGS = frozenset({CONFIG_ENV, API_KEYS_ENV, MODELS_ENV})
+_NOT_SETTINGS = frozenset({CONFIG_ENV, API_KEYS_ENV, MODELS_ENV, CPU_BACKEND_ENV})
 CALIBRATION_FILE = "calibration.toml"
 
 

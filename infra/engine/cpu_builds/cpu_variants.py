@@ -7,6 +7,9 @@ import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
 
+# The environment variable that limits a process to one variant (`llama_cpu_builds`), not a
+# setting: the backend is chosen per process, its probes in children that inherit it.
+CPU_BACKEND_ENV = "SELFRAG_CPU_BACKEND"
 # The instruction sets each variant of `GGML_CPU_ALL_VARIANTS` is compiled for
 # (ggml/src/CMakeLists.txt); used to name what a failing variant needs beyond the next one.
 VARIANT_FEATURES: dict[str, tuple[str, ...]] = {

@@ -13,6 +13,10 @@ and CPU, so each combination is probed once per machine.
 
 A build without variants (one built-in CPU backend) is probed the same way: a crash becomes an
 `EngineError` naming the model file and the features the build was compiled for.
+
+`SELFRAG_CPU_BACKEND=NAME` (`CPU_BACKEND_ENV`, e.g. `haswell`, `x64`) limits the choice to that
+backend, when this CPU runs it: to see on one machine what another computes (an AVX2-only CI
+runner), or to rule out one backend.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from importlib import metadata
 from pathlib import Path
 
 from selfrag.infra.engine.cpu_builds.cpu_variants import (
+    CPU_BACKEND_ENV,
     BackendError,
     Variant,
     library_dir,
@@ -367,7 +372,23 @@ def check_backend(model: Path, *, n_threads: int, cache_dir: Path | None = None)
     fail with the reason before it starts replicas or actors, and fills the probe cache they
     read."""
     cache = ProbeCache(cache_dir or default_cache_dir())
-    return choose_backend(model, candidates(cache), cache, n_threads)
+    return choose_backend(model, _forced(candidates(cache)), cache, n_threads)
+
+
+def _forced(ranked: list[Variant]) -> list[Variant]:
+    """`ranked`, or only the backend `CPU_BACKEND_ENV` names; `BackendError` when this CPU
+    has no such backend."""
+    name = os.environ.get(CPU_BACKEND_ENV, "").strip()
+    if not name:
+        return ranked
+    chosen = [v for v in ranked if v.name == name]
+    if not chosen:
+        names = ", ".join(v.name for v in ranked)
+        raise BackendError(
+            f"{CPU_BACKEND_ENV}={name}: no such llama.cpp CPU backend runs on this CPU "
+            f"(these do: {names})"
+        )
+    return chosen
 
 
 def loaded_backend() -> Variant | None:

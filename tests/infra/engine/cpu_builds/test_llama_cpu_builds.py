@@ -239,3 +239,29 @@ def test_serve_stops_before_ray_when_llama_cpp_cannot_load_the_model(
     err = capsys.readouterr().err
     assert code == 2
     assert f"llama.cpp cannot run the model {model}" in err and "Traceback" not in err
+
+
+def test_the_environment_can_force_one_backend(
+    tmp_path: Path, cache: ProbeCache, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """CI lands on AVX2-only machines too: a run on another machine forces their backend
+    (`SELFRAG_CPU_BACKEND=haswell`) to see what they compute."""
+    from selfrag.infra.engine.cpu_builds import llama_cpu_builds
+    from selfrag.infra.engine.cpu_builds.cpu_variants import CPU_BACKEND_ENV
+    from selfrag.infra.engine.cpu_builds.llama_cpu_builds import check_backend
+    from selfrag.infra.settings_loader import load_settings
+
+    model = tmp_path / "model.gguf"
+    model.write_bytes(b"GGUF")
+    ranked = [Variant(n, _library(tmp_path, n), s) for n, s in (("zen4", 90), ("haswell", 60))]
+    for variant in ranked:
+        cache.put(cache.model_key(model, variant), asdict(ProbeResult(True, "")))
+    monkeypatch.setattr(llama_cpu_builds, "candidates", lambda _: ranked)
+    assert check_backend(model, n_threads=1, cache_dir=cache.folder).name == "zen4"
+    monkeypatch.setenv(CPU_BACKEND_ENV, "haswell")
+    assert check_backend(model, n_threads=1, cache_dir=cache.folder).name == "haswell"
+    monkeypatch.setenv(CPU_BACKEND_ENV, "icelake")
+    with pytest.raises(BackendError, match=r"SELFRAG_CPU_BACKEND=icelake.*zen4, haswell"):
+        check_backend(model, n_threads=1, cache_dir=cache.folder)
+    # Not a setting: the settings neither refuse nor report it.
+    load_settings(environ={CPU_BACKEND_ENV: "haswell", "SELFRAG_HOME": str(tmp_path)})
