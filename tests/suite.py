@@ -7,3 +7,11 @@ SUITE_ENV = {
     # `selfrag ask` would calibrate first (minutes); tests that want it turn it on.
     "SELFRAG_MODEL__CALIBRATE_ON_FIRST_USE": "false",
 }
+
+# How far a cosine of two embeddings may move when a text is embedded in another batch (other
+# texts beside it, another length): the embedder's weights are float16, and llama.cpp rounds a
+# matmul's inputs to float16 on some kernel paths and not others, as the batch's shape and the
+# CPU's backend choose. So such a cosine is exact to float16's epsilon, 2**-10, not to the last
+# bits of a float32: 1e-4 failed on an AVX2-only machine (1.23e-4); measured moves reach about
+# 1e-4 on the x64, AVX2 and AVX-512 backends alike (notes/hardening.md).
+EMBEDDING_COSINE_TOLERANCE = 2.0**-10
