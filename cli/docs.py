@@ -75,18 +75,26 @@ def _remove_via_server(settings: Settings, held: StoreHeld, refs: list[str]) -> 
 
 
 def render_documents(docs: list[DocumentInfo]) -> str:
-    """One line a document: id, passages, indexed at, title, source."""
+    """One line a document: id, passages, indexed at, title, source; and a last line saying so
+    when a control character of one was shown as U+FFFD."""
     if not docs:
         return "no documents indexed"
     width = min(max(len(shown(d.id)) for d in docs), 48)
     lines = [f"{'id':<{width}} {'passages':>8}  {'indexed at':<25} title — source"]
+    replaced = False
     for d in docs:
-        title = shown(d.title or "")
-        source = shown(d.source or d.url or "")
+        fields = (d.id, d.title or "", d.source or d.url or "")
+        ident, title, source = (shown(f) for f in fields)
+        replaced = replaced or (ident, title, source) != tuple(f.replace("\n", " ") for f in fields)
         lines.append(
-            f"{shown(d.id):<{width}} {d.passages:>8}  {d.indexed_at or '':<25} {title} — {source}"
+            f"{ident:<{width}} {d.passages:>8}  {d.indexed_at or '':<25} {title} — {source}"
         )
     lines.append(f"{len(docs)} documents, {sum(d.passages for d in docs)} passages")
+    if replaced:
+        lines.append(
+            "\ufffd stands for a control or format character (an escape, a tab, a bidirectional "
+            "override) not printed; the stored text is unchanged: `docs list --json` gives it"
+        )
     return "\n".join(lines)
 
 

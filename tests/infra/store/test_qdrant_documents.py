@@ -424,7 +424,8 @@ def test_cli_docs_list_rm_and_reindex_removal(
     from selfrag.cli import main
 
     folder = _folder(tmp_path)
-    (folder / "evil.txt").write_text("Title with \x1b]0;PWNED\x07 escape.", encoding="utf-8")
+    evil = "# Title with \x1b]0;PWNED\x07 escape.\n\nA text.\n"
+    (folder / "evil.md").write_text(evil, encoding="utf-8")
     home = ["--home", str(tmp_path / "home")]
     index = [*home, "index", "--no-progress", "--no-calibrate"]
     assert main([*index, str(folder)]) == 0
@@ -435,11 +436,16 @@ def test_cli_docs_list_rm_and_reindex_removal(
         "notes.txt",
         "guide.md",
         "paper.pdf",
-        "evil.txt",
+        "evil.md",
     }
+    titles = [d["title"] for d in listed]
+    assert "Title with \x1b]0;PWNED\x07 escape." in titles  # as stored, in JSON
     assert main([*home, "docs", "list"]) == 0
     table = capsys.readouterr().out
     assert "\x1b" not in table and "4 documents" in table
+    # The escape is shown as U+FFFD, and the table says so (the stored title is unchanged).
+    assert "Title with \ufffd]0;PWNED\ufffd escape." in table
+    assert table.rstrip().endswith("`docs list --json` gives it")
 
     (folder / "notes.txt").unlink()
     assert main([*index, str(folder)]) == 0
@@ -450,7 +456,7 @@ def test_cli_docs_list_rm_and_reindex_removal(
     out = capsys.readouterr().out
     assert "removed 2 documents" in out and "no indexed document is nothing-here" in out
     assert main([*home, "docs", "list", "--json"]) == 0
-    assert [Path(d["source"]).name for d in json.loads(capsys.readouterr().out)] == ["evil.txt"]
+    assert [Path(d["source"]).name for d in json.loads(capsys.readouterr().out)] == ["evil.md"]
 
     # Another collection in the same home is kept apart.
     other = tmp_path / "other.jsonl"
@@ -460,7 +466,7 @@ def test_cli_docs_list_rm_and_reindex_removal(
     assert main([*home, "docs", "list", "--json", "--collection", "second"]) == 0
     assert [d["id"] for d in json.loads(capsys.readouterr().out)] == ["o"]
     assert main([*home, "docs", "list", "--json"]) == 0
-    assert [Path(d["source"]).name for d in json.loads(capsys.readouterr().out)] == ["evil.txt"]
+    assert [Path(d["source"]).name for d in json.loads(capsys.readouterr().out)] == ["evil.md"]
 
 
 # --- HTTP ------------------------------------------------------------------------------------
