@@ -255,11 +255,17 @@ def read_html(data: bytes, limits: ReadLimits | None = None) -> Extracted:
 # How much of a page Python's HTML parser takes between two looks at the clock: large, since
 # the parser scans what it holds again at each feed while a construct (a long script) is open.
 _FEED_CHARS = 1 << 20
+# How deep elements nest; a deeper one closes the innermost open element first, becoming its
+# sibling (browsers' parsers keep such a limit too: Chromium's is 512). Beautiful Soup walks up
+# every open ancestor for each text that follows a child element, which is quadratic in a page
+# of unclosed <div>s.
+MAX_HTML_DEPTH = 512
 
 
 def _timed_builder(budget: _Budget) -> Any:
     """Beautiful Soup's `html.parser` tree builder, feeding the parser `_FEED_CHARS` at a time
-    and checking `budget`'s time in between (its parse is the largest part of a page's read)."""
+    and checking `budget`'s time in between (its parse is the largest part of a page's read),
+    nesting elements at most `MAX_HTML_DEPTH` deep."""
     from bs4.builder import HTMLParserTreeBuilder
     from bs4.builder._htmlparser import BeautifulSoupHTMLParser
 
@@ -268,6 +274,14 @@ def _timed_builder(budget: _Budget) -> Any:
             for start in range(0, len(data), _FEED_CHARS):
                 budget.check_time()
                 super().feed(data[start : start + _FEED_CHARS])
+
+        def handle_starttag(
+            self, tag: str, attrs: list[tuple[str, str | None]], handle_empty_element: bool = True
+        ) -> None:
+            soup = self.soup
+            if len(soup.tagStack) > MAX_HTML_DEPTH:  # the stack holds the document's root too
+                soup.handle_endtag(soup.currentTag.name)
+            super().handle_starttag(tag, attrs, handle_empty_element)
 
     class Builder(HTMLParserTreeBuilder):
         def feed(self, markup: Any) -> None:  # type: ignore[override]
