@@ -266,15 +266,7 @@ def reap_orphans(wait_s: float = STOP_WAIT_S) -> int:
             "agents and workers keep their ports until then)",
             len(found),
         )
-    for pid in found:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    deadline = time.monotonic() + wait_s
-    while any(map(_exiting, found)) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return len(found)
+    return _kill(found, wait_s)
 
 
 def starts_private(address: str | None) -> bool:
@@ -379,7 +371,11 @@ def stop_private_ray(keep: frozenset[str] = frozenset(), wait_s: float = STOP_WA
     when the GCS and raylet went first), but those named in `keep` (/proc's `comm`), then wait
     up to `wait_s` for them to be gone, so that the ports they held are free. Returns how many
     were killed."""
-    pids = [pid for pid in private_ray_processes() if _name(pid) not in keep]
+    return _kill([pid for pid in private_ray_processes() if _name(pid) not in keep], wait_s)
+
+
+def _kill(pids: list[int], wait_s: float) -> int:
+    """SIGKILL `pids`, then wait up to `wait_s` for them to be gone; how many there were."""
     for pid in pids:
         try:
             os.kill(pid, signal.SIGKILL)

@@ -29,6 +29,13 @@ def write_pdf(path: Path, pages: list[list[str]], title: str | None = None) -> P
     if title is not None:
         objects.append(f"<< /Title ({title}) >>".encode("latin-1"))
         info = len(objects)
+    path.write_bytes(_pdf(objects, info))
+    return path
+
+
+def _pdf(objects: list[bytes], info: int | None = None) -> bytes:
+    """A PDF file of `objects` (numbered from 1, the first the catalog), with the info
+    dictionary `info` when given; offsets in the xref table are exact."""
     out = bytearray(b"%PDF-1.4\n")
     offsets = []
     for n, body in enumerate(objects, start=1):
@@ -40,8 +47,7 @@ def write_pdf(path: Path, pages: list[list[str]], title: str | None = None) -> P
         out += f"{offset:010d} 00000 n \n".encode()
     trailer = f"<< /Size {len(objects) + 1} /Root 1 0 R" + (f" /Info {info} 0 R" if info else "")
     out += f"trailer\n{trailer} >>\nstartxref\n{xref}\n%%EOF\n".encode()
-    path.write_bytes(bytes(out))
-    return path
+    return bytes(out)
 
 
 def pdf_form_bomb(
@@ -79,19 +85,7 @@ def pdf_form_bomb(
         )
         objects.append(b"<< /Length 5 >>\nstream\n/X Do\nendstream")
     objects[1] = f"<< /Type /Pages /Kids [{' '.join(kids)}] /Count {pages} >>".encode()
-    out = bytearray(b"%PDF-1.4\n")
-    offsets = []
-    for n, body in enumerate(objects, start=1):
-        offsets.append(len(out))
-        out += f"{n} 0 obj\n".encode() + body + b"\nendobj\n"
-    xref = len(out)
-    out += f"xref\n0 {len(objects) + 1}\n0000000000 65535 f \n".encode()
-    for offset in offsets:
-        out += f"{offset:010d} 00000 n \n".encode()
-    out += (
-        f"trailer\n<< /Size {len(objects) + 1} /Root 1 0 R >>\nstartxref\n{xref}\n%%EOF\n".encode()
-    )
-    return bytes(out)
+    return _pdf(objects)
 
 
 HTML_PAGE = """<!doctype html>
