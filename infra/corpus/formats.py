@@ -352,16 +352,26 @@ def _html_blocks(root: Any, budget: _Budget) -> tuple[list[Block], str | None]:
 
 def _table_rows(table: object) -> str:
     """A table's own rows (not those of a table in one of its cells, whose text is in that
-    cell's), a line each, its cells joined by ` | `."""
+    cell's), a line each, its cells joined by ` | `. Anything else in the table but a caption
+    (a cell or a table outside a row, as a page nested deeper than `MAX_HTML_DEPTH` leaves
+    them) is a line of its own: its text is not lost."""
     from bs4 import Tag
 
     assert isinstance(table, Tag)
     rows = []
-    groups = [table, *table.find_all(("thead", "tbody", "tfoot"), recursive=False)]
-    for row in (r for g in groups for r in g.find_all("tr", recursive=False)):
-        cells = [_clean(c.get_text(" ")) for c in row.find_all(["th", "td"], recursive=False)]
-        if any(cells):
-            rows.append(" | ".join(cells))
+    groups = [table]
+    while groups:  # the table, then its row groups (thead, tbody, tfoot) in turn
+        for child in groups.pop(0).children:
+            if not isinstance(child, Tag) or child.name in ("caption", "colgroup", "col"):
+                continue
+            if child.name in ("thead", "tbody", "tfoot"):
+                groups.append(child)
+            elif child.name == "tr":
+                cells = child.find_all(["th", "td"], recursive=False)
+                if any(texts := [_clean(c.get_text(" ")) for c in cells]):
+                    rows.append(" | ".join(texts))
+            elif text := _clean(child.get_text(" ")):
+                rows.append(text)
     return "\n".join(rows)
 
 

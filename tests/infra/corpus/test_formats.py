@@ -5,6 +5,7 @@ folder is read."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -132,6 +133,20 @@ def test_a_page_of_unclosed_divs_is_read_in_linear_time_and_whole() -> None:
     page = "<body>" + "".join(f"<div><p>Paragraph {i}.</p>\n" for i in range(count)) + "</body>"
     found = read_html(page.encode(), ReadLimits(timeout_s=GENEROUS_S))
     assert [b.text for b in found.blocks] == [f"Paragraph {i}." for i in range(count)]
+
+
+def test_no_text_is_lost_below_the_depth_limit() -> None:
+    """Below `MAX_HTML_DEPTH` an element closes the innermost open one: a paragraph may be
+    split at an inline tag, a table's cells land outside its rows; all are read."""
+    count = 2 * MAX_HTML_DEPTH
+    chunks = [
+        f"<div><h2>Part</h2><p>Some <b>p{i}</b> bold.</p><table><tr><td>a{i}</td><td>b{i}"
+        f"<table><tr><td>n{i}</td></tr></table></td></tr></table>\n"
+        for i in range(count)
+    ]
+    found = read_html(("<body>" + "".join(chunks) + "</body>").encode())
+    words = re.findall(r"\b[pabn]\d+\b", " ".join(b.text for b in found.blocks))
+    assert words == [f"{c}{i}" for i in range(count) for c in "pabn"]
 
 
 def test_a_large_page_is_read_within_the_time_limit() -> None:
