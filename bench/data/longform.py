@@ -179,12 +179,16 @@ def loose_answers(
 
 
 def wiki_findings(
-    records: Sequence[dict[str, Any]], texts: dict[str, tuple[str, str]], rules: SetRules
+    records: Sequence[dict[str, Any]],
+    texts: dict[str, tuple[str, str]],
+    rules: SetRules,
+    indexed: dict[str, list[str]] | None = None,
 ) -> Findings:
     """Set (i) or (ii) against the wiki sample (`texts`: passage id -> (title, text)): every
-    fact's gold verbatim and word-bounded in its passage, a question's facts on distinct
-    passages of one article, no passage stating two of them, at most `rules.per_article`
-    questions an article, all in one split."""
+    fact's gold verbatim and word-bounded in its passage, and whole in one of the passages the
+    indexer cuts it into (`indexed`: sample id -> their texts, `indexed_texts`; unchecked when
+    None), a question's facts on distinct passages of one article, no passage stating two of
+    them, at most `rules.per_article` questions an article, all in one split."""
     found = Findings(problems=record_problems(records, rules))
     corpus = corpus_texts((pid, title, text) for pid, (title, text) in texts.items())
     owners: dict[tuple[str, str], str] = {}
@@ -203,6 +207,10 @@ def wiki_findings(
             gold = f["answers"][0]
             if gold not in text or not contains_answer(text, [gold]):
                 found.problems.append(f"{rid}: fact {f['id']}: {gold!r} not in passage {pid}")
+            elif indexed is not None and not _whole_in(gold, indexed.get(pid, [])):
+                found.problems.append(
+                    f"{rid}: fact {f['id']}: {gold!r} is in no one indexed passage of {pid}"
+                )
         if len({str(f.get("passage_id")) for f in facts}) != len(facts):
             found.problems.append(f"{rid}: two facts on one passage")
         if len(titles) != 1:
@@ -225,14 +233,27 @@ def article_of(record: dict[str, Any], texts: dict[str, tuple[str, str]]) -> str
     return title
 
 
+def indexed_passages(path: Path) -> list[Passage]:
+    """The passages `selfrag index PATH` makes with the default settings: the project's own
+    splitter, budgeted in the embedder's word pieces (only its tokenizer is read)."""
+    return corpus_passages(path, RetrievalSettings(), SentenceEmbedder())
+
+
+def indexed_texts(path: Path) -> dict[str, list[str]]:
+    """The texts of the passages `selfrag index PATH` makes of each document, by its id (a
+    wiki sample passage longer than the budget becomes two)."""
+    out: dict[str, list[str]] = defaultdict(list)
+    for p in indexed_passages(path):
+        out[p.metadata["doc_id"]].append(p.text)
+    return dict(out)
+
+
 def docs_passages(repo: Path = REPO) -> list[tuple[str, str, Passage]]:
-    """The passages `selfrag index README.md docs` makes of `repo` with the default settings
-    (the project's own splitter, counting the embedder's word pieces), each as (its file
-    relative to `repo`, the heading it sits under, the passage)."""
-    embedder, settings = SentenceEmbedder(), RetrievalSettings()
+    """The passages `selfrag index README.md docs` makes of `repo` (`indexed_passages`), each
+    as (its file relative to `repo`, the heading it sits under, the passage)."""
     out = []
     for name in DOCS_CORPUS:
-        for p in corpus_passages(repo / name, settings, embedder):
+        for p in indexed_passages(repo / name):
             rel = Path(p.metadata["source"]).resolve().relative_to(repo.resolve()).as_posix()
             out.append((rel, p.metadata.get("section", "").split(SECTION_SEPARATOR)[-1], p))
     return out
@@ -240,6 +261,11 @@ def docs_passages(repo: Path = REPO) -> list[tuple[str, str, Passage]]:
 
 def _spaced(text: str) -> str:
     return " ".join(text.split())
+
+
+def _whole_in(gold: str, texts: Iterable[str]) -> bool:
+    """Whether `gold` lies whole in one of `texts` (whitespace as the splitter leaves it)."""
+    return any(_spaced(gold) in _spaced(t) for t in texts)
 
 
 def docs_findings(
@@ -275,7 +301,7 @@ def docs_findings(
             own = {
                 p.id
                 for rel, head, p in passages
-                if rel == where and head == section and _spaced(gold) in _spaced(p.text)
+                if rel == where and head == section and _whole_in(gold, [p.text])
             }
             if not own:
                 found.problems.append(

@@ -34,6 +34,7 @@ from bench.data.longform import (
     article_of,
     docs_findings,
     docs_passages,
+    indexed_texts,
     wiki_findings,
 )
 from bench.docs_retrieval import QUESTIONS_COMMIT, snapshot
@@ -172,15 +173,17 @@ def docs_problems(records: Iterable[dict[str, Any]], repo: Path = REPO) -> list[
     return problems
 
 
-def longform_findings(texts: dict[str, tuple[str, str]] | None, repo: Path = REPO) -> Findings:
+def longform_findings(
+    texts: dict[str, tuple[str, str]] | None, repo: Path = REPO, corpus: Path = WIKI_CORPUS
+) -> Findings:
     """The long-form sets checked (bench.data.longform): the docs set against `repo`'s README.md
-    and docs/, the wiki and biography sets against `texts` (skipped when None), which share no
-    article."""
+    and docs/, the wiki and biography sets against `texts`, the passages of `corpus` (skipped
+    when None), which share no article."""
     found = docs_findings(load(LONGFORM_DOCS), docs_sections(repo), docs_passages(repo))
     if texts is not None:
-        wiki, bio = load(LONGFORM_WIKI), load(LONGFORM_BIO)
-        found.add(wiki_findings(wiki, texts, WIKI_RULES))
-        found.add(wiki_findings(bio, texts, BIO_RULES))
+        wiki, bio, indexed = load(LONGFORM_WIKI), load(LONGFORM_BIO), indexed_texts(corpus)
+        found.add(wiki_findings(wiki, texts, WIKI_RULES, indexed))
+        found.add(wiki_findings(bio, texts, BIO_RULES, indexed))
         both = {article_of(r, texts) for r in wiki} & {article_of(r, texts) for r in bio}
         found.problems += [f"{a}: in both the wiki and the biography sets" for a in sorted(both)]
     return found
@@ -220,7 +223,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         problems += wiki_problems(load(WIKI), texts)
     else:
         print(f"{args.corpus} absent: the sets over it not checked", file=sys.stderr)
-    found = longform_findings(texts)
+    found = longform_findings(texts, corpus=args.corpus)
     for line in problems + found.problems:
         print(line, file=sys.stderr)
     for line in found.loose:

@@ -186,6 +186,12 @@ def test_each_broken_rule_of_a_long_form_question_is_reported():
     assert "q1: two facts on one passage" in _problems(_record("q1", "tune", ASKED, BEGUN, on_one))
     told = _record("q1", "tune", "Was it begun in 1488, and when was its dome done?", BEGUN, DOME)
     assert "q1: fact a's answer is in the question" in _problems(told)
+    cut = {"1": ["The cathedral of Pavia was begun in 14", "88 by Cristoforo Rocchi."]}
+    indexed = cut | {"2": [ARTICLES["2"][1]]}
+    record = _record("q1", "tune", ASKED, BEGUN, DOME)
+    assert wiki_findings([record], ARTICLES, WIKI_RULES, indexed).problems == [
+        "q1: fact a: '1488' is in no one indexed passage of 1"
+    ]
     lodi = _record("q1", "tune", ASKED, BEGUN, {"answers": ["1158"], "passage_id": "4"})
     assert "q1: facts from 2 articles, expected one" in _problems(lodi)
     assert "q1: 1 facts, expected 2 to 3" in _problems(_record("q1", "tune", ASKED, BEGUN))
