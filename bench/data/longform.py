@@ -6,8 +6,9 @@ and docs/, as `selfrag index README.md docs` splits them) hold questions that ea
 several facts, every fact stated in a passage of its own (format and rules:
 bench/data/README.md). `python -m bench.data.questions check` runs these checks.
 
-A question must have: each fact's `answers[0]` verbatim in its passage (docs: in its file's
-section, and whole in one passage of that section); its facts on distinct passages; no passage
+A question must have: each fact's `answers[0]` verbatim in its passage and whole in one of the
+passages the indexer makes of it (docs: in its file's section, and whole in one passage of that
+section); its facts on distinct passages; no passage
 of the corpus stating two of its facts (any of their answers, matched as `selfrag eval` matches
 them: SQuAD-normalised, word-bounded), so that no one passage answers it; no answer already in
 the question. Answers that would match by accident (a word of three letters or fewer, a number
