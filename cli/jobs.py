@@ -166,6 +166,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     )
     from selfrag.jobs.evaluation.eval_questions import load_questions
     from selfrag.jobs.evaluation.eval_runner import ensure_indexed
+    from selfrag.runtime.answering import AnswerPath
     from selfrag.runtime.system import LocalRuntime
 
     if args.dataset is None:
@@ -176,10 +177,17 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
             "calibrate needs SQuAD-format questions (their gold paragraphs label the samples)"
         )
     settings = settings_from_args(args)
-    tokens = args.max_segment_tokens or settings.decoding.max_segment_tokens
+    # The command's dials over the decoding settings, as an answer's are.
+    dials = AnswerPath(settings.decoding).dials(
+        DecodingOverrides.model_validate(
+            {"top_k": args.top_k, "max_segment_tokens": args.max_segment_tokens}
+        )
+    )
     with LocalRuntime(settings) as rag:
         ensure_indexed(rag, args.corpus, progress=not args.no_progress)
-        samples = collect_samples(rag, questions, args.top_k, tokens, progress=not args.no_progress)
+        samples = collect_samples(
+            rag, questions, dials.top_k, dials.max_segment_tokens, progress=not args.no_progress
+        )
     if args.samples is not None:
         args.samples.write_text("".join(json.dumps(s) + "\n" for s in samples))
     cal, stats = fit_samples(samples, dataset_label(args.dataset, args.article, len(questions)))
