@@ -13,7 +13,6 @@ model between processes.
 
 from __future__ import annotations
 
-import asyncio
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -22,12 +21,10 @@ from selfrag.jobs.indexing import IndexReport, index_corpus
 from selfrag.jobs.kv_precompute import KVPrecompute, precompute_kv
 from selfrag.runtime.answer_client import LocalAnswerClient
 from selfrag.runtime.answer_stream import SegmentStream
-from selfrag.runtime.relevance import ranked_passages
 from selfrag.runtime.system import LocalRuntime
 from selfrag.schemas.answer import AnswerRequest, AnswerResponse
-from selfrag.schemas.decoding import DecodingOverrides
 from selfrag.schemas.documents import DocumentInfo, Removal
-from selfrag.schemas.retrieval import RankedPassage
+from selfrag.schemas.retrieval import RankedPassage, RetrieveRequest
 from selfrag.schemas.settings import Settings
 
 __all__ = ["SegmentStream", "SelfRAG"]
@@ -146,7 +143,7 @@ class SelfRAG:
     ) -> AnswerResponse:
         """`answer` without blocking the event loop."""
         request = AnswerRequest.of(question, max_tokens=max_tokens, collection=collection, **dials)
-        return (await asyncio.to_thread(self.client.answer, request)).response
+        return (await self.client.aanswer(request)).response
 
     def stream(
         self,
@@ -161,7 +158,7 @@ class SelfRAG:
         change); the full answer is `.response` once the iteration ends. Leaving the loop
         early stops the decode at its next step."""
         request = AnswerRequest.of(question, max_tokens=max_tokens, collection=collection, **dials)
-        return SegmentStream(self.client, request)
+        return self.client.stream(request)
 
     def astream(
         self,
@@ -172,24 +169,24 @@ class SelfRAG:
         **dials: Any,
     ) -> SegmentStream:
         """`stream` for asyncio: `async for event in rag.astream(q)`, then `.response`."""
-        request = AnswerRequest.of(question, max_tokens=max_tokens, collection=collection, **dials)
-        return SegmentStream(self.client, request)
+        return self.stream(question, max_tokens=max_tokens, collection=collection, **dials)
 
     def retrieve(
         self, query: str, *, top_k: int | None = None, critique: str | None = None
     ) -> list[RankedPassage]:
         """The `top_k` passages the store finds for `query` (default: the configured top_k),
         most relevant first by the critique's relevance read (s_rel), no answer drafted."""
-        overrides = DecodingOverrides.model_validate({"top_k": top_k, "critique": critique})
-        config = self.system.answer_path.dials(overrides)
-        critic = self.system.critic(config.critique)
-        return ranked_passages(query, self.system.store, critic, config.top_k)
+        return self.client.retrieve(
+            RetrieveRequest.model_validate({"query": query, "top_k": top_k, "critique": critique})
+        )
 
     async def aretrieve(
         self, query: str, *, top_k: int | None = None, critique: str | None = None
     ) -> list[RankedPassage]:
         """`retrieve` without blocking the event loop."""
-        return await asyncio.to_thread(self.retrieve, query, top_k=top_k, critique=critique)
+        return await self.client.aretrieve(
+            RetrieveRequest.model_validate({"query": query, "top_k": top_k, "critique": critique})
+        )
 
     # --- lifetime --------------------------------------------------------------------------------
 
