@@ -17,11 +17,11 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+from selfrag.jobs.first_use import answering_runtime
 from selfrag.jobs.indexing import IndexReport, index_corpus
 from selfrag.jobs.kv_precompute import KVPrecompute, precompute_kv
 from selfrag.runtime.answer_client import LocalAnswerClient
 from selfrag.runtime.answer_stream import SegmentStream
-from selfrag.runtime.system import LocalRuntime
 from selfrag.schemas.answer import AnswerRequest, AnswerResponse
 from selfrag.schemas.documents import DocumentInfo, Removal
 from selfrag.schemas.retrieval import RankedPassage, RetrieveRequest
@@ -40,7 +40,8 @@ class SelfRAG:
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
-        self.system = LocalRuntime(settings)
+        # It answers in this process: a missing support threshold is calibrated on first use.
+        self.system = answering_runtime(settings)
         self.client = LocalAnswerClient.for_runtime(self.system)
         """The answer client of this process (`runtime.answer_client.AnswerClient`): what the
         framework adapters (`selfrag.integrations`) answer with, and what the HTTP app serves

@@ -8,7 +8,6 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from selfrag.cli.common import CLIError, settings_from_args
-from selfrag.cli.first_use import calibrate_on_first_use
 from selfrag.cli.remote import held_store, via_server
 from selfrag.schemas.decoding import DecodingOverrides
 
@@ -40,7 +39,7 @@ def cmd_ask(args: argparse.Namespace) -> int:
             body["collection"] = settings.retrieval.collection  # --collection, else the default
             response = answer_of(via_server(settings, held, "POST", "/v1/answer", body))
         else:
-            response = _answer_here(rag, request, settings, progress=not args.json)
+            response = _answer_here(rag, request, settings)
     if args.json:
         print(response.model_dump_json(indent=2))
     else:
@@ -48,16 +47,11 @@ def cmd_ask(args: argparse.Namespace) -> int:
     return 0
 
 
-def _answer_here(
-    rag: SelfRAG, request: AnswerRequest, settings: Settings, progress: bool
-) -> AnswerResponse:
+def _answer_here(rag: SelfRAG, request: AnswerRequest, settings: Settings) -> AnswerResponse:
     if rag.count() == 0:
         raise CLIError(f"the index in {settings.home} is empty: run `selfrag index PATH` first")
-    dials = request.config.model_dump(exclude_none=True)
-    if request.config.min_support_score is None:
-        critique = request.config.critique or settings.decoding.critique
-        calibrate_on_first_use(rag.system, critique, progress=progress)
-    return rag.answer(request.question, **dials)
+    # Settled by its client (a missing threshold calibrated on first use there).
+    return rag.client.answer(request).response
 
 
 def answer_of(body: object) -> AnswerResponse:
