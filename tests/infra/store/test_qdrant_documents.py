@@ -587,8 +587,10 @@ import sys, time
 from pathlib import Path
 from selfrag.actors.http.routes import build_http_app, parse_api_keys
 from selfrag.actors.http.metrics import Metrics
+from selfrag.infra.home_identity import home_id
 from selfrag.infra.store.qdrant_store import QdrantStore
 from selfrag.jobs.indexing import index_corpus
+from selfrag.schemas.health import ServedIndex
 from selfrag.schemas.settings import RetrievalSettings
 from tests.fakes import HashEmbedder
 from tests.http_fakes import FakeService, live_server
@@ -600,8 +602,12 @@ with QdrantStore.open(RetrievalSettings(), home, HashEmbedder()) as store:
     if not serve:
         print("holding", flush=True)
         time.sleep(600)
+    served = ServedIndex(home_id=home_id(home), collection=store.collection)
     app = build_http_app(
-        FakeService(), Metrics(), api_keys=parse_api_keys("k1"), documents=StoreDocuments(store)
+        FakeService(served=served),
+        Metrics(),
+        api_keys=parse_api_keys("k1"),
+        documents=StoreDocuments(store),
     )
     with live_server(app) as url:
         print(url, flush=True)
@@ -625,7 +631,10 @@ def test_cli_goes_through_the_server_that_holds_the_store_or_names_the_holder(
         child = subprocess.Popen(
             [sys.executable, "-c", _SERVER_CHILD, str(home), str(folder), mode],
             cwd=repo,
-            env={**os.environ, "PYTHONPATH": str(repo)},
+            env={
+                **os.environ,
+                "PYTHONPATH": os.pathsep.join([str(repo), os.environ.get("PYTHONPATH", "")]),
+            },
             stdout=subprocess.PIPE,
             text=True,
         )
