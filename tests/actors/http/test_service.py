@@ -391,7 +391,9 @@ def test_over_the_inflight_limit_is_503():
     req = AnswerRequest(question="q", config={"mode": "never"})
 
     async def run() -> list[Any]:
-        return await asyncio.gather(service.aanswer(req), service.aanswer(req), return_exceptions=True)
+        return await asyncio.gather(
+            service.aanswer(req), service.aanswer(req), return_exceptions=True
+        )
 
     first, second = asyncio.run(run())
     assert first.response.answer

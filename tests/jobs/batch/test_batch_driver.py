@@ -39,6 +39,7 @@ from selfrag.pipeline.critics import Branch, settle_filters
 from selfrag.runtime.answer_client import AnswerSite, LocalAnswerClient
 from selfrag.runtime.answering import AnswerPath, KnownCritique
 from selfrag.runtime.merging import CallMerger
+from selfrag.schemas.answer import AnswerResponse
 from selfrag.schemas.decoding import DecodingConfig
 from tests.fakes import ScriptedCritic
 from tests.paths import ROOT
