@@ -1,7 +1,8 @@
 """runtime/http_client.py: the answer client over a selfrag HTTP app, here over a scripted
 service under a real uvicorn socket: the same results and errors as the service gives in
-process, and nothing done on a server of another home. (`SelfRAG.open(url=...)` against a real
-`selfrag serve`: tests/system/test_entry_points_agree.py.)"""
+process, nothing done on a server of another home, and the framework adapters working through
+it. (`SelfRAG.open(url=...)` against a real `selfrag serve`:
+tests/system/test_entry_points_agree.py.)"""
 
 from __future__ import annotations
 
@@ -174,3 +175,28 @@ def test_selfrag_open_with_a_url_answers_through_the_server(served, tmp_path: Pa
     with SelfRAG.open(url=url, api_key=KEY, home=tmp_path / "b") as rag, pytest.raises(WrongServer):
         rag.answer("Who founded Normandy?")
     assert [r.question for r in service.seen] == ["Who founded Normandy?", "Who?"]
+
+
+def test_the_framework_adapters_work_through_a_server(served) -> None:
+    """The LangChain retriever (over `/v1/retrieve`), chat model and runnable, and the
+    LlamaIndex query engine, each holding `SelfRAG.open(url=...)`: the server's results."""
+    from langchain_core.messages import HumanMessage
+
+    from selfrag.integrations.langchain import SelfRAGChatModel, SelfRAGRetriever, SelfRAGRunnable
+    from selfrag.integrations.llamaindex import SelfRAGQueryEngine
+
+    url, service, _ = served
+    expected = scripted_response("Who founded Normandy?", DecodingConfig(top_k=2))
+    with SelfRAG.open(url=url, api_key=KEY) as rag:
+        [doc] = SelfRAGRetriever(rag=rag, top_k=1).invoke("Who?")
+        assert (doc.id, doc.metadata["s_rel"]) == ("p1", 0.9)
+        assert service.retrieved[-1] == RetrieveRequest(query="Who?", top_k=1)
+        assert service.seen == []  # retrieval drafts nothing
+        chat = SelfRAGChatModel(rag=rag, dials={"top_k": 2})
+        message = chat.invoke([HumanMessage("Who founded Normandy?")])
+        assert message.content == expected.answer
+        output = SelfRAGRunnable(rag, top_k=2).invoke("Who founded Normandy?")
+        assert output["response"] == expected
+        engine = SelfRAGQueryEngine(answerer=rag, dials={"top_k": 2})
+        assert str(engine.query("Who founded Normandy?")) == expected.answer
+    assert [r.question for r in service.seen] == ["Who founded Normandy?"] * 3
