@@ -356,3 +356,22 @@ def test_baselines_put_passages_in_one_prompt_and_detect_abstention():
     assert closed.passages == [] and "Rollo" not in model.prompts[-1]
     assert is_abstention("I don't know.") and is_abstention("")
     assert not is_abstention("Rollo founded it.")
+
+
+def test_vanilla_rag_reads_the_passages_its_answer_client_retrieves():
+    """The baselines' passages come through the answer client (`retrieve`, in the store's
+    order), not from a store of the evaluation's own."""
+    from selfrag.jobs.evaluation.eval_runner import runner_for
+    from selfrag.schemas.retrieval import RetrieveRequest
+    from tests.http_fakes import FakeService
+
+    rag, client = FakeRag(), FakeService()
+    q = EvalQuestion(id="q1", question="Who founded Normandy?", golds=("Rollo",), answerable=True)
+    config = DecodingConfig(top_k=2)
+    response, p_ret, extra = runner_for(client, rag, "vanilla-rag", config, False)(q)  # type: ignore[arg-type]
+    assert client.retrieved == [RetrieveRequest(query=q.question, top_k=2, order="retriever")]
+    assert [p.text for p in response.passages] == ["Rollo founded Normandy."]  # the client's
+    assert "Rollo founded Normandy." in rag.engine.prompts[-1] and client.seen == []
+    assert (p_ret, extra) == (None, 0)
+    runner_for(client, rag, "closed-book", config, False)(q)  # type: ignore[arg-type]
+    assert len(client.retrieved) == 1 and "Rollo" not in rag.engine.prompts[-1]
