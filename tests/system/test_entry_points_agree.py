@@ -14,7 +14,6 @@ start, so it runs once.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -62,24 +61,6 @@ def home(normans_api_home: Path, tmp_path_factory: pytest.TempPathFactory) -> Pa
     home = tmp_path_factory.mktemp("agree") / "home"
     shutil.copytree(normans_api_home, home)
     return home
-
-
-@pytest.fixture(scope="module")
-def ray_local() -> Iterator[None]:
-    """One Ray instance for this module's batch runs (a process starts one private instance;
-    `selfrag serve` starts its own in its process)."""
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-    import ray
-
-    started = not ray.is_initialized()
-    if started:
-        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
-    try:
-        yield
-    finally:
-        if started:
-            ray.shutdown()
 
 
 @pytest.fixture

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import csv
 import json
-import os
 import subprocess
 import sys
 import threading
@@ -631,23 +630,6 @@ def _offline_settings(tmp_path: Path) -> Any:
 
 
 # --- real: Ray Data, llama.cpp, embedded Qdrant --------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def ray_local() -> Iterator[None]:
-    """Ray for this module (or the session's, when another module started it already)."""
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-    import ray
-
-    started = not ray.is_initialized()
-    if started:
-        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
-    try:
-        yield
-    finally:
-        if started:
-            ray.shutdown()
 
 
 @pytest.mark.real
