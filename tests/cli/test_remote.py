@@ -182,3 +182,32 @@ def test_without_keys_a_removal_is_refused_with_advice_that_works(
     children.remove(server)
     assert main(["--home", str(home), "docs", "rm", "--json", notes]) == 0
     assert len(json.loads(capsys.readouterr().out)["documents"]) == 1
+
+
+def test_the_cli_goes_through_the_server_of_its_home_or_names_the_holder(
+    tmp_path: Path,
+    children: list[Child],
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    corpus = _corpus(tmp_path)
+    home = tmp_path / "home"
+    children.append(holder := Child(home, corpus, "hold"))
+    monkeypatch.setenv("SELFRAG_SERVE__PORT", "9")  # nothing answers there
+    assert main(["--home", str(home), "docs", "list"]) == 2
+    err = capsys.readouterr().err
+    assert f"is held by pid {holder.proc.pid} (" in err and "no selfrag server" in err
+    holder.stop()
+    children.remove(holder)
+
+    children.append(server := Child(home, corpus, "serve", "k1"))
+    monkeypatch.setenv("SELFRAG_SERVE__PORT", server.port)
+    monkeypatch.setenv("SELFRAG_API_KEYS", "k1")
+    assert main(["--home", str(home), "docs", "list", "--json"]) == 0
+    names = {Path(d["source"]).name for d in json.loads(capsys.readouterr().out)}
+    assert names == {"notes.txt", "paper.pdf"}
+    assert main(["--home", str(home), "docs", "rm", str(corpus / "notes.txt"), "nope"]) == 1
+    out = capsys.readouterr().out
+    assert "removed 1 documents" in out and "no indexed document is nope" in out
+    assert main(["--home", str(home), "ask", "Who founded Normandy?", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["question"] == "Who founded Normandy?"
