@@ -190,6 +190,26 @@ class Runtime:
         self.closed = True
 
 
+def test_the_python_api_settles_with_first_use_calibration_as_the_cli_does(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """It did not: on a home without a threshold the CLI calibrated on first use, while
+    `SelfRAG.answer` answered with every filter off. Its client settles on a runtime that
+    calibrates, for each source (`likelihood`: settled without loading the model)."""
+    import selfrag.jobs.first_use as first_use
+    from selfrag import SelfRAG
+
+    class Calibrating(Exception):
+        pass
+
+    def calibrating(rt: LocalRuntime, critique: str) -> bool:
+        raise Calibrating(critique)
+
+    monkeypatch.setattr(first_use, "calibrate_on_first_use", calibrating)
+    with SelfRAG.open(home=tmp_path) as rag, pytest.raises(Calibrating, match="likelihood"):
+        rag.client.config(AnswerRequest(question="q", config={"critique": "likelihood"}))
+
+
 def test_a_server_settles_its_default_request_before_serving(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ):
