@@ -171,11 +171,15 @@ if ! wait "$DEPS_PID"; then
     exit 1
 fi
 DEPS_PID=""
-phase_done "$t" "waiting for the dependencies after the build"
+phase_done "$t" "waiting for the dependencies after llama-cpp-python"
 t=$SECONDS
 if [ -n "$WHEEL" ]; then
+    # Forced: another build of the same version may be installed.
     .venv/bin/python -m pip install -q --force-reinstall --no-deps "$WHEEL"
 fi
+# Its own dependencies (diskcache...), which the background install left to it; the build
+# installed satisfies the requirement, so nothing is built or downloaded for it here.
+.venv/bin/python -m pip install -q "llama-cpp-python==$LLAMA_CPP_VERSION"
 .venv/bin/python -m selfrag.infra.models.model_presets verify "$MODELS"
 phase_done "$t" "llama-cpp-python installed, model files checked"
 
