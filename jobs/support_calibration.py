@@ -179,6 +179,25 @@ def estimate_line(pairs: int, read: int, seconds: float) -> str:
     return f"calibrate: {pairs} pairs, about {total:.0f} s in all ({read} read in {seconds:.1f} s)"
 
 
+def announce_line(pairs: int, previous: SupportCalibration | None) -> str:
+    """What a calibration of `pairs` pairs says before it reads any: how long it will take at
+    the pace of the `previous` calibration of the same model and critique, or that the time
+    follows the first batch."""
+    read = 0
+    if previous is not None:
+        read = int(previous.answerable.get("n", 0) + previous.unanswerable.get("n", 0))
+    if previous is None or not read:
+        return (
+            f"calibrate: reading {pairs} question/passage pairs (relevance, a draft and "
+            "support each); how long it takes follows the first batch"
+        )
+    seconds = previous.seconds / read * pairs
+    return (
+        f"calibrate: reading {pairs} question/passage pairs, about {seconds:.0f} s at the "
+        f"last calibration's pace ({previous.seconds:.0f} s for {read})"
+    )
+
+
 def pairs_to_read(pairs: list[SyntheticPair], plan: CorpusCalibrationPlan) -> list[SyntheticPair]:
     """The pairs the plan reads: the answerable ones, which set the thresholds, and with
     `plan.report` the unanswerable ones as well."""
@@ -203,7 +222,11 @@ def calibrate_support(
     # Drawn whole, the unanswerable pairs too: the same seed asks the same questions either way.
     pairs = draw_pairs(rag, plan)
     _enough(sum(1 for p in pairs if p.answerable))  # before any model work
-    scores = score_pairs(rag, source, pairs_to_read(pairs, plan), plan, progress=progress)
+    to_read = pairs_to_read(pairs, plan)
+    if progress:
+        previous = rag.calibrated.calibration(rag.critique_name(source))
+        print(announce_line(len(to_read), previous), file=sys.stderr)
+    scores = score_pairs(rag, source, to_read, plan, progress=progress)
     answerable = [s.score for s in scores if s.pair.answerable and s.score is not None]
     unanswerable = [s.score for s in scores if not s.pair.answerable and s.score is not None]
     _enough(len(answerable))

@@ -324,6 +324,7 @@ def _fake_rag(
         ),
         store=FakeStore(passages),
         critic=lambda source: critic,
+        critique_name=lambda source: critic.name,
         model=SimpleNamespace(path=model),
         model_fingerprint="fake-fp",
     )
@@ -418,6 +419,30 @@ def test_the_calibration_says_how_long_it_will_take_after_its_first_batch(
     err = capsys.readouterr().err
     assert err.count("calibrate:") == 1  # once, after the first batch
     assert "12 pairs, about 18 s in all (4 read in 6.0 s)" in err
+
+
+def test_the_calibration_says_before_reading_how_long_at_the_last_ones_pace(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from selfrag.jobs.support_calibration import CorpusCalibrationPlan, calibrate_support
+
+    rag = _fake_rag(tmp_path, _four_copies(), OverlapCritic(name="learned"))
+    plan = CorpusCalibrationPlan(questions=12)
+    calibrate_support(rag, plan)
+    first = capsys.readouterr().err.splitlines()[0]
+    assert first.startswith("calibrate: reading 12 question/passage pairs")
+    assert "follows the first batch" in first  # nothing to go by yet
+    path = calibrate_support(rag, plan)[1]
+    saved = json.loads(path.read_text())
+    saved["seconds"] = 60.0  # the last calibration "took" 60 s for its 12 pairs
+    path.write_text(json.dumps(saved))
+    rag.calibrated.forget()
+    capsys.readouterr()
+    calibrate_support(rag, CorpusCalibrationPlan(questions=12, report=True))
+    announced = capsys.readouterr().err.splitlines()[0]
+    assert "at the last calibration's pace (60 s for 12)" in announced
+    pairs = int(announced.split("reading ")[1].split()[0])
+    assert pairs > 12 and f"about {5 * pairs} s" in announced  # the traps too, 5 s a pair
 
 
 def test_the_threshold_is_fitted_on_s_sup_weighed_by_the_pairs_similarity(
