@@ -12,7 +12,9 @@ instance; `cluster` runs against a head and a worker node of one CPU each, start
 (`tests.ray_cluster`) inside a network namespace that holds only loopback (`tests.netns`; needs
 root, else the mode is skipped). Memory: the driver's peak RSS, and the peak of the summed RSS
 of the driver and every process under it or the cluster's nodes (Ray's GCS, raylets, workers),
-sampled every 0.2 s.
+sampled every 0.2 s. CPU s: the indexing's CPU time in its process, every thread's (on a
+machine other processes load, a process of more threads gets more of the cores, so compare the
+wall times only on an idle one).
 
 Last line: name=value.
 
@@ -69,7 +71,7 @@ def run_mode(mode: str, corpus: Path, actors: int, address: str | None) -> dict[
         embedder = SentenceEmbedder(threads=1)
         embedder.embed(["load"])  # the model's conversion and load are not indexing
         with QdrantStore.open(settings, Path(home), embedder) as store:
-            started = time.perf_counter()
+            started, cpu = time.perf_counter(), _cpu_seconds()
             if mode in ("one", "before"):  # `before`: `one` of the checkout on PYTHONPATH
                 report = index_corpus(corpus, store, progress=False, retrieval=settings)
             elif mode == "one1":
@@ -79,14 +81,21 @@ def run_mode(mode: str, corpus: Path, actors: int, address: str | None) -> dict[
                     corpus, store, retrieval=settings, actors=actors, address=address,
                     progress=False,
                 )  # fmt: skip
-            seconds = time.perf_counter() - started
+            seconds, cpu = time.perf_counter() - started, _cpu_seconds() - cpu
     peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     return {
         "seconds": seconds,
+        "cpu_s": cpu,
         "documents": report.documents,
         "passages": report.passages,
         "peak_mb": peak_mb,
     }
+
+
+def _cpu_seconds() -> float:
+    """This process's CPU time, every thread's, user and system."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
 
 
 def tree_rss_mb(roots: list[int]) -> float:
@@ -103,9 +112,10 @@ def run_child(
     command += ["--actors", str(actors)]
     if cluster:
         command += ["--address", cluster.address]
-    env = cluster.env if cluster else None
+    # llama.cpp's threads wait as `selfrag index` has them wait (model.omp_wait_policy).
+    env = {**(cluster.env if cluster else os.environ), "OMP_WAIT_POLICY": "PASSIVE"}
     if before is not None:
-        env = {**os.environ, "PYTHONPATH": str(before)}
+        env["PYTHONPATH"] = str(before)
     proc = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, text=True)
     roots = [proc.pid, *(p.pid for p in cluster.procs)] if cluster else [proc.pid]
     peak = 0.0
@@ -179,12 +189,12 @@ def main() -> None:
             if row is not None:
                 rows[mode] = row | {"load": load}
     print(
-        f"{'mode':<8} {'passages':>8} {'seconds':>8} {'docs/s':>7} {'passages/s':>10} "
+        f"{'mode':<8} {'passages':>8} {'seconds':>8} {'CPU s':>6} {'docs/s':>7} {'passages/s':>10} "
         f"{'driver MiB':>10} {'all MiB':>8} {'load':>5}"
     )
     for mode, r in rows.items():
         print(
-            f"{mode:<8} {r['passages']:>8.0f} {r['seconds']:>8.1f} "
+            f"{mode:<8} {r['passages']:>8.0f} {r['seconds']:>8.1f} {r.get('cpu_s', 0):>6.1f} "
             f"{r['documents'] / r['seconds']:>7.1f} {r['passages'] / r['seconds']:>10.1f} "
             f"{r['peak_mb']:>10.0f} {r['all_peak_mb']:>8.0f} {r['load']:>5.1f}"
         )
@@ -192,6 +202,7 @@ def main() -> None:
     fields = [f"passages={args.passages}", f"actors={args.actors}"]
     for mode, r in rows.items():
         fields.append(f"{mode}_s={r['seconds']:.1f}")
+        fields.append(f"{mode}_cpu_s={r.get('cpu_s', 0):.1f}")
         fields.append(f"{mode}_docs_per_s={r['documents'] / r['seconds']:.1f}")
         fields.append(f"{mode}_all_peak_mb={r['all_peak_mb']:.0f}")
         if base and mode in ("ray", "cluster"):
