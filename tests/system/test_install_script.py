@@ -135,3 +135,44 @@ def test_an_unknown_install_flag_is_refused() -> None:
     done = _install("--dev", "--fast")
     assert done.returncode == 2
     assert "usage:" in done.stderr and "--portable" in done.stderr
+
+
+def test_the_install_prints_each_phases_time_at_its_end(tmp_path: Path) -> None:
+    # A copy of the script and the project file, over a venv whose python installs nothing
+    # (pip and the model presets succeed at once) and finds llama-cpp-python built already:
+    # every phase runs, in seconds, and the summary is what is looked at.
+    (tmp_path / "scripts").mkdir()
+    (tmp_path / "scripts" / "install.sh").write_text((ROOT / "scripts/install.sh").read_text())
+    (tmp_path / "pyproject.toml").write_text((ROOT / "pyproject.toml").read_text())
+    python = tmp_path / ".venv" / "bin" / "python"
+    python.parent.mkdir(parents=True)
+    python.write_text(
+        "#!/bin/bash\n"
+        'case "$1" in\n'
+        "    -m | scripts/llama_build.py) exit 0 ;;\n"
+        f'    *) exec {sys.executable} "$@" ;;\n'
+        "esac\n"
+    )
+    python.chmod(0o755)
+    done = subprocess.run(
+        ["bash", str(tmp_path / "scripts" / "install.sh")],
+        capture_output=True,
+        text=True,
+        env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)},
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    summary = done.stderr.split("install.sh: done in ")[1].splitlines()
+    assert summary[0].endswith(" s:")
+    phases = [line.split(" s  ", 1) for line in summary[1:]]
+    assert all(seconds.strip().isdigit() for seconds, _ in phases)
+    assert sorted(what for _, what in phases) == sorted(
+        [
+            "virtual environment and pip",
+            "dependencies, selfrag and model packages (pip, alongside the build)",
+            "llama-cpp-python: installed already",
+            "waiting for the dependencies after llama-cpp-python",
+            "llama-cpp-python installed, model files checked",
+        ]
+    )
