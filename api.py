@@ -95,6 +95,7 @@ class SelfRAG:
                 progress=progress,
                 retrieval=self.settings.retrieval,
                 follow_links=follow_links,
+                threads=self.settings.model.n_threads or None,  # 0: every core
             )
             for path in paths
         ]

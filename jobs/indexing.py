@@ -233,7 +233,8 @@ def index_corpus(
     (not those of a file that failed to read this time).
     `index_version` is bumped at the end when anything was written, even after an error.
     The documents are read ahead of the embedder (`read_ahead`), which runs on `threads`
-    llama.cpp threads (default: every core, as indexing is the command's only work).
+    llama.cpp threads (default: every core, as indexing is the command's only work;
+    `SelfRAG.index` passes `model.n_threads`).
     Raises FileNotFoundError / CorpusFormatError for a missing path or an unknown format.
     """
     if embedder_batch < 1:
