@@ -162,6 +162,7 @@ class SelfRAG:
                 progress=progress,
                 retrieval=system.settings.retrieval,
                 follow_links=follow_links,
+                threads=self.settings.model.n_threads or None,  # 0: every core
             )
             for path in paths
         ]

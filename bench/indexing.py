@@ -1,20 +1,25 @@
 """Indexing throughput: one process against `selfrag index --ray` with two Ray Data actors on
 this machine, and against the same on a two-node loopback cluster (`--address`), side by side in
-one run, each mode in a process of its own.
+one run, each mode in a process of its own. `one` embeds on every core, as `selfrag index` does;
+`one1` on one thread (the read-ahead alone); `before` runs `one` on another checkout of selfrag
+(`--before DIR`, e.g. a worktree of an older commit): the documents/s before and after a change.
 
 The corpus is generated from the wiki sample (`wiki_sample_1000.jsonl`): its passages repeated
 until there are `--passages` of them, each copy's text ending with its copy number, so every
 passage is embedded (none is a duplicate id). Each mode indexes it into a fresh embedded store,
-one embedding thread per process or actor. `ray` includes starting and stopping the private Ray
+one embedding thread per actor. `ray` includes starting and stopping the private Ray
 instance; `cluster` runs against a head and a worker node of one CPU each, started before it
 (`tests.ray_cluster`) inside a network namespace that holds only loopback (`tests.netns`; needs
 root, else the mode is skipped). Memory: the driver's peak RSS, and the peak of the summed RSS
 of the driver and every process under it or the cluster's nodes (Ray's GCS, raylets, workers),
-sampled every 0.2 s.
+sampled every 0.2 s. CPU s: the indexing's CPU time in its process, every thread's (on a
+machine other processes load, a process of more threads gets more of the cores, so compare the
+wall times only on an idle one).
 
 Last line: name=value.
 
     .venv/bin/python -m bench.indexing [--passages 10000] [--actors 2] [--data ../shared/data]
+        [--modes before,one,one1,ray,cluster --before DIR]
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ from typing import TYPE_CHECKING
 from bench.processes import descendants, vm_rss
 
 REPO = Path(__file__).resolve().parent.parent
-MODES = ("one", "ray", "cluster")
+MODES = ("before", "one", "one1", "ray", "cluster")
 
 if TYPE_CHECKING:
     from tests.ray_cluster import Cluster
@@ -54,7 +59,7 @@ def make_corpus(source: Path, passages: int, out: Path) -> Path:
 
 def run_mode(mode: str, corpus: Path, actors: int, address: str | None) -> dict[str, float]:
     """Index `corpus` in this process (`one`) or with Ray (`ray`, `cluster` at `address`);
-    seconds, passages, peak RSS."""
+    seconds, documents, passages, peak RSS."""
     from selfrag.infra.embeddings.embedder import SentenceEmbedder
     from selfrag.infra.store.qdrant_store import QdrantStore
     from selfrag.jobs.indexing import index_corpus
@@ -66,17 +71,31 @@ def run_mode(mode: str, corpus: Path, actors: int, address: str | None) -> dict[
         embedder = SentenceEmbedder(threads=1)
         embedder.embed(["load"])  # the model's conversion and load are not indexing
         with QdrantStore.open(settings, Path(home), embedder) as store:
-            started = time.perf_counter()
-            if mode == "one":
+            started, cpu = time.perf_counter(), _cpu_seconds()
+            if mode in ("one", "before"):  # `before`: `one` of the checkout on PYTHONPATH
                 report = index_corpus(corpus, store, progress=False, retrieval=settings)
+            elif mode == "one1":
+                report = index_corpus(corpus, store, progress=False, retrieval=settings, threads=1)
             else:
                 report = index_corpus_ray(
                     corpus, store, retrieval=settings, actors=actors, address=address,
                     progress=False,
                 )  # fmt: skip
-            seconds = time.perf_counter() - started
+            seconds, cpu = time.perf_counter() - started, _cpu_seconds() - cpu
     peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    return {"seconds": seconds, "passages": report.passages, "peak_mb": peak_mb}
+    return {
+        "seconds": seconds,
+        "cpu_s": cpu,
+        "documents": report.documents,
+        "passages": report.passages,
+        "peak_mb": peak_mb,
+    }
+
+
+def _cpu_seconds() -> float:
+    """This process's CPU time, every thread's, user and system."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
 
 
 def tree_rss_mb(roots: list[int]) -> float:
@@ -84,14 +103,19 @@ def tree_rss_mb(roots: list[int]) -> float:
     return sum(vm_rss(pid) or 0 for pid in descendants(*roots)) / 2**20
 
 
-def run_child(mode: str, corpus: Path, actors: int, cluster: Cluster | None) -> dict[str, float]:
+def run_child(
+    mode: str, corpus: Path, actors: int, cluster: Cluster | None, before: Path | None = None
+) -> dict[str, float]:
     """Run one mode in a child process, sampling its process tree's memory (and the
-    cluster's) until it exits."""
+    cluster's) until it exits; `before`: a folder holding `selfrag` (the older checkout)."""
     command = [sys.executable, "-m", "bench.indexing", "--mode", mode, "--corpus", str(corpus)]
     command += ["--actors", str(actors)]
     if cluster:
         command += ["--address", cluster.address]
-    env = cluster.env if cluster else None
+    # llama.cpp's threads wait as `selfrag index` has them wait (model.omp_wait_policy).
+    env = {**(cluster.env if cluster else os.environ), "OMP_WAIT_POLICY": "PASSIVE"}
+    if before is not None:
+        env["PYTHONPATH"] = str(before)
     proc = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, text=True)
     roots = [proc.pid, *(p.pid for p in cluster.procs)] if cluster else [proc.pid]
     peak = 0.0
@@ -128,6 +152,9 @@ def main() -> None:
     parser.add_argument("--actors", type=int, default=2)
     parser.add_argument("--data", type=Path, default=REPO.parent / "shared" / "data")
     parser.add_argument("--modes", default="one,ray,cluster", help="comma-separated")
+    parser.add_argument(
+        "--before", type=Path, help="an older checkout of selfrag, for the `before` mode"
+    )
     parser.add_argument("--mode", choices=MODES, help=argparse.SUPPRESS)
     parser.add_argument("--corpus", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--address", help=argparse.SUPPRESS)
@@ -138,7 +165,14 @@ def main() -> None:
     modes = [m for m in args.modes.split(",") if m]
     if unknown := set(modes) - set(MODES):
         parser.error(f"unknown modes: {', '.join(sorted(unknown))}; choose from {MODES}")
+    if ("before" in modes) != (args.before is not None):
+        parser.error("the `before` mode and --before DIR go together")
     with tempfile.TemporaryDirectory() as tmp:
+        before_path = None
+        if args.before is not None:  # a folder holding `selfrag`, first on the child's path
+            before_path = Path(tmp) / "before"
+            before_path.mkdir()
+            (before_path / "selfrag").symlink_to(args.before.resolve())
         corpus = make_corpus(
             args.data / "wiki_sample_1000.jsonl", args.passages, Path(tmp) / "corpus.jsonl"
         )
@@ -148,27 +182,33 @@ def main() -> None:
             row = (
                 run_on_cluster(corpus, args.actors)
                 if mode == "cluster"
-                else run_child(mode, corpus, args.actors, None)
+                else run_child(
+                    mode, corpus, args.actors, None, before_path if mode == "before" else None
+                )
             )
             if row is not None:
                 rows[mode] = row | {"load": load}
     print(
-        f"{'mode':<8} {'passages':>8} {'seconds':>8} {'passages/s':>10} {'driver MiB':>10} "
-        f"{'all MiB':>8} {'load':>5}"
+        f"{'mode':<8} {'passages':>8} {'seconds':>8} {'CPU s':>6} {'docs/s':>7} {'passages/s':>10} "
+        f"{'driver MiB':>10} {'all MiB':>8} {'load':>5}"
     )
     for mode, r in rows.items():
-        rate = r["passages"] / r["seconds"]
         print(
-            f"{mode:<8} {r['passages']:>8.0f} {r['seconds']:>8.1f} {rate:>10.1f} "
+            f"{mode:<8} {r['passages']:>8.0f} {r['seconds']:>8.1f} {r.get('cpu_s', 0):>6.1f} "
+            f"{r['documents'] / r['seconds']:>7.1f} {r['passages'] / r['seconds']:>10.1f} "
             f"{r['peak_mb']:>10.0f} {r['all_peak_mb']:>8.0f} {r['load']:>5.1f}"
         )
     base = rows.get("one")
     fields = [f"passages={args.passages}", f"actors={args.actors}"]
     for mode, r in rows.items():
         fields.append(f"{mode}_s={r['seconds']:.1f}")
+        fields.append(f"{mode}_cpu_s={r.get('cpu_s', 0):.1f}")
+        fields.append(f"{mode}_docs_per_s={r['documents'] / r['seconds']:.1f}")
         fields.append(f"{mode}_all_peak_mb={r['all_peak_mb']:.0f}")
-        if base and mode != "one":
+        if base and mode in ("ray", "cluster"):
             fields.append(f"{mode}_speedup={base['seconds'] / r['seconds']:.2f}")
+        elif base and mode != "one":  # how much faster `one` indexes than this mode
+            fields.append(f"one_over_{mode}={r['seconds'] / base['seconds']:.2f}")
     print(" ".join(fields))
 
 

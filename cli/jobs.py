@@ -89,14 +89,11 @@ def index_line(path: Path, report: IndexReport) -> str:
 
 
 def _calibrate_after_indexing(system: LocalRuntime, changed: bool, progress: bool) -> str:
-    """The support threshold fitted on the index just written, unless the index did not change
-    and a threshold for the default critique exists; what to print."""
-    from selfrag.jobs.support_calibration import corpus_plan, run_calibration
+    """The support threshold fitted on the index just written, unless it changed too little
+    to move it (`jobs.support_calibration.calibrate_after_indexing`); what to print."""
+    from selfrag.jobs.support_calibration import calibrate_after_indexing, corpus_plan
 
-    critique = system.critique_name(system.settings.decoding.critique)
-    if not changed and system.calibrated.calibration(critique) is not None:
-        return "support threshold: kept (the index did not change)"
-    return run_calibration(system, corpus_plan(), progress=progress)[1]
+    return calibrate_after_indexing(system, changed, corpus_plan(), progress=progress)
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
@@ -209,6 +206,7 @@ def _calibrate_corpus(args: argparse.Namespace) -> int:
         seed=args.seed,
         max_answerable_abstain=args.max_answerable_abstain,
         time_limit_s=args.time_limit,
+        report=args.report or None,
     )
     with LocalRuntime(settings_from_args(args)) as rag:
         ensure_indexed(rag, args.corpus, progress=not args.no_progress)

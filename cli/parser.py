@@ -264,7 +264,15 @@ def _calibrate_parser(sub: Any) -> None:
     p_cal.add_argument(
         "--questions",
         type=int,
-        help="Without a dataset: synthetic questions drawn from the index (default 40).",
+        help="Without a dataset: synthetic questions drawn from the index, at least 20 per "
+        "corpus file (default 20).",
+    )
+    p_cal.add_argument(
+        "--report",
+        action="store_true",
+        help="Without a dataset: also read the unanswerable pairs, for the score's AUROC and "
+        "what the threshold abstains on among them (about three times the reads; the "
+        "threshold does not depend on them).",
     )
     p_cal.add_argument("--seed", type=int, help="Without a dataset: the draw's seed (default 0).")
     p_cal.add_argument(

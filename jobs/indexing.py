@@ -6,13 +6,16 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
+import queue
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from tqdm import tqdm
 
@@ -25,6 +28,7 @@ from selfrag.infra.corpus.reading import (
 )
 from selfrag.infra.corpus.safe_files import corpus_root, file_source
 from selfrag.infra.corpus.splitting import split_document, split_passages
+from selfrag.infra.store.passage_points import embedded_text
 from selfrag.infra.store.qdrant_documents import DIGEST, stale
 from selfrag.infra.store.qdrant_store import QdrantStore
 from selfrag.pipeline.protocols import COLLECTION, Passage
@@ -221,6 +225,7 @@ def index_corpus(
     *,
     retrieval: RetrievalSettings = _DEFAULTS,
     follow_links: bool = False,
+    threads: int | None = None,
 ) -> IndexReport:
     """Index every readable document of `path` into `store` and report what happened.
 
@@ -235,6 +240,9 @@ def index_corpus(
     path was read, the documents indexed from it before that it no longer holds are removed
     (not those of a file that failed to read this time).
     `index_version` is bumped at the end when anything was written, even after an error.
+    The documents are read ahead of the embedder (`read_ahead`), which runs on `threads`
+    llama.cpp threads (default: every core, as indexing is the command's only work;
+    `SelfRAG.index` passes `model.n_threads`).
     Raises FileNotFoundError / CorpusFormatError for a missing path or an unknown format.
     """
     if embedder_batch < 1:
@@ -252,7 +260,8 @@ def index_corpus(
     changed = False
     try:
         indexed = indexed_documents(store)  # listed once: what to skip, then what is gone
-        _write_in_groups(corpus.documents(indexed), store, embedder_batch, report, bar)
+        threads = threads or os.cpu_count() or 1
+        _write_in_groups(corpus.documents(indexed), store, embedder_batch, report, bar, threads)
         changed = corpus.remove_gone(store, indexed)
     finally:
         bar.close()
@@ -262,33 +271,106 @@ def index_corpus(
     return report
 
 
+@dataclass
+class _Group:
+    """Whole documents' passages, embedded and written together."""
+
+    passages: list[Passage]
+    documents: int
+    tokens: list[list[int]] | None
+    """The passages' word-piece ids, for an embedder that takes them (`embed_tokens`)."""
+
+
+def _groups(documents: Iterable[list[Passage]], size: int, embedder: Any) -> Iterator[_Group]:
+    """`documents` in groups of whole documents of `size` passages or more (the last one
+    less), tokenized for `embedder` when it embeds token ids."""
+    tokenize = getattr(embedder, "tokenize", None)
+    if not callable(getattr(embedder, "embed_tokens", None)):
+        tokenize = None
+
+    def group(passages: list[Passage], count: int) -> _Group:
+        tokens = [tokenize(embedded_text(p)) for p in passages] if tokenize else None
+        return _Group(passages, count, tokens)
+
+    pending: list[Passage] = []
+    count = 0
+    for passages in documents:
+        pending.extend(passages)
+        count += 1
+        if len(pending) >= size:
+            yield group(pending, count)
+            pending, count = [], 0
+    if pending:
+        yield group(pending, count)
+
+
+_T = TypeVar("_T")
+
+
+def read_ahead(items: Iterator[_T], depth: int) -> Iterator[_T]:
+    """`items`, made in a thread of their own up to `depth` ahead of the consumer, so reading
+    and splitting a corpus overlaps embedding it (llama.cpp releases the GIL). What the maker
+    raises is raised here; closing this generator stops the maker at its next item."""
+    made: queue.Queue[tuple[str, Any]] = queue.Queue(maxsize=depth)
+    stop = threading.Event()
+
+    def put(kind: str, value: Any) -> bool:
+        while not stop.is_set():
+            try:
+                made.put((kind, value), timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def make() -> None:
+        try:
+            for item in items:
+                if not put("item", item):
+                    return
+        except BaseException as exc:  # raised again in the consumer
+            put("error", exc)
+        else:
+            put("done", None)
+
+    maker = threading.Thread(target=make, name="selfrag-index-reader", daemon=True)
+    maker.start()
+    try:
+        while True:
+            kind, value = made.get()
+            if kind == "done":
+                return
+            if kind == "error":
+                raise value
+            yield value
+    finally:
+        stop.set()
+        maker.join()
+
+
 def _write_in_groups(
     documents: Iterable[list[Passage]],
     store: QdrantStore,
     embedder_batch: int,
     report: IndexReport,
     bar: tqdm,
+    threads: int,
 ) -> None:
-    """Upsert the passages of `documents` in groups of whole documents of about
-    `embedder_batch` passages, counting each group in `report` and `bar` once written."""
-    pending: list[Passage] = []
-    pending_docs = 0
-
-    def flush() -> None:
-        nonlocal pending, pending_docs
-        if pending:
-            store.upsert(
-                pending, batch_size=len(pending), replace_documents=True, bump_version=False
-            )
-            report.documents += pending_docs
-            report.passages += len(pending)
-            bar.update(pending_docs)
+    """Embed and write the passages of `documents` in groups of whole documents of about
+    `embedder_batch` passages, on `threads` embedding threads, counting each group in `report`
+    and `bar` once written. The next group is read, split and tokenized while one embeds."""
+    embedder = store.embedder
+    try:
+        for group in read_ahead(_groups(documents, embedder_batch, embedder), depth=2):
+            if group.tokens is not None:
+                vectors = embedder.embed_tokens(group.tokens, threads=threads)
+            else:
+                vectors = embedder.embed([embedded_text(p) for p in group.passages])
+            store.write(group.passages, vectors, replace_documents=True)
+            report.documents += group.documents
+            report.passages += len(group.passages)
+            bar.update(group.documents)
             bar.set_postfix(passages=report.passages, errors=len(report.errors))
-        pending, pending_docs = [], 0
-
-    for passages in documents:
-        pending.extend(passages)
-        pending_docs += 1
-        if len(pending) >= embedder_batch:
-            flush()
-    flush()
+    finally:
+        if report.passages:
+            store.finish_writes()

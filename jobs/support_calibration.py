@@ -13,9 +13,21 @@ the system serves (`LocalRuntime.critic`: heads, answerability model and all). T
 `max_answerable_abstain` of the answerable pairs. An index of several collections (corpus
 files) is sampled and thresholded per collection, since the score's scale moves between
 collections: answers hold a passage to its collection's own threshold, and passages of a
-collection without one to the lowest (`min_support_score`), which keeps the budget in each. Cost:
-the number of pairs times three critique calls, whatever the corpus size (the passages are
-sampled in one pass over the index).
+collection without one to the lowest (`min_support_score`), which keeps the budget in each.
+
+Only the answerable pairs set the thresholds, so only they are read by default; the unanswerable
+pairs, which say how well the score separates (AUROC, what the threshold abstains on among
+them), are read on request (`report`). The pairs are read in batches of `batch`, each one
+multi-sequence engine call per critique step. Cost: the pairs read times three critique calls,
+whatever the corpus size (the passages are sampled in one pass over the index).
+
+How many: each corpus file's threshold is the (floor(b*n) + 1)-th lowest of its n answerable
+scores (`choose_threshold`, budget b). Whatever the scores' distribution, the share of new pairs
+drawn the same way that fall below the r-th lowest of n follows Beta(r, n + 1 - r): mean
+r/(n + 1), and P(share > e) = P(Binomial(n, e) < r). With b = 5%, n = 20 is the fewest pairs
+for which the threshold is not the single lowest score (the draw's least steady statistic) and
+the mean share stays under 10%: 2/21 = 9.5%, more than 20% in 7% of draws
+(notes/first-answer.md).
 """
 
 from __future__ import annotations
@@ -25,7 +37,8 @@ import math
 import random
 import sys
 import time
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
@@ -47,7 +60,7 @@ from selfrag.pipeline.learning.synthetic_qa import (
     summary,
     threshold_effect,
 )
-from selfrag.pipeline.protocols import COLLECTION
+from selfrag.pipeline.protocols import COLLECTION, Passage
 from selfrag.pipeline.scoring import evidence_support
 from selfrag.schemas.calibration import SupportCalibration
 from selfrag.schemas.decoding import DecodingConfig
@@ -60,7 +73,8 @@ MIN_ANSWERABLE = 8
 nothing: a quantile of so few scores is noise. A collection with fewer gets no threshold of its
 own (its pairs still count in the summary)."""
 MIN_QUESTIONS_PER_COLLECTION = 20
-"""Questions written per collection at least, when the index has several."""
+"""Questions written per collection at least: the n of the module's bound (a 9.5% mean share of
+new answerable pairs below the threshold at the 5% budget)."""
 
 
 class CalibrationSkipped(ValueError):
@@ -69,11 +83,12 @@ class CalibrationSkipped(ValueError):
 
 @dataclass(frozen=True)
 class CorpusCalibrationPlan:
-    """How many pairs, drawn how. The defaults take minutes on one thread, whatever the corpus
-    size (docs/evaluation.md, *The support threshold*, has the measured time)."""
+    """How many pairs, drawn how, and which are read. The defaults read 20 answerable pairs per
+    corpus file, whatever its size (notes/first-answer.md has the measured time)."""
 
-    questions: int = 40
-    """Questions written; each gives an answerable pair and, mostly, an unanswerable one."""
+    questions: int = MIN_QUESTIONS_PER_COLLECTION
+    """Questions written in all (at least MIN_QUESTIONS_PER_COLLECTION per collection); each
+    gives an answerable pair and, mostly, unanswerable ones."""
     seed: int = 0
     style: QuestionStyle = "wh"
     max_answerable_abstain: float = 0.05
@@ -87,7 +102,10 @@ class CorpusCalibrationPlan:
     of the pairs is noisier, so the limit sits well above the unloaded time of the default
     model (docs/evaluation.md has it)."""
     batch: int = 8
-    """Pairs per critique call (the engine batches them as the decoder's branches)."""
+    """Pairs per critique call (the engine decodes them together, as the decoder's branches)."""
+    report: bool = False
+    """Also read the unanswerable pairs: the AUROC and what the threshold abstains on among
+    them, which the threshold does not depend on."""
 
 
 @dataclass(frozen=True)
@@ -119,8 +137,9 @@ def score_pairs(
     clock: Callable[[], float] = time.monotonic,
 ) -> list[PairScore]:
     """Relevance, draft and support of each pair's first-step branch, by the system's
-    critique `critique` (a source name or `auto`), until `plan.time_limit_s` passes on
-    `clock`."""
+    critique `critique` (a source name or `auto`), `plan.batch` pairs per engine call, until
+    `plan.time_limit_s` passes on `clock`. Once the first batch is read, how long the whole
+    read will take is printed (stderr)."""
     from tqdm import tqdm
 
     critic = rag.critic(critique)
@@ -133,12 +152,15 @@ def score_pairs(
         total=len(pairs), desc="calibrate", unit="pair", file=sys.stderr, disable=not progress
     )
     for start in range(0, len(pairs), plan.batch):
-        if clock() - started > plan.time_limit_s:
+        elapsed = clock() - started
+        if elapsed > plan.time_limit_s:
             bar.write(
                 f"calibrate: time limit {plan.time_limit_s:g} s reached after {len(out)} pairs",
                 file=sys.stderr,
             )
             break
+        if start == plan.batch:  # the first batch read
+            bar.write(estimate_line(len(pairs), start, elapsed), file=sys.stderr)
         chunk = pairs[start : start + plan.batch]
         branches = [Branch(p.question.question, "", p.passage) for p in chunk]
         reads = read_evidence_branches(critic, branches, cfg.max_segment_tokens)
@@ -149,6 +171,37 @@ def score_pairs(
         bar.update(len(chunk))
     bar.close()
     return out
+
+
+def estimate_line(pairs: int, read: int, seconds: float) -> str:
+    """How long reading `pairs` will take, from the first `read` of them taking `seconds`."""
+    total = seconds * pairs / read
+    return f"calibrate: {pairs} pairs, about {total:.0f} s in all ({read} read in {seconds:.1f} s)"
+
+
+def announce_line(pairs: int, previous: SupportCalibration | None) -> str:
+    """What a calibration of `pairs` pairs says before it reads any: how long it will take at
+    the pace of the `previous` calibration of the same model and critique, or that the time
+    follows the first batch."""
+    read = 0
+    if previous is not None:
+        read = int(previous.answerable.get("n", 0) + previous.unanswerable.get("n", 0))
+    if previous is None or not read:
+        return (
+            f"calibrate: reading {pairs} question/passage pairs (relevance, a draft and "
+            "support each); how long it takes follows the first batch"
+        )
+    seconds = previous.seconds / read * pairs
+    return (
+        f"calibrate: reading {pairs} question/passage pairs, about {seconds:.0f} s at the "
+        f"last calibration's pace ({previous.seconds:.0f} s for {read})"
+    )
+
+
+def pairs_to_read(pairs: list[SyntheticPair], plan: CorpusCalibrationPlan) -> list[SyntheticPair]:
+    """The pairs the plan reads: the answerable ones, which set the thresholds, and with
+    `plan.report` the unanswerable ones as well."""
+    return pairs if plan.report else [p for p in pairs if p.answerable]
 
 
 def calibrate_support(
@@ -166,9 +219,14 @@ def calibrate_support(
 
     started = time.monotonic()
     source = critique or rag.settings.decoding.critique
+    # Drawn whole, the unanswerable pairs too: the same seed asks the same questions either way.
     pairs = draw_pairs(rag, plan)
     _enough(sum(1 for p in pairs if p.answerable))  # before any model work
-    scores = score_pairs(rag, source, pairs, plan, progress=progress)
+    to_read = pairs_to_read(pairs, plan)
+    if progress:
+        previous = rag.calibrated.calibration(rag.critique_name(source))
+        print(announce_line(len(to_read), previous), file=sys.stderr)
+    scores = score_pairs(rag, source, to_read, plan, progress=progress)
     answerable = [s.score for s in scores if s.pair.answerable and s.score is not None]
     unanswerable = [s.score for s in scores if not s.pair.answerable and s.score is not None]
     _enough(len(answerable))
@@ -199,6 +257,7 @@ def calibrate_support(
         seed=plan.seed,
         index_version=rag.store.index_version(),
         passages=rag.store.count(),
+        corpus_passages=collection_sizes(rag.store.passages()),
         seconds=round(time.monotonic() - started, 1),
         created=datetime.now(UTC).isoformat(timespec="seconds"),
     )
@@ -281,6 +340,86 @@ def draw_pairs(rag: LocalRuntime, plan: CorpusCalibrationPlan) -> list[Synthetic
         if question is not None
         for pair in question
     ]
+
+
+RECALIBRATE_SHARE = 0.05
+"""How much of a collection may change before indexing fits its threshold again: the share of
+its passages, as a question samples them, that differs since the calibration (1 - unchanged /
+max(passages then, passages now): new, rewritten and removed ones). Questions are drawn from
+a collection's passages alike, so one changed by d moves the share of its answerable pairs that
+fall below its threshold by at most d (counted among the passages that give a question),
+whatever the changed passages score: 5 points, under the draw's own spread (a standard
+deviation of 6 points at 20 pairs, Beta(2, 19))."""
+
+
+def collection_sizes(passages: Iterable[Passage]) -> dict[str, int]:
+    """Passages per collection (corpus file; "" for those without one)."""
+    return dict(Counter(p.metadata.get(COLLECTION, "") for p in passages))
+
+
+def recalibration_due(cal: SupportCalibration, passages: Iterable[Passage]) -> tuple[bool, str]:
+    """Whether the index (`passages`, all of it) changed enough since `cal` to fit the
+    thresholds again, and what changed. Due when a collection that has or could have a
+    threshold of its own (MIN_ANSWERABLE passages at least) is new, or changed by more than
+    RECALIBRATE_SHARE (passages indexed after `cal` are new or rewritten; the rest unchanged).
+    A smaller collection cannot have one (a passage gives one question at most): its passages
+    are held to the lowest threshold, whatever they score."""
+    if not cal.corpus_passages:
+        return True, "the calibration predates recording its corpus files' sizes"
+    fitted = datetime.fromisoformat(cal.created)
+    now: Counter[str] = Counter()
+    unchanged: Counter[str] = Counter()
+    for p in passages:
+        name = p.metadata.get(COLLECTION, "")
+        now[name] += 1
+        unchanged[name] += _indexed_before(p.metadata.get("indexed_at"), fitted)
+    kept = []
+    for name in sorted(set(now) | set(cal.corpus_passages)):
+        before = cal.corpus_passages.get(name, 0)
+        changed = 1 - unchanged[name] / max(before, now[name], 1)
+        if not changed:
+            continue
+        label = name or "(unnamed)"
+        what = f"{label} changed by {changed:.1%} ({before} passages then, {now[name]} now)"
+        if name not in cal.collections and max(now[name], before) < MIN_ANSWERABLE:
+            kept.append(f"{what}: too small for a threshold of its own, held to the lowest")
+        elif not before:
+            return True, f"{label} is new, with {now[name]} passages"
+        elif changed > RECALIBRATE_SHARE + 1e-9:
+            return True, what
+        else:
+            kept.append(what)
+    return False, "; ".join(kept) or "no passage changed"
+
+
+def _indexed_before(stamp: object, fitted: datetime) -> bool:
+    """Whether a passage's `indexed_at` is no later than `fitted` (unknown: not before)."""
+    try:
+        return isinstance(stamp, str) and datetime.fromisoformat(stamp) <= fitted
+    except (ValueError, TypeError):
+        return False
+
+
+def calibrate_after_indexing(
+    rag: LocalRuntime, changed: bool, plan: CorpusCalibrationPlan, *, progress: bool = True
+) -> str:
+    """The support threshold after `selfrag index` wrote to `rag`'s index: fitted when there
+    is none for the default critique or the index changed enough (`recalibration_due`), else
+    kept, saying why; what to print."""
+    critique = rag.critique_name(rag.settings.decoding.critique)
+    cal = rag.calibrated.calibration(critique)
+    if cal is not None:
+        if not changed:
+            return "support threshold: kept (the index did not change)"
+        due, what = recalibration_due(cal, rag.store.passages())
+        if not due:
+            return (
+                f"support threshold: kept, the index changed too little to move it ({what}; "
+                f"more than {RECALIBRATE_SHARE:.0%} of a corpus file fits it again, as "
+                "`selfrag calibrate` does)"
+            )
+        print(f"support threshold: fitting it again: {what}", file=sys.stderr)
+    return run_calibration(rag, plan, progress=progress)[1]
 
 
 def _rounded(share: float | None) -> float | None:

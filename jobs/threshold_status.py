@@ -89,22 +89,29 @@ def describe_threshold(t: dict[str, object]) -> str:
 def describe_calibration(cal: SupportCalibration, path: Path) -> str:
     """What a calibration chose and from what, for the terminal."""
     a, u = cal.answerable, cal.unanswerable
-    unans = "-" if cal.unanswerable_abstain is None else f"{cal.unanswerable_abstain:.0%}"
+    if u.get("n"):
+        unanswerable = (
+            f", unanswerable n={u.get('n')} p10 {u.get('p10', '-')} p50 {u.get('p50', '-')}; "
+            f"AUROC {'-' if cal.auroc is None else f'{cal.auroc:.3f}'}"
+            + "".join(
+                f", {trap} {'-' if a is None else f'{a:.3f}'}"
+                for trap, a in cal.auroc_by_trap.items()
+            )
+        )
+        unans = "-" if cal.unanswerable_abstain is None else f"{cal.unanswerable_abstain:.0%}"
+        abstains = f", {unans} of unanswerable"
+    else:
+        unanswerable = " (unanswerable pairs not read: `selfrag calibrate --report` reads them)"
+        abstains = ""
     return "\n".join(
         [
             f"support threshold ({cal.critique}, {cal.model_file}, collection "
             f"{cal.index_collection or DEFAULT_COLLECTION}): min_support_score "
             f"{cal.min_support_score:.4f} -> {path}",
             f"  {cal.questions} synthetic questions ({cal.style}); support score answerable "
-            f"n={a.get('n')} p10 {a.get('p10', '-')} p50 {a.get('p50', '-')}, unanswerable "
-            f"n={u.get('n')} p10 {u.get('p10', '-')} p50 {u.get('p50', '-')}; AUROC "
-            f"{'-' if cal.auroc is None else f'{cal.auroc:.3f}'}"
-            + "".join(
-                f", {trap} {'-' if a is None else f'{a:.3f}'}"
-                for trap, a in cal.auroc_by_trap.items()
-            ),
+            f"n={a.get('n')} p10 {a.get('p10', '-')} p50 {a.get('p50', '-')}{unanswerable}",
             f"  abstains on {cal.answerable_abstain:.0%} of answerable pairs (at most "
-            f"{cal.max_answerable_abstain:.0%}), {unans} of unanswerable; {cal.seconds:.0f} s",
+            f"{cal.max_answerable_abstain:.0%}){abstains}; {cal.seconds:.0f} s",
             *(
                 f"  corpus {name or '(unnamed)'}: {c['threshold']:.4f}"
                 + (

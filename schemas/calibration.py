@@ -95,9 +95,12 @@ class SupportCalibration(BaseModel):
     max_answerable_abstain: float = Field(ge=0.0, lt=1.0)
     answerable_abstain: Fraction = Field(description="Synthetic answerable pairs below it.")
     unanswerable_abstain: Fraction | None = Field(
-        description="Synthetic unanswerable pairs below it."
+        description="Synthetic unanswerable pairs below it (None: none read, as by default; "
+        "`selfrag calibrate --report` reads them)."
     )
-    auroc: Fraction | None = Field(description="s_sup's AUROC, answerable vs unanswerable pairs.")
+    auroc: Fraction | None = Field(
+        description="s_sup's AUROC, answerable vs unanswerable pairs (None: none read)."
+    )
     auroc_by_trap: dict[str, Fraction | None] = Field(
         default_factory=dict,
         description="s_sup's AUROC, answerable pairs against each kind of unanswerable one "
@@ -125,6 +128,12 @@ class SupportCalibration(BaseModel):
     seed: int
     index_version: str
     passages: int = Field(description="Passages in the index when fitted.")
+    corpus_passages: dict[str, int] = Field(
+        default_factory=dict,
+        description="Passages of each collection (corpus file) when fitted: what indexing "
+        "compares its changes with to decide whether to fit again (empty in a file written "
+        "before: any change fits again).",
+    )
     seconds: float
     created: str = Field(description="When, UTC, ISO 8601.")
 

@@ -135,7 +135,8 @@ class ModelSettings(BaseModel):
     n_threads: int = Field(
         0,
         ge=0,
-        description="llama.cpp threads per engine process; 0: all available cores (os.cpu_count).",
+        description="llama.cpp threads per engine process, and the embedder's while indexing; "
+        "0: all available cores (os.cpu_count).",
     )
     adaptive_threads: bool = Field(
         True,

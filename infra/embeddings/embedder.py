@@ -160,11 +160,19 @@ class SentenceEmbedder:
         """Embeddings of `texts` as a float32 array of shape (len(texts), dim), rows of norm 1."""
         if isinstance(texts, str):
             raise TypeError("embed() takes a sequence of strings, not one string")
-        if not texts:
+        return self.embed_tokens([self.tokenize(t) for t in texts])
+
+    def embed_tokens(
+        self, sequences: Sequence[list[int]], *, threads: int | None = None
+    ) -> np.ndarray:
+        """`embed` of texts tokenized already (`tokenize`), on `threads` llama.cpp threads for
+        this call (default: the embedder's)."""
+        if not sequences:
             return np.zeros((0, self.dim), dtype=np.float32)
-        sequences = [self.tokenize(t) for t in texts]
+        if threads is not None and threads < 1:
+            raise ValueError(f"threads must be >= 1, got {threads}")
         with self._lock:
-            vectors = self._load().embed(sequences)
+            vectors = self._load().embed(sequences, threads or self._threads)
         # sentence-transformers' Normalize: v / max(|v|, 1e-12).
         norms = np.maximum(np.linalg.norm(vectors, axis=1, keepdims=True), 1e-12)
         return np.ascontiguousarray(vectors / norms, dtype=np.float32)
@@ -238,6 +246,7 @@ class _Native:
         from selfrag.infra.models.model_files import ModelFileError
 
         self.pid = os.getpid()
+        self._threads = threads
         self._ctx: Any = None
         self._batch: Any = None
         ensure_backend(path, n_threads=threads)
@@ -259,8 +268,14 @@ class _Native:
         self._batch = llama_cpp.llama_batch_init(BATCH_TOKENS, 0, MAX_SEQUENCES)
         self._dim = int(llama_cpp.llama_model_n_embd(self._model))
 
-    def embed(self, sequences: Sequence[list[int]]) -> np.ndarray:
-        """Pooled (not normalised) embeddings of token sequences, several per llama.cpp call."""
+    def embed(self, sequences: Sequence[list[int]], threads: int) -> np.ndarray:
+        """Pooled (not normalised) embeddings of token sequences, several per llama.cpp call
+        on `threads` threads."""
+        import llama_cpp
+
+        if threads != self._threads:
+            llama_cpp.llama_set_n_threads(self._ctx, threads, threads)
+            self._threads = threads
         out = np.zeros((len(sequences), self._dim), dtype=np.float32)
         group: list[int] = []
         used = 0

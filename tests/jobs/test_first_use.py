@@ -178,10 +178,16 @@ class Runtime:
     def __init__(self, settings: Settings, count: int, runs: list[str]) -> None:
         self.settings = settings
         self.store = SimpleNamespace(count=lambda: count)
-        self.model = SimpleNamespace(path=settings.home / "m.gguf")
+        self.checked: list[str] = []
+        self.model = SimpleNamespace(
+            path=settings.home / "m.gguf", check_critique=self.checked.append
+        )
         self.closed = False
         self.answer_path = SimpleNamespace(settle=lambda config: runs.append(config.critique))
         OPENED.append(self)
+
+    def critique_name(self, critique: str) -> str:
+        return critique
 
     def __enter__(self) -> Runtime:
         return self
@@ -255,7 +261,7 @@ def test_serve_checks_the_model_and_calibrates_in_one_runtime_that_it_closes(
     )
     serving._ready_model(settings)
     assert len(OPENED) == 1 and OPENED[0].closed  # the store is free before Ray starts
-    assert checked == [tmp_path / "m.gguf"]
+    assert checked == [tmp_path / "m.gguf"] and OPENED[0].checked == ["learned"]
     assert settled == (["learned"] if calibrate else [])
 
 

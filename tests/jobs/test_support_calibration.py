@@ -324,6 +324,7 @@ def _fake_rag(
         ),
         store=FakeStore(passages),
         critic=lambda source: critic,
+        critique_name=lambda source: critic.name,
         model=SimpleNamespace(path=model),
         model_fingerprint="fake-fp",
     )
@@ -358,14 +359,92 @@ def test_the_job_reads_each_pair_as_a_first_step_branch_and_saves_the_threshold(
     assert cal.critique == "learned" and cal.fingerprint == "fake-fp"
     assert cal.questions == 12 and cal.answerable["n"] == 12
     assert cal.answerable_abstain <= 0.05
-    assert cal.auroc is not None and cal.auroc > 0.5
+    assert cal.corpus_passages == {"": 16}
     # Every read is a first-step branch: the question, nothing written yet, one passage.
     assert critic.asked and all(b.prefix == "" and b.passage is not None for b in critic.asked)
+    # Only the pairs that set the threshold are read: each question with its own passage.
+    assert len(critic.asked) == 12
+    assert all(b.passage is not None and b.passage.id in _own(b.question) for b in critic.asked)
+    assert cal.unanswerable == {"n": 0} and cal.auroc is None and cal.unanswerable_abstain is None
     # Answers through this system now take it.
     assert rag.calibrated.filters("learned") == {
         "min_support_score": cal.min_support_score,
         "min_support_score_by_corpus": {"": cal.min_support_score},  # one, unnamed
     }
+
+
+def _own(question: str) -> set[str]:
+    """The passages (of _four_copies) a synthetic question may have been written from: those
+    holding all its words but the wh-phrase."""
+    words = set(question.lower().rstrip("?").split()) - {"who", "what", "year", "how", "many"}
+    return {p.id for p in _four_copies() if words <= set(p.text.lower().replace(".", "").split())}
+
+
+def test_the_report_reads_the_unanswerable_pairs_too_and_the_threshold_stays(
+    tmp_path: Path,
+) -> None:
+    from selfrag.jobs.support_calibration import CorpusCalibrationPlan, calibrate_support
+
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    plain_critic, report_critic = OverlapCritic(name="learned"), OverlapCritic(name="learned")
+    plain, _ = calibrate_support(
+        _fake_rag(tmp_path / "a", _four_copies(), plain_critic),
+        CorpusCalibrationPlan(questions=12),
+        progress=False,
+    )
+    report, _ = calibrate_support(
+        _fake_rag(tmp_path / "b", _four_copies(), report_critic),
+        CorpusCalibrationPlan(questions=12, report=True),
+        progress=False,
+    )
+    # The same seed asks the same questions; the report reads their traps as well.
+    asked = [(b.question, b.passage.id) for b in plain_critic.asked if b.passage is not None]
+    assert set(asked) < {(b.question, b.passage.id) for b in report_critic.asked if b.passage}
+    assert len(report_critic.asked) > 2 * len(plain_critic.asked)
+    assert report.min_support_score == plain.min_support_score
+    assert report.answerable == plain.answerable
+    assert report.unanswerable["n"] > 0 and report.auroc is not None and report.auroc > 0.5
+    assert report.unanswerable_abstain is not None
+
+
+def test_the_calibration_says_how_long_it_will_take_after_its_first_batch(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from selfrag.jobs.support_calibration import CorpusCalibrationPlan, draw_pairs, score_pairs
+
+    rag = _fake_rag(tmp_path, _four_copies(), OverlapCritic(name="learned"))
+    plan = CorpusCalibrationPlan(questions=12, batch=4)
+    pairs = [p for p in draw_pairs(rag, plan) if p.answerable]
+    ticks = iter([0.0, 0.0, 6.0, 12.0])  # the first batch "takes" 6 s
+    score_pairs(rag, "learned", pairs, plan, progress=False, clock=lambda: next(ticks))
+    err = capsys.readouterr().err
+    assert err.count("calibrate:") == 1  # once, after the first batch
+    assert "12 pairs, about 18 s in all (4 read in 6.0 s)" in err
+
+
+def test_the_calibration_says_before_reading_how_long_at_the_last_ones_pace(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from selfrag.jobs.support_calibration import CorpusCalibrationPlan, calibrate_support
+
+    rag = _fake_rag(tmp_path, _four_copies(), OverlapCritic(name="learned"))
+    plan = CorpusCalibrationPlan(questions=12)
+    calibrate_support(rag, plan)
+    first = capsys.readouterr().err.splitlines()[0]
+    assert first.startswith("calibrate: reading 12 question/passage pairs")
+    assert "follows the first batch" in first  # nothing to go by yet
+    path = calibrate_support(rag, plan)[1]
+    saved = json.loads(path.read_text())
+    saved["seconds"] = 60.0  # the last calibration "took" 60 s for its 12 pairs
+    path.write_text(json.dumps(saved))
+    rag.calibrated.forget()
+    capsys.readouterr()
+    calibrate_support(rag, CorpusCalibrationPlan(questions=12, report=True))
+    announced = capsys.readouterr().err.splitlines()[0]
+    assert "at the last calibration's pace (60 s for 12)" in announced
+    pairs = int(announced.split("reading ")[1].split()[0])
+    assert pairs > 12 and f"about {5 * pairs} s" in announced  # the traps too, 5 s a pair
 
 
 def test_the_threshold_is_fitted_on_s_sup_weighed_by_the_pairs_similarity(
@@ -545,6 +624,106 @@ def test_too_small_a_corpus_calibrates_nothing_before_any_model_work(tmp_path: P
     assert not (tmp_path / "calibration").exists()
 
 
+# --- when to fit again -----------------------------------------------------------------------
+
+FITTED = "2026-12-07T10:00:00+00:00"
+
+
+def _indexed(collection: str, n: int, at: str, start: int = 0) -> list[Passage]:
+    return [
+        Passage(f"{collection}{i}", "text", metadata={"collection": collection, "indexed_at": at})
+        for i in range(start, start + n)
+    ]
+
+
+def _fitted_on(sizes: dict[str, int], own: tuple[str, ...]) -> SupportCalibration:
+    collections = {c: {"threshold": 0.2, "answerable_abstain": 0.05} for c in own}
+    return _calibration(created=FITTED, corpus_passages=sizes, collections=collections)
+
+
+def test_a_change_under_the_share_keeps_the_thresholds_and_says_what_changed() -> None:
+    from selfrag.jobs.support_calibration import RECALIBRATE_SHARE, recalibration_due
+
+    cal = _fitted_on({"wiki.jsonl": 1000, "squad.json": 97}, own=("wiki.jsonl", "squad.json"))
+    before = "2026-12-07T09:59:00+00:00"
+    after = "2026-12-07T10:05:00+00:00"
+    old = _indexed("wiki.jsonl", 1000, before) + _indexed("squad.json", 97, before)
+    # One new record in a file of its own: too small for a threshold of its own.
+    due, what = recalibration_due(cal, [*old, *_indexed("new.jsonl", 1, after)])
+    assert not due and "new.jsonl" in what and "held to the lowest" in what
+    # 5% of the wiki file rewritten: kept; one passage more than that: fitted again.
+    share = int(RECALIBRATE_SHARE * 1000)
+    rewritten = _indexed("wiki.jsonl", 1000 - share, before) + _indexed(
+        "wiki.jsonl", share, after, start=1000 - share
+    )
+    due, what = recalibration_due(cal, [*rewritten, *_indexed("squad.json", 97, before)])
+    assert not due and "wiki.jsonl changed by 5.0% (1000 passages then, 1000 now)" in what
+    grown = [*rewritten, *_indexed("wiki.jsonl", 1, after, start=1000)]
+    due, what = recalibration_due(cal, [*grown, *_indexed("squad.json", 97, before)])
+    assert due and "wiki.jsonl changed by 5.1% (1000 passages then, 1001 now)" in what
+    # Passages gone count as changed; a file gone entirely, all of it.
+    due, what = recalibration_due(cal, _indexed("wiki.jsonl", 1000, before))
+    assert due and "squad.json changed by 100.0% (97 passages then, 0 now)" in what
+    # Nothing indexed since: kept.
+    assert recalibration_due(cal, old) == (False, "no passage changed")
+
+
+def test_a_new_file_large_enough_for_its_own_threshold_fits_again() -> None:
+    from selfrag.jobs.support_calibration import MIN_ANSWERABLE, recalibration_due
+
+    cal = _fitted_on({"wiki.jsonl": 1000}, own=("wiki.jsonl",))
+    old = _indexed("wiki.jsonl", 1000, "2026-12-07T09:59:00+00:00")
+    later = "2026-12-07T10:01:00+00:00"
+    assert not recalibration_due(cal, [*old, *_indexed("docs", MIN_ANSWERABLE - 1, later)])[0]
+    due, what = recalibration_due(cal, [*old, *_indexed("docs", MIN_ANSWERABLE, later)])
+    assert due and what == f"docs is new, with {MIN_ANSWERABLE} passages"
+    # A calibration written before the sizes were recorded: any change fits again.
+    assert recalibration_due(_calibration(created=FITTED), old)[0]
+    # A passage without a readable time counts as changed.
+    unknown = [Passage("x", "t", metadata={"collection": "wiki.jsonl", "indexed_at": "?"})]
+    assert recalibration_due(cal, old[:-60] + unknown * 60)[0]
+
+
+def test_indexing_keeps_the_threshold_when_the_change_is_small_and_says_so(
+    tmp_path: Path, recorded_calibrations: list[Any]
+) -> None:
+    from selfrag.jobs.support_calibration import (
+        CorpusCalibrationPlan,
+        calibrate_after_indexing,
+        calibrate_support,
+    )
+
+    passages = _collection_copies("wiki.jsonl", 4)
+    rag = _fake_rag(tmp_path, passages, OverlapCritic(name="learned"))
+    rag.critique_name = lambda source: "learned"
+    plan = CorpusCalibrationPlan(questions=12)
+    assert calibrate_after_indexing(rag, True, plan, progress=False) == (
+        "support threshold: recorded"  # none yet: fitted
+    )
+    cal, _ = calibrate_support(rag, plan, progress=False)
+    assert cal.corpus_passages == {"wiki.jsonl": 16}
+    assert calibrate_after_indexing(rag, False, plan, progress=False).startswith(
+        "support threshold: kept (the index did not change)"
+    )
+    # A one-passage file indexed since (its passages stamped after the calibration).
+    late = "2999-01-01T00:00:00+00:00"
+    for p in passages:
+        p.metadata["indexed_at"] = "2000-01-01T00:00:00+00:00"
+    rag.store._passages.append(
+        Passage("n0", "new", metadata={"collection": "new.jsonl", "indexed_at": late})
+    )
+    message = calibrate_after_indexing(rag, True, plan, progress=False)
+    assert message.startswith("support threshold: kept, the index changed too little")
+    assert "new.jsonl" in message and len(recorded_calibrations) == 1
+    # A quarter of the file rewritten: fitted again.
+    for p in passages[:4]:
+        p.metadata["indexed_at"] = late
+    assert calibrate_after_indexing(rag, True, plan, progress=False) == (
+        "support threshold: recorded"
+    )
+    assert len(recorded_calibrations) == 2
+
+
 # --- the commands -----------------------------------------------------------------------------
 
 
@@ -600,6 +779,7 @@ def test_selfrag_calibrate_on_the_real_model_sets_the_default_threshold(
     [path] = (home / "calibration").glob("*/learned.json")
     cal = SupportCalibration.model_validate_json(path.read_text())
     assert cal.questions == 10 and cal.answerable["n"] >= 8
+    assert cal.unanswerable == {"n": 0}  # read only with --report
     assert main([*flags, "ask", "--json", "--mode", "always", "Who led the Normans?"]) == 0
     response = json.loads(capsys.readouterr().out)
     # The response shows the threshold that applied: the calibrated one.

@@ -5,7 +5,11 @@ from __future__ import annotations
 from pathlib import Path
 
 from selfrag.infra.calibration_files import calibration_path, save_calibration
-from selfrag.jobs.threshold_status import describe_threshold, threshold_status
+from selfrag.jobs.threshold_status import (
+    describe_calibration,
+    describe_threshold,
+    threshold_status,
+)
 from selfrag.schemas.decoding import DecodingConfig
 from selfrag.schemas.settings import DEFAULT_COLLECTION
 from tests.fakes import support_calibration
@@ -78,3 +82,26 @@ def test_a_corrupt_calibration_says_so_naming_the_file_and_what_to_do(tmp_path: 
     line = describe_threshold(t)
     assert str(path) in line and "selfrag calibrate" in line and "not used" in line
     assert "pydantic" not in line
+
+
+def test_a_calibration_without_the_report_says_how_to_read_the_unanswerable_pairs(
+    tmp_path: Path,
+) -> None:
+    reported = describe_calibration(support_calibration(), tmp_path / "c.json")
+    assert "unanswerable n=38" in reported and "AUROC 0.700" in reported
+    assert "40% of unanswerable" in reported
+    plain = describe_calibration(
+        support_calibration(unanswerable={"n": 0}, auroc=None, unanswerable_abstain=None),
+        tmp_path / "c.json",
+    )
+    assert "unanswerable pairs not read: `selfrag calibrate --report` reads them" in plain
+    assert "of unanswerable" not in plain and "AUROC" not in plain
+
+
+def test_selfrag_calibrate_report_asks_the_plan_for_the_unanswerable_pairs() -> None:
+    from selfrag.cli.parser import build_parser
+    from selfrag.jobs.support_calibration import corpus_plan
+
+    assert build_parser().parse_args(["calibrate", "--report"]).report is True
+    assert build_parser().parse_args(["calibrate"]).report is False
+    assert corpus_plan(report=True).report and not corpus_plan(report=None).report

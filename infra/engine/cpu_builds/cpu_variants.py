@@ -1,5 +1,8 @@
-"""The CPU backend variants a portable llama.cpp build ships (`libggml-cpu-<name>.so`): where
-they are, their names and the instruction sets each is compiled for."""
+"""The CPU backend variants a llama.cpp build ships (`libggml-cpu-<name>.so`): where they are,
+their names, the instruction sets each is compiled for, and which of them this CPU can run.
+
+Standard library only: `scripts/llama_build.py` loads this file by path to choose the variants
+an install builds, before anything else is installed."""
 
 from __future__ import annotations
 
@@ -42,6 +45,62 @@ VARIANT_FEATURES: dict[str, tuple[str, ...]] = {
 }
 
 
+BASELINE = "x64"
+"""The variant every x86-64 CPU runs (no instruction set beyond x86-64's own)."""
+
+# ggml's feature names (the arguments of ggml_add_cpu_backend_variant) as Linux's cpuinfo flags.
+CPUINFO_FLAGS: dict[str, tuple[str, ...]] = {
+    "SSE42": ("sse4_2",),
+    "AVX": ("avx",),
+    "F16C": ("f16c",),
+    "FMA": ("fma",),
+    "AVX2": ("avx2",),
+    "BMI2": ("bmi2",),
+    "AVX512": ("avx512f", "avx512cd", "avx512vl", "avx512dq", "avx512bw"),
+    "AVX512_VBMI": ("avx512vbmi",),
+    "AVX512_VNNI": ("avx512_vnni",),
+    "AVX512_BF16": ("avx512_bf16",),
+    "AVX_VNNI": ("avx_vnni",),
+    "AMX_TILE": ("amx_tile",),
+    "AMX_INT8": ("amx_int8",),
+}
+AMX_FEATURES = frozenset({"AMX_TILE", "AMX_INT8"})
+"""Reported by some VMs whose CPU cannot run them (the first AMX instruction is SIGILL)."""
+
+
+def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> set[str]:
+    """This CPU's feature flags as Linux reports them (empty when unknown)."""
+    try:
+        text = cpuinfo.read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return set()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return set(line.split(":", 1)[1].split())
+    return set()
+
+
+def runs_on(features: tuple[str, ...], flags: set[str]) -> bool:
+    """Whether a CPU with cpuinfo `flags` has every one of ggml's `features`."""
+    return all(flag in flags for feature in features for flag in CPUINFO_FLAGS.get(feature, ()))
+
+
+def best_level(
+    variants: dict[str, tuple[str, ...]], flags: set[str], *, amx: bool = True
+) -> str | None:
+    """The variant of `variants` (name: features) with the most features that a CPU with
+    cpuinfo `flags` has all of; without `amx`, the best one that needs no AMX. None when the
+    flags are unknown or none runs."""
+    if not flags:
+        return None
+    runnable = [
+        name
+        for name, features in variants.items()
+        if runs_on(features, flags) and (amx or not AMX_FEATURES & set(features))
+    ]
+    return max(runnable, key=lambda name: len(variants[name]), default=None)
+
+
 class BackendError(RuntimeError):
     """No CPU backend of this llama.cpp build can run the model on this CPU."""
 
@@ -57,6 +116,24 @@ class Variant:
     @property
     def features(self) -> tuple[str, ...]:
         return VARIANT_FEATURES.get(self.name, ())
+
+
+def missing_level_warning(chosen: str, built: list[str], flags: set[str]) -> str | None:
+    """What to tell a process that runs on the x86-64 baseline (`chosen`) where this CPU (cpuinfo
+    `flags`) has a better level that the build (`built`, its variant names) lacks, as a venv
+    built on another machine does; None otherwise."""
+    if chosen != BASELINE:
+        return None
+    better = best_level(VARIANT_FEATURES, flags, amx=False)
+    if better is None or better == BASELINE or better in built:
+        return None
+    return (
+        "llama.cpp runs on its x86-64 baseline CPU backend here, much slower than this CPU "
+        f"allows: this llama-cpp-python build has no backend for its level '{better}' (it has "
+        f"{', '.join(sorted(built))}: it was built on another machine). `bash "
+        "scripts/install.sh` on this machine builds one; `--portable` builds the levels of "
+        "most machines, for a venv that moves"
+    )
 
 
 def library_dir() -> Path:

@@ -1,15 +1,17 @@
 """Load llama.cpp's CPU backend so that a model runs on this CPU, or say clearly why not.
 
-A portable build of llama-cpp-python (`scripts/install.sh`: `GGML_BACKEND_DL` with
-`GGML_CPU_ALL_VARIANTS`) ships one CPU backend library per instruction-set level
-(`libggml-cpu-haswell.so`, `…-sapphirerapids.so`, …). ggml would load the best one its `cpuid`
-check allows, but a CPU can advertise a feature that is not usable: inside some VMs an Intel
-Xeon reports AMX, and the first AMX instruction (`tilezero`, in the quantized matmul kernel)
-kills the process with SIGILL. So before a process loads a model for the first time, a child
-process loads that model with a candidate backend and decodes a few tokens (the probe). The
-best candidate that survives is loaded into this process; one that dies is reported with the
-CPU features only it needs. Probe results are kept on disk per model file, backend library
-and CPU, so each combination is probed once per machine.
+llama-cpp-python as `scripts/install.sh` builds it (`GGML_BACKEND_DL` with `GGML_CPU_ALL_VARIANTS`)
+ships one CPU backend library per instruction-set level built: the building CPU's best and the
+x86-64 baseline (`libggml-cpu-zen4.so`, `libggml-cpu-x64.so`), or with `--portable` six
+(`…-haswell.so`, `…-sapphirerapids.so`, …). ggml would load the best one its `cpuid` check allows,
+but a CPU can advertise a feature that is not usable: inside some VMs an Intel Xeon reports AMX,
+and the first AMX instruction (`tilezero`, in the quantized matmul kernel) kills the process with
+SIGILL. So before a process loads a model for the first time, a child process loads that model with
+a candidate backend and decodes a few tokens (the probe). The best candidate that survives is
+loaded into this process; one that dies is reported with the CPU features only it needs. Probe
+results are kept on disk per model file, backend library and CPU, so each combination is probed
+once per machine. A process left with the baseline where this CPU has a better level the build
+lacks (a venv built on another machine) runs, with a warning that says how to build for it.
 
 A build without variants (one built-in CPU backend) is probed the same way: a crash becomes an
 `EngineError` naming the model file and the features the build was compiled for.
@@ -40,7 +42,9 @@ from selfrag.infra.engine.cpu_builds.cpu_variants import (
     CPU_BACKEND_ENV,
     BackendError,
     Variant,
+    cpu_flags,
     library_dir,
+    missing_level_warning,
     variant_files,
     variant_name,
 )
@@ -256,6 +260,9 @@ class BackendLoader:
                 route_llama_log()  # before ggml announces the library on stderr
                 if chosen.path is not None:
                     load_variant(chosen.path)
+                    built = [variant_name(f) for f in variant_files()]
+                    if warning := missing_level_warning(chosen.name, built, cpu_flags()):
+                        logger.warning(warning)
                 init_llama()
                 self.loaded = chosen
                 logger.debug("llama.cpp CPU backend: %s", chosen.name)

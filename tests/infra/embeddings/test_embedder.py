@@ -130,6 +130,16 @@ def test_texts_in_one_call_embed_as_they_do_alone(embedder: SentenceEmbedder) ->
     assert np.min(np.sum(together[::13] * alone, axis=1)) > 0.99999
 
 
+def test_ids_embed_on_more_threads_as_their_texts_do_on_one(embedder: SentenceEmbedder) -> None:
+    texts = ["Rollo founded Normandy.", "The Normans spoke Norman French."]
+    alone = embedder.embed(texts)  # the embedder's one thread
+    on_two = embedder.embed_tokens([embedder.tokenize(t) for t in texts], threads=2)
+    assert np.allclose(alone, on_two, atol=1e-5)
+    assert np.allclose(embedder.embed(texts), alone, atol=1e-5)  # back on one thread
+    with pytest.raises(ValueError, match="threads"):
+        embedder.embed_tokens([embedder.tokenize(texts[0])], threads=0)
+
+
 def test_a_folder_that_is_not_bert_is_refused(tmp_path: Path) -> None:
     folder = tmp_path / "model"
     shutil.copytree(default_model_dir(), folder)

@@ -22,6 +22,9 @@ from selfrag.infra.engine.cpu_builds.cpu_variants import (
     VARIANT_FEATURES,
     BackendError,
     Variant,
+    best_level,
+    cpu_flags,
+    missing_level_warning,
     variant_files,
 )
 from selfrag.infra.engine.cpu_builds.llama_cpu_builds import (
@@ -124,6 +127,35 @@ def test_probe_results_are_keyed_by_model_file(tmp_path: Path, cache: ProbeCache
     # A replaced model file (new size) is a new key: it is probed again.
     model.write_bytes(b"GGUF and more")
     assert cache.model_key(model, variant) != key
+
+
+AVX2_FLAGS = {"sse4_2", "avx", "f16c", "fma", "avx2", "bmi2"}
+
+
+def test_the_baseline_warns_where_the_build_lacks_this_cpus_level() -> None:
+    # A venv built on a Zen 4 (x64 and zen4) copied to an AVX2 machine: zen4 cannot load there,
+    # so the baseline runs, and the message says which level is missing and how to build it.
+    warning = missing_level_warning("x64", ["x64", "zen4"], AVX2_FLAGS)
+    assert warning is not None
+    assert "'haswell'" in warning and "x64, zen4" in warning and "scripts/install.sh" in warning
+    # No warning where nothing better could run, or the level is built (then it was chosen, or
+    # it crashed, which the probe reports), or a better level than the baseline was chosen.
+    assert missing_level_warning("x64", ["x64", "zen4"], {"fpu", "sse2"}) is None
+    assert missing_level_warning("x64", ["x64", "haswell"], AVX2_FLAGS) is None
+    assert missing_level_warning("haswell", ["x64", "haswell"], AVX2_FLAGS | {"avx512f"}) is None
+    assert missing_level_warning("x64", ["x64"], set()) is None  # flags unknown
+
+
+def test_the_best_level_follows_cpuinfo_flags(tmp_path: Path) -> None:
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("processor\t: 0\nflags\t\t: fpu " + " ".join(sorted(AVX2_FLAGS)) + "\n")
+    assert cpu_flags(cpuinfo) == {"fpu", *AVX2_FLAGS}
+    assert best_level(VARIANT_FEATURES, cpu_flags(cpuinfo)) == "haswell"
+    assert cpu_flags(tmp_path / "absent") == set()
+    amx = AVX2_FLAGS | {"avx512f", "avx512cd", "avx512vl", "avx512dq", "avx512bw"}
+    amx |= {"avx512vbmi", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_int8"}
+    assert best_level(VARIANT_FEATURES, amx) == "sapphirerapids"
+    assert best_level(VARIANT_FEATURES, amx, amx=False) == "zen4"
 
 
 # --- the real build ------------------------------------------------------------------------------
