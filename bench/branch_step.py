@@ -33,8 +33,8 @@ from typing import Any
 import llama_cpp
 
 from bench.vs_vanilla import HELD_OUT, engine_reference, held_out_questions
-from selfrag.infra.cache.kv_slots import KVJob
 from selfrag.infra.engine import llama_engine
+from selfrag.infra.engine.kv_slots import KVJob
 from selfrag.pipeline.branching import expand
 from selfrag.pipeline.critics import Branch, ChatCritic, LearnedCritic
 from selfrag.pipeline.heads import GROUP_LABELS, GroupHead, ReflectionHeads

@@ -273,7 +273,7 @@ def test_a_learned_branch_decodes_each_token_of_its_sequence_once(engine: LlamaE
     """Relevance read, draft, then support and utility on the one-sequence layout: the draft
     decodes only its task after the shared passage and question, the support read only the cue
     (`SequenceCritic`)."""
-    from selfrag.infra.cache.kv_slots import common_prefix
+    from selfrag.infra.engine.kv_slots import common_prefix
     from selfrag.pipeline.critics import Branch, LearnedCritic
     from selfrag.pipeline.heads import GROUP_LABELS, GroupHead, ReflectionHeads
     from selfrag.pipeline.protocols import Passage
