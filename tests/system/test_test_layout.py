@@ -37,7 +37,6 @@ COVERED_ELSEWHERE: dict[str, str] = {
     "actors/http/openai_requests": "tests/actors/http/test_openai_routes.py",
     "actors/http/request_edge": "tests/actors/http/test_guards.py",
     "cli/versions": "tests/cli/test_status.py",
-    "infra/cache/sealed_values": "tests/infra/cache/test_answer_cache.py",
     "infra/corpus/bounded_reads": "tests/infra/corpus/test_reading.py",
     "infra/corpus/splitting": "tests/infra/store/test_qdrant_documents.py",
     "infra/engine/cpu_builds/cpu_variants": _CPU_BUILDS,
