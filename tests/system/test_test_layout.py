@@ -44,7 +44,6 @@ COVERED_ELSEWHERE: dict[str, str] = {
     "infra/models/model_listing": "tests/infra/models/test_model_presets.py",
     "infra/store/qdrant_migration": "tests/infra/store/test_qdrant_store.py",
     "infra/store/store_holder": "tests/infra/store/test_qdrant_store.py",
-    "schemas/openai_responses": "tests/actors/http/test_openai_routes.py",
     # the HTTP app: the documents routes with the documents, the OpenAI format and SSE stream
     # through the routes that use them
     "actors/http/documents_routes": _DOCUMENTS,
