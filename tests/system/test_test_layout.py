@@ -40,7 +40,6 @@ COVERED_ELSEWHERE: dict[str, str] = {
     "infra/corpus/splitting": "tests/infra/store/test_qdrant_documents.py",
     "infra/engine/cpu_builds/cpu_variants": _CPU_BUILDS,
     "infra/engine/llama_calls": _LLAMA,
-    "infra/models/gguf_header": "tests/infra/models/test_model_files.py",
     "infra/models/model_listing": "tests/infra/models/test_model_presets.py",
     "infra/store/qdrant_migration": "tests/infra/store/test_qdrant_store.py",
     "infra/store/store_holder": "tests/infra/store/test_qdrant_store.py",
