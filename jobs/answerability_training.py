@@ -8,8 +8,8 @@ own readers (`pipeline.critics.read_relevance`, `read_support`). A branch is pos
 its question is answerable AND its passage contains a gold answer
 (`pipeline.evaluation.qa_metrics.contains_answer`). The features, with every candidate block's
 output at the
-relevance and the support prompt, are kept in a cache file (NumPy .npz), so refits and
-`bench/answerability.py` need no model.
+relevance and the support prompt, are kept in a cache file (NumPy .npz), so refits need no
+model.
 """
 
 from __future__ import annotations

@@ -141,7 +141,7 @@ class ModelSettings(BaseModel):
         "passive",
         description="How llama.cpp's OpenMP threads wait (OMP_WAIT_POLICY, set in every engine "
         "process before llama.cpp loads): passive sleeps at once, so a busy process on the same "
-        "cores costs the engine its share of them and no more (bench/contention.py); active "
+        "cores costs the engine its share of them and no more (docs/configuration.md); active "
         "spins; inherit leaves OMP_WAIT_POLICY as the environment has it (unset: spin a while, "
         "then sleep).",
     )
@@ -183,7 +183,7 @@ class RetrievalSettings(BaseModel):
     hybrid: bool = Field(
         True,
         description="Fuse dense and BM25 sparse results (a better hit@1 than dense-only on "
-        "the Normans questions: bench/retrieval.py, docs/benchmarks.md).",
+        "the Normans questions: docs/documents.md).",
     )
     fusion: HybridFusion = Field(
         "rrf",

@@ -3,7 +3,7 @@ ids and vectors within cosine 0.999, on a sample of the corpus and on texts chos
 (accents, Indic vowel signs, symbols, CJK, control characters, special tokens, long texts).
 
 sentence-transformers is not a dependency (it brings torch): this runs only where it is
-installed. `bench/embedder_parity.py` runs the same comparison over the whole corpus."""
+installed. The same comparison over the whole corpus is in docs/indexing.md."""
 
 from __future__ import annotations
 
