@@ -30,8 +30,7 @@ _CPU_BUILDS = "tests/infra/engine/cpu_builds/test_llama_cpu_builds.py"
 _QDRANT = "tests/infra/store/test_qdrant_store.py"
 _ADAPTERS = "tests/integrations/test_integrations.py"
 COVERED_ELSEWHERE: dict[str, str] = {
-    # parts split out of a module to keep it under 400 lines: tested with the module they
-    # came from
+    # parts with a job of their own, tested through the module that uses them
     "actors/http/deployment_calls": "tests/actors/http/test_service.py",
     "actors/http/openai_requests": "tests/actors/http/test_openai_routes.py",
     "actors/http/request_edge": "tests/actors/http/test_guards.py",
