@@ -71,7 +71,7 @@ class CalibrationSkipped(ValueError):
 @dataclass(frozen=True)
 class CorpusCalibrationPlan:
     """How many pairs, drawn how. The defaults take minutes on one thread, whatever the corpus
-    size (docs/evaluation.md, *The support threshold*, has the measured time)."""
+    size (notes/evaluation.md, *The support threshold*, has the measured time)."""
 
     questions: int = 40
     """Questions written; each gives an answerable pair and, mostly, an unanswerable one."""
@@ -80,13 +80,13 @@ class CorpusCalibrationPlan:
     max_answerable_abstain: float = 0.05
     """The share of synthetic answerable pairs the threshold may abstain on. Real questions
     that reuse fewer of the passage's words than the synthetic ones abstain more often than
-    this (docs/evaluation.md has the measured gap), so it is kept small: an abstention on an
+    this (notes/evaluation.md has the measured gap), so it is kept small: an abstention on an
     answerable question costs a right answer."""
     time_limit_s: float = 900.0
     """Stop reading pairs after this long and calibrate on those read (if enough). A guard
     for a model or machine far slower than expected, not a budget: a threshold read from part
     of the pairs is noisier, so the limit sits well above the unloaded time of the default
-    model (docs/evaluation.md has it)."""
+    model (notes/evaluation.md has it)."""
     batch: int = 8
     """Pairs per critique call (the engine batches them as the decoder's branches)."""
 

@@ -24,7 +24,7 @@ WeightFormat = Literal["auto", "original", "bf16", "f16", "q8_0", "q4_0"]
 Backend = Literal["llama_cpp", "vllm"]
 # The model presets (infra/models/model_presets.py holds their files, checksums and licenses).
 ModelPresetName = Literal["smollm2", "qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b"]
-# The preset served when settings name none, chosen by measurement (docs/evaluation.md,
+# The preset served when settings name none, chosen by measurement (notes/evaluation.md,
 # "Choosing the default model"): the best held-out overall among the presets whose warm p50
 # per answer stays within 3x SmolLM2's. Its weights are always installed (scripts/install.sh).
 DEFAULT_PRESET: ModelPresetName = "qwen2.5-coder-0.5b"

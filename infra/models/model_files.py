@@ -51,7 +51,7 @@ FORMAT_FTYPE: dict[DerivedFormat, int] = {
     "q4_0": FTYPE_MOSTLY_Q4_0,
 }
 
-# What `weights="auto"` converts a file of a given type to, by measurement (docs/benchmarks.md,
+# What `weights="auto"` converts a file of a given type to, by measurement (notes/benchmarks.md,
 # "Weight formats"): an F16 copy of a Q4_1 file prefills faster and decodes as fast, and its
 # scores are the closest to the exactly dequantised weights (the Q4_1 kernels quantise
 # activations to 8 bits). BF16 is slower on CPUs without AVX512-BF16; Q4_0 is fast but changes
@@ -231,7 +231,7 @@ _sha_lock = threading.Lock()
 def file_sha256(path: Path) -> str:
     """Hex SHA-256 of a file, remembered per (resolved path, size, mtime, inode) for this
     process and on disk (`sha256_cache_dir`): a command that starts would otherwise hash the
-    model files again, hundreds of megabytes for `selfrag ask` (docs/benchmarks.md, "CLI
+    model files again, hundreds of megabytes for `selfrag ask` (notes/benchmarks.md, "CLI
     start-up")."""
     try:
         resolved = path.resolve()
