@@ -39,9 +39,8 @@ def test_critic_with_reuse_is_refused(tmp_path: Path, capsys: pytest.CaptureFixt
     assert "--reuse only applies" in capsys.readouterr().err
 
 
-@pytest.mark.real
 def test_train_with_a_critic_records_it_and_caches_its_reads(
-    tmp_path: Path, shared_data: Path, capsys: pytest.CaptureFixture[str]
+    llama_model: Path, tmp_path: Path, shared_data: Path, capsys: pytest.CaptureFixture[str]
 ):
     corpus = tmp_path / "small.jsonl"
     lines = (shared_data / "wiki_sample_1000.jsonl").read_text().splitlines()[:40]

@@ -14,8 +14,6 @@ from selfrag.infra.settings_loader import load_settings
 from selfrag.pipeline.heads import GROUP_LABELS
 from selfrag.runtime.system import LocalRuntime
 
-pytestmark = pytest.mark.real
-
 
 def test_train_small_corpus_then_answer_with_the_heads(
     indexed_home: Path,
@@ -46,7 +44,7 @@ def test_train_small_corpus_then_answer_with_the_heads(
 
 
 def test_train_refuses_a_corpus_too_small_for_a_group(
-    tmp_path: Path, shared_data: Path, capsys: pytest.CaptureFixture[str]
+    llama_model: Path, tmp_path: Path, shared_data: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     corpus = tmp_path / "tiny.jsonl"
     lines = [json.loads(x) for x in (shared_data / "wiki_sample_1000.jsonl").open()][:12]

@@ -106,7 +106,6 @@ def _python_examples() -> list[tuple[str, str]]:
     ]
 
 
-@pytest.mark.real
 @pytest.mark.parametrize(("name", "code"), _python_examples(), ids=lambda v: str(v)[:40])
 def test_the_python_examples_run(name: str, code: str, normans_api_home: Path, tmp_path: Path):
     env = {**os.environ, "SELFRAG_HOME": str(normans_api_home)}

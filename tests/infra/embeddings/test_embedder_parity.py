@@ -15,12 +15,11 @@ import pytest
 from selfrag.infra.embeddings.embedder import SentenceEmbedder, default_model_dir
 from selfrag.jobs.indexing import corpus_passages
 from tests.paths import ROOT
+from tests.real import real
 
 pytest.importorskip(
     "sentence_transformers", reason="sentence-transformers is not installed", exc_type=ImportError
 )
-pytestmark = pytest.mark.real
-
 DATA = ROOT.parent / "shared" / "data"
 HARD = [
     "Who was the Norse leader who founded Normandy?",
@@ -34,6 +33,7 @@ HARD = [
 
 
 @pytest.fixture(scope="module")
+@real
 def reference():
     os.environ["HF_HUB_OFFLINE"] = "1"
     import torch

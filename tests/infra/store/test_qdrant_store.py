@@ -26,8 +26,7 @@ from selfrag.jobs.indexing import index_corpus
 from selfrag.pipeline.protocols import Passage, PassageSearch
 from selfrag.schemas.settings import HybridFusion, RetrievalSettings
 from tests.fakes import HashEmbedder
-
-pytestmark = pytest.mark.real
+from tests.real import real
 
 DOCUMENTS = [
     {
@@ -64,6 +63,7 @@ DOCUMENTS = [
 
 
 @pytest.fixture(scope="module")
+@real
 def embedder() -> SentenceEmbedder:
     return SentenceEmbedder()
 
@@ -388,7 +388,7 @@ def test_point_ids_are_stable_uuids() -> None:
 
 
 def test_a_qdrant_server_down_at_start_is_503_not_ready_then_connects(
-    tmp_path: Path, corpus: Path, monkeypatch: pytest.MonkeyPatch
+    llama_model: Path, tmp_path: Path, corpus: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The `Retriever` deployment's class (no Ray) with a server URL nobody listens on: the
     real client's refused connection makes the replica start not ready and answer 503; once

@@ -109,7 +109,7 @@ def test_the_retriever_answers_500_misconfigured_for_an_index_of_another_size(
 
 
 def test_a_retriever_started_on_an_empty_home_serves_an_index_built_by_another_process(
-    settings: Settings, real_model_id: str
+    llama_model: Path, settings: Settings, real_model_id: str
 ):
     """`selfrag index` in another process after the server started: once that process has
     closed the index, the running Retriever serves it, without a restart."""
@@ -163,7 +163,9 @@ def test_a_retriever_started_on_an_empty_home_serves_an_index_built_by_another_p
         retriever.close()
 
 
-def test_the_retriever_with_no_index_answers_500_saying_to_index(settings: Settings):
+def test_the_retriever_with_no_index_answers_500_saying_to_index(
+    llama_model: Path, settings: Settings
+):
     retriever = Retriever.func_or_class(settings)
     try:
         assert retriever.ready() is False

@@ -41,6 +41,7 @@ from selfrag.runtime.merging import CallMerger
 from selfrag.schemas.decoding import DecodingConfig
 from tests.fakes import ScriptedCritic
 from tests.paths import ROOT
+from tests.real import real
 from tests.suite import SUITE_ENV
 
 # The likelihood critique: these tests are about the batch path, not the critique, and an
@@ -602,6 +603,7 @@ def _offline_settings(tmp_path: Path) -> Any:
 
 
 @pytest.fixture(scope="module")
+@real
 def ray_local() -> Iterator[None]:
     """Ray for this module (or the session's, when another module started it already)."""
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
@@ -618,7 +620,6 @@ def ray_local() -> Iterator[None]:
             ray.shutdown()
 
 
-@pytest.mark.real
 def test_actor_calls_keep_to_the_answers_deadline_and_bring_store_errors_back(
     ray_local: None,
 ) -> None:
@@ -669,7 +670,6 @@ def _records(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-@pytest.mark.real
 def test_batch_kill_resume_duplicates_and_errors(
     ray_local: None, indexed_home: Path, normans_questions: list[str], tmp_path: Path
 ):
@@ -738,7 +738,6 @@ def test_batch_kill_resume_duplicates_and_errors(
     assert len(_records(out)) == 14
 
 
-@pytest.mark.real
 def test_batch_retry_failed_answers_an_error_id_again(
     ray_local: None, indexed_home: Path, normans_questions: list[str], tmp_path: Path
 ):
@@ -765,7 +764,6 @@ def test_batch_retry_failed_answers_an_error_id_again(
     assert records[1]["status"] == "ok" and records[1]["response"]["answer"]
 
 
-@pytest.mark.real
 def test_batch_cli_reads_csv_and_parquet(
     ray_local: None,
     indexed_home: Path,
@@ -808,7 +806,6 @@ def test_batch_cli_reads_csv_and_parquet(
         assert all(r["status"] == "ok" and r["response"]["segments"] for r in records)
 
 
-@pytest.mark.real
 def test_eval_ray_answers_selfrag_systems_on_the_batch_path(
     ray_local: None,
     indexed_home: Path,
