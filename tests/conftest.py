@@ -4,6 +4,8 @@ starts a real component (tests/real.py)."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import logging
 import os
@@ -17,7 +19,7 @@ import redis
 
 from tests.real import real, uses_real_component
 from tests.redis_proc import RedisProcess, redis_or_skip
-from tests.suite import SUITE_ENV
+from tests.suite import SUITE_ENV, TrainedHeads
 
 SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 
@@ -159,6 +161,23 @@ def indexed_home(tmp_path_factory: pytest.TempPathFactory, indexed_corpus: list[
         == 0
     )
     return home
+
+
+@pytest.fixture(scope="session")
+@real
+def trained_heads(indexed_home: Path, tmp_path_factory: pytest.TempPathFactory) -> TrainedHeads:
+    """Reflection heads trained once per session by `selfrag train` on the indexed home, with
+    the served model as its own critic: `--critic-mode add` keeps the constructed labels, so
+    every group has both labels whatever this small model says."""
+    from selfrag.cli import main
+
+    out = tmp_path_factory.mktemp("heads") / "heads.json"
+    args = ["--home", str(indexed_home), "train", "--passages", "20", "--seed", "3"]
+    args += ["--out", str(out), "--no-progress", "--critic", "smollm2", "--critic-mode", "add"]
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        assert main(args) == 0
+    return TrainedHeads(indexed_home, out, printed.getvalue())
 
 
 @pytest.fixture
