@@ -27,6 +27,7 @@ from selfrag.pipeline.protocols import Passage, PassageSearch
 from selfrag.schemas.settings import HybridFusion, RetrievalSettings
 from tests.fakes import HashEmbedder
 from tests.real import real
+from tests.suite import SUITE_ENV
 
 DOCUMENTS = [
     {
@@ -403,6 +404,7 @@ def test_a_qdrant_server_down_at_start_is_503_not_ready_then_connects(
         environ={
             "SELFRAG_HOME": str(tmp_path / "home"),
             "SELFRAG_RETRIEVAL__QDRANT_URL": f"http://127.0.0.1:{free_port()}",
+            **SUITE_ENV,
         }
     )
     retriever = Retriever.func_or_class(settings)
@@ -432,7 +434,7 @@ def test_an_embedded_store_that_cannot_open_stops_the_replica(
     from selfrag.actors.deployments import Retriever
     from selfrag.infra.settings_loader import load_settings
 
-    settings = load_settings(environ={"SELFRAG_HOME": str(home)})
+    settings = load_settings(environ={"SELFRAG_HOME": str(home), **SUITE_ENV})
     with QdrantStore.open(settings.retrieval, home, embedder):
         with pytest.raises(StoreError, match="is held"):
             Retriever.func_or_class(settings)
