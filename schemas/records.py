@@ -10,16 +10,12 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from selfrag.schemas.decoding import CRITIQUE_SOURCES, DecodingConfig
 from selfrag.schemas.errors import ErrorKind
 
-SYSTEMS = (
-    "closed-book",
-    "vanilla-rag",
-    "selfrag-prompted",
-    "selfrag-likelihood",
-    "selfrag-learned",
-    "selfrag-native",
-)
+BASELINES = ("closed-book", "vanilla-rag")
+"""The systems Self-RAG is compared with (`pipeline.evaluation.baselines`)."""
+SYSTEMS = (*BASELINES, *(f"selfrag-{source}" for source in CRITIQUE_SOURCES))
 """The QA systems `selfrag eval` runs (`EvalRecord.system`)."""
 DEFAULT_SYSTEMS = ("closed-book", "vanilla-rag", "selfrag-likelihood", "selfrag-learned")
 
@@ -81,4 +77,10 @@ class EvalRecord(BaseModel):
         None,
         description="Higher means answer: the quantity the system abstains by "
         "(jobs/evaluation/abstention.py); None ranks below every score.",
+    )
+    support: float | None = Field(
+        None, description="The support that decided abstention (`AnswerResponse.support`)."
+    )
+    config: DecodingConfig | None = Field(
+        None, description="The config the answer was made with (Self-RAG's: settled)."
     )
