@@ -26,7 +26,9 @@ decode tokens, retrievals, branches opened and pruned, and abstentions; the last
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import shutil
 import statistics
 import tempfile
 import time
@@ -34,7 +36,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench.contention import home_copy, normans_questions
 from selfrag.pipeline.evaluation.qa_metrics import percentile
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -57,6 +58,22 @@ class Run:
 
     def mean(self, key: str) -> float:
         return statistics.mean(u[key] for u in self.usage)
+
+
+def normans_questions(data: Path, n: int) -> list[str]:
+    """The first `n` answerable questions of the Normans article, in file order."""
+    squad = json.loads((data / "squad_v2_small.json").read_text(encoding="utf-8"))
+    [article] = [a for a in squad["data"] if a["title"] == "Normans"]
+    qs = [q["question"] for p in article["paragraphs"] for q in p["qas"] if not q["is_impossible"]]
+    return qs[:n]
+
+
+def home_copy(base: Path, target: Path) -> Path:
+    """A copy of an indexed home for one preset; derived model weights shared (a link)."""
+    shutil.copytree(base, target, ignore=shutil.ignore_patterns("models", "kv"))
+    (base / "models").mkdir(exist_ok=True)
+    (target / "models").symlink_to(base / "models", target_is_directory=True)
+    return target
 
 
 def timed_answer(rag: Any, question: str, dials: dict[str, Any], run: Run | None) -> float:

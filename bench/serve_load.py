@@ -281,7 +281,7 @@ def run_levels(url: str, args: argparse.Namespace, qs: Sequence[str]) -> dict[in
     return out
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--url", help="Measure this running endpoint instead of starting one.")
     p.add_argument("--home", help="SELFRAG_HOME of the server this script starts.")
@@ -299,38 +299,53 @@ def main(argv: Sequence[str] | None = None) -> int:
         action="store_true",
         help="Leave out the second server with cross-request batching off.",
     )
-    args = p.parse_args(argv)
-    route: dict[str, float] = {}
-    memory: dict[str, dict[str, float]] = {}
-    qs = questions()
-    pairs = paragraph_question_pairs(args.kv_pairs)
+    return p.parse_args(argv)
 
-    results: dict[str, dict[int, Level]] = {}
+
+@dataclass
+class Measured:
+    """Everything one run measured, on the batched server (and the unbatched one's levels)."""
+
+    levels: dict[str, dict[int, Level]]
+    steps: list[StepTime]
+    route: dict[str, float]
+    memory: dict[str, dict[str, float]]
     repeat: tuple[list[float], list[str]]
+
+
+def measure_server(
+    url: str, pid: int | None, args: argparse.Namespace, qs: Sequence[str]
+) -> Measured:
+    """The batched server's figures: passage KV states first, while it has seen no Normans
+    passage yet, then the load levels, the route and memory, and the repeated query."""
+    steps = passage_kv(url, paragraph_question_pairs(args.kv_pairs), SMALL_CONFIG)
+    levels = {"batched": run_levels(url, args, qs)}
+    route, memory = route_figures(url), app_memory_mib(pid)
+    repeat = repeated(url, qs[0], args.repeats, SMALL_CONFIG)
+    return Measured(levels, steps, route, memory, repeat)
+
+
+def measure(args: argparse.Namespace) -> Measured:
+    qs = questions()
     if args.url:
         print(f"measuring {args.url}", flush=True)
-        steps = passage_kv(args.url, pairs, SMALL_CONFIG)
-        results["batched"] = run_levels(args.url, args, qs)
-        route, memory = route_figures(args.url), app_memory_mib(args.server_pid)
-        repeat = repeated(args.url, qs[0], args.repeats, SMALL_CONFIG)
-    else:
-        print("batching on (serve.max_batch_size from settings)", flush=True)
-        with served(args.home, args.port, None) as (url, pid):
-            # First, while this server has seen no Normans passage yet.
-            steps = passage_kv(url, pairs, SMALL_CONFIG)
-            results["batched"] = run_levels(url, args, qs)
-            route, memory = route_figures(url), app_memory_mib(pid)
-            repeat = repeated(url, qs[0], args.repeats, SMALL_CONFIG)
-        if not args.skip_unbatched:
-            print("batching off (serve.max_batch_size=1)", flush=True)
-            with served(args.home, args.port, 1) as (url, _):
-                results["unbatched"] = run_levels(url, args, qs)
+        return measure_server(args.url, args.server_pid, args, qs)
+    print("batching on (serve.max_batch_size from settings)", flush=True)
+    with served(args.home, args.port, None) as (url, pid):
+        out = measure_server(url, pid, args, qs)
+    if not args.skip_unbatched:
+        print("batching off (serve.max_batch_size=1)", flush=True)
+        with served(args.home, args.port, 1) as (url, _):
+            out.levels["unbatched"] = run_levels(url, args, qs)
+    return out
 
-    print()
+
+def report_levels(
+    clients: Sequence[int], results: dict[str, dict[int, Level]], figures: dict[str, str]
+) -> None:
     header = f"{'clients':>7}  {'mode':<9}  {'answers':>7}  {'err':>3}  {'answers/s':>9}"
     print(header + f"  {'p50 s':>6}  {'p95 s':>6}")
-    figures: dict[str, str] = {}
-    for c in args.clients:
+    for c in clients:
         for mode, levels in results.items():
             lv = levels[c]
             print(
@@ -341,11 +356,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             figures[f"rps_c{c}{tag}"] = f"{lv.throughput:.3f}"
             figures[f"p50_c{c}{tag}_s"] = f"{lv.pct(0.5):.2f}"
             figures[f"p95_c{c}{tag}_s"] = f"{lv.pct(0.95):.2f}"
-    top = max(args.clients)
+    top = max(clients)
     if "unbatched" in results and results["unbatched"][top].throughput:
         gain = results["batched"][top].throughput / results["unbatched"][top].throughput
         print(f"\nbatching gain at {top} clients: {gain:.2f}x throughput")
         figures[f"batching_gain_c{top}"] = f"{gain:.2f}"
+
+
+def report_passage_kv(steps: Sequence[StepTime], figures: dict[str, str]) -> None:
     print("\npassage KV cache (same passages, different questions), ms per branch step:")
     print(f"{'state':<6}  {'answers':>7}  {'median ms':>9}  {'prefill tok':>11}")
     medians: dict[str, float] = {}
@@ -363,6 +381,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         speedup = medians["cold"] / medians["warm"]
         print(f"warm passage-KV: {speedup:.2f}x faster per branch step")
         figures["kv_warm_speedup"] = f"{speedup:.2f}"
+
+
+def report_app(
+    route: dict[str, float], memory: dict[str, dict[str, float]], figures: dict[str, str]
+) -> None:
     if route:
         print(
             f"\nroute: {route['calls_per_step']:.2f} remote calls per step, "
@@ -376,6 +399,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"  {deployment:<18} {row['rss']:>6.0f} / {row['pss']:>6.0f}")
         figures["app_rss_mib"] = f"{sum(r['rss'] for r in memory.values()):.0f}"
         figures["app_pss_mib"] = f"{sum(r['pss'] for r in memory.values()):.0f}"
+
+
+def report_repeat(repeat: tuple[list[float], list[str]], figures: dict[str, str]) -> None:
     times, cache = repeat
     ms = [t * 1e3 for t in times]
     later = sorted(ms[1:] or ms)
@@ -389,6 +415,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     figures["repeat_p50_ms"] = f"{statistics.median(later):.1f}"
     figures["repeat_p95_ms"] = f"{p95:.1f}"
     figures["repeat_hits"] = str(cache.count("hit"))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    measured = measure(args)
+    print()
+    figures: dict[str, str] = {}
+    report_levels(args.clients, measured.levels, figures)
+    report_passage_kv(measured.steps, figures)
+    report_app(measured.route, measured.memory, figures)
+    report_repeat(measured.repeat, figures)
     print(" ".join(f"{k}={v}" for k, v in figures.items()))
     return 0
 

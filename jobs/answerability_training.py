@@ -8,8 +8,8 @@ own readers (`pipeline.critics.read_relevance`, `read_support`). A branch is pos
 its question is answerable AND its passage contains a gold answer
 (`pipeline.evaluation.qa_metrics.contains_answer`). The features, with every candidate block's
 output at the
-relevance and the support prompt, are kept in a cache file (NumPy .npz), so refits and
-`bench/answerability.py` need no model.
+relevance and the support prompt, are kept in a cache file (NumPy .npz), so refits need no
+model.
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ def candidate_blocks(n_layers: int) -> list[int]:
 def default_features(n_layers: int) -> tuple[str, ...]:
     """The features the shipped models combine: s_rel and a probe of the middle layer at the
     relevance prompt (layer 15 of SmolLM2's 30), the best per question of the combinations
-    tried on Normans (docs/evaluation.md)."""
+    tried on Normans (notes/evaluation.md)."""
     return ("s_rel", probe_name(round(n_layers * 0.5) - 1, "relevance"))
 
 

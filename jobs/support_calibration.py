@@ -94,13 +94,13 @@ class CorpusCalibrationPlan:
     max_answerable_abstain: float = 0.05
     """The share of synthetic answerable pairs the threshold may abstain on. Real questions
     that reuse fewer of the passage's words than the synthetic ones abstain more often than
-    this (docs/evaluation.md has the measured gap), so it is kept small: an abstention on an
+    this (notes/evaluation.md has the measured gap), so it is kept small: an abstention on an
     answerable question costs a right answer."""
     time_limit_s: float = 900.0
     """Stop reading pairs after this long and calibrate on those read (if enough). A guard
     for a model or machine far slower than expected, not a budget: a threshold read from part
     of the pairs is noisier, so the limit sits well above the unloaded time of the default
-    model (docs/evaluation.md has it)."""
+    model (notes/evaluation.md has it)."""
     batch: int = 8
     """Pairs per critique call (the engine decodes them together, as the decoder's branches)."""
     report: bool = False

@@ -54,7 +54,7 @@ class TrainingError(ValueError):
 class TrainingPlan:
     """How many examples to draw; the defaults train on the shared corpus and the Normans
     questions in minutes on 2 cores, most of it the hidden states of the passage prompts
-    (docs/benchmarks.md, "`selfrag train` time", has the measured time)."""
+    (notes/benchmarks.md, "`selfrag train` time", has the measured time)."""
 
     seed: int = 0
     relevance_passages: int = 120

@@ -59,7 +59,7 @@ def evidence_support(s_sup: float, similarity: float | None) -> float:
     """s_sup times the retriever's similarity of the branch's passage to the query (clamped
     to [0, 1]; s_sup alone when the retriever gives none): the number the support threshold
     (`min_support_score`) is compared with. A passage far from the question lowers it as a
-    supported-sounding draft cannot (docs/evaluation.md)."""
+    supported-sounding draft cannot (notes/evaluation.md)."""
     if similarity is None or math.isnan(similarity):
         return s_sup
     return s_sup * min(max(similarity, 0.0), 1.0)

@@ -46,7 +46,7 @@ def model_artefacts(
 ) -> ModelArtefacts:
     """The artefacts of `settings.model` on its backend. `layer_tap`: whether the engine can
     read middle layers; None: when an answerability model of the model file reads one (the tap
-    slows generation: docs/benchmarks.md, "Reading middle layers"). `prefix_store`: the
+    slows generation: notes/benchmarks.md, "Reading middle layers"). `prefix_store`: the
     passage KV-state store the engine saves states to, asked for when the engine is built."""
     kind = VLLMServerModel if settings.model.backend == "vllm" else GGUFModel
     return kind(settings, layer_tap=layer_tap, prefix_store=prefix_store)

@@ -2,7 +2,7 @@
 
 Each signal x gets p = sigmoid(a·x + b). `selfrag calibrate` fits (a, b) per signal on a labelled
 dev set and writes them to `$SELFRAG_HOME/calibration.toml`; the defaults below are the values it
-fitted for the embedded SmolLM2-135M-Instruct on the "Normans" questions (docs/evaluation.md).
+fitted for the embedded SmolLM2-135M-Instruct on the "Normans" questions (notes/evaluation.md).
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ class CalibrationSettings(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     # Fitted by `selfrag calibrate --article Normans --limit 40 --top-k 3
-    # --max-segment-tokens 32` for SmolLM2-135M-Instruct (docs/evaluation.md has how well
+    # --max-segment-tokens 32` for SmolLM2-135M-Instruct (notes/evaluation.md has how well
     # each separates).
     relevance: LogisticParams = Field(default_factory=lambda: LogisticParams(a=0.983, b=-2.115))
     support: LogisticParams = Field(default_factory=lambda: LogisticParams(a=-0.126, b=-2.336))

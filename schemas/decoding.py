@@ -36,12 +36,12 @@ class DecodingConfig(BaseModel):
         "adaptive", description="adaptive: retrieve when p_ret > threshold; always; never."
     )
     # Low, by measurement on the Normans questions with the embedded SmolLM2
-    # (docs/evaluation.md): retrieval is almost always needed there, and the prompted
+    # (notes/evaluation.md): retrieval is almost always needed there, and the prompted
     # critique's p_ret stays well below 0.5, so δ = 0.5 never retrieved.
     threshold: float = Field(0.1, ge=0.0, le=1.0, description="δ for adaptive retrieval.")
     top_k: int = Field(3, ge=1, le=50, description="Passages retrieved per step (K).")
     beam: int = Field(1, ge=1, le=8, description="Segment-level beam width (B).")
-    # Defaults below marked "measured" won on the Normans questions (docs/evaluation.md).
+    # Defaults below marked "measured" won on the Normans questions (notes/evaluation.md).
     max_segments: int = Field(
         2, ge=1, le=MAX_SEGMENTS, description="Segments per answer (measured)."
     )
@@ -69,9 +69,9 @@ class DecodingConfig(BaseModel):
         "hypothesis are pruned before drafting (0: only the best drafts). None: calibrated on "
         "the served corpus for the model and critique source, else 1 (off).",
     )
-    # 1, by measurement (docs/benchmarks.md, "A draft budget"): on Normans about as accurate as
+    # 1, by measurement (notes/benchmarks.md, "A draft budget"): on Normans about as accurate as
     # no budget while decoding fewer tokens; on held-out text, where s_rel keeps most passages,
-    # it is what brings Self-RAG to vanilla RAG's price (docs/evaluation.md has what it costs
+    # it is what brings Self-RAG to vanilla RAG's price (notes/evaluation.md has what it costs
     # there).
     max_drafts: int = Field(
         1,
@@ -80,9 +80,9 @@ class DecodingConfig(BaseModel):
         description="Evidence branches drafted per hypothesis and step, in the order "
         "draft_order_margin gives, after min_relevance and relevance_margin; 50, top_k's "
         "bound: every branch they keep. Each draft fewer is a sequence fewer in every decode "
-        "step (docs/benchmarks.md).",
+        "step (notes/benchmarks.md).",
     )
-    # 1, by measurement on the tuning sets (docs/evaluation.md, "One retry by default"): it
+    # 1, by measurement on the tuning sets (notes/evaluation.md, "One retry by default"): it
     # gives back most answerable abstentions for a few unanswerable ones; a second retry gives
     # back more unanswerable abstentions than it gains right answers.
     retry_drafts: int = Field(
@@ -94,9 +94,9 @@ class DecodingConfig(BaseModel):
         "flagged), up to this many more of its passages draft, one at a "
         "time in the draft order, until one passes; only a passage whose s_rel is above that "
         "of every one that failed. A passage past max_drafts costs only where the ones before "
-        "it failed (docs/evaluation.md). 0: never.",
+        "it failed (notes/evaluation.md). 0: never.",
     )
-    # Off, by measurement (docs/evaluation.md, "A flagged draft tries the next passage"): on,
+    # Off, by measurement (notes/evaluation.md, "A flagged draft tries the next passage"): on,
     # it gains a right answer on some sets and none held out, and its extra drafts cost more
     # than Self-RAG's margin over vanilla RAG's price.
     retry_flagged: bool = Field(
@@ -116,7 +116,7 @@ class DecodingConfig(BaseModel):
         "one whose s_rel is more than this above that of the retriever's first passage drafts "
         "before it (the most relevant first). 0: by s_rel alone; 1: the retriever's order. "
         "Without a relevance filter, the other passages are read for relevance only when the "
-        "first reads under 1 minus this (docs/evaluation.md).",
+        "first reads under 1 minus this (notes/evaluation.md).",
     )
     min_support: SupportLevel | None = Field(
         None,

@@ -24,7 +24,7 @@ WeightFormat = Literal["auto", "original", "bf16", "f16", "q8_0", "q4_0"]
 Backend = Literal["llama_cpp", "vllm"]
 # The model presets (infra/models/model_presets.py holds their files, checksums and licenses).
 ModelPresetName = Literal["smollm2", "qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b"]
-# The preset served when settings name none, chosen by measurement (docs/evaluation.md,
+# The preset served when settings name none, chosen by measurement (notes/evaluation.md,
 # "Choosing the default model"): the best held-out overall among the presets whose warm p50
 # per answer stays within 3x SmolLM2's. Its weights are always installed (scripts/install.sh).
 DEFAULT_PRESET: ModelPresetName = "qwen2.5-coder-0.5b"
@@ -148,7 +148,7 @@ class ModelSettings(BaseModel):
         "passive",
         description="How llama.cpp's OpenMP threads wait (OMP_WAIT_POLICY, set in every engine "
         "process before llama.cpp loads): passive sleeps at once, so a busy process on the same "
-        "cores costs the engine its share of them and no more (bench/contention.py); active "
+        "cores costs the engine its share of them and no more (docs/configuration.md); active "
         "spins; inherit leaves OMP_WAIT_POLICY as the environment has it (unset: spin a while, "
         "then sleep).",
     )
@@ -190,7 +190,7 @@ class RetrievalSettings(BaseModel):
     hybrid: bool = Field(
         True,
         description="Fuse dense and BM25 sparse results (a better hit@1 than dense-only on "
-        "the Normans questions: bench/retrieval.py, docs/benchmarks.md).",
+        "the Normans questions: docs/documents.md).",
     )
     fusion: HybridFusion = Field(
         "rrf",

@@ -1,18 +1,25 @@
-"""Shared fixtures: the evaluation data beside the checkout and a session-wide indexed home."""
+"""Shared fixtures: the evaluation data beside the checkout, a session-wide indexed home, the
+suite's model and Redis; and the `real` marker, put on every test that uses a fixture that
+starts a real component (tests/real.py)."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import logging
 import os
+import shutil
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import redis
 
+from tests.real import real, uses_real_component
 from tests.redis_proc import RedisProcess, redis_or_skip
-from tests.suite import SUITE_ENV
+from tests.suite import SUITE_ENV, TrainedHeads
 
 SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 
@@ -21,6 +28,37 @@ SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 # default preset (Qwen2.5-Coder-0.5B) has real-model tests of its own (test_model_presets).
 for _name, _value in SUITE_ENV.items():
     os.environ.setdefault(_name, _value)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The `real` marker on every test that uses a fixture marked `@real` (before `-m`
+    selects by markers)."""
+    for item in items:
+        if uses_real_component(item):
+            item.add_marker(pytest.mark.real)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """In a run that leaves the real tests out (`-m "not real"`, the fast lane), loading a
+    llama.cpp model or starting Ray in this process fails the test that does it: it uses a
+    real component without a fixture that says so."""
+    if "not real" not in (config.option.markexpr or ""):
+        return
+    import llama_cpp
+    import ray
+
+    def refuse(what: str):
+        def refused(*args: object, **kwargs: object) -> None:
+            raise AssertionError(
+                f"{what} in a test without the real marker: take a fixture marked @real "
+                "(tests/real.py), e.g. llama_model"
+            )
+
+        return refused
+
+    llama_cpp.llama_model_load_from_file = refuse("a llama.cpp model loaded")
+    ray.init = refuse("Ray started")
 
 
 _SELFRAG_LOGGER = logging.getLogger("selfrag")
@@ -79,6 +117,17 @@ def normans_squad(shared_data: Path, tmp_path_factory: pytest.TempPathFactory) -
 
 
 @pytest.fixture(scope="session")
+@real
+def llama_model() -> Path:
+    """The suite's model file (SmolLM2), for a test that loads a llama.cpp model (this one or
+    the MiniLM embedder), or runs a command that does, and uses no other real fixture."""
+    from selfrag.infra.models.model_files import default_model_path
+
+    return default_model_path()
+
+
+@pytest.fixture(scope="session")
+@real
 def normans_api_home(tmp_path_factory: pytest.TempPathFactory, normans_squad: Path) -> Path:
     """A home holding only the Normans paragraphs, indexed once per session through the
     Python API (`SelfRAG.index`); modules open it one at a time (the store is one process's)."""
@@ -99,6 +148,7 @@ def indexed_corpus(normans_squad: Path, shared_data: Path) -> list[str]:
 
 
 @pytest.fixture(scope="session")
+@real
 def indexed_home(tmp_path_factory: pytest.TempPathFactory, indexed_corpus: list[str]) -> Path:
     """A data folder indexed once per session: the Normans paragraphs + 1,000 Wikipedia
     passages, through the real CLI, embedder and embedded Qdrant."""
@@ -113,7 +163,36 @@ def indexed_home(tmp_path_factory: pytest.TempPathFactory, indexed_corpus: list[
     return home
 
 
+@pytest.fixture(scope="session")
+@real
+def trained_heads(indexed_home: Path, tmp_path_factory: pytest.TempPathFactory) -> TrainedHeads:
+    """Reflection heads trained once per session by `selfrag train` on the indexed home, with
+    the served model as its own critic: `--critic-mode add` keeps the constructed labels, so
+    every group has both labels whatever this small model says."""
+    from selfrag.cli import main
+
+    out = tmp_path_factory.mktemp("heads") / "heads.json"
+    args = ["--home", str(indexed_home), "train", "--passages", "20", "--seed", "3"]
+    args += ["--out", str(out), "--no-progress", "--critic", "smollm2", "--critic-mode", "add"]
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        assert main(args) == 0
+    return TrainedHeads(indexed_home, out, printed.getvalue())
+
+
+@pytest.fixture
+@real
+def ray_tmp() -> Iterator[Path]:
+    """A temporary folder of its own (`RAY_TMPDIR`) for a Ray instance the test starts, in a
+    child process: the machine's /tmp/ray and any other Ray are left alone. Short, as Ray's
+    socket paths under it must fit the 107 bytes of a Unix socket name."""
+    folder = Path(tempfile.mkdtemp(prefix="rt", dir="/tmp"))
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)
+
+
 @pytest.fixture(scope="module")
+@real
 def redis_server() -> Iterator[tuple[str, RedisProcess | None]]:
     """A real redis-server for this module (its own process, so tests may kill it)."""
     url, proc = redis_or_skip()
@@ -133,6 +212,7 @@ def redis_url(redis_server: tuple[str, RedisProcess | None]) -> str:
 
 
 @pytest.fixture(scope="module")
+@real
 def ray_local() -> Iterator[None]:
     """A private Ray instance for this module's Ray Data runs (or the one already started in
     this process); a `selfrag serve` child starts its own."""

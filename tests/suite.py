@@ -1,6 +1,10 @@
 """What the test suite runs on: SmolLM2-135M, for speed (the default preset has its own
 real-model tests). `tests/conftest.py` puts it into the session's environment; a test that
-loads settings from an environment of its own adds `SUITE_ENV`."""
+loads settings from an environment of its own adds `SUITE_ENV`. And what the session's shared
+fixtures of tests/conftest.py give (`TrainedHeads`)."""
+
+from dataclasses import dataclass
+from pathlib import Path
 
 SUITE_ENV = {
     "SELFRAG_MODEL__PRESET": "smollm2",
@@ -15,3 +19,12 @@ SUITE_ENV = {
 # bits of a float32: 1e-4 failed on an AVX2-only machine (1.23e-4); measured moves reach about
 # 1e-4 on the x64, AVX2 and AVX-512 backends alike (notes/hardening.md).
 EMBEDDING_COSINE_TOLERANCE = 2.0**-10
+
+
+@dataclass(frozen=True)
+class TrainedHeads:
+    """One `selfrag train` run: the home it trained on, the heads file and what it printed."""
+
+    home: Path
+    path: Path
+    printed: str

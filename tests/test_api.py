@@ -13,8 +13,7 @@ from pydantic import ValidationError
 from selfrag import SelfRAG
 from selfrag.schemas.answer import AnswerResponse
 from selfrag.schemas.events import SegmentEvent
-
-pytestmark = pytest.mark.real
+from tests.real import real
 
 SMALL = {"mode": "always", "top_k": 2, "max_segments": 2, "max_segment_tokens": 12}
 # Filters off: these tests are about the API carrying citations, not about abstention.
@@ -22,6 +21,7 @@ OPEN = {"min_relevance": 0.0, "min_support_score": 0.0}
 
 
 @pytest.fixture(scope="module")
+@real
 def rag(normans_api_home: Path) -> Iterator[SelfRAG]:
     # The home was indexed through `SelfRAG.index` (tests/conftest.py checks its report).
     with SelfRAG.open(home=normans_api_home, model={"n_threads": 1}) as rag:

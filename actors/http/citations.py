@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from urllib.parse import quote, urlsplit, urlunsplit
 
 from selfrag.schemas.answer import AnswerResponse, Citation, SegmentFlag, SegmentOut
-from selfrag.schemas.openai_responses import Annotation, URLCitation
+from selfrag.schemas.openai import Annotation, URLCitation
 from selfrag.schemas.text import plain_title
 
 PASSAGE_URL_PREFIX = "selfrag://passage/"

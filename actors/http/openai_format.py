@@ -16,7 +16,7 @@ from selfrag.actors.http.streaming import sse
 from selfrag.schemas.answer import AnswerResponse, SegmentOut
 from selfrag.schemas.errors import AnswerError
 from selfrag.schemas.events import SegmentEvent
-from selfrag.schemas.openai_responses import (
+from selfrag.schemas.openai import (
     ChatChunkChoice,
     ChatCompletionChunk,
     ChunkDelta,

@@ -53,12 +53,13 @@ from selfrag.actors.http.streaming import AnswerLog, AnswerStream, request_id
 from selfrag.runtime.answer_client import AnswerClient
 from selfrag.schemas.answer import AnswerRequest, AnswerResponse
 from selfrag.schemas.errors import AnswerError
-from selfrag.schemas.openai import ChatCompletionRequest, CompletionRequest
-from selfrag.schemas.openai_responses import (
+from selfrag.schemas.openai import (
     AssistantMessage,
     ChatChoice,
     ChatCompletion,
+    ChatCompletionRequest,
     Completion,
+    CompletionRequest,
     CompletionUsage,
     ModelCard,
     ModelList,

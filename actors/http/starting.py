@@ -26,7 +26,7 @@ def starting_body(path: str, retry_after_s: int) -> bytes:
     # thing in `selfrag serve`, ahead of the imports that take seconds.
     from selfrag.actors.http.openai_routes import is_openai_path
     from selfrag.schemas.errors import ErrorBody
-    from selfrag.schemas.openai_responses import OpenAIErrorBody, OpenAIErrorDetail
+    from selfrag.schemas.openai import OpenAIErrorBody, OpenAIErrorDetail
 
     detail = f"the server is starting; retry after {retry_after_s} s"
     if is_openai_path(path):

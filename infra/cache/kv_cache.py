@@ -4,7 +4,7 @@ Prompts put "template + passage" first (`reusable_prefix` on the engine's reques
 state of those tokens is the same whatever question follows. The engine saves it with
 `llama_state_seq_get_data` after computing it once and restores it with
 `llama_state_seq_set_data` into any sequence later, far cheaper than computing the passage's
-prefill again (docs/benchmarks.md, "Passage KV-state cache").
+prefill again (notes/benchmarks.md, "Passage KV-state cache").
 
 The key is exact: the model file's SHA-256, the context layout (a state restores only into a
 context with the same n_ctx, n_seq_max, unified-KV setting and KV types), the state format of

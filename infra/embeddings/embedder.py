@@ -47,7 +47,7 @@ _CONFIG_FILES = (
 )
 DEFAULT_FORMAT: BertFormat = "f16"
 """Weights of the converted file: F16 embeds faster than F32 on one thread, with the same
-agreement with sentence-transformers (docs/benchmarks.md, *Embeddings through llama.cpp*)."""
+agreement with sentence-transformers (notes/benchmarks.md, *Embeddings through llama.cpp*)."""
 BATCH_TOKENS = 512
 """Tokens per llama.cpp call. Sequences of one call attend within a mask over all its tokens,
 so the attention cost grows with the square of this: 512 keeps it a small part of the work."""
@@ -79,7 +79,7 @@ class SentenceEmbedder:
     `threads` llama.cpp threads per call (one by default, so embedding leaves the other cores
     to the language model). `model_id` names the folder and the converted format; `replaces`
     names the sentence-transformers embedder of the same folder, whose vectors this one
-    reproduces (cosine >= 0.999 on the corpus, docs/benchmarks.md): the store re-embeds a
+    reproduces (cosine >= 0.999 on the corpus, notes/benchmarks.md): the store re-embeds a
     sample of an index built by it before reusing it.
     """
 

@@ -5,7 +5,7 @@ llama.cpp's own `bert` tokenizer gives the same ids on English text but drops ev
 mark, spacing ones (Unicode Mc: the vowel signs of Devanagari and other Indic scripts) included,
 where Hugging Face strips only the non-spacing ones (Mn) and keeps the rest as word pieces; on
 the sample corpus that changed three passages' ids and one vector to cosine 0.993
-(docs/benchmarks.md). So the embedder tokenizes here and gives llama.cpp the ids.
+(notes/benchmarks.md). So the embedder tokenizes here and gives llama.cpp the ids.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ ggml's CPU backend computes a graph on an OpenMP team whose threads meet at a ba
 every operation, and wait between graphs. libgomp's threads spin while they wait (by default
 some 300,000 rounds before they sleep; with `OMP_WAIT_POLICY=ACTIVE` for ever). On cores the
 engine shares with another busy process, a spinning thread holds a core the thread it waits for
-needs, and a decode step stalls (docs/benchmarks.md has what it cost beside one busy
+needs, and a decode step stalls (notes/benchmarks.md has what it cost beside one busy
 process). With `OMP_WAIT_POLICY=PASSIVE` a waiting thread sleeps at once.
 
 libgomp reads `OMP_WAIT_POLICY` once, when it is loaded, which is when llama.cpp's CPU backend

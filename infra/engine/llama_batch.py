@@ -17,8 +17,8 @@ import llama_cpp
 import numpy as np
 import numpy.typing as npt
 
-from selfrag.infra.cache.kv_slots import Slot, SlotPlanner
 from selfrag.infra.engine.engine_stats import EngineStats
+from selfrag.infra.engine.kv_slots import Slot, SlotPlanner
 from selfrag.infra.engine.llama_layers import LayerTap
 from selfrag.infra.engine.llama_threads import ThreadChooser
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from selfrag.infra.cache.kv_slots import KVJob
+from selfrag.infra.engine.kv_slots import KVJob
 from selfrag.infra.engine.llama_groups import GroupRunner
 from selfrag.infra.engine.llama_vocab import LlamaVocab
 from selfrag.pipeline.protocols import (

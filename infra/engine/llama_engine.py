@@ -15,8 +15,8 @@ The parts with a job of their own live beside it: the three batched calls' reque
 into KV jobs and their results read back (`infra.engine.llama_calls`), the context's slot
 planner, batch decoder and prefix stager, and the prefill and greedy generation of the groups of
 jobs the planner sizes (`infra.engine.llama_groups`), the ctypes batch and the reads of its
-outputs (`infra.engine.llama_batch`), prefix staging from the store (`infra.cache.kv_staging`),
-slot planning (`infra.cache.kv_slots`), the vocabulary and token-id checks
+outputs (`infra.engine.llama_batch`), prefix staging from the store (`infra.engine.kv_staging`),
+slot planning (`infra.engine.kv_slots`), the vocabulary and token-id checks
 (`infra.engine.llama_vocab`), the counters (`infra.engine.engine_stats`), the thread count of
 each call (`infra.engine.llama_threads`), the context's parameters and KV-memory handle
 (`infra.engine.llama_context`), and the CPU build loaded before the model
@@ -36,9 +36,9 @@ from pathlib import Path
 import llama_cpp
 
 from selfrag.infra.cache.kv_cache import ContextLayout, PrefixStateStore
-from selfrag.infra.cache.kv_slots import Slot
 from selfrag.infra.engine.cpu_builds.llama_cpu_builds import ensure_backend
 from selfrag.infra.engine.engine_stats import EngineStats
+from selfrag.infra.engine.kv_slots import Slot
 from selfrag.infra.engine.llama_batch import EngineError
 from selfrag.infra.engine.llama_calls import (
     continuation_jobs,

@@ -13,9 +13,9 @@ from collections.abc import Callable, Sequence
 import llama_cpp
 
 from selfrag.infra.cache.kv_cache import ContextLayout, PrefixStateStore
-from selfrag.infra.cache.kv_slots import KVJob, Plan, Slot, SlotPlanner
-from selfrag.infra.cache.kv_staging import PrefixStager
 from selfrag.infra.engine.engine_stats import EngineStats
+from selfrag.infra.engine.kv_slots import KVJob, Plan, Slot, SlotPlanner
+from selfrag.infra.engine.kv_staging import PrefixStager
 from selfrag.infra.engine.llama_batch import BatchDecoder, EngineError, Feed
 from selfrag.infra.engine.llama_context import LlamaMemory
 from selfrag.infra.engine.llama_layers import LayerTap

@@ -3,7 +3,7 @@
 A small call (a generation step of a few sequences, a short prompt extension) is often faster
 on one thread than on all of them: ggml meets its threads at a barrier after every operation,
 several hundred times per call, and with OpenMP's passive wait each meeting wakes a sleeping
-thread. On a 2-core machine (docs/benchmarks.md, "Threads per call") the generation steps of
+thread. On a 2-core machine (notes/benchmarks.md, "Threads per call") the generation steps of
 a small model ran faster on one thread than on two while a prompt ran faster on two; a larger
 model gained from one thread only at one-sequence steps. Where the crossing lies depends on the
 model, the CPU and the load from other

@@ -1,4 +1,4 @@
-"""Find, download and convert the GGUF weights file the engine loads.
+"""Find, download and convert the GGUF weights file the engine loads, and read its header.
 
 Every file written here (downloads, derived weights) goes to a temporary name first and is
 renamed into place, so a crash never leaves a half-written file under a final name. Derived
@@ -22,10 +22,9 @@ import urllib.request
 from collections.abc import Callable, Collection, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Literal, get_args
+from typing import BinaryIO, Literal, get_args
 
 from selfrag.infra.file_lock import FileLock, atomic_output, write_atomic
-from selfrag.infra.models.gguf_header import read_key_values, unpack
 from selfrag.schemas.settings import WeightFormat
 
 GGUF_MAGIC = b"GGUF"
@@ -52,7 +51,7 @@ FORMAT_FTYPE: dict[DerivedFormat, int] = {
     "q4_0": FTYPE_MOSTLY_Q4_0,
 }
 
-# What `weights="auto"` converts a file of a given type to, by measurement (docs/benchmarks.md,
+# What `weights="auto"` converts a file of a given type to, by measurement (notes/benchmarks.md,
 # "Weight formats"): an F16 copy of a Q4_1 file prefills faster and decodes as fast, and its
 # scores are the closest to the exactly dequantised weights (the Q4_1 kernels quantise
 # activations to 8 bits). BF16 is slower on CPUs without AVX512-BF16; Q4_0 is fast but changes
@@ -232,7 +231,7 @@ _sha_lock = threading.Lock()
 def file_sha256(path: Path) -> str:
     """Hex SHA-256 of a file, remembered per (resolved path, size, mtime, inode) for this
     process and on disk (`sha256_cache_dir`): a command that starts would otherwise hash the
-    model files again, hundreds of megabytes for `selfrag ask` (docs/benchmarks.md, "CLI
+    model files again, hundreds of megabytes for `selfrag ask` (notes/benchmarks.md, "CLI
     start-up")."""
     try:
         resolved = path.resolve()
@@ -290,6 +289,103 @@ def _remember_sha(record: Path, data: dict[str, object]) -> None:
         write_atomic(record, json.dumps(data).encode(), mode=0o644)
     except OSError as exc:  # a read-only cache only costs hashing again next time
         log.debug("cannot keep the SHA-256 of %s in %s: %s", data["path"], record.parent, exc)
+
+
+# The header's key/values, read in order; a short or corrupt header surfaces as struct.error,
+# which _read_header turns into a ModelFileError.
+
+# GGUF metadata value types: id -> struct format of a scalar (string=8 and array=9 aside).
+_GGUF_SCALARS = {
+    0: "<B",
+    1: "<b",
+    2: "<H",
+    3: "<h",
+    4: "<I",
+    5: "<i",
+    6: "<f",
+    7: "<?",
+    10: "<Q",
+    11: "<q",
+    12: "<d",
+}
+_GGUF_STRING = 8
+_GGUF_ARRAY = 9
+
+
+def read_key_values(fh: BinaryIO, keys: set[str], *, arrays: bool) -> dict[str, object]:
+    """The values of `keys`, `fh` standing just after the header's version: scalars and
+    strings, and arrays (as lists) when `arrays`; an array's key is left out otherwise. Stops
+    once all are read."""
+    found: dict[str, object] = {}
+    left = set(keys)
+    unpack(fh, "<Q")  # tensor count
+    (n_kv,) = unpack(fh, "<Q")
+    for _ in range(n_kv):
+        if not left:
+            break
+        name = _read_string(fh)
+        (vtype,) = unpack(fh, "<I")
+        if name not in left:
+            _skip_value(fh, vtype)
+            continue
+        left.discard(name)
+        if vtype != _GGUF_ARRAY:
+            found[name] = _read_value(fh, vtype)
+        elif arrays:
+            found[name] = _read_array(fh)
+        else:
+            _skip_value(fh, vtype)
+    return found
+
+
+def unpack(fh: BinaryIO, fmt: str) -> tuple:
+    size = struct.calcsize(fmt)
+    data = fh.read(size)
+    if len(data) != size:
+        raise struct.error("unexpected end of file")
+    return struct.unpack(fmt, data)
+
+
+def _read_string(fh: BinaryIO) -> str:
+    (length,) = unpack(fh, "<Q")
+    data = fh.read(length)
+    if len(data) != length:
+        raise struct.error("unexpected end of file")
+    return data.decode("utf-8")
+
+
+def _read_array(fh: BinaryIO) -> list[object]:
+    (item_type, count) = unpack(fh, "<IQ")
+    if item_type == _GGUF_STRING:
+        return [_read_string(fh) for _ in range(count)]
+    if item_type in _GGUF_SCALARS:
+        return list(unpack(fh, f"<{count}{_GGUF_SCALARS[item_type][1:]}"))
+    raise struct.error(f"GGUF array of value type {item_type} is not read here")
+
+
+def _read_value(fh: BinaryIO, vtype: int) -> object:
+    if vtype == _GGUF_STRING:
+        return _read_string(fh)
+    if vtype in _GGUF_SCALARS:
+        return unpack(fh, _GGUF_SCALARS[vtype])[0]
+    raise struct.error(f"unknown GGUF value type {vtype}")
+
+
+def _skip_value(fh: BinaryIO, vtype: int) -> None:
+    if vtype == _GGUF_STRING:
+        (length,) = unpack(fh, "<Q")
+        fh.seek(length, os.SEEK_CUR)
+    elif vtype == _GGUF_ARRAY:
+        (item_type, count) = unpack(fh, "<IQ")
+        if item_type in _GGUF_SCALARS:
+            fh.seek(struct.calcsize(_GGUF_SCALARS[item_type]) * count, os.SEEK_CUR)
+        else:
+            for _ in range(count):
+                _skip_value(fh, item_type)
+    elif vtype in _GGUF_SCALARS:
+        fh.seek(struct.calcsize(_GGUF_SCALARS[vtype]), os.SEEK_CUR)
+    else:
+        raise struct.error(f"unknown GGUF value type {vtype}")
 
 
 def gguf_file_type(path: Path) -> int | None:
@@ -377,7 +473,7 @@ def _quantize(src: Path, target: Path, ftype: int) -> None:
     """Convert `src` into `target` with llama.cpp's `llama_model_quantize` (requantizing)."""
     import llama_cpp
 
-    from selfrag.infra.engine.llama_init import init_llama
+    from selfrag.infra.engine.cpu_builds.llama_init import init_llama
 
     init_llama()  # also routes llama.cpp's per-tensor progress log away from stdout
     params = llama_cpp.llama_model_quantize_default_params()

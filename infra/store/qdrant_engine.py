@@ -170,7 +170,7 @@ def search_order(score: float, similarity: float, passage_id: str) -> tuple[floa
     Two passages tie under RRF when the dense and BM25 lists rank them the other way round, or
     when each list alone finds one of them at the same rank; either way the less similar one
     is the one BM25 ranks higher. The tie goes to the keyword match, the better of the two on
-    questions written from a passage (docs/benchmarks.md, "RRF ties")."""
+    questions written from a passage (notes/benchmarks.md, "RRF ties")."""
     return (-score, similarity, passage_id)
 
 

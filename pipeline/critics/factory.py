@@ -66,7 +66,7 @@ def source_critic(
 
     auto: native when the model has the reflection tokens, else learned when `heads` were
     trained for this model file, else likelihood (on the Normans tuning questions it ranked
-    evidence far better than prompted yes/no questions with SmolLM2, docs/evaluation.md).
+    evidence far better than prompted yes/no questions with SmolLM2, notes/evaluation.md).
 
     `calibration` parameterises the `likelihood` source (defaults when None); `heads` are the
     reflection heads of this model file (`selfrag train`), or None.

@@ -62,7 +62,8 @@ class VerifyReader:
         """Without `drafting` the question is a conversation of its own after the system +
         passage head (the critique's read); with it (the source that drafts, in the chat
         layout) a user turn after the draft on the branch's drafting sequence, whose KV state
-        the engine still holds (measured as an alternative by bench/support_verdict.py)."""
+        the engine still holds (measured as an alternative: notes/evaluation.md, *Which read tells
+        a supported draft from an unsupported one*)."""
         self._model = model
         self._drafting = drafting
         self._glue = chat_glue(model.chat_template)
@@ -134,7 +135,7 @@ class VerifiedCritic:
         self.inner = inner
         self.name = inner.name
         # A conversation of its own, not a turn on the drafting sequence: asked after its own
-        # answer the model mostly agrees with itself (bench/support_verdict.py).
+        # answer the model mostly agrees with itself (notes/evaluation.md, same section).
         self._reader = VerifyReader(model)
 
     def __getattr__(self, attribute: str) -> object:

@@ -25,16 +25,16 @@ import pytest
 from selfrag.infra.settings_loader import load_settings
 from tests.browser import CHROMIUM, NO_CHROMIUM, ask_in_playground, chromium
 from tests.paths import ROOT
+from tests.real import real
 from tests.redis_proc import RedisProcess, free_port
 from tests.suite import SUITE_ENV
-
-pytestmark = pytest.mark.real
 
 SMALL = {"mode": "always", "top_k": 2, "max_segments": 1, "max_segment_tokens": 16}
 DOCS = ROOT / "docs"
 
 
 @pytest.fixture(scope="module")
+@real
 def ray_session() -> Iterator[int]:
     """A local Ray instance on loopback with Serve's HTTP proxy; yields the HTTP port."""
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
@@ -53,6 +53,7 @@ def ray_session() -> Iterator[int]:
 
 
 @pytest.fixture(scope="module")
+@real
 def redis_for_app() -> Iterator[RedisProcess | None]:
     """A redis-server of our own for the app's query cache (None without the binary)."""
     binary = shutil.which("redis-server")
@@ -65,6 +66,7 @@ def redis_for_app() -> Iterator[RedisProcess | None]:
 
 
 @pytest.fixture(scope="module")
+@real
 def api(
     ray_session: int, indexed_home: Path, redis_for_app: RedisProcess | None
 ) -> Iterator[httpx.Client]:

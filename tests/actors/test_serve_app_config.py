@@ -289,8 +289,7 @@ def test_app_build_binding_a_public_address_without_keys_warns(tmp_path: Path):
     assert "binds 0.0.0.0" not in quiet
 
 
-@pytest.mark.real
-def test_app_build_checks_the_address_serve_really_binds(tmp_path: Path):
+def test_app_build_checks_the_address_serve_really_binds(ray_tmp: Path, tmp_path: Path):
     """deploy/serve.yaml and KubeRay set the proxies' address themselves: the build asks the
     running Serve controller (here a loopback one, so no warning even though serve.host says
     0.0.0.0)."""
@@ -311,7 +310,7 @@ def test_app_build_checks_the_address_serve_really_binds(tmp_path: Path):
             ray.shutdown()
     """
     env = {"SELFRAG_HOME": str(tmp_path), "SELFRAG_SERVE__HOST": "0.0.0.0"}
-    err = _run_python(code, env, timeout=300)
+    err = _run_python(code, env | {"RAY_TMPDIR": str(ray_tmp)}, timeout=300)
     assert "binds 0.0.0.0" not in err and "binds 127.0.0.1" not in err
 
 

@@ -222,7 +222,6 @@ def test_a_recursion_error_anywhere_is_a_message_not_a_traceback(monkeypatch, ca
     assert "Traceback" not in err
 
 
-@pytest.mark.real
 def test_eval_without_corpus_on_an_empty_index_says_what_to_do(tmp_path, capsys):
     data = tmp_path / "squad.json"
     qa = {"id": "q1", "question": "Who?", "answers": [{"text": "Rollo"}]}

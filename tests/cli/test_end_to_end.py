@@ -12,8 +12,6 @@ from selfrag.infra.settings_loader import load_settings
 from selfrag.runtime.system import LocalRuntime
 from tests.suite import SUITE_ENV
 
-pytestmark = pytest.mark.real
-
 
 def test_cli_ask_json(indexed_home: Path, capsys: pytest.CaptureFixture[str]):
     code = main(

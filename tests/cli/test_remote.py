@@ -21,8 +21,6 @@ from selfrag.infra.home_identity import home_id
 from tests.corpus_files import write_pdf
 from tests.paths import ROOT
 
-pytestmark = pytest.mark.real
-
 _CHILD = """
 import sys, time
 from pathlib import Path
@@ -161,6 +159,7 @@ def test_a_command_for_home_b_never_acts_on_the_server_of_home_a(
 
 
 def test_without_keys_a_removal_is_refused_with_advice_that_works(
+    llama_model: Path,  # the server child loads the real embedder
     tmp_path: Path,
     children: list[Child],
     capsys: pytest.CaptureFixture[str],

@@ -21,6 +21,7 @@ import httpx
 import pytest
 
 from selfrag.runtime.ray_cluster import OWNER_ENV, PortInUse, port_holder, wait_for_port
+from tests.real import real
 from tests.redis_proc import free_port
 
 SMALL = {"mode": "always", "top_k": 2, "max_segments": 1, "max_segment_tokens": 16}
@@ -134,6 +135,7 @@ class Server:
 
 
 @pytest.fixture
+@real
 def servers(tmp_path: Path) -> Iterator[list[Server]]:
     started: list[Server] = []
     yield started
@@ -144,7 +146,6 @@ def servers(tmp_path: Path) -> Iterator[list[Server]]:
             os.kill(pid, signal.SIGKILL)
 
 
-@pytest.mark.real
 def test_a_server_restarted_on_the_same_port_answers(
     normans_api_home: Path, tmp_path: Path, servers: list[Server]
 ) -> None:

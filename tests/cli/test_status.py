@@ -93,7 +93,6 @@ def test_each_skipped_record_is_reported_once(tmp_path: Path, capsys: pytest.Cap
 # --- status ----------------------------------------------------------------------------------
 
 
-@pytest.mark.real
 def test_status_shows_index_model_heads_and_critique_without_loading_the_model(
     indexed_home: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ):
@@ -138,7 +137,6 @@ def test_status_shows_index_model_heads_and_critique_without_loading_the_model(
     assert f"store          embedded {index['where']}" in text
 
 
-@pytest.mark.real
 def test_status_of_an_index_another_process_holds_is_a_clear_error(
     indexed_home: Path, capsys: pytest.CaptureFixture[str]
 ):

@@ -11,6 +11,7 @@ import pytest
 from selfrag.cli import main
 from selfrag.infra.models.critic_label_cache import CriticLabelFile
 from selfrag.infra.models.heads_store import read_manifest
+from tests.suite import TrainedHeads
 
 
 def test_a_critic_that_is_neither_a_preset_nor_a_file_is_refused(
@@ -39,25 +40,13 @@ def test_critic_with_reuse_is_refused(tmp_path: Path, capsys: pytest.CaptureFixt
     assert "--reuse only applies" in capsys.readouterr().err
 
 
-@pytest.mark.real
-def test_train_with_a_critic_records_it_and_caches_its_reads(
-    tmp_path: Path, shared_data: Path, capsys: pytest.CaptureFixture[str]
-):
-    corpus = tmp_path / "small.jsonl"
-    lines = (shared_data / "wiki_sample_1000.jsonl").read_text().splitlines()[:40]
-    corpus.write_text("\n".join(lines) + "\n")
-    home = tmp_path / "home"
-    assert main(["--home", str(home), "index", "--no-progress", "--no-calibrate", str(corpus)]) == 0
-    out = tmp_path / "heads.json"
-    args = ["--home", str(home), "train", "--passages", "16", "--out", str(out), "--no-progress"]
-    # The served model as its own critic keeps the test short; `add` keeps the constructed
-    # labels, so the support group has both contrasted labels whatever this small model says.
-    assert main([*args, "--critic", "smollm2", "--critic-mode", "add"]) == 0
-    assert "support labelled by" in capsys.readouterr().out
-    critic = read_manifest(out)["critic"]
+def test_train_with_a_critic_records_it_and_caches_its_reads(trained_heads: TrainedHeads):
+    # The session's one training run (tests/conftest.py): the served model as its own critic.
+    assert "support labelled by" in trained_heads.printed
+    critic = read_manifest(trained_heads.path)["critic"]
     assert critic["model"].lower().startswith("smollm2") and critic["mode"] == "add"
     assert critic["labelled"] > 0 and critic["read"] == critic["labelled"]
     assert critic["relabelled_constructed"] == 0
-    (cache,) = (home / "critic_labels").iterdir()
+    (cache,) = (trained_heads.home / "critic_labels").iterdir()
     assert len(CriticLabelFile(cache)) == critic["labelled"]
     assert json.loads(cache.read_text().splitlines()[0])["key"]

@@ -123,7 +123,6 @@ def test_the_answer_path_settles_a_request_with_its_collections_threshold(tmp_pa
         assert (settled(None), settled("docs")) == (0.52, 0.2)
 
 
-@pytest.mark.real
 def test_selfrag_calibrate_and_ask_on_another_collection_with_the_real_model(
     normans_api_home: Path, normans_squad: Path, tmp_path: Path, capsys: pytest.CaptureFixture
 ) -> None:

@@ -36,6 +36,7 @@ from selfrag.schemas.events import SegmentEvent
 from selfrag.schemas.retrieval import RankedPassage, RetrieveRequest
 from tests.http_fakes import FakeService, HangingService, scripted_response
 from tests.paths import ROOT
+from tests.real import real
 
 
 def _seg(text: str, pid: str | None, score: float, s_rel: float | None) -> SegmentOut:
@@ -447,6 +448,7 @@ DIALS = {
 
 
 @pytest.fixture(scope="module")
+@real
 def rag(normans_api_home: Path) -> Iterator[Any]:
     from selfrag import SelfRAG
 
@@ -454,7 +456,6 @@ def rag(normans_api_home: Path) -> Iterator[Any]:
         yield rag
 
 
-@pytest.mark.real
 def test_real_langchain_retriever_ranks_without_drafting(rag: Any):
     engine = rag.system.engine
     before = engine.stats.generated_tokens
@@ -470,7 +471,6 @@ def test_real_langchain_retriever_ranks_without_drafting(rag: Any):
         assert isinstance(d.metadata["score"], float)
 
 
-@pytest.mark.real
 def test_real_langchain_chat_model_streams_text_with_citations(rag: Any):
     model = SelfRAGChatModel(rag=rag, dials=DIALS)
     chunks = list(model.stream("In what country is Normandy located?"))
@@ -482,7 +482,6 @@ def test_real_langchain_chat_model_streams_text_with_citations(rag: Any):
     assert len([c for c in chunks if c.content]) >= 1
 
 
-@pytest.mark.real
 def test_real_langchain_runnable_streams_the_answer(rag: Any):
     runnable = SelfRAGRunnable(rag.client, **DIALS)  # the client itself, as from a SelfRAG
     chunks = list(runnable.stream("In what country is Normandy located?"))
@@ -496,7 +495,6 @@ def test_real_langchain_runnable_streams_the_answer(rag: Any):
     assert cited and {d.id for d in out["documents"] if d.metadata["cited"]} == cited
 
 
-@pytest.mark.real
 def test_real_llamaindex_query_engine(rag: Any):
     engine = SelfRAGQueryEngine(answerer=rag, dials=DIALS)
     r = asyncio.run(engine.aquery("Who ruled the duchy of Normandy?"))

@@ -742,7 +742,10 @@ def recorded_calibrations(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
 
 
 def test_selfrag_index_calibrates_at_its_end_unless_told_not_to(
-    tmp_path: Path, recorded_calibrations: list[Any], capsys: pytest.CaptureFixture[str]
+    llama_model: Path,
+    tmp_path: Path,
+    recorded_calibrations: list[Any],
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     from selfrag.cli import main
 
@@ -764,7 +767,6 @@ def test_selfrag_index_calibrates_at_its_end_unless_told_not_to(
     assert rag.settings.retrieval.collection == "docs"
 
 
-@pytest.mark.real
 def test_selfrag_calibrate_on_the_real_model_sets_the_default_threshold(
     normans_api_home: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

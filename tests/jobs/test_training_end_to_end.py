@@ -1,4 +1,5 @@
-"""`selfrag train` with the real model and index: heads trained on a small corpus, then used."""
+"""`selfrag train` with the real model and index: heads trained once per session (the
+`trained_heads` fixture), then used."""
 
 from __future__ import annotations
 
@@ -13,31 +14,28 @@ from selfrag.infra.models.model_files import file_sha256
 from selfrag.infra.settings_loader import load_settings
 from selfrag.pipeline.heads import GROUP_LABELS
 from selfrag.runtime.system import LocalRuntime
-
-pytestmark = pytest.mark.real
+from tests.suite import TrainedHeads
 
 
 def test_train_small_corpus_then_answer_with_the_heads(
-    indexed_home: Path,
-    tmp_path: Path,
+    trained_heads: TrainedHeads,
     capsys: pytest.CaptureFixture[str],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    out = tmp_path / "heads.json"
-    args = ["--home", str(indexed_home), "train", "--passages", "20", "--seed", "3"]
-    assert main([*args, "--out", str(out), "--no-progress"]) == 0
-    printed = capsys.readouterr().out
+    # The session's one training run (tests/conftest.py): 20 passages, seed 3, on the index.
+    home, out = trained_heads.home, trained_heads.path
+    printed = trained_heads.printed
     assert "validation AUC" in printed and " at L2 " in printed and str(out) in printed
     heads = load_heads(out)
     manifest = read_manifest(out)
     assert set(manifest["groups"]) == set(GROUP_LABELS)
     assert manifest["seed"] == 3 and manifest["data"]["qa_questions"] == 0
     assert all(g["examples"] >= 20 for g in manifest["groups"].values())
-    with LocalRuntime(load_settings(overrides={"home": str(indexed_home)})) as rag:
+    with LocalRuntime(load_settings(overrides={"home": str(home)})) as rag:
         assert heads.model_sha256 == file_sha256(rag.model.path)
 
     monkeypatch.setenv("SELFRAG_MODEL__HEADS", str(out))
-    ask = ["--home", str(indexed_home), "ask", "Who founded Normandy?", "--json"]
+    ask = ["--home", str(home), "ask", "Who founded Normandy?", "--json"]
     assert main([*ask, "--critique", "learned", "--max-segments", "1", "--mode", "always"]) == 0
     answer = json.loads(capsys.readouterr().out)
     assert answer["critique"] == "learned" and answer["answer"].strip()
@@ -46,7 +44,7 @@ def test_train_small_corpus_then_answer_with_the_heads(
 
 
 def test_train_refuses_a_corpus_too_small_for_a_group(
-    tmp_path: Path, shared_data: Path, capsys: pytest.CaptureFixture[str]
+    llama_model: Path, tmp_path: Path, shared_data: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     corpus = tmp_path / "tiny.jsonl"
     lines = [json.loads(x) for x in (shared_data / "wiki_sample_1000.jsonl").open()][:12]

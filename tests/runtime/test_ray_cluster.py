@@ -16,17 +16,8 @@ from pathlib import Path
 import pytest
 
 from tests.paths import ROOT
+from tests.real import real
 from tests.redis_proc import free_port
-
-pytestmark = pytest.mark.real
-
-
-@pytest.fixture
-def ray_tmp() -> Iterator[Path]:
-    # Short: Ray's socket paths under it must stay within the 107 bytes of a Unix socket name.
-    folder = Path(tempfile.mkdtemp(prefix="rt", dir="/tmp"))
-    yield folder
-    shutil.rmtree(folder, ignore_errors=True)
 
 
 def _stale_record(ray_tmp: Path) -> str:
@@ -231,6 +222,7 @@ OPERATORS_PERIOD = "RAY_SERVE_METRICS_EXPORT_INTERVAL_MS"
 
 
 @pytest.fixture(scope="module")
+@real
 def private_run() -> Iterator[dict]:
     """One private instance: started, its sockets and a job submission tried, stopped."""
     import json

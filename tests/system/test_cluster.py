@@ -32,11 +32,10 @@ import yaml
 from tests.netns import LoopbackNamespace, NamespaceUnavailable
 from tests.paths import ROOT
 from tests.ray_cluster import Cluster, ClusterStartError, running_cluster, start_worker
+from tests.real import real
 from tests.redis_proc import free_port
 
 SERVE = Path(sys.executable).with_name("serve")
-pytestmark = pytest.mark.real
-
 # Tiny dials: one segment of 8 tokens, so 12 questions take seconds.
 TINY = {"mode": "never", "max_segments": 1, "max_segment_tokens": 8, "critique": "likelihood"}
 
@@ -57,6 +56,7 @@ def loopback() -> Iterator[LoopbackNamespace]:
 
 
 @pytest.fixture(scope="module")
+@real
 def cluster(loopback: LoopbackNamespace) -> Iterator[Cluster]:
     """A head (1 CPU, with the dashboard) and one worker node (1 CPU) on 127.0.0.1."""
     try:

@@ -1,6 +1,7 @@
 """The README and the docs site: the README stays short and keeps its two commands, the site
 builds in strict mode (broken links, anchors and references fail), every `selfrag` command
-line in them parses, and the Python examples run (those that need no server)."""
+line in them and in the lab notes (notes/, outside the site) parses, and the Python examples
+run (those that need no server)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from selfrag.cli.parser import build_parser
 from tests.paths import ROOT
 
 DOCS = ROOT / "docs"
+NOTES = ROOT / "notes"
 INSTALL_AND_RUN = (
     "bash scripts/install.sh && .venv/bin/selfrag index ../shared/data/squad_v2_small.json "
     "../shared/data/wiki_sample_1000.jsonl && .venv/bin/selfrag ask "
@@ -30,7 +32,7 @@ def _blocks(path: Path, language: str) -> list[str]:
 
 
 def _pages() -> list[Path]:
-    return [ROOT / "README.md", *sorted(DOCS.glob("*.md"))]
+    return [ROOT / "README.md", *sorted(DOCS.glob("*.md")), *sorted(NOTES.glob("*.md"))]
 
 
 def test_the_readme_is_short_and_keeps_the_two_commands():
@@ -38,7 +40,7 @@ def test_the_readme_is_short_and_keeps_the_two_commands():
     assert len(readme.splitlines()) <= 150
     assert INSTALL_AND_RUN in readme
     assert "\nbash scripts/test.sh\n" in readme
-    for link in re.findall(r"\]\((docs/[^)#]+)", readme):
+    for link in re.findall(r"\]\(((?:docs|notes)/[^)#]+)", readme):
         assert (ROOT / link).is_file(), link
 
 
@@ -104,7 +106,6 @@ def _python_examples() -> list[tuple[str, str]]:
     ]
 
 
-@pytest.mark.real
 @pytest.mark.parametrize(("name", "code"), _python_examples(), ids=lambda v: str(v)[:40])
 def test_the_python_examples_run(name: str, code: str, normans_api_home: Path, tmp_path: Path):
     env = {**os.environ, "SELFRAG_HOME": str(normans_api_home)}

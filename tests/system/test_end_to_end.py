@@ -9,12 +9,12 @@ import pytest
 from selfrag.api import SelfRAG
 from selfrag.infra.settings_loader import load_settings
 from selfrag.schemas.answer import AnswerResponse
+from tests.real import real
 from tests.suite import SUITE_ENV
-
-pytestmark = pytest.mark.real
 
 
 @pytest.fixture(scope="module")
+@real
 def rag(indexed_home: Path):
     settings = load_settings(environ={"SELFRAG_HOME": str(indexed_home), **SUITE_ENV})
     with SelfRAG(settings) as api:

@@ -29,8 +29,6 @@ from tests.fakes import support_calibration
 from tests.redis_proc import free_port
 from tests.suite import SUITE_ENV
 
-pytestmark = pytest.mark.real
-
 QUESTION = "Who was the Norse leader who founded Normandy?"
 # Small, greedy, and the same everywhere: one segment of 16 tokens from two passages.
 DIALS: dict[str, Any] = {"mode": "always", "top_k": 2, "max_segments": 1, "max_segment_tokens": 16}

@@ -38,9 +38,8 @@ from selfrag.pipeline.protocols import (
     TokenScores,
 )
 from selfrag.runtime.system import LocalRuntime
+from tests.real import real
 from tests.suite import SUITE_ENV
-
-pytestmark = pytest.mark.real
 
 BASE = (
     "Rollo was a Viking leader who became the first ruler of Normandy after the treaty of "
@@ -81,6 +80,7 @@ class Recording:
 
 
 @pytest.fixture(scope="module")
+@real
 def rag(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalRuntime]:
     home = tmp_path_factory.mktemp("hostile-home")
     with LocalRuntime(load_settings(environ={"SELFRAG_HOME": str(home), **SUITE_ENV})) as system:

@@ -3,7 +3,9 @@
 Layers, lowest first: schemas → pipeline → infra (adapters) → runtime → actors | jobs → the
 Python API (api) → entry points (cli, ray_app) | framework adapters (integrations) → the
 benchmarks and build scripts outside the package (bench, scripts). Folders on one layer sit side
-by side and never import each other. Function-level imports count, and so do relative imports,
+by side and never import each other. Inside infra/ the same holds for its rooms (`INFRA_ROOMS`,
+one per subpackage): corpus → infra's own modules → engine/cpu_builds → models | cache → engine |
+embeddings | store. Function-level imports count, and so do relative imports,
 `importlib.import_module`/`__import__` with a literal name, and reading `module._private`
 through an imported module. Every top-level folder holding Python is scanned or named in
 `NOT_SCANNED` with the reason: a new folder cannot slip past unchecked.
@@ -35,6 +37,21 @@ LAYERS = {
     "__main__": 7,
     "bench": 8,
     "scripts": 8,
+}
+# infra/'s rooms, lowest first: a module belongs to the deepest room its path names ("" is
+# infra's own modules); a room imports only from lower levels, and rooms on one level never
+# import each other. engine/cpu_builds (which llama.cpp build this CPU runs, and the library's
+# initialisation) sits below models, whose conversions and checks run llama.cpp, and below the
+# engine and the embedder, which load it.
+INFRA_ROOMS = {
+    "corpus": 0,
+    "": 1,
+    "engine.cpu_builds": 2,
+    "models": 3,
+    "cache": 3,
+    "engine": 4,
+    "embeddings": 4,
+    "store": 4,
 }
 # Top-level folders outside the package (their modules are `bench.x`, not `selfrag.bench.x`).
 OUTSIDE_PACKAGE = {"bench", "scripts"}
@@ -160,6 +177,47 @@ def upward_imports(root: Path) -> list[str]:
                 sideways = mine == theirs and my_folder != their_folder
                 if theirs > mine or sideways:
                     wrong.append(f"{path.relative_to(root)}:{imp.line} imports {target}")
+    return wrong
+
+
+def infra_room(module: str) -> str | None:
+    """The room of infra/ that `module` belongs to (None: not in infra/)."""
+    prefix = f"{PACKAGE}.infra"
+    if module != prefix and not module.startswith(f"{prefix}."):
+        return None
+    rest = module.removeprefix(prefix).lstrip(".")
+    parts = rest.split(".") if rest else []
+    # The deepest room the name starts with: a package's __init__ is named as its room.
+    for n in range(len(parts), 0, -1):
+        if (room := ".".join(parts[:n])) in INFRA_ROOMS:
+            return room
+    return ""
+
+
+def unlisted_infra_rooms(root: Path) -> list[str]:
+    """Subpackages of infra/ that INFRA_ROOMS does not name (each is a room of its own: a new
+    one must be placed)."""
+    base = root / "infra"
+    found = (".".join(p.parent.relative_to(base).parts) for p in sorted(base.rglob("__init__.py")))
+    return sorted(room for room in found if room and room not in INFRA_ROOMS)
+
+
+def infra_room_imports(root: Path) -> list[str]:
+    """Imports between rooms of infra/ that do not point to a lower level."""
+    known = modules(root)
+    wrong = []
+    for name, path in known.items():
+        mine = infra_room(name)
+        if mine is None:
+            continue
+        for imp in imports(name, path):
+            for target in dict.fromkeys(_targets(imp, known)):
+                theirs = infra_room(target)
+                if target not in known or theirs is None or theirs == mine:
+                    continue
+                if INFRA_ROOMS[theirs] >= INFRA_ROOMS[mine]:
+                    room = f"infra/{theirs.replace('.', '/')}" if theirs else "infra/"
+                    wrong.append(f"{path.relative_to(root)}:{imp.line} imports {target} ({room})")
     return wrong
 
 
@@ -317,6 +375,15 @@ def test_imports_only_point_downward():
     assert not wrong, "\n".join(wrong)
 
 
+def test_every_infra_subpackage_is_a_room():
+    assert not unlisted_infra_rooms(ROOT)
+
+
+def test_infra_rooms_import_only_lower_rooms():
+    wrong = infra_room_imports(ROOT)
+    assert not wrong, "\n".join(wrong)
+
+
 def test_no_import_circles():
     found = circles(import_graph(ROOT))
     assert not found, found
@@ -420,6 +487,45 @@ def test_dunder_attributes_and_own_privates_pass(tmp_path: Path):
     code = "from selfrag.pipeline import algo\nx = algo.__name__\n_y = 1\n"
     root = _plant(tmp_path, {"runtime/system.py": code, "pipeline/algo.py": ""})
     assert private_crossings(root) == []
+
+
+def test_an_infra_room_importing_a_higher_or_sideways_room_is_caught(tmp_path: Path):
+    root = _plant(
+        tmp_path,
+        {
+            "infra/__init__.py": "",
+            "infra/cache/__init__.py": "",
+            "infra/cache/kv.py": "from selfrag.infra.engine import batch\n",
+            "infra/models/__init__.py": "",
+            "infra/models/files.py": "from selfrag.infra.cache import kv\n",
+            "infra/engine/__init__.py": "",
+            "infra/engine/batch.py": "from selfrag.infra.cache import kv\nfrom . import stats\n",
+            "infra/engine/stats.py": "",
+            "infra/engine/cpu_builds/__init__.py": "",
+            "infra/engine/cpu_builds/init.py": "from selfrag.infra.engine import stats\n",
+        },
+    )
+    assert infra_room_imports(root) == [
+        "infra/cache/kv.py:1 imports selfrag.infra.engine.batch (infra/engine)",
+        "infra/engine/cpu_builds/init.py:1 imports selfrag.infra.engine.stats (infra/engine)",
+        "infra/models/files.py:1 imports selfrag.infra.cache.kv (infra/cache)",
+    ]
+
+
+def test_a_new_infra_subpackage_must_be_placed(tmp_path: Path):
+    root = _plant(
+        tmp_path,
+        {
+            "infra/__init__.py": "",
+            "infra/engine/__init__.py": "",
+            "infra/queue/__init__.py": "",
+            "infra/engine/cpu_builds/__init__.py": "",
+        },
+    )
+    assert unlisted_infra_rooms(root) == ["queue"]
+    assert infra_room("selfrag.infra.engine.cpu_builds.init") == "engine.cpu_builds"
+    assert infra_room("selfrag.infra.engine.batch") == "engine"
+    assert infra_room("selfrag.infra.file_lock") == ""
 
 
 def test_a_new_top_level_folder_must_be_listed(tmp_path: Path):

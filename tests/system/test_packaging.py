@@ -88,8 +88,9 @@ def test_the_sdist_installs_and_runs(dist: Path, tmp_path: Path):
     assert "usage: selfrag" in done.stdout
 
 
-@pytest.mark.real
-def test_the_wheel_installs_and_answers_from_a_folder(dist: Path, tmp_path: Path):
+def test_the_wheel_installs_and_answers_from_a_folder(
+    llama_model: Path, dist: Path, tmp_path: Path
+):
     (wheel,) = dist.glob("selfrag-*.whl")
     python = _fresh_venv(tmp_path / "venv")
     _install(python, wheel)

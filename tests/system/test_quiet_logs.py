@@ -17,9 +17,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.real import real
 from tests.redis_proc import free_port
-
-pytestmark = pytest.mark.real
 
 RAY_NATIVE_ALARM = re.compile(r"\[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} [WEF] \d+ \d+\]")
 """The prefix of a line that Ray's C++ processes log at warning severity or worse, glog-style
@@ -88,6 +87,7 @@ def _assert_quiet(stderr: str) -> None:
 
 
 @pytest.fixture(scope="module")
+@real
 def home(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A Markdown folder indexed (and its support threshold calibrated) by the CLI."""
     docs = tmp_path_factory.mktemp("docs")

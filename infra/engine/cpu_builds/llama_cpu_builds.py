@@ -48,7 +48,7 @@ from selfrag.infra.engine.cpu_builds.cpu_variants import (
     variant_files,
     variant_name,
 )
-from selfrag.infra.engine.llama_init import init_llama, route_llama_log
+from selfrag.infra.engine.cpu_builds.llama_init import init_llama, route_llama_log
 from selfrag.infra.file_lock import write_atomic
 
 logger = logging.getLogger(__name__)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from selfrag.infra.engine.cpu_builds.cpu_variants import library_dir
 from selfrag.infra.engine.cpu_builds.llama_cpu_builds import PROBE_PROMPT, load_variant
-from selfrag.infra.engine.llama_init import route_llama_log
+from selfrag.infra.engine.cpu_builds.llama_init import route_llama_log
 
 
 def _score(path: str) -> int:

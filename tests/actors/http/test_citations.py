@@ -62,7 +62,6 @@ def test_every_passage_of_a_document_carries_its_url() -> None:
     assert plain[0].metadata == {"doc_id": "x"}
 
 
-@pytest.mark.real
 def test_the_store_gives_the_url_back_with_the_passage(tmp_path: Path) -> None:
     from selfrag.schemas.settings import RetrievalSettings
 

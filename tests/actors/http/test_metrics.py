@@ -12,8 +12,15 @@ from collections.abc import Mapping
 
 import pytest
 
-from selfrag.actors.http.metric_specs import METRICS, RAY_SERVE_TAGS, MetricSpec
-from selfrag.actors.http.metrics import EngineMetrics, Metrics, PrometheusSink, Recorder
+from selfrag.actors.http.metrics import (
+    METRICS,
+    RAY_SERVE_TAGS,
+    EngineMetrics,
+    Metrics,
+    MetricSpec,
+    PrometheusSink,
+    Recorder,
+)
 from selfrag.schemas.decoding import DecodingConfig
 from tests.http_fakes import metric_value as value
 from tests.http_fakes import scripted_response

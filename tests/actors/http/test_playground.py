@@ -22,6 +22,7 @@ from selfrag.schemas.decoding import DecodingConfig
 from tests.browser import CHROMIUM, NO_CHROMIUM, SHOWN, Page, ask_in_playground, chromium
 from tests.http_fakes import FakeService, live_server, scripted_response
 from tests.paths import ROOT
+from tests.real import real
 
 QUESTION = "Who founded Normandy?"
 
@@ -95,6 +96,7 @@ def hostile_passage_response(question: str, config: DecodingConfig) -> AnswerRes
 
 
 @pytest.fixture(scope="module")
+@real
 def page() -> Iterator[Page]:
     if CHROMIUM is None:
         pytest.skip(NO_CHROMIUM)
@@ -102,7 +104,6 @@ def page() -> Iterator[Page]:
         yield p
 
 
-@pytest.mark.real
 def test_the_page_streams_an_answer_with_citations(page: Page, tmp_path: Path):
     service = FakeService(script=hostile_passage_response)
     with live_server(build_http_app(service, Metrics())) as url:
@@ -185,7 +186,6 @@ def _with_evidence(question: str, config: DecodingConfig) -> AnswerResponse:
     return r
 
 
-@pytest.mark.real
 def test_the_evidence_span_is_marked_in_the_passage(page: Page, tmp_path: Path):
     with live_server(build_http_app(FakeService(script=_with_evidence), Metrics())) as url:
         shown = ask_in_playground(page, url, QUESTION, {}, 20.0)
@@ -220,7 +220,6 @@ def test_the_evidence_span_is_marked_in_the_passage(page: Page, tmp_path: Path):
     assert shot.read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
 
 
-@pytest.mark.real
 def test_the_page_shows_errors_and_sends_the_api_key(page: Page):
     service = FakeService()
     with live_server(build_http_app(service, Metrics(), api_keys=parse_api_keys("k1"))) as url:

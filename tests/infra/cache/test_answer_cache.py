@@ -93,7 +93,6 @@ def _cache(url: str, tmp_path: Path, **cache: object) -> AnswerCache:
     return out
 
 
-@pytest.mark.real
 def test_replicas_share_answers_through_redis_with_a_ttl(redis_url: str, tmp_path: Path):
     first, second = _cache(redis_url, tmp_path), _cache(redis_url, tmp_path)
     assert first.ping()
@@ -107,7 +106,6 @@ def test_replicas_share_answers_through_redis_with_a_ttl(redis_url: str, tmp_pat
     assert key.startswith(AnswerCache.NAMESPACE + ":")  # one namespace, no double prefix
 
 
-@pytest.mark.real
 def test_redis_tier_keeps_its_namespace_under_the_byte_cap(redis_url: str):
     tier = RedisTier(redis_url, "selfrag:test", ttl_s=60, max_bytes=10_000)
     # 900 bytes + the seal (48-byte header, the 16-byte key) per entry: ten fit.
@@ -124,7 +122,6 @@ def test_redis_tier_keeps_its_namespace_under_the_byte_cap(redis_url: str):
     assert client.zcard("selfrag:test:~index") == client.hlen("selfrag:test:~sizes") <= 10
 
 
-@pytest.mark.real
 def test_killed_redis_is_bypassed_counted_and_used_again_after_restart(
     redis_server: tuple[str, RedisProcess | None], redis_url: str, tmp_path: Path
 ):
@@ -159,7 +156,6 @@ def test_killed_redis_is_bypassed_counted_and_used_again_after_restart(
     assert fresh.get(after) == _response("after") and fresh.counters()["redis_hit"] == 1
 
 
-@pytest.mark.real
 def test_slow_redis_times_out_and_is_bypassed(redis_url: str, tmp_path: Path):
     cache = _cache(redis_url, tmp_path)
     key = query_key("slow", DecodingConfig(), "v1", "m")
@@ -191,7 +187,6 @@ def _tier_counters(cache: AnswerCache) -> dict[str, int]:
     return {k: v for k, v in cache.counters().items() if k.startswith("redis_rejected_")}
 
 
-@pytest.mark.real
 def test_an_answer_written_into_redis_by_someone_else_is_not_served(redis_url: str, tmp_path: Path):
     """A well-formed answer SET straight into the right key (what anyone with write access to
     Redis could do) is refused; the genuine answer computed afterwards is served again."""
@@ -206,7 +201,6 @@ def test_an_answer_written_into_redis_by_someone_else_is_not_served(redis_url: s
     assert cache.get(key) == _response()
 
 
-@pytest.mark.real
 def test_an_answer_moved_to_another_key_or_damaged_is_refused(redis_url: str, tmp_path: Path):
     writer, reader = _cache(redis_url, tmp_path), _cache(redis_url, tmp_path)
     client = redis.Redis.from_url(redis_url)
@@ -225,7 +219,6 @@ def test_an_answer_moved_to_another_key_or_damaged_is_refused(redis_url: str, tm
     }
 
 
-@pytest.mark.real
 def test_a_sealed_entry_that_is_no_answer_counts_as_corrupt(redis_url: str, tmp_path: Path):
     cache = _cache(redis_url, tmp_path)
     assert cache.redis is not None
@@ -236,7 +229,6 @@ def test_a_sealed_entry_that_is_no_answer_counts_as_corrupt(redis_url: str, tmp_
         assert cache.counters()["corrupt"] == i + 1
 
 
-@pytest.mark.real
 def test_an_oversized_answer_is_refused_without_reading_it(redis_url: str, tmp_path: Path):
     cache = _cache(redis_url, tmp_path)
     assert cache.redis is not None and cache.redis.max_entry_bytes == MAX_ANSWER_BYTES
@@ -252,7 +244,6 @@ def test_an_oversized_answer_is_refused_without_reading_it(redis_url: str, tmp_p
     assert cache.redis.put("big", b"y" * MAX_ANSWER_BYTES) is False
 
 
-@pytest.mark.real
 def test_a_key_of_another_type_is_refused_not_an_outage(redis_url: str, tmp_path: Path):
     cache = _cache(redis_url, tmp_path)
     key = query_key("q", DecodingConfig(), "v1", "m")

@@ -30,6 +30,7 @@ from selfrag.infra.engine.llama_engine import LlamaEngine
 from selfrag.infra.models.model_files import default_model_path, derive_weights
 from selfrag.infra.settings_loader import load_settings
 from selfrag.pipeline.protocols import TokenScoreRequest
+from tests.real import real
 from tests.redis_proc import RedisProcess
 from tests.suite import SUITE_ENV
 
@@ -71,7 +72,6 @@ def test_memory_tier_and_settings(tmp_path: Path):
     assert open_prefix_store(load_settings(environ=off)) is None
 
 
-@pytest.mark.real
 def test_states_reach_redis_behind_and_survive_an_outage(
     redis_server: tuple[str, RedisProcess | None],
 ):
@@ -106,7 +106,6 @@ def _redis_store(url: str, max_bytes: int = 1 << 20) -> TieredStateStore:
     return TieredStateStore(None, tier)
 
 
-@pytest.mark.real
 @pytest.mark.parametrize(
     ("poison", "reason"),
     [
@@ -156,7 +155,6 @@ def test_a_poisoned_state_in_redis_is_refused_counted_and_replaced(
     assert _redis_store(redis_url).get(KEY) == state
 
 
-@pytest.mark.real
 def test_refused_states_are_counted_in_the_pool_metrics(redis_url: str, tmp_path: Path):
     from selfrag.actors.http.metrics import EngineMetrics, PrometheusSink
     from selfrag.runtime.system import LocalRuntime
@@ -194,6 +192,7 @@ QUESTIONS = ["Who was the Norse leader?", "In what country is Normandy located?"
 
 
 @pytest.fixture(scope="module")
+@real
 def weights(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return derive_weights(default_model_path(), "auto", tmp_path_factory.mktemp("kv-home"))
 
@@ -212,6 +211,7 @@ def _engine(weights: Path, store: TieredStateStore | None, n_seq_max: int = 4) -
 
 
 @pytest.fixture(scope="module")
+@real
 def engine(weights: Path) -> Iterator[LlamaEngine]:
     with _engine(weights, TieredStateStore(MemoryLRU(64 << 20))) as eng:
         yield eng
@@ -230,7 +230,6 @@ def _fresh(engine: LlamaEngine, store: TieredStateStore | None) -> None:
     engine.prefix_store = store
 
 
-@pytest.mark.real
 def test_restored_prefix_equals_recompute_with_the_same_split(engine: LlamaEngine):
     store = TieredStateStore(MemoryLRU(64 << 20))
     for question in QUESTIONS:
@@ -254,7 +253,6 @@ def test_restored_prefix_equals_recompute_with_the_same_split(engine: LlamaEngin
     assert store.counters()["put"] == 1  # one passage, one saved state
 
 
-@pytest.mark.real
 def test_the_key_follows_the_context_layout(engine: LlamaEngine, weights: Path):
     store = TieredStateStore(MemoryLRU(64 << 20))
     _fresh(engine, store)
@@ -272,7 +270,6 @@ def test_the_key_follows_the_context_layout(engine: LlamaEngine, weights: Path):
         assert (s.kv_misses, s.kv_restore_failures, s.kv_restores, s.kv_saves) == (1, 0, 0, 1)
 
 
-@pytest.mark.real
 @pytest.mark.parametrize("kind", ["garbage", "truncated", "foreign"])
 def test_a_bad_stored_state_falls_back_to_recompute(engine: LlamaEngine, kind: str):
     store = TieredStateStore(MemoryLRU(64 << 20))
@@ -302,7 +299,6 @@ def test_a_bad_stored_state_falls_back_to_recompute(engine: LlamaEngine, kind: s
     assert store.get(key) == good  # the recomputed state replaced the bad one
 
 
-@pytest.mark.real
 def test_a_poisoned_redis_state_is_recomputed_not_restored(engine: LlamaEngine, redis_url: str):
     """The state of a prefix of the same length but one other passage token restores without
     complaint from llama.cpp and would change every score; copied under the right key in Redis

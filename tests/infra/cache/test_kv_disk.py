@@ -97,8 +97,9 @@ def test_the_tiered_store_reads_memory_then_disk_and_writes_behind(tmp_path: Pat
     second.close()
 
 
-@pytest.mark.real
-def test_a_restarted_engine_starts_warm_from_disk(tmp_path: Path, normans_squad: Path) -> None:
+def test_a_restarted_engine_starts_warm_from_disk(
+    llama_model: Path, tmp_path: Path, normans_squad: Path
+) -> None:
     """States saved by one process restore in the next; a corrupt one is recomputed, and the
     scores are the same either way."""
     from selfrag.cli import main
@@ -141,9 +142,8 @@ def test_a_restarted_engine_starts_warm_from_disk(tmp_path: Path, normans_squad:
     assert again == pytest.approx(cold, abs=1e-4)
 
 
-@pytest.mark.real
 def test_index_precompute_kv_fills_the_disk_tier_once(
-    tmp_path: Path, normans_squad: Path, capsys: pytest.CaptureFixture[str]
+    llama_model: Path, tmp_path: Path, normans_squad: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     from selfrag.cli import main
 

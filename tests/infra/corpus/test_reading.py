@@ -387,8 +387,8 @@ def test_a_squad_file_over_the_bound_is_refused_before_reading(tmp_path: Path) -
     assert MAX_JSON_FILE_BYTES >= 64 * 2**20  # room for the SQuAD v2 train set (42 MB)
 
 
-@pytest.mark.real
 def test_indexing_keeps_same_named_files_apart_and_reports_the_oversized_line(
+    llama_model: Path,
     tmp_path: Path,
 ) -> None:
     from selfrag.infra.embeddings.embedder import SentenceEmbedder

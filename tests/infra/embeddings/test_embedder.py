@@ -20,8 +20,7 @@ from selfrag.infra.models.model_files import ModelFileError, read_gguf_metadata
 from selfrag.infra.store.qdrant_store import QdrantStore, StoreMisconfigured
 from selfrag.pipeline.protocols import Passage
 from selfrag.schemas.settings import RetrievalSettings
-
-pytestmark = pytest.mark.real
+from tests.real import real
 
 PASSAGES = [
     Passage("rollo#0", "Rollo was the first ruler of Normandy.", "Rollo", metadata={"doc_id": "r"}),
@@ -31,6 +30,7 @@ PASSAGES = [
 
 
 @pytest.fixture(scope="module")
+@real
 def embedder() -> SentenceEmbedder:
     return SentenceEmbedder()
 
@@ -54,7 +54,7 @@ class OldEmbedder:
         return vectors.astype(np.float32)
 
 
-def test_the_model_is_converted_once_into_the_cache(tmp_path: Path) -> None:
+def test_the_model_is_converted_once_into_the_cache(llama_model: Path, tmp_path: Path) -> None:
     first = SentenceEmbedder(cache_dir=tmp_path)
     path = first.gguf_path()
     assert path.parent == tmp_path and path.name.endswith(".f16.gguf")

@@ -3,7 +3,7 @@ ids and vectors within cosine 0.999, on a sample of the corpus and on texts chos
 (accents, Indic vowel signs, symbols, CJK, control characters, special tokens, long texts).
 
 sentence-transformers is not a dependency (it brings torch): this runs only where it is
-installed. `bench/embedder_parity.py` runs the same comparison over the whole corpus."""
+installed. The same comparison over the whole corpus is in docs/indexing.md."""
 
 from __future__ import annotations
 
@@ -15,12 +15,11 @@ import pytest
 from selfrag.infra.embeddings.embedder import SentenceEmbedder, default_model_dir
 from selfrag.jobs.indexing import corpus_passages
 from tests.paths import ROOT
+from tests.real import real
 
 pytest.importorskip(
     "sentence_transformers", reason="sentence-transformers is not installed", exc_type=ImportError
 )
-pytestmark = pytest.mark.real
-
 DATA = ROOT.parent / "shared" / "data"
 HARD = [
     "Who was the Norse leader who founded Normandy?",
@@ -34,6 +33,7 @@ HARD = [
 
 
 @pytest.fixture(scope="module")
+@real
 def reference():
     os.environ["HF_HUB_OFFLINE"] = "1"
     import torch

@@ -250,8 +250,7 @@ def test_the_batch_actor_pool_starts_with_the_wait_policy(
     assert seen["num_cpus"] == 1.0
 
 
-@pytest.mark.real
-def test_a_ray_actor_process_starts_with_the_variable(tmp_path: Path):
+def test_a_ray_actor_process_starts_with_the_variable(ray_tmp: Path, tmp_path: Path):
     """What `ray_runtime_env` gives an actor is in its process environment from the start
     (/proc/self/environ holds the environment a process was started with)."""
     code = textwrap.dedent(
@@ -274,6 +273,7 @@ def test_a_ray_actor_process_starts_with_the_variable(tmp_path: Path):
         """
     )
     env = {k: v for k, v in os.environ.items() if k != WAIT_POLICY_ENV}
+    env["RAY_TMPDIR"] = str(ray_tmp)
     done = subprocess.run(
         [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300
     )
@@ -305,12 +305,11 @@ def _openmp_display(code: str, env: dict[str, str]) -> str:
     return done.stderr
 
 
-@pytest.mark.real
 @pytest.mark.parametrize(
     ("policy", "spin"), [(None, "'0'"), ("active", None), ("inherit", "'300000'")]
 )
 def test_the_engine_process_starts_openmp_with_the_setting(
-    tmp_path: Path, policy: str | None, spin: str | None
+    llama_model: Path, tmp_path: Path, policy: str | None, spin: str | None
 ):
     """The Python API's engine (and so `selfrag ask`, `index`, in-process `eval`) loads
     llama.cpp's OpenMP runtime with the configured wait policy: libgomp itself says so."""
@@ -346,7 +345,6 @@ def test_the_engine_process_starts_openmp_with_the_setting(
         assert "was loaded in this process" not in shown  # set before, not too late
 
 
-@pytest.mark.real
 def test_a_runtime_loaded_before_the_setting_is_reported():
     err = _openmp_display(
         """

@@ -38,8 +38,7 @@ from selfrag.pipeline.protocols import (
 )
 from selfrag.pipeline.segmenting import ends_sentence
 from selfrag.schemas.settings import ModelSettings
-
-pytestmark = pytest.mark.real
+from tests.real import real
 
 LOGPROB_TOL = 0.05
 # One thread: results do not depend on it, and two threads spinning on two shared cores slow
@@ -64,11 +63,13 @@ def home(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
+@real
 def weights(home: Path) -> Path:
     return derive_weights(default_model_path(), "auto", home)
 
 
 @pytest.fixture(scope="module")
+@real
 def engine(weights: Path) -> Iterator[LlamaEngine]:
     with LlamaEngine(
         weights, n_ctx=2048, n_seq_max=8, n_threads=THREADS, n_batch=512, model_id="smollm2"
@@ -273,7 +274,7 @@ def test_a_learned_branch_decodes_each_token_of_its_sequence_once(engine: LlamaE
     """Relevance read, draft, then support and utility on the one-sequence layout: the draft
     decodes only its task after the shared passage and question, the support read only the cue
     (`SequenceCritic`)."""
-    from selfrag.infra.cache.kv_slots import common_prefix
+    from selfrag.infra.engine.kv_slots import common_prefix
     from selfrag.pipeline.critics import Branch, LearnedCritic
     from selfrag.pipeline.heads import GROUP_LABELS, GroupHead, ReflectionHeads
     from selfrag.pipeline.protocols import Passage
@@ -393,6 +394,7 @@ LAYER_REL_TOL = 3e-3
 
 
 @pytest.fixture(scope="module")
+@real
 def tap_engine(weights: Path) -> Iterator[LlamaEngine]:
     # n_batch 1024 with n_ubatch 512: a long call spans two micro-batches in one decode.
     with LlamaEngine(

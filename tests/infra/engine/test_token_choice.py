@@ -18,6 +18,7 @@ from selfrag.pipeline.decoder import BeamDecoder, asked_question, draft_sampling
 from selfrag.pipeline.protocols import GenerationRequest, Passage, Sampling
 from selfrag.schemas.decoding import DecodingConfig
 from tests.fakes import ListRetriever, ScriptedCritic
+from tests.real import real
 
 LOGITS = np.log(np.array([0.6, 0.3, 0.1], dtype=np.float32))
 
@@ -99,6 +100,7 @@ def test_greedy_by_default_and_blank_instructions_change_nothing():
 
 
 @pytest.fixture(scope="module")
+@real
 def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]:
     from selfrag.infra.engine.llama_engine import LlamaEngine
     from selfrag.infra.models.model_files import default_model_path, derive_weights
@@ -111,7 +113,6 @@ def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]:
         yield eng
 
 
-@pytest.mark.real
 def test_the_engine_samples_reproducibly_with_a_seed(engine):  # type: ignore[no-untyped-def]
     prompt = engine.tokenize("Once upon a time, in a small village,")
     other = engine.tokenize("The three most common colours are")

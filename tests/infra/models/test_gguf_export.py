@@ -35,8 +35,7 @@ from selfrag.pipeline.scoring import (
     support_score,
     utility_score,
 )
-
-pytestmark = pytest.mark.real
+from tests.real import real
 
 ENGINE = dict(n_ctx=4096, n_seq_max=8, n_threads=2, n_batch=512)
 PASSAGE = Passage(
@@ -47,11 +46,13 @@ PASSAGE = Passage(
 
 
 @pytest.fixture(scope="module")
+@real
 def base_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return derive_weights(default_model_path(), "auto", tmp_path_factory.mktemp("home"))
 
 
 @pytest.fixture(scope="module")
+@real
 def base(base_path: Path) -> Iterator[LlamaEngine]:
     engine = LlamaEngine(base_path, model_id="base", **ENGINE)
     yield engine

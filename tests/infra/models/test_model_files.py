@@ -20,8 +20,6 @@ from selfrag.infra.models.model_files import (
 )
 from tests.paths import ROOT
 
-pytestmark = pytest.mark.real
-
 # A child: wait for the common start time, then derive the F16 copy, logging each conversion.
 RACER = """
 import json, sys, time
@@ -46,7 +44,9 @@ with log.open("a") as f:
 """
 
 
-def test_two_processes_deriving_the_same_weights_convert_once(tmp_path: Path) -> None:
+def test_two_processes_deriving_the_same_weights_convert_once(
+    llama_model: Path, tmp_path: Path
+) -> None:
     home, log = tmp_path / "home", tmp_path / "events.jsonl"
     # Both children import selfrag first (a second or two), then start together.
     start = time.time() + 8

@@ -33,6 +33,7 @@ from selfrag.runtime.system import LocalRuntime
 from selfrag.schemas.settings import DEFAULT_PRESET, ModelPresetName, ModelSettings, Settings
 from tests.fakes import WordModel
 from tests.paths import ROOT
+from tests.real import real
 
 
 def test_the_settings_name_exactly_the_presets_of_the_table() -> None:
@@ -344,6 +345,7 @@ def test_the_qwen_preset_has_shipped_heads_for_its_file(tmp_path: Path) -> None:
 
 
 @pytest.fixture(scope="module")
+@real
 def qwen_home(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A home holding a two-passage index; the Qwen preset is joined into it on first use."""
     home = tmp_path_factory.mktemp("qwen-home")
@@ -353,8 +355,9 @@ def qwen_home(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return home
 
 
-@pytest.mark.real
-def test_the_smollm2_preset_is_the_test_models_file_with_its_header(tmp_path: Path) -> None:
+def test_the_smollm2_preset_is_the_test_models_file_with_its_header(
+    llama_model: Path, tmp_path: Path
+) -> None:
     from selfrag.infra.models.model_files import default_model_path, file_sha256
 
     p = PRESETS["smollm2"]
@@ -373,10 +376,9 @@ def test_the_smollm2_preset_is_the_test_models_file_with_its_header(tmp_path: Pa
 SPLIT = [p for p in PRESETS.values() if p.split]
 
 
-@pytest.mark.real
 @pytest.mark.parametrize("p", SPLIT, ids=[p.name for p in SPLIT])
 def test_a_split_preset_joins_to_the_pinned_file_and_header(
-    p: ModelPreset, tmp_path_factory: pytest.TempPathFactory
+    llama_model: Path, p: ModelPreset, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
     if model_presets.missing_parts(p):
         pytest.skip(f"the {p.name} preset is not installed ({p.install_command})")
@@ -393,7 +395,6 @@ def test_a_split_preset_joins_to_the_pinned_file_and_header(
     path.unlink()  # a gigabyte for the 1.5B
 
 
-@pytest.mark.real
 @needs_qwen
 def test_qwen_answers_through_the_cli_with_the_heads_the_repository_ships(
     qwen_home: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
@@ -421,7 +422,6 @@ def test_qwen_answers_through_the_cli_with_the_heads_the_repository_ships(
     assert rows["smollm2"]["active"] and "shipped_heads" in rows["smollm2"]["heads"]
 
 
-@pytest.mark.real
 def test_status_warns_when_the_model_file_has_no_heads(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -440,8 +440,7 @@ def test_status_warns_when_the_model_file_has_no_heads(
     assert "auto -> likelihood (warning: no reflection heads" in capsys.readouterr().out
 
 
-@pytest.mark.real
-def test_the_special_tokens_read_from_the_header_are_ggufs_own() -> None:
+def test_the_special_tokens_read_from_the_header_are_ggufs_own(llama_model: Path) -> None:
     """`gguf_special_tokens` (what `selfrag status` reads) walks the header itself: the same
     pieces as gguf's GGUFReader, without its seconds per 100k-token vocabulary."""
     import gguf
@@ -529,8 +528,9 @@ print(sorted(f.name for f in (home / "models").iterdir() if not f.name.endswith(
 """
 
 
-@pytest.mark.real
-def test_a_full_disk_while_joining_or_deriving_names_the_file(tmp_path: Path) -> None:
+def test_a_full_disk_while_joining_or_deriving_names_the_file(
+    llama_model: Path, tmp_path: Path
+) -> None:
     """On a file system of 256 KiB (a tmpfs of its own, in a mount namespace of its own):
     the error names the file being written and the space left, and no partial file stays."""
     import subprocess
@@ -561,7 +561,6 @@ def test_a_full_disk_while_joining_or_deriving_names_the_file(tmp_path: Path) ->
     assert left == "[]"
 
 
-@pytest.mark.real
 def test_selfrag_models_on_a_fresh_home_derives_nothing(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

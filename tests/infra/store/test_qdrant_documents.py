@@ -88,8 +88,9 @@ def test_a_block_over_the_budget_is_cut_at_sentences() -> None:
     assert [p.id for p in passages] == [f"d#{i}" for i in range(len(passages))]
 
 
-@pytest.mark.real
-def test_one_unspaced_run_becomes_passages_bounded_in_word_pieces(tmp_path: Path) -> None:
+def test_one_unspaced_run_becomes_passages_bounded_in_word_pieces(
+    llama_model: Path, tmp_path: Path
+) -> None:
     """At index time, `"a." * 40000` plus a sentence becomes passages bounded in word pieces,
     not one passage of 80,000 tokens that no prompt could hold. Cut as indexing cuts
     (`corpus_passages`), with the real embedder's word pieces."""
@@ -416,9 +417,8 @@ def test_a_removal_lasts_after_a_restart(tmp_path: Path) -> None:
 # --- the CLI ---------------------------------------------------------------------------------
 
 
-@pytest.mark.real
 def test_cli_docs_list_rm_and_reindex_removal(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    llama_model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     from selfrag.cli import main
 
@@ -529,8 +529,8 @@ def test_http_lists_and_removes_documents_with_the_api_key(
 # --- answers after a removal (the real model) -------------------------------------------------
 
 
-@pytest.mark.real
 def test_no_answer_cites_a_removed_document_even_cached_or_after_a_restart(
+    llama_model: Path,
     tmp_path: Path,
 ) -> None:
     from selfrag import SelfRAG
@@ -589,9 +589,8 @@ def test_no_answer_cites_a_removed_document_even_cached_or_after_a_restart(
 # --- indexing on Ray --------------------------------------------------------------------------
 
 
-@pytest.mark.real
 def test_index_on_ray_writes_what_one_process_writes(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    llama_model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     from selfrag.cli import main
 

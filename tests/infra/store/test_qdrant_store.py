@@ -26,9 +26,8 @@ from selfrag.jobs.indexing import index_corpus
 from selfrag.pipeline.protocols import Passage, PassageSearch
 from selfrag.schemas.settings import HybridFusion, RetrievalSettings
 from tests.fakes import HashEmbedder
-from tests.suite import EMBEDDING_COSINE_TOLERANCE
-
-pytestmark = pytest.mark.real
+from tests.real import real
+from tests.suite import EMBEDDING_COSINE_TOLERANCE, SUITE_ENV
 
 DOCUMENTS = [
     {
@@ -65,6 +64,7 @@ DOCUMENTS = [
 
 
 @pytest.fixture(scope="module")
+@real
 def embedder() -> SentenceEmbedder:
     return SentenceEmbedder()
 
@@ -391,7 +391,7 @@ def test_point_ids_are_stable_uuids() -> None:
 
 
 def test_a_qdrant_server_down_at_start_is_503_not_ready_then_connects(
-    tmp_path: Path, corpus: Path, monkeypatch: pytest.MonkeyPatch
+    llama_model: Path, tmp_path: Path, corpus: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The `Retriever` deployment's class (no Ray) with a server URL nobody listens on: the
     real client's refused connection makes the replica start not ready and answer 503; once
@@ -406,6 +406,7 @@ def test_a_qdrant_server_down_at_start_is_503_not_ready_then_connects(
         environ={
             "SELFRAG_HOME": str(tmp_path / "home"),
             "SELFRAG_RETRIEVAL__QDRANT_URL": f"http://127.0.0.1:{free_port()}",
+            **SUITE_ENV,
         }
     )
     retriever = Retriever.func_or_class(settings)
@@ -435,7 +436,7 @@ def test_an_embedded_store_that_cannot_open_stops_the_replica(
     from selfrag.actors.deployments import Retriever
     from selfrag.infra.settings_loader import load_settings
 
-    settings = load_settings(environ={"SELFRAG_HOME": str(home)})
+    settings = load_settings(environ={"SELFRAG_HOME": str(home), **SUITE_ENV})
     with QdrantStore.open(settings.retrieval, home, embedder):
         with pytest.raises(StoreError, match="is held"):
             Retriever.func_or_class(settings)

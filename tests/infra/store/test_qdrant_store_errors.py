@@ -27,6 +27,7 @@ from selfrag.schemas.errors import DependencyDown, Misconfigured
 from selfrag.schemas.settings import RetrievalSettings, Settings
 from tests.redis_proc import free_port
 from tests.serve_fakes import make_service
+from tests.suite import SUITE_ENV
 
 PASSAGES = [
     Passage("rollo#0", "Rollo was the first ruler of Normandy.", "Rollo", metadata={"doc_id": "r"}),
@@ -58,7 +59,7 @@ def _index(home: Path, embedder: HashEmbedder) -> None:
 
 @pytest.fixture
 def settings(tmp_path: Path) -> Settings:
-    return load_settings(environ={"SELFRAG_HOME": str(tmp_path / "home")})
+    return load_settings(environ={"SELFRAG_HOME": str(tmp_path / "home"), **SUITE_ENV})
 
 
 @pytest.fixture
@@ -109,7 +110,7 @@ def test_the_retriever_answers_500_misconfigured_for_an_index_of_another_size(
 
 
 def test_a_retriever_started_on_an_empty_home_serves_an_index_built_by_another_process(
-    settings: Settings, real_model_id: str
+    llama_model: Path, settings: Settings, real_model_id: str
 ):
     """`selfrag index` in another process after the server started: once that process has
     closed the index, the running Retriever serves it, without a restart."""
@@ -163,7 +164,9 @@ def test_a_retriever_started_on_an_empty_home_serves_an_index_built_by_another_p
         retriever.close()
 
 
-def test_the_retriever_with_no_index_answers_500_saying_to_index(settings: Settings):
+def test_the_retriever_with_no_index_answers_500_saying_to_index(
+    llama_model: Path, settings: Settings
+):
     retriever = Retriever.func_or_class(settings)
     try:
         assert retriever.ready() is False
@@ -215,6 +218,7 @@ def test_a_server_that_does_not_answer_stays_503(tmp_path: Path):
         environ={
             "SELFRAG_HOME": str(tmp_path / "home"),
             "SELFRAG_RETRIEVAL__QDRANT_URL": f"http://127.0.0.1:{free_port()}",
+            **SUITE_ENV,
         }
     )
     retriever = Retriever.func_or_class(settings)

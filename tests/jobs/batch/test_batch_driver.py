@@ -632,7 +632,6 @@ def _offline_settings(tmp_path: Path) -> Any:
 # --- real: Ray Data, llama.cpp, embedded Qdrant --------------------------------------------------
 
 
-@pytest.mark.real
 def test_actor_calls_keep_to_the_answers_deadline_and_bring_store_errors_back(
     ray_local: None,
 ) -> None:
@@ -683,7 +682,6 @@ def _records(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-@pytest.mark.real
 def test_batch_kill_resume_duplicates_and_errors(
     ray_local: None, indexed_home: Path, normans_questions: list[str], tmp_path: Path
 ):
@@ -752,7 +750,6 @@ def test_batch_kill_resume_duplicates_and_errors(
     assert len(_records(out)) == 14
 
 
-@pytest.mark.real
 def test_batch_retry_failed_answers_an_error_id_again(
     ray_local: None, indexed_home: Path, normans_questions: list[str], tmp_path: Path
 ):
@@ -779,7 +776,6 @@ def test_batch_retry_failed_answers_an_error_id_again(
     assert records[1]["status"] == "ok" and records[1]["response"]["answer"]
 
 
-@pytest.mark.real
 def test_batch_cli_reads_csv_and_parquet(
     ray_local: None,
     indexed_home: Path,
@@ -822,7 +818,6 @@ def test_batch_cli_reads_csv_and_parquet(
         assert all(r["status"] == "ok" and r["response"]["segments"] for r in records)
 
 
-@pytest.mark.real
 def test_eval_ray_answers_selfrag_systems_on_the_batch_path(
     ray_local: None,
     indexed_home: Path,

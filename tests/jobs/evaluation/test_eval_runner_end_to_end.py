@@ -10,8 +10,6 @@ import pytest
 from selfrag.cli import main
 from selfrag.jobs.evaluation.eval_report import REPORT_COLUMNS
 
-pytestmark = pytest.mark.real
-
 # The report columns that are fractions (the rest are latencies and token counts).
 RATES = tuple(c for c in REPORT_COLUMNS if c not in {"p50_ms", "p95_ms", "prefill_tokens"})
 

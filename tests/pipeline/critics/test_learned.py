@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 import pytest
 
-from selfrag.infra.cache.kv_slots import common_prefix
+from selfrag.infra.engine.kv_slots import common_prefix
 from selfrag.pipeline.critics import (
     NATIVE_CHAT_LAYOUT,
     NATIVE_EARLIER_LAYOUTS,

@@ -39,6 +39,7 @@ from selfrag.infra.engine.cpu_builds.llama_cpu_builds import (
 )
 from selfrag.infra.models.model_files import default_model_path, derive_weights
 from tests.paths import ROOT
+from tests.real import real
 
 REPO = ROOT
 ILLEGAL_INSTRUCTION_BACKEND = r"""
@@ -161,7 +162,6 @@ def test_the_best_level_follows_cpuinfo_flags(tmp_path: Path) -> None:
 # --- the real build ------------------------------------------------------------------------------
 
 
-@pytest.mark.real
 def test_the_installed_build_ships_ranked_cpu_variants(cache: ProbeCache) -> None:
     files = variant_files()
     assert files, "llama-cpp-python is not the portable build (run scripts/install.sh)"
@@ -176,14 +176,14 @@ def test_the_installed_build_ships_ranked_cpu_variants(cache: ProbeCache) -> Non
 
 
 @pytest.fixture(scope="module")
+@real
 def f16_weights(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return derive_weights(default_model_path(), "f16", tmp_path_factory.mktemp("home"))
 
 
-@pytest.mark.real
 @pytest.mark.parametrize("weights", ["original", "f16"])
 def test_the_model_passes_the_probe_with_the_best_backend(
-    weights: str, cache: ProbeCache, request: pytest.FixtureRequest
+    llama_model: Path, weights: str, cache: ProbeCache, request: pytest.FixtureRequest
 ) -> None:
     # The shipped Q4_1 file and the derived F16 copy (weights="auto"), each in a fresh child.
     model = (
@@ -196,10 +196,9 @@ def test_the_model_passes_the_probe_with_the_best_backend(
     assert cache.get(cache.model_key(model, best)) == asdict(result)
 
 
-@pytest.mark.real
 @pytest.mark.skipif(shutil.which("gcc") is None, reason="needs gcc to build the crashing backend")
 def test_a_backend_dying_of_sigill_is_skipped_for_the_next(
-    tmp_path: Path, cache: ProbeCache, caplog: pytest.LogCaptureFixture
+    llama_model: Path, tmp_path: Path, cache: ProbeCache, caplog: pytest.LogCaptureFixture
 ) -> None:
     source = tmp_path / "crash.c"
     source.write_text(ILLEGAL_INSTRUCTION_BACKEND)
@@ -223,8 +222,7 @@ def test_a_backend_dying_of_sigill_is_skipped_for_the_next(
     assert cache.get(cache.model_key(model, crashing))["signal_name"] == "SIGILL"
 
 
-@pytest.mark.real
-def test_engine_process_uses_a_probed_variant() -> None:
+def test_engine_process_uses_a_probed_variant(llama_model: Path) -> None:
     from selfrag.infra.engine.llama_engine import LlamaEngine
 
     with LlamaEngine(
@@ -235,7 +233,6 @@ def test_engine_process_uses_a_probed_variant() -> None:
     assert loaded is not None and loaded.name != BUILTIN
 
 
-@pytest.mark.real
 def test_cli_answers_on_the_original_quantized_weights(indexed_home: Path) -> None:
     """`SELFRAG_MODEL__WEIGHTS=original selfrag ask …` exited 132 (SIGILL) on an AMX VM."""
     env = {**os.environ, "SELFRAG_MODEL__WEIGHTS": "original", "SELFRAG_MODEL__N_THREADS": "1"}
@@ -256,9 +253,11 @@ def test_cli_answers_on_the_original_quantized_weights(indexed_home: Path) -> No
     assert '"answer"' in done.stdout
 
 
-@pytest.mark.real
 def test_serve_stops_before_ray_when_llama_cpp_cannot_load_the_model(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    llama_model: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     from selfrag.cli import main
 

@@ -18,8 +18,8 @@ from selfrag.infra.cache.kv_cache import (
     PrefixStateStore,
     prefix_state_key,
 )
-from selfrag.infra.cache.kv_slots import KVJob, Slot, SlotPlanner
 from selfrag.infra.engine.engine_stats import EngineStats
+from selfrag.infra.engine.kv_slots import KVJob, Slot, SlotPlanner
 from selfrag.infra.engine.llama_batch import BatchDecoder, Feed
 
 logger = logging.getLogger(__name__)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from selfrag.infra.cache.kv_slots import KVJob, SlotPlanner, common_prefix
+from selfrag.infra.engine.kv_slots import KVJob, SlotPlanner, common_prefix
 
 
 class FakeMemory:
