@@ -217,6 +217,38 @@ def _owner_id(pid: int) -> str | None:
     return f"{pid} {stat.rsplit(')', 1)[1].split()[19]}"
 
 
+class _SessionOwners:
+    """Whether a file open in a Ray session folder belongs to a private instance whose starter
+    is gone: the folder's `OWNER_FILE` names a process no longer running (read once per
+    folder)."""
+
+    def __init__(self) -> None:
+        self._gone: dict[str, bool] = {}
+
+    def orphaned(self, target: str) -> bool:
+        head, sep, _ = target.partition("/logs/")
+        if not sep or "/session_" not in head:
+            return False
+        if head not in self._gone:
+            try:
+                owner = (Path(head) / OWNER_FILE).read_text().strip()
+            except OSError:
+                owner = ""  # not a private instance of selfrag's, or not readable
+            self._gone[head] = bool(owner) and _owner_id(int(owner.split()[0])) != owner
+        return self._gone[head]
+
+
+def _orphaned_mark(entry: Path) -> bool:
+    """Whether the process at /proc `entry` carries an `OWNER_ENV` mark naming a starter that
+    is gone."""
+    for item in (entry / "environ").read_bytes().split(b"\0"):
+        if item.startswith(f"{OWNER_ENV}=".encode()):
+            parts = item.decode(errors="replace").split("=", 1)[1].split("-")
+            if len(parts) == 3 and parts[2]:  # PID-TOKEN-"PID START"
+                return _owner_id(int(parts[0])) != parts[2]
+    return False
+
+
 def reap_orphans(wait_s: float = STOP_WAIT_S) -> int:
     """SIGKILL what is left of the private instances whose starter is gone (killed outright,
     it stopped nothing): every process running Ray or this Python that holds files open in a
@@ -226,28 +258,7 @@ def reap_orphans(wait_s: float = STOP_WAIT_S) -> int:
     alone. Returns how many were killed."""
     if not Path("/proc/self/stat").exists():
         return 0
-    sessions: dict[str, bool] = {}  # session folder -> whether its starter is gone
-
-    def orphaned_session(target: str) -> bool:
-        head, sep, _ = target.partition("/logs/")
-        if not sep or "/session_" not in head:
-            return False
-        if head not in sessions:
-            try:
-                owner = (Path(head) / OWNER_FILE).read_text().strip()
-            except OSError:
-                owner = ""  # not a private instance of selfrag's, or not readable
-            sessions[head] = bool(owner) and _owner_id(int(owner.split()[0])) != owner
-        return sessions[head]
-
-    def orphaned_mark(entry: Path) -> bool:
-        for item in (entry / "environ").read_bytes().split(b"\0"):
-            if item.startswith(f"{OWNER_ENV}=".encode()):
-                parts = item.decode(errors="replace").split("=", 1)[1].split("-")
-                if len(parts) == 3 and parts[2]:  # PID-TOKEN-"PID START"
-                    return _owner_id(int(parts[0])) != parts[2]
-        return False
-
+    sessions = _SessionOwners()
     found = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit() or int(entry.name) == os.getpid():
@@ -256,7 +267,7 @@ def reap_orphans(wait_s: float = STOP_WAIT_S) -> int:
             if not _runs_ray(entry):
                 continue
             targets = (os.readlink(fd) for fd in (entry / "fd").iterdir())
-            if orphaned_mark(entry) or any(map(orphaned_session, targets)):
+            if _orphaned_mark(entry) or any(map(sessions.orphaned, targets)):
                 found.append(int(entry.name))
         except (OSError, ValueError):  # gone meanwhile, another user's, or a stranger's mark
             continue
