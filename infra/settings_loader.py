@@ -38,7 +38,6 @@ from pydantic_settings import (
     TomlConfigSettingsSource,
 )
 
-from selfrag.infra.engine.cpu_builds.cpu_variants import CPU_BACKEND_ENV
 from selfrag.schemas.settings import Settings
 
 log = logging.getLogger("selfrag.settings")
@@ -51,6 +50,9 @@ CONFIG_ENV = "SELFRAG_CONFIG"
 API_KEYS_ENV = "SELFRAG_API_KEYS"
 # Read by scripts/install.sh: the model presets to install.
 MODELS_ENV = "SELFRAG_MODELS"
+# Read by the engine's CPU backend choice (`infra/engine/cpu_builds/cpu_variants.py`, which
+# install loads by path with no dependency, so it cannot import this room's name).
+CPU_BACKEND_ENV = "SELFRAG_CPU_BACKEND"
 _NOT_SETTINGS = frozenset({CONFIG_ENV, API_KEYS_ENV, MODELS_ENV, CPU_BACKEND_ENV})
 CALIBRATION_FILE = "calibration.toml"
 

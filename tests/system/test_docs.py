@@ -66,7 +66,13 @@ def _command_lines() -> list[tuple[str, list[str]]]:
         for block in _blocks(page, "bash"):
             for line in block.replace("\\\n", " ").splitlines():
                 for command in line.split("&&"):
-                    words = shlex.split(command, comments=True)
+                    try:
+                        words = shlex.split(command, comments=True)
+                    except ValueError:  # a line of a quoted script spanning lines
+                        words = command.split()[:1]
+                        if words[:1] == ["selfrag"] or words[:1] == [".venv/bin/selfrag"]:
+                            raise
+                        continue
                     if words and words[0] in ("selfrag", ".venv/bin/selfrag"):
                         found.append((f"{page.name}: {command.strip()}", words[1:]))
     return found

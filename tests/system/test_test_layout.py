@@ -85,7 +85,6 @@ COVERED_ELSEWHERE: dict[str, str] = {
     "jobs/evaluation/eval_questions": _EVAL,
     "jobs/evaluation/eval_report": _EVAL,
     "jobs/evaluation/ray_eval": _BATCH,
-    "jobs/indexing": _QDRANT,
     "jobs/ray_indexing": _DOCUMENTS,
     # pipeline: critique parts through the critics
     "pipeline/critics/answerability": "tests/pipeline/test_answerability_model.py",

@@ -277,6 +277,7 @@ def test_the_environment_can_force_one_backend(
 ) -> None:
     """CI lands on AVX2-only machines too: a run on another machine forces their backend
     (`SELFRAG_CPU_BACKEND=haswell`) to see what they compute."""
+    from selfrag.infra import settings_loader
     from selfrag.infra.engine.cpu_builds import llama_cpu_builds
     from selfrag.infra.engine.cpu_builds.cpu_variants import CPU_BACKEND_ENV
     from selfrag.infra.engine.cpu_builds.llama_cpu_builds import check_backend
@@ -294,5 +295,6 @@ def test_the_environment_can_force_one_backend(
     monkeypatch.setenv(CPU_BACKEND_ENV, "icelake")
     with pytest.raises(BackendError, match=r"SELFRAG_CPU_BACKEND=icelake.*zen4, haswell"):
         check_backend(model, n_threads=1, cache_dir=cache.folder)
-    # Not a setting: the settings neither refuse nor report it.
+    # Not a setting: the settings neither refuse nor report it, under the name the engine reads.
     load_settings(environ={CPU_BACKEND_ENV: "haswell", "SELFRAG_HOME": str(tmp_path)})
+    assert settings_loader.CPU_BACKEND_ENV == CPU_BACKEND_ENV
