@@ -173,3 +173,13 @@ def grounding_score(segment: str, evidence: str, question: str = "") -> float | 
     if found is None or share is None:
         return share if found is None else found
     return found * share
+
+
+def novelty(segment: str, said: str) -> float | None:
+    """The share of `segment`'s content words (as `sentence_share` counts them) that `said`
+    (the question and the answer so far) lacks: 0 for a segment that only restates them; None
+    when the segment has no content word, or is written in a script without spaces."""
+    words = _content_words(segment)
+    if not words or _UNSPACED.search(segment):
+        return None
+    return len(words - _content_words(said)) / len(words)

@@ -11,6 +11,7 @@ RetrievalMode = Literal["adaptive", "always", "never"]
 CritiqueSource = Literal["auto", "native", "learned", "prompted", "likelihood"]
 SupportLevel = Literal["none", "partial", "full"]
 UnsupportedPolicy = Literal["abstain", "no_retrieval"]
+SegmentRetrieval = Literal["answer", "part", "missing", "static"]
 
 # A bound on the work one request may ask for: minutes of prefill on a small machine, far above
 # any answer the other bounds allow (K ≤ 50, B ≤ 8, 32 segments).
@@ -145,7 +146,35 @@ class DecodingConfig(BaseModel):
         False,
         description="Keep a segment after the first that cites nothing while the answer "
         "retrieved, or states numbers or names its passage lacks; by default such a segment is "
-        "unavailable and the answer ends before it (the first segment is flagged instead).",
+        "dropped and the answer goes on without it (the first segment is flagged instead).",
+    )
+    segment_retrieval: SegmentRetrieval = Field(
+        "part",
+        description="What each step of a question that lists several parts searches for: "
+        "part (the part it answers, with the question's topic), missing (every part not "
+        "answered yet), answer (the question and the answer so far), static (nothing new: "
+        "the first step's passages, each step choosing among them). A question asking one "
+        "thing searches the question (and the answer so far past its first step).",
+    )
+    diverse_passages: bool = Field(
+        True,
+        description="A later step's search ranks the passages the answer's steps already "
+        "drafted on (kept or not) below the others, so each segment can draw on evidence of "
+        "its own.",
+    )
+    w_new: float = Field(
+        1.0,
+        ge=0.0,
+        le=100.0,
+        description="Weight in S of a later segment's novelty: the share of its content words "
+        "that neither the question nor the answer so far holds.",
+    )
+    min_novelty: float = Field(
+        0.2,
+        ge=0.0,
+        le=1.0,
+        description="A segment after the first whose novelty is under this is dropped: it "
+        "restates the question or the answer so far. 0: never.",
     )
     on_unsupported: UnsupportedPolicy = Field(
         "abstain",
