@@ -15,6 +15,7 @@ from selfrag.schemas.errors import ErrorKind
 SYSTEMS = (
     "closed-book",
     "vanilla-rag",
+    "vanilla-rag-long",
     "selfrag-prompted",
     "selfrag-likelihood",
     "selfrag-learned",

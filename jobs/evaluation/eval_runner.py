@@ -94,6 +94,10 @@ def ensure_indexed(rag: LocalRuntime, corpora: Sequence[Path] | None, progress: 
 # --- running systems --------------------------------------------------------------------------
 
 
+BASELINES = ("closed-book", "vanilla-rag", "vanilla-rag-long")
+"""The systems `pipeline.evaluation.baselines` answers with."""
+
+
 def parse_systems(spec: str, rag: LocalRuntime | None = None) -> list[str]:
     names = [s.strip() for s in spec.split(",") if s.strip()]
     if not names:
@@ -111,10 +115,15 @@ def runner_for(
     prefill tokens spent on a p_ret probe)."""
     from selfrag.pipeline.evaluation.baselines import BaselineAnswerer
 
-    if system in ("closed-book", "vanilla-rag"):
+    if system in BASELINES:
         baseline = BaselineAnswerer(rag.engine, rag.store)
-        retrieve = system == "vanilla-rag"
-        return lambda q: (baseline.answer(q.question, config, retrieve=retrieve), None, 0)
+        retrieve = system != "closed-book"
+        long_form = system == "vanilla-rag-long"
+        return lambda q: (
+            baseline.answer(q.question, config, retrieve=retrieve, long_form=long_form),
+            None,
+            0,
+        )
     source = system.removeprefix("selfrag-")
     if source == "native" and native_token_ids(rag.engine) is None:
         raise EvalError("selfrag-native needs a Self-RAG checkpoint; this model has no tokens")

@@ -350,3 +350,26 @@ def test_baselines_put_passages_in_one_prompt_and_detect_abstention():
     assert closed.passages == [] and "Rollo" not in model.prompts[-1]
     assert is_abstention("I don't know.") and is_abstention("")
     assert not is_abstention("Rollo founded it.")
+
+
+def test_long_form_baseline_abstains_only_when_every_sentence_declines():
+    from selfrag.pipeline.evaluation.baselines import BaselineAnswerer, declines_every_part
+
+    assert declines_every_part("I don't know.") and declines_every_part("")
+    assert declines_every_part("I don't know [1]. The passages do not contain it.")
+    assert not declines_every_part("Rollo founded it [1]. I don't know where it is.")
+    budgets: list[int] = []
+
+    class BudgetModel(WordModel):
+        def generate(self, requests):  # type: ignore[no-untyped-def]
+            budgets.extend(r.max_tokens for r in requests)
+            return super().generate(requests)
+
+    model = BudgetModel(draft_text=" I don't know.")
+    answerer = BaselineAnswerer(model, ListRetriever([Passage("a", "Rollo.", "N")]))
+    cfg = DecodingConfig(max_segments=3, max_segment_tokens=10)
+    r = answerer.answer("Who?", cfg, retrieve=True, long_form=True)
+    assert r.abstained
+    assert budgets == [30]  # Self-RAG's budget: max_segments x max_segment_tokens
+    with pytest.raises(ValueError, match="needs retrieval"):
+        answerer.answer("Who?", cfg, retrieve=False, long_form=True)
