@@ -65,11 +65,10 @@ class SourcePassage:
 
 
 # "[2]", "[1, 3]", "[1; 3]", "[Passage 2]": the ways a model cites passages numbered [1]..[k].
-_MARKER = re.compile(r"\[\s*(?:passage\s*)?(\d+(?:\s*[,;]\s*\d+)*)\s*\]", re.IGNORECASE)
+_ONE_MARKER = r"\[\s*(?:passage\s*)?(\d+(?:\s*[,;]\s*\d+)*)\s*\]"
+_MARKER = re.compile(_ONE_MARKER, re.IGNORECASE)
 # Markers written after a sentence's end on its line ("... 1929. [2] He ...") belong to it.
-_AFTER_END = re.compile(
-    r"([.!?][\"'”’)]*)((?:[ \t]*\[\s*(?:passage\s*)?\d+(?:\s*[,;]\s*\d+)*\s*\])+)", re.IGNORECASE
-)
+_AFTER_END = re.compile(rf"([.!?][\"'”’)]*)((?:[ \t]*{_ONE_MARKER})+)", re.IGNORECASE)
 _SPACE_BEFORE_PUNCT = re.compile(r"\s+([.,;:!?])")
 
 
@@ -82,9 +81,10 @@ def strip_markers(text: str) -> str:
 def marker_units(text: str, passage_ids: Sequence[str]) -> list[Unit]:
     """The sentences of `text` (lines first, then `segmenting.sentence_spans`), each with the
     passages its `[n]` markers name (n counts from 1 over `passage_ids`), markers removed from
-    the text. A marker after a sentence's end belongs to that sentence, and a line holding only
-    markers to the sentence before it. A number naming no passage is kept as its marker
-    ("[7]"), a citation no passage backs."""
+    the text. A marker after a sentence's end belongs to that sentence; a piece without a
+    letter (markers alone on a line, a list's "1.") is no sentence, its markers go to the one
+    before. A number naming no passage is kept as its marker ("[7]"), a citation no passage
+    backs."""
     moved = _AFTER_END.sub(lambda m: m.group(2) + m.group(1), text)
     units: list[Unit] = []
     for line in moved.splitlines():
@@ -99,7 +99,7 @@ def marker_units(text: str, passage_ids: Sequence[str]) -> list[Unit]:
                 )
             )
             said = strip_markers(sentence)
-            if not re.search(r"\w", said):
+            if not re.search(r"[^\W\d_]", said):  # no letter: markers, a list's "1."
                 if units and cited:
                     last = units[-1]
                     units[-1] = Unit(last.text, tuple(dict.fromkeys((*last.cited, *cited))))

@@ -48,6 +48,10 @@ def test_markers_are_read_sentence_by_sentence_and_numbered_over_the_passages():
         Unit("See; it says so.", ("y",))
     ]
     assert marker_units("", ["x"]) == []
+    assert marker_units("1. Lysozyme [1]\n2. In 1929 [2]", ["x", "y"]) == [
+        Unit("Lysozyme", ("x",)),
+        Unit("In 1929", ("y",)),
+    ]
     assert strip_markers("lysozyme [1] and 1929 [2, 3].") == "lysozyme and 1929."
 
 
