@@ -15,6 +15,7 @@ from selfrag.schemas.errors import ErrorKind
 SYSTEMS = (
     "closed-book",
     "vanilla-rag",
+    "vanilla-rag-long",
     "selfrag-prompted",
     "selfrag-likelihood",
     "selfrag-learned",
@@ -22,6 +23,13 @@ SYSTEMS = (
 )
 """The QA systems `selfrag eval` runs (`EvalRecord.system`)."""
 DEFAULT_SYSTEMS = ("closed-book", "vanilla-rag", "selfrag-likelihood", "selfrag-learned")
+DEFAULT_LONGFORM_SYSTEMS = (
+    "closed-book",
+    "vanilla-rag-long",
+    "selfrag-likelihood",
+    "selfrag-learned",
+)
+"""The default systems on a question set whose questions list facts (long answers)."""
 
 RecordErrorType = ErrorKind | Literal["invalid", "malformed"]
 """An answer path error kind, or an input problem: `invalid` (the row's config or question
@@ -55,6 +63,24 @@ class BatchRecord(BaseModel):
         return self.model_dump(mode="json", exclude_unset=True)
 
 
+class EvalUnit(BaseModel):
+    """A piece of an answer that can carry citations: a Self-RAG segment, a baseline's
+    sentence (its `[n]` markers read as the passages they name)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    text: str
+    cited: list[str] = Field(description="Ids of the passages it cites.")
+
+
+class EvalPassage(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    id: str
+    title: str | None = None
+    text: str
+
+
 class EvalRecord(BaseModel):
     """One system's answer to one evaluation question, with what the report needs."""
 
@@ -81,4 +107,10 @@ class EvalRecord(BaseModel):
         None,
         description="Higher means answer: the quantity the system abstains by "
         "(jobs/evaluation/abstention.py); None ranks below every score.",
+    )
+    units: list[EvalUnit] | None = Field(
+        None, description="Long-form questions only: the answer's units and their citations."
+    )
+    passages: list[EvalPassage] | None = Field(
+        None, description="Long-form questions only: every passage the answer was given."
     )
