@@ -179,14 +179,19 @@ def _clean(text: str) -> str:
 # Steps in a row that may add nothing before an open account ends: one failed step can be a
 # passage that did not hold up; two say the evidence has no more to give.
 MAX_MISSES = 2
+# A question asking one thing is answered in one statement: a segment the token cap cut gets
+# one continuation to finish it, never an account of its own.
+SHORT_CONTINUATIONS = 1
 
 
 def settle(plan: QuestionPlan, h: Hypothesis) -> Hypothesis:
     """`h` after a step, `done` when its answer is complete: a segment cut mid-sentence goes
-    on; a question asking one thing is answered by its first step (or abstained on); one
-    listing parts once each part had its step; an open account after `MAX_MISSES` steps in a
-    row added nothing (or at `max_segments`, which ranking marks)."""
-    if not h.done and h.cut:
+    on (in a question asking one thing, `SHORT_CONTINUATIONS` times); a question asking one
+    thing is answered by its first step (or abstained on); one listing parts once each part
+    had its step; an open account after `MAX_MISSES` steps in a row added nothing (or at
+    `max_segments`, which ranking marks)."""
+    continues = plan.long or len(h.segments) <= SHORT_CONTINUATIONS
+    if not h.done and h.cut and continues:
         return h
     if h.done or not plan.long:
         done = True

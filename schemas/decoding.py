@@ -42,7 +42,11 @@ class DecodingConfig(BaseModel):
     beam: int = Field(1, ge=1, le=8, description="Segment-level beam width (B).")
     # Defaults below marked "measured" won on the Normans questions (docs/evaluation.md).
     max_segments: int = Field(
-        2, ge=1, le=MAX_SEGMENTS, description="Segments per answer (measured)."
+        5,
+        ge=1,
+        le=MAX_SEGMENTS,
+        description="Segments per answer at most (measured on long answers; a question "
+        "asking one thing takes one, or two when the first was cut mid-sentence).",
     )
     max_segment_tokens: int = Field(48, ge=4, le=MAX_SEGMENT_TOKENS)
     w_rel: float = Field(2.0, ge=0.0, le=100.0, description="Weight of s_rel in S (measured).")
@@ -186,7 +190,7 @@ class DecodingConfig(BaseModel):
         description="auto picks native when the model has reflection tokens, else learned "
         "when reflection heads exist for the model file, else likelihood.",
     )
-    max_retrievals: int = Field(4, ge=0, le=64, description="Retrieval steps allowed per question.")
+    max_retrievals: int = Field(8, ge=0, le=64, description="Retrieval steps allowed per question.")
     max_prefill_tokens: int = Field(
         200_000,
         ge=1,

@@ -139,6 +139,12 @@ def test_a_segment_cut_mid_sentence_goes_on():
     assert not h.done
 
 
+def test_a_short_answer_is_continued_once_a_long_one_while_cut():
+    twice = (segment(" Romulus and"), segment(" Remus, twins raised by"))
+    assert settle(SHORT, Hypothesis(segments=twice, cut=True)).done
+    assert not settle(LISTED, Hypothesis(segments=twice, cut=True)).done
+
+
 def test_a_listed_question_is_done_once_every_part_had_its_step():
     one = Hypothesis(segments=(segment(" Romulus."),), part=1)
     assert not settle(LISTED, one).done
