@@ -28,17 +28,17 @@ _TOPIC_LEAD = re.compile(
     r"(?:short\s+)?(?:bio(?:graphy)?|summary|paragraph)\s+(?:of|about|on))\s+",
     re.IGNORECASE,
 )
-_WH = (
-    r"(?:who|whom|whose|what|when|where|which|why|how|in\s+what|in\s+which|on\s+which|"
-    r"at\s+which|from\s+which|for\s+which|to\s+which|by\s+whom|with\s+whom)"
-)
+_PREP = r"(?:in|on|at|from|for|to|by|with|of|during|under|after|before|into|through)"
+_WH = rf"(?:(?:{_PREP}\s+)?(?:which|what|whom|whose)|who|when|where|why|how)"
 # Where one listed part ends and the next begins: a semicolon, a second question mark, or a
-# comma or "and" (or both) before a wh-word.
-_PART_BREAK = re.compile(
+# comma or "and" (or both) before a wh-word; in a list after a topic, also ", and" before its
+# last item ("when …, which …, and its first aircraft type").
+_BREAK = (
     rf"\s*(?:;|\?|,\s*(?:and\s+|or\s+|as\s+well\s+as\s+|also\s+)?(?={_WH}\b)|"
-    rf"\s(?:and|or|as\s+well\s+as)\s+(?:also\s+)?(?={_WH}\b))\s*",
-    re.IGNORECASE,
+    rf"\s(?:and|or|as\s+well\s+as)\s+(?:also\s+)?(?={_WH}\b)"
 )
+_PART_BREAK = re.compile(rf"{_BREAK})\s*", re.IGNORECASE)
+_LIST_BREAK = re.compile(rf"{_BREAK}|,\s*and\s+)\s*", re.IGNORECASE)
 _WH_ONLY = re.compile(rf"{_WH}(?:\s+(?:and|or)\s+{_WH})*", re.IGNORECASE)
 _WH_START = re.compile(rf"^{_WH}\s+", re.IGNORECASE)
 _WH_WORD = re.compile(rf"\b{_WH}\b", re.IGNORECASE)
@@ -47,14 +47,24 @@ _AUX = (
     r"might|must)"
 )
 # The start of a question of its own: an auxiliary inverted after its wh-word ("when did",
-# "where is"), "how" with its adjective, "which"/"what"/"whose" with a noun, or "who"/"what"
-# with its verb; or a yes/no question's auxiliary.
+# "where is"), "how" with its adjective ("how many", "how wide is"), "which"/"what"/"whose"
+# (after a preposition or not) with a noun phrase and its verb ("which 1978 report
+# recommended", "in which village was"), or "who"/"what" with its verb; or a yes/no
+# question's auxiliary.
 _ASKS = re.compile(
     rf"(?:{_WH}\s+{_AUX}\b|how\s+(?:many|much|long|old|far|big|large|often)\b|"
-    rf"(?:which|what|whose)\s+(?!{_AUX}\b)[a-z]+\b(?:\s+\w+)?\s+(?:{_AUX}\b|\w+(?:ed|s)\b)|"
+    rf"how\s+\w+\s+{_AUX}\b|"
+    rf"(?:{_PREP}\s+)?(?:which|what|whose)\s+(?!{_AUX}\b)[\w'’`–-]+(?:\s+[\w'’`–-]+){{0,5}}?\s+"
+    rf"(?:{_AUX}\b|\w+(?:ed|s)\b)|"
     rf"who\s|what\s+\w+(?:ed|s)\b|{_AUX}\s)",
     re.IGNORECASE,
 )
+# A clause that opens a question without asking ("When a batch job fails, how do I …"), and
+# the question after such a clause ("While it runs: where does …").
+_SUBORDINATE = re.compile(
+    rf"^(?:when|where|if|once|while|whenever|after|before|since)\s+(?!{_AUX}\b)", re.IGNORECASE
+)
+_ASKS_AFTER_CLAUSE = re.compile(rf"[,:]\s*{_ASKS.pattern}", re.IGNORECASE)
 _CAPITALISED = re.compile(r"\b[A-Z][\w'’.-]*(?:\s+(?:of|the|de|du|la|von|van|[A-Z][\w'’.-]*))*")
 # Words that start a part but name nothing it is about.
 _LEADING = frozenset(
@@ -123,11 +133,12 @@ def split_parts(text: str, *, listed: bool = False) -> list[str]:
     born?") share the next part's rest."""
     starts = [0]
     ends = []
-    for m in _PART_BREAK.finditer(text):
+    for m in (_LIST_BREAK if listed else _PART_BREAK).finditer(text):
         following = text[m.end() :]
         if m.start() == 0 or not following.strip():
             continue
-        if m.group(0).strip() in (";", "?") or (_WH_START if listed else _ASKS).match(following):
+        separator = m.group(0).strip()
+        if separator in (";", "?") or listed or _ASKS.match(following):
             ends.append(m.start())
             starts.append(m.end())
     ends.append(len(text))
@@ -148,7 +159,13 @@ def split_parts(text: str, *, listed: bool = False) -> list[str]:
             parts[-1] = f"{parts[-1]} {piece}"
         else:
             parts.append(piece)
-        asks = listed or bool(_ASKS.match(piece) or _WH_WORD.search(piece))
+        asks = (
+            listed
+            or bool(_ASKS_AFTER_CLAUSE.search(piece))
+            or (
+                not _SUBORDINATE.match(piece) and bool(_ASKS.match(piece) or _WH_WORD.search(piece))
+            )
+        )
     if waiting and not parts:
         parts = waiting
     return [p[0].upper() + p[1:] for p in parts]

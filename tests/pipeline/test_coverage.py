@@ -69,6 +69,41 @@ def test_a_question_asking_one_thing_has_no_parts(question):
             "What year did the war start, who won it, and where was the treaty signed?",
             ["What year did the war start", "Who won it", "Where was the treaty signed"],
         ),
+        (
+            "Who built the dam, which 1930s law funded its second tunnel, and in which "
+            "town was its architect born?",
+            [
+                "Who built the dam",
+                "Which 1930s law funded its second tunnel",
+                "In which town was its architect born",
+            ],
+        ),
+        (
+            "How long is the canal, which pumping station of the Erie–Hudson line "
+            "was rebuilt, and how wide is it?",
+            [
+                "How long is the canal",
+                "Which pumping station of the Erie–Hudson line was rebuilt",
+                "How wide is it",
+            ],
+        ),
+        (
+            "When a nightly job fails on some rows, how do I rerun those, and which "
+            "`retry` value keeps them?",
+            [
+                "When a nightly job fails on some rows, how do I rerun those",
+                "Which `retry` value keeps them",
+            ],
+        ),
+        (
+            "While the server runs: where do logs go, and at whose request was it started?",
+            ["While the server runs: where do logs go", "At whose request was it started"],
+        ),
+        (
+            "Tell me about the 5th Squadron: when it first flew, which airfield it built, "
+            "and its first aircraft type?",
+            ["When it first flew", "Which airfield it built", "Its first aircraft type"],
+        ),
     ],
 )
 def test_a_question_listing_parts_is_cut_into_them(question, parts):
