@@ -1,7 +1,8 @@
 """Hand-written question sets of bench/data: loading, checking and scoring.
 
-`wiki_questions.jsonl` (passages of `../shared/data/wiki_sample_1000.jsonl`) and
-`docs_questions.jsonl` (this repository's README.md and docs/) are described in
+`wiki_questions.jsonl` (passages of `../shared/data/wiki_sample_1000.jsonl`),
+`docs_questions.jsonl` (this repository's README.md and docs/) and the long-form sets
+`longform_{wiki,bio,docs}.jsonl` (bench.data.longform checks them) are described in
 bench/data/README.md. `selfrag eval` reads the JSONL files directly (their `golden_answers`);
 `--article wiki_tune|wiki_report` on `wiki_questions.squad.json` picks one split of set (i).
 
@@ -15,19 +16,34 @@ import argparse
 import json
 import re
 import sys
+import tempfile
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+from bench.data.longform import (
+    BIO_RULES,
+    HERE,
+    LONGFORM_BIO,
+    LONGFORM_DOCS,
+    LONGFORM_WIKI,
+    REPO,
+    SPLITS,
+    WIKI_RULES,
+    Findings,
+    article_of,
+    docs_findings,
+    docs_passages,
+    indexed_texts,
+    wiki_findings,
+)
+from bench.docs_retrieval import QUESTIONS_COMMIT, snapshot
 from selfrag.pipeline.evaluation.qa_metrics import contains_answer
 
-HERE = Path(__file__).resolve().parent
-REPO = HERE.parent.parent
 WIKI = HERE / "wiki_questions.jsonl"
 WIKI_SQUAD = HERE / "wiki_questions.squad.json"
 DOCS = HERE / "docs_questions.jsonl"
 WIKI_CORPUS = REPO.parent / "shared" / "data" / "wiki_sample_1000.jsonl"
-SPLITS = ("tune", "report")
 
 _HEADING = re.compile(r"^(#{1,6})\s+(.*?)\s*$")
 _FENCE = re.compile(r"^\s*(```|~~~)")
@@ -74,6 +90,17 @@ def markdown_sections(text: str) -> dict[str, str]:
         elif current is not None:
             current.append(line)
     return {heading: "\n".join(lines) for heading, lines in sections.items()}
+
+
+def docs_sections(repo: Path = REPO) -> dict[str, dict[str, str]]:
+    """Each Markdown file `selfrag index README.md docs` reads (path relative to `repo`) with
+    its headings' own text (`markdown_sections`)."""
+    files = [repo / "README.md", *sorted((repo / "docs").rglob("*.md"))]
+    return {
+        f.relative_to(repo).as_posix(): markdown_sections(f.read_text(encoding="utf-8"))
+        for f in files
+        if f.is_file()
+    }
 
 
 def to_squad(records: Sequence[dict[str, Any]], texts: dict[str, tuple[str, str]]) -> dict:
@@ -146,29 +173,68 @@ def docs_problems(records: Iterable[dict[str, Any]], repo: Path = REPO) -> list[
     return problems
 
 
+def longform_findings(
+    texts: dict[str, tuple[str, str]] | None, repo: Path = REPO, corpus: Path = WIKI_CORPUS
+) -> Findings:
+    """The long-form sets checked (bench.data.longform): the docs set against `repo`'s README.md
+    and docs/, the wiki and biography sets against `texts`, the passages of `corpus` (skipped
+    when None), which share no article."""
+    found = docs_findings(load(LONGFORM_DOCS), docs_sections(repo), docs_passages(repo))
+    if texts is not None:
+        wiki, bio, indexed = load(LONGFORM_WIKI), load(LONGFORM_BIO), indexed_texts(corpus)
+        found.add(wiki_findings(wiki, texts, WIKI_RULES, indexed))
+        found.add(wiki_findings(bio, texts, BIO_RULES, indexed))
+        both = {article_of(r, texts) for r in wiki} & {article_of(r, texts) for r in bio}
+        found.problems += [f"{a}: in both the wiki and the biography sets" for a in sorted(both)]
+    return found
+
+
+def longform_counts(path: Path, texts: dict[str, tuple[str, str]] | None) -> str:
+    """One line on a long-form set: questions per split, facts, articles (or files)."""
+    records = load(path)
+    tune = sum(r["split"] == "tune" for r in records)
+    facts = sum(len(r["facts"]) for r in records)
+    if "passage_id" in records[0]["facts"][0]:
+        where = f"{len({article_of(r, texts) for r in records})} articles" if texts else ""
+    else:
+        where = f"{len({f['file'] for r in records for f in r['facts']})} files"
+    return (
+        f"{path.name}: {len(records)} questions ({tune} tune, {len(records) - tune} report), "
+        f"{facts} facts, {where}"
+    )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("command", choices=("squad", "check"))
     p.add_argument("--corpus", type=Path, default=WIKI_CORPUS)
     args = p.parse_args(argv)
-    problems = docs_problems(load(DOCS))
-    if args.corpus.exists() and WIKI.exists():
-        texts = passages(args.corpus)
-        wiki = load(WIKI)
-        if args.command == "squad":
-            squad = json.dumps(to_squad(wiki, texts), indent=1, ensure_ascii=False)
-            WIKI_SQUAD.write_text(squad + "\n", encoding="utf-8")
-            print(f"wrote {WIKI_SQUAD}")
-            return 0
-        problems += wiki_problems(wiki, texts)
-    elif args.command == "squad":
-        p.error(f"needs {args.corpus} and {WIKI}")
+    texts = passages(args.corpus) if args.corpus.exists() else None
+    if args.command == "squad":
+        if texts is None or not WIKI.exists():
+            p.error(f"needs {args.corpus} and {WIKI}")
+        squad = json.dumps(to_squad(load(WIKI), texts), indent=1, ensure_ascii=False)
+        WIKI_SQUAD.write_text(squad + "\n", encoding="utf-8")
+        print(f"wrote {WIKI_SQUAD}")
+        return 0
+    with tempfile.TemporaryDirectory() as tmp:  # the docs the short-answer set was written on
+        problems = docs_problems(load(DOCS), snapshot(QUESTIONS_COMMIT, Path(tmp)))
+    if texts is not None:
+        problems += wiki_problems(load(WIKI), texts)
     else:
-        print(f"{args.corpus} absent: set (i) not checked", file=sys.stderr)
-    for line in problems:
+        print(f"{args.corpus} absent: the sets over it not checked", file=sys.stderr)
+    found = longform_findings(texts, corpus=args.corpus)
+    for line in problems + found.problems:
         print(line, file=sys.stderr)
-    print(f"problems={len(problems)}")
-    return 1 if problems else 0
+    for line in found.loose:
+        print(f"loose answer: {line}", file=sys.stderr)
+    for line in found.moved:
+        print(f"moved (update the record): {line}", file=sys.stderr)
+    for path in (LONGFORM_WIKI, LONGFORM_BIO, LONGFORM_DOCS):
+        print(longform_counts(path, texts))
+    failed = len(problems) + len(found.problems)
+    print(f"problems={failed} loose={len(found.loose)} moved={len(found.moved)}")
+    return 1 if failed or found.loose else 0
 
 
 if __name__ == "__main__":
