@@ -147,6 +147,21 @@ class LongformJudgment:
         """Every listed fact stated."""
         return bool(self.facts) and len(self.stated) == len(self.facts)
 
+    @property
+    def citing(self) -> tuple[UnitJudgment, ...]:
+        """The units that cite a passage."""
+        return tuple(u for u in self.units if u.supported is not None)
+
+    def rates(self) -> dict[str, float | None]:
+        """This answer's own fact recall, citation recall and citation precision
+        (`summarize_longform` defines them; None where undefined)."""
+        citing = self.citing
+        return {
+            "fact_recall": len(self.stated) / len(self.facts) if self.facts else None,
+            "citation_recall": len(self.cited) / len(self.stated) if self.stated else None,
+            "citation_precision": _share(bool(u.supported) for u in citing),
+        }
+
 
 def judge_answer(
     answer: str,
@@ -213,7 +228,7 @@ def summarize_longform(judgments: Sequence[LongformJudgment]) -> dict[str, float
     """
     facts = sum(len(j.facts) for j in judgments)
     stated = sum(len(j.stated) for j in judgments)
-    citing = [u for j in judgments for u in j.units if u.supported is not None]
+    citing = [u for j in judgments for u in j.citing]
     fillers = [u for u in citing if not u.states]
     answered = [j for j in judgments if not j.abstained]
     return {

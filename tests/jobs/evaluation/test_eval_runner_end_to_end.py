@@ -170,4 +170,7 @@ def test_eval_reports_long_answers_end_to_end(
             assert all(c in given or c.startswith("[") for c in unit["cited"]), unit
     answers = (out / "longform_answers.jsonl").read_text().splitlines()
     assert len(answers) == 4
+    for a in report["longform_answers"]:
+        assert a["latency_ms"] > 0 and len(a["facts"]) == 3, a
+        assert all(u["supported"] in (True, False, None) for u in a["units"]), a
     assert "| vanilla-rag-long | 2 | 6 |" in (out / "report.md").read_text()
