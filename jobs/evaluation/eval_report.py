@@ -25,9 +25,12 @@ from selfrag.jobs.evaluation.eval_questions import EvalQuestion
 from selfrag.jobs.evaluation.longform_report import (
     ANSWERS_FILE,
     LONGFORM_COLUMNS,
+    answer_rows,
     judge_record,
     longform_pairs,
     longform_row,
+    unit_marks,
+    without_text,
     write_answers,
 )
 from selfrag.pipeline.evaluation.longform_metrics import LongformJudgment
@@ -153,6 +156,8 @@ def report_of(
             )
             for system in systems
         }
+        rows = answer_rows(long_judged, long, systems)
+        report["longform_answers"] = [without_text(row) for row in rows]
     report["paired"] = paired(
         short_judged, questions, systems, {k: j for k, (_, j) in long_judged.items()}
     )
@@ -220,7 +225,8 @@ def write_report(
     judged = judge_records(read_records(out / RECORDS_FILE), questions, systems)
     report = report_of(judged, questions, systems, config)
     if report["longform_questions"]:
-        write_answers(out / ANSWERS_FILE, judged[1])
+        long = [q for q in questions if q.facts]
+        write_answers(out / ANSWERS_FILE, answer_rows(judged[1], long, systems))
     (out / "report.json").write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
     (out / "report.md").write_text(render_table(report) + "\n", encoding="utf-8")
     write_curves(out, report)
@@ -244,7 +250,10 @@ def render_table(report: dict[str, Any]) -> str:
     if report.get("longform"):
         tables.append(render_longform(report))
     comparison = render_paired(report)
-    return "\n\n".join(tables + ([comparison] if comparison else []))
+    tables += [comparison] if comparison else []
+    if report.get("longform_answers"):
+        tables.append(render_longform_answers(report))
+    return "\n\n".join(tables)
 
 
 def render_longform(report: dict[str, Any]) -> str:
@@ -253,6 +262,44 @@ def render_longform(report: dict[str, Any]) -> str:
     for name, row in report["longform"].items():
         cells = [name, str(row["questions"]), str(row["facts"])]
         cells += [_cell(col, row.get(col)) for col in LONGFORM_COLUMNS]
+        lines.append(markdown_row(cells))
+    return "\n".join(lines)
+
+
+ANSWER_COLUMNS = (
+    "id",
+    "system",
+    "stated",
+    "cited",
+    "fact recall",
+    "cite rec",
+    "cite prec",
+    "units",
+    "per unit",
+    "prefill",
+    "decode",
+    "ms",
+)
+
+
+def render_longform_answers(report: dict[str, Any]) -> str:
+    """Every long answer in one row (`longform_report.answer_row`): the facts it states and
+    cites, its own rates, its units and each one's verdict (`longform_report.unit_marks`),
+    its tokens and time."""
+    lines = [
+        "Per answer: stated / cited facts of those listed; per unit (a Self-RAG segment, a "
+        "baseline's sentence) the facts it states (· none), then + its citations hold that, "
+        "- they do not, 0 it cites nothing.",
+        "",
+        *markdown_head(ANSWER_COLUMNS),
+    ]
+    for a in report["longform_answers"]:
+        n = len(a["facts"])
+        cells = [a["id"], a["system"], f"{len(a['stated'])}/{n}", f"{len(a['cited'])}/{n}"]
+        cells += [_cell(c, a[c]) for c in ("fact_recall", "citation_recall", "citation_precision")]
+        marks = "abstained" if a["abstained"] else unit_marks(a["units"]) or "–"
+        cells += [str(len(a["units"])), marks]
+        cells += [str(a["prefill_tokens"]), str(a["decode_tokens"]), f"{a['latency_ms']:.0f}"]
         lines.append(markdown_row(cells))
     return "\n".join(lines)
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -98,25 +97,73 @@ def longform_pairs(
     }
 
 
-def write_answers(
-    path: Path,
-    judged: Mapping[tuple[str, str], tuple[Mapping[str, Any], LongformJudgment]],
-) -> Path:
-    """Every judged answer, one JSON line each: the system, question, answer, the facts it
-    states and cites, and its units with what each states and whether its citations hold."""
-    with path.open("w", encoding="utf-8") as fh:
-        for (system, qid), (record, j) in judged.items():
-            row = {
-                "system": system,
-                "id": qid,
-                "question": record["question"],
-                "answer": record["answer"],
-                "abstained": j.abstained,
-                "facts": list(j.facts),
-                "stated": list(j.stated),
-                "cited": list(j.cited),
-                "retrieved": list(j.retrieved),
-                "units": [asdict(u) for u in j.units],
+def answer_row(
+    system: str, qid: str, record: Mapping[str, Any], j: LongformJudgment
+) -> dict[str, Any]:
+    """One judged answer: the facts it states and cites, its own fact recall and citation
+    recall and precision (`LongformJudgment.rates`), its tokens and time, and per unit (a
+    Self-RAG segment, a baseline's sentence) what it cites and states and whether its
+    citations hold that (`supported`, None: it cites nothing)."""
+    return {
+        "system": system,
+        "id": qid,
+        "question": record["question"],
+        "answer": record["answer"],
+        "abstained": j.abstained,
+        "facts": list(j.facts),
+        "stated": list(j.stated),
+        "cited": list(j.cited),
+        "retrieved": list(j.retrieved),
+        **j.rates(),
+        "citing_units": len(j.citing),
+        "supported_units": sum(bool(u.supported) for u in j.citing),
+        "prefill_tokens": int(record["prefill_tokens"]),
+        "decode_tokens": int(record.get("decode_tokens", 0)),
+        "latency_ms": float(record["latency_ms"]),
+        "units": [
+            {
+                "text": u.text,
+                "cited": list(u.cited),
+                "states": list(u.states),
+                "supported": u.supported,
             }
+            for u in j.units
+        ],
+    }
+
+
+def answer_rows(
+    judged: Mapping[tuple[str, str], tuple[Mapping[str, Any], LongformJudgment]],
+    questions: Sequence[EvalQuestion],
+    systems: Sequence[str],
+) -> list[dict[str, Any]]:
+    """`answer_row` of every judged answer, question by question, systems in their order."""
+    return [
+        answer_row(system, q.id, *judged[(system, q.id)])
+        for q in questions
+        for system in systems
+        if (system, q.id) in judged
+    ]
+
+
+def without_text(row: Mapping[str, Any]) -> dict[str, Any]:
+    """An `answer_row` as report.json keeps it: no question, answer or unit text (those are
+    in longform_answers.jsonl)."""
+    kept = {k: v for k, v in row.items() if k not in ("question", "answer")}
+    kept["units"] = [{k: v for k, v in u.items() if k != "text"} for u in row["units"]]
+    return kept
+
+
+def write_answers(path: Path, rows: Sequence[Mapping[str, Any]]) -> Path:
+    """Every `answer_row`, one JSON line each."""
+    with path.open("w", encoding="utf-8") as fh:
+        for row in rows:
             fh.write(json.dumps(row, ensure_ascii=False) + "\n")
     return path
+
+
+def unit_marks(units: Sequence[Mapping[str, Any]]) -> str:
+    """An answer's units in one short cell: per unit the facts it states ("·" none), then "+"
+    its citations hold that, "-" they do not, "0" it cites nothing; e.g. "a+ ·- b0"."""
+    marks = {True: "+", False: "-", None: "0"}
+    return " ".join(f"{''.join(u['states']) or '·'}{marks[u['supported']]}" for u in units)

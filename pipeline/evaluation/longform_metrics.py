@@ -81,30 +81,33 @@ def strip_markers(text: str) -> str:
 def marker_units(text: str, passage_ids: Sequence[str]) -> list[Unit]:
     """The sentences of `text` (lines first, then `segmenting.sentence_spans`), each with the
     passages its `[n]` markers name (n counts from 1 over `passage_ids`), markers removed from
-    the text. A marker after a sentence's end belongs to that sentence; a piece without a
-    letter (markers alone on a line, a list's "1.") is no sentence, its markers go to the one
-    before. A number naming no passage is kept as its marker ("[7]"), a citation no passage
-    backs."""
+    the text. A marker after a sentence's end on its line belongs to that sentence. A piece
+    without a letter (markers alone, a list's "1.") is no sentence: its markers go to the
+    sentence after it when it opens a line that goes on ("[2]. It was ..."), else to the one
+    before ("... 1929.\n[2]"). A number naming no passage is kept as its marker ("[7]"), a
+    citation no passage backs."""
     moved = _AFTER_END.sub(lambda m: m.group(2) + m.group(1), text)
     units: list[Unit] = []
+    ahead: tuple[str, ...] = ()  # markers that label what follows them
     for line in moved.splitlines():
-        for start, end in sentence_spans(line):
+        spans = sentence_spans(line)
+        for i, (start, end) in enumerate(spans):
             sentence = line[start:end]
             numbers = [
                 int(n) for m in _MARKER.finditer(sentence) for n in re.split(r"[,;]", m.group(1))
             ]
             cited = tuple(
-                dict.fromkeys(
-                    passage_ids[n - 1] if 1 <= n <= len(passage_ids) else f"[{n}]" for n in numbers
-                )
+                passage_ids[n - 1] if 1 <= n <= len(passage_ids) else f"[{n}]" for n in numbers
             )
             said = strip_markers(sentence)
-            if not re.search(r"[^\W\d_]", said):  # no letter: markers, a list's "1."
-                if units and cited:
-                    last = units[-1]
-                    units[-1] = Unit(last.text, tuple(dict.fromkeys((*last.cited, *cited))))
-                continue
-            units.append(Unit(said, cited))
+            if re.search(r"[^\W\d_]", said):
+                units.append(Unit(said, tuple(dict.fromkeys((*ahead, *cited)))))
+                ahead = ()
+            elif (i == 0 and len(spans) > 1) or not units:
+                ahead += cited  # "[2]. It was ..." labels the sentence after it
+            else:
+                last = units[-1]  # "... 1929.\n[2]" cites the sentence before it
+                units[-1] = Unit(last.text, tuple(dict.fromkeys((*last.cited, *cited))))
     return units
 
 
@@ -143,6 +146,21 @@ class LongformJudgment:
     def covered(self) -> bool:
         """Every listed fact stated."""
         return bool(self.facts) and len(self.stated) == len(self.facts)
+
+    @property
+    def citing(self) -> tuple[UnitJudgment, ...]:
+        """The units that cite a passage."""
+        return tuple(u for u in self.units if u.supported is not None)
+
+    def rates(self) -> dict[str, float | None]:
+        """This answer's own fact recall, citation recall and citation precision
+        (`summarize_longform` defines them; None where undefined)."""
+        citing = self.citing
+        return {
+            "fact_recall": len(self.stated) / len(self.facts) if self.facts else None,
+            "citation_recall": len(self.cited) / len(self.stated) if self.stated else None,
+            "citation_precision": _share(bool(u.supported) for u in citing),
+        }
 
 
 def judge_answer(
@@ -210,7 +228,7 @@ def summarize_longform(judgments: Sequence[LongformJudgment]) -> dict[str, float
     """
     facts = sum(len(j.facts) for j in judgments)
     stated = sum(len(j.stated) for j in judgments)
-    citing = [u for j in judgments for u in j.units if u.supported is not None]
+    citing = [u for j in judgments for u in j.citing]
     fillers = [u for u in citing if not u.states]
     answered = [j for j in judgments if not j.abstained]
     return {

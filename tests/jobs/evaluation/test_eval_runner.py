@@ -486,6 +486,17 @@ def test_long_form_report_judges_citations_alike_for_self_rag_and_vanilla_rag(tm
     }
     assert answers["vanilla-rag-long"]["stated"] == ["a", "b"]
     assert [u["supported"] for u in answers["vanilla-rag-long"]["units"]] == [True, True, False]
+    # report.json has every answer's own rates, units, tokens and time, without the texts.
+    one = {a["system"]: a for a in report["longform_answers"]}
+    assert one["vanilla-rag-long"]["citation_precision"] == pytest.approx(2 / 3)
+    assert one["vanilla-rag-long"]["units"][2] == {
+        "cited": ["[3]"],
+        "states": [],
+        "supported": False,
+    }
+    assert one["selfrag-prompted"]["fact_recall"] == 0.5
+    assert one["selfrag-prompted"]["latency_ms"] == answers["selfrag-prompted"]["latency_ms"]
+    assert "answer" not in one["selfrag-prompted"]
     table = (out / "report.md").read_text()
     assert table.startswith("| system | n | facts | fact_recall |")
     assert "| vanilla-rag-long | 1 | 2 | 100.0% | 100.0% |" in table
@@ -493,6 +504,10 @@ def test_long_form_report_judges_citations_alike_for_self_rag_and_vanilla_rag(tm
         "| vanilla-rag-long | selfrag-prompted | facts (stated) | 2 | 1 | 1 | 0 | 0 | 1.000 |"
         in table
     )
+    assert (
+        "| lf-1 | vanilla-rag-long | 2/2 | 2/2 | 100.0% | 100.0% | 66.7% | 3 | a+ b+ ·- |" in table
+    )
+    assert "| lf-1 | selfrag-prompted | 1/2 | 1/2 | 50.0% | 100.0% | 100.0% | 1 | a+ |" in table
     summary = render_summary(report).splitlines()
     assert summary[0].split() == [
         "system",

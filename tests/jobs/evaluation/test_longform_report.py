@@ -12,9 +12,12 @@ import pytest
 
 from selfrag.jobs.evaluation.eval_questions import EvalQuestion
 from selfrag.jobs.evaluation.longform_report import (
+    answer_row,
     judge_record,
     longform_pairs,
     longform_row,
+    unit_marks,
+    without_text,
     write_answers,
 )
 from selfrag.pipeline.evaluation.longform_metrics import Fact
@@ -76,9 +79,21 @@ def test_records_are_judged_and_compared_per_question_and_per_fact(tmp_path: Pat
     facts = counts["facts_stated"]
     assert (facts.both, facts.only_first, facts.only_second, facts.neither) == (2, 1, 0, 1)
 
-    path = write_answers(tmp_path / "answers.jsonl", {("s", "q"): (both, jb)})
+    path = write_answers(tmp_path / "answers.jsonl", [answer_row("s", "q", both, jb)])
     (line,) = [json.loads(x) for x in path.read_text().splitlines()]
     assert line["stated"] == ["a", "b"] and line["cited"] == ["a"]
+    # The answer's own rates: both facts stated, one cited to a passage holding it, one of
+    # its two citing units supported.
+    assert (line["fact_recall"], line["citation_recall"], line["citation_precision"]) == (
+        1.0,
+        0.5,
+        0.5,
+    )
+    assert (line["citing_units"], line["supported_units"]) == (2, 1)
+    assert (line["prefill_tokens"], line["decode_tokens"], line["latency_ms"]) == (100, 20, 10.0)
+    assert unit_marks(line["units"]) == "a+ b-"
+    kept = without_text(line)
+    assert "answer" not in kept and "text" not in kept["units"][0] and kept["stated"] == ["a", "b"]
     assert line["units"][1] == {
         "text": "It is in France.",
         "cited": ["p1"],

@@ -52,6 +52,12 @@ def test_markers_are_read_sentence_by_sentence_and_numbered_over_the_passages():
         Unit("Lysozyme", ("x",)),
         Unit("In 1929", ("y",)),
     ]
+    # A marker opening a line labels the sentence after it; one at the start cites forward.
+    assert marker_units("[1]. Lysozyme.\n[2]. In 1929. Later.\n[1]", ["x", "y"]) == [
+        Unit("Lysozyme.", ("x",)),
+        Unit("In 1929.", ("y",)),
+        Unit("Later.", ("x",)),
+    ]
     assert strip_markers("lysozyme [1] and 1929 [2, 3].") == "lysozyme and 1929."
 
 
