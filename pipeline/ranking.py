@@ -93,6 +93,7 @@ class Candidate:
             finished=d.finish_reason == "eos",
             cut=d.finish_reason == "length",
             novelty=novelty(d.text, f"{self.branch.question} {self.said or self.branch.prefix}"),
+            later=bool((self.said or self.branch.prefix).strip()),
             rel=self.rel.probs if self.rel is not None else None,
             sup=self.sup.probs if self.sup is not None else None,
             use=self.use.probs if self.use is not None else None,
@@ -132,6 +133,8 @@ class Drafted:
     novelty: float | None = None
     """The share of the segment's content words that neither the question nor the answer so
     far holds (`grounding.novelty`); None when it has no content word."""
+    later: bool = False
+    """The segment would follow an answer so far (not the answer's first)."""
 
     @property
     def evidence_support(self) -> float | None:
@@ -285,16 +288,19 @@ def score_candidate(
 
 def dropped_after(parent: Hypothesis, segment: SegmentOut, cfg: DecodingConfig) -> bool:
     """Whether `segment` is unavailable to the answer `parent` though it passes the hard
-    filters: a later segment that cites nothing in an answer that retrieved, or states numbers
-    or names its passage lacks (unless `keep_unsupported_segments`), or says too little that
-    is new (novelty under `min_novelty`). The answer goes on without it. The first segment is
-    never dropped so; it is flagged."""
-    if not parent.segments:
-        return False
-    unsupported = "uncited" in segment.flags or "unsupported_terms" in segment.flags
+    filters (`drops_later_segment`). The first segment is never dropped so; it is flagged."""
+    return bool(parent.segments) and drops_later_segment(segment.flags, segment.novelty, cfg)
+
+
+def drops_later_segment(flags: Sequence[str], novelty: float | None, cfg: DecodingConfig) -> bool:
+    """Whether a segment after an answer's first, with these `flags` (`segment_flags`) and
+    `novelty`, is dropped: it cites nothing in an answer that retrieved, or states numbers or
+    names its passage lacks (unless `keep_unsupported_segments`), or says too little that is
+    new (novelty under `min_novelty`). The answer goes on without it."""
+    unsupported = "uncited" in flags or "unsupported_terms" in flags
     if unsupported and not cfg.keep_unsupported_segments:
         return True
-    return (segment.novelty or 0.0) < cfg.min_novelty
+    return (novelty or 0.0) < cfg.min_novelty
 
 
 def rank_step(

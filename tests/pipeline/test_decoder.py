@@ -409,6 +409,35 @@ def test_a_part_whose_evidence_fails_is_dropped_and_the_next_part_answered():
     assert not out.abstained
 
 
+def test_a_later_draft_that_would_be_dropped_lets_the_next_passage_draft():
+    passages = [
+        Passage("p1", "Rollo led the Vikings.", "Rollo", 0.9),
+        Passage("s1", "Rollo led the Vikings, who settled.", "Settle", 0.9),
+        Passage("s2", "The Vikings settled in Normandy.", "Settle", 0.8),
+    ]
+    critic = ScriptedCritic(
+        relevance_of={"p1": 0.9, "s1": 0.8, "s2": 0.85},
+        drafts={
+            "p1": (" Rollo led the Vikings.", -1.0, "eos"),
+            "s1": (" Rollo led the Vikings.", -1.0, "eos"),  # nothing new: dropped
+            "s2": (" They settled in Normandy.", -1.0, "eos"),
+            None: (" x.", -9.0, "eos"),
+        },
+    )
+
+    class ByPart(ListRetriever):
+        def search(self, query, k):
+            self.queries.append(query)
+            return passages[1:] if "settle" in query else passages[:1]
+
+    decoder = BeamDecoder(lambda _: critic, ByPart([]), "test-model")
+    config = cfg(max_segments=2, max_drafts=1, draft_order_margin=0.5)
+    out = decoder.answer(LISTED, config)
+    assert [s.citation.passage_id for s in out.segments] == ["p1", "s2"]
+    none = decoder.answer(LISTED, config.model_copy(update={"retry_drafts": 0}))
+    assert [s.citation.passage_id for s in none.segments] == ["p1"]
+
+
 def test_later_searches_rank_the_passages_already_cited_last():
     critic = ScriptedCritic(
         relevance_of={"p1": 0.9, "p2": 0.8},
