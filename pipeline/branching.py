@@ -10,8 +10,9 @@ no-retrieval branch reuses the closed-book draft its retrieval decision was read
 there is one; a draft that only repeats the question drafts again, past its echo; one stuck in a
 loop counts as drafting nothing); drafts are critiqued for support (evidence branches) and
 utility. A hypothesis whose drafts all fail the hard filters (or, with `retry_flagged`, all
-pass them flagged; or, past its first segment, would be dropped) drafts its next passage, one at a time, up to `retry_drafts` more: the
-budget's passages past the first cost only where the first failed.
+pass them flagged; or, past its first segment, would be dropped) drafts its next passage,
+one at a time, up to `retry_drafts` more: the budget's passages past the first cost only where
+the first failed.
 What comes back is small: `Drafted` scores for the ranker, and the step's token counts.
 """
 
