@@ -158,6 +158,12 @@ class BranchPool:
             source, timeout_s, lambda critic: expand(critic, candidates, cfg)
         )
 
+    async def relevance(
+        self, source: str, branches: list[Branch], timeout_s: float
+    ) -> list[LabelProbs]:
+        """The relevance read of each branch (a retrieval without drafting)."""
+        return await self._worker.run(source, timeout_s, lambda critic: critic.relevance(branches))
+
     def model_id(self) -> str:
         return self._worker.engine.model_id
 

@@ -8,17 +8,14 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from selfrag.cli.common import CLIError, settings_from_args
-from selfrag.cli.first_use import calibrate_on_first_use
-from selfrag.cli.remote import held_store, via_server
+from selfrag.cli.remote import open_home
 from selfrag.schemas.decoding import DecodingOverrides
 
 if TYPE_CHECKING:  # for `ask` only: `config`, `status` and `--help` start without them
-    from selfrag.api import SelfRAG
     from selfrag.schemas.answer import AnswerRequest, AnswerResponse, SegmentOut
-    from selfrag.schemas.settings import Settings
 
 
-def _request_from_args(args: argparse.Namespace) -> AnswerRequest:
+def _request_from_args(args: argparse.Namespace, collection: str) -> AnswerRequest:
     from selfrag.schemas.answer import AnswerRequest
 
     overrides = {
@@ -26,44 +23,26 @@ def _request_from_args(args: argparse.Namespace) -> AnswerRequest:
         for name in DecodingOverrides.model_fields
         if getattr(args, name, None) is not None
     }
-    return AnswerRequest.model_validate({"question": args.question, "config": overrides})
+    return AnswerRequest.model_validate(
+        {"question": args.question, "config": overrides, "collection": collection}
+    )
 
 
 def cmd_ask(args: argparse.Namespace) -> int:
-    from selfrag.api import SelfRAG
-
-    request = _request_from_args(args)  # refused before the model loads
+    """Answer through the home's answer client: in this process, or through the server that
+    holds its store (`cli.remote.open_home`); either settles the request's config alike."""
     settings = settings_from_args(args)
-    with SelfRAG(settings) as rag:
-        if (held := held_store(rag)) is not None:  # a server holds the store: ask it
-            body = request.model_dump(mode="json", exclude_none=True)
-            body["collection"] = settings.retrieval.collection  # --collection, else the default
-            response = answer_of(via_server(settings, held, "POST", "/v1/answer", body))
-        else:
-            response = _answer_here(rag, request, settings, progress=not args.json)
+    # --collection, else the configured one; refused before the model loads.
+    request = _request_from_args(args, settings.retrieval.collection)
+    with open_home(settings) as rag:
+        if rag.url is None and rag.count() == 0:
+            raise CLIError(f"the index in {settings.home} is empty: run `selfrag index PATH` first")
+        response = rag.client.answer(request).response
     if args.json:
         print(response.model_dump_json(indent=2))
     else:
         print(render_answer(response))
     return 0
-
-
-def _answer_here(
-    rag: SelfRAG, request: AnswerRequest, settings: Settings, progress: bool
-) -> AnswerResponse:
-    if rag.count() == 0:
-        raise CLIError(f"the index in {settings.home} is empty: run `selfrag index PATH` first")
-    dials = request.config.model_dump(exclude_none=True)
-    if request.config.min_support_score is None:
-        critique = request.config.critique or settings.decoding.critique
-        calibrate_on_first_use(rag.system, critique, progress=progress)
-    return rag.answer(request.question, **dials)
-
-
-def answer_of(body: object) -> AnswerResponse:
-    from selfrag.schemas.answer import AnswerResponse
-
-    return AnswerResponse.model_validate(body)
 
 
 def flag_lines(segments: Sequence[SegmentOut]) -> list[str]:

@@ -6,40 +6,30 @@ import argparse
 import json
 import unicodedata
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from selfrag.cli.common import EXIT_PARTIAL, CLIError, settings_from_args
-from selfrag.cli.remote import held_store, via_server
-from selfrag.schemas.documents import DocumentInfo, Removal
-
-if TYPE_CHECKING:
-    from selfrag.infra.store.qdrant_store import StoreHeld
-    from selfrag.schemas.settings import Settings
+from selfrag.cli.remote import open_home
+from selfrag.schemas.documents import DocumentInfo
 
 
 def cmd_docs(args: argparse.Namespace) -> int:
-    from selfrag.api import SelfRAG
-
+    """List or remove documents of the home's collection: in this process, or through the
+    server that holds its store once it says it serves them (`cli.remote.open_home`)."""
     settings = settings_from_args(args)
-    with SelfRAG(settings) as rag:
-        held = held_store(rag)  # a server holds the store: go through it
+    if args.docs_command == "rm" and not args.refs:
+        raise CLIError("name at least one document id or path to remove")
+    with open_home(settings) as rag:
         if args.docs_command == "list":
-            if held is not None:
-                found = via_server(settings, held, "GET", "/v1/documents")
-                docs = [DocumentInfo.model_validate(d) for d in found]
-            else:
-                docs = rag.documents()
+            docs = rag.documents()
             if args.json:
                 print(json.dumps([d.model_dump(mode="json") for d in docs], indent=2))
             else:
                 print(render_documents(docs))
             return 0
-        if not args.refs:
-            raise CLIError("name at least one document id or path to remove")
-        if held is not None:
-            removal = _remove_via_server(settings, held, args.refs)
-        else:
-            removal = rag.remove(*args.refs)
+        refs = list(args.refs)
+        if rag.url is not None:  # the server's working folder is not this one
+            refs = [str(Path(r).resolve()) if Path(r).exists() else r for r in refs]
+        removal = rag.remove(*refs)
     if args.json:
         print(removal.model_dump_json(indent=2))
     else:
@@ -47,31 +37,13 @@ def cmd_docs(args: argparse.Namespace) -> int:
             f"removed {len(removal.documents)} documents, {removal.passages} passages "
             f"from {settings.home}"
         )
-        for ref in removal.unmatched:
-            print(f"no indexed document is {shown(ref)} (an id, or a file or folder indexed)")
+        for ref, shown_ref in zip(refs, args.refs, strict=True):
+            if ref in removal.unmatched:
+                print(
+                    f"no indexed document is {shown(shown_ref)} "
+                    "(an id, or a file or folder indexed)"
+                )
     return EXIT_PARTIAL if removal.unmatched else 0
-
-
-def _remove_via_server(settings: Settings, held: StoreHeld, refs: list[str]) -> Removal:
-    """One DELETE per ref; a ref the server names no document for is reported unmatched."""
-    from urllib.parse import quote
-
-    ids: list[str] = []
-    passages = 0
-    unmatched: list[str] = []
-    for ref in refs:
-        path = str(Path(ref).resolve()) if Path(ref).exists() else ref
-        try:
-            done = via_server(settings, held, "DELETE", "/v1/documents/" + quote(path, safe=""))
-        except CLIError as exc:
-            if " answered 404" not in str(exc):
-                raise
-            unmatched.append(ref)
-            continue
-        removal = Removal.model_validate(done)
-        ids += removal.documents
-        passages += removal.passages
-    return Removal(documents=ids, passages=passages, unmatched=unmatched)
 
 
 def render_documents(docs: list[DocumentInfo]) -> str:

@@ -100,12 +100,12 @@ def _calibrate_after_indexing(system: LocalRuntime, changed: bool, progress: boo
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    from selfrag.cli.first_use import calibrate_eval_systems
     from selfrag.jobs.evaluation.eval_plots import write_plots
     from selfrag.jobs.evaluation.eval_questions import load_questions
     from selfrag.jobs.evaluation.eval_report import render_summary, render_table
     from selfrag.jobs.evaluation.eval_runner import ensure_indexed, parse_systems, run_evaluation
-    from selfrag.runtime.system import LocalRuntime
+    from selfrag.jobs.first_use import answering_runtime
+    from selfrag.runtime.answer_client import LocalAnswerClient
 
     questions = load_questions(
         args.dataset, article=args.article, split=args.split, limit=question_limit(args)
@@ -114,11 +114,11 @@ def cmd_eval(args: argparse.Namespace) -> int:
     chosen = {n: getattr(args, n) for n in DecodingOverrides.model_fields}
     overrides = DecodingOverrides.model_validate({n: v for n, v in chosen.items() if v is not None})
     settings = settings_from_args(args)
-    with LocalRuntime(settings) as rag:
+    # Answers as a user's would be: each Self-RAG system's config is settled by its client,
+    # which calibrates its critique source's missing threshold on first use.
+    with answering_runtime(settings) as rag:
         ensure_indexed(rag, args.corpus, progress=not args.no_progress)
-        calibrate_eval_systems(rag, systems, progress=not args.no_progress)
-        # Settled per system (its critique source) by runner_for and run_eval_systems.
-        config = rag.answer_path.dials(overrides)
+        config = rag.answer_path.dials(overrides)  # the command's dials, not settled
         if args.ray:
             import ray.data  # noqa: F401  (sets up its loggers when imported: before quiet_ray)
 
@@ -139,6 +139,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
                 progress=not args.no_progress,
             )
         report = run_evaluation(
+            LocalAnswerClient.for_runtime(rag),
             rag,
             questions,
             systems,
@@ -168,6 +169,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     )
     from selfrag.jobs.evaluation.eval_questions import load_questions
     from selfrag.jobs.evaluation.eval_runner import ensure_indexed
+    from selfrag.runtime.answering import AnswerPath
     from selfrag.runtime.system import LocalRuntime
 
     if args.dataset is None:
@@ -178,10 +180,17 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
             "calibrate needs SQuAD-format questions (their gold paragraphs label the samples)"
         )
     settings = settings_from_args(args)
-    tokens = args.max_segment_tokens or settings.decoding.max_segment_tokens
+    # The command's dials over the decoding settings, as an answer's are.
+    dials = AnswerPath(settings.decoding).dials(
+        DecodingOverrides.model_validate(
+            {"top_k": args.top_k, "max_segment_tokens": args.max_segment_tokens}
+        )
+    )
     with LocalRuntime(settings) as rag:
         ensure_indexed(rag, args.corpus, progress=not args.no_progress)
-        samples = collect_samples(rag, questions, args.top_k, tokens, progress=not args.no_progress)
+        samples = collect_samples(
+            rag, questions, dials.top_k, dials.max_segment_tokens, progress=not args.no_progress
+        )
     if args.samples is not None:
         args.samples.write_text("".join(json.dumps(s) + "\n" for s in samples))
     cal, stats = fit_samples(samples, dataset_label(args.dataset, args.article, len(questions)))
@@ -215,7 +224,6 @@ def _calibrate_corpus(args: argparse.Namespace) -> int:
 def cmd_batch(args: argparse.Namespace) -> int:
     import ray.data  # noqa: F401  (sets up its loggers when imported: before quiet_ray)
 
-    from selfrag.cli.first_use import calibrate_before_answering
     from selfrag.jobs.batch.batch_driver import run_batch
     from selfrag.jobs.batch.batch_inputs import parse_shard
     from selfrag.runtime.ray_logs import quiet_ray
@@ -233,7 +241,6 @@ def cmd_batch(args: argparse.Namespace) -> int:
         from selfrag.infra.models.model_presets import recheck_model
 
         recheck_model(settings.model, settings.home)  # its bytes, not its remembered hash
-        calibrate_before_answering(settings)  # abstention needs the collection's threshold
     summary = run_batch(
         settings,
         args.questions,

@@ -289,7 +289,12 @@ def _calibrate_parser(sub: Any) -> None:
     )
     _model_flag(p_cal)
     _collection_flag(p_cal)
-    p_cal.add_argument("--top-k", type=int, default=5, help="Retrieved passages per question.")
+    p_cal.add_argument(
+        "--top-k",
+        type=int,
+        default=None,
+        help="Retrieved passages per question (default: the decoding setting).",
+    )
     p_cal.add_argument(
         "--max-segment-tokens",
         type=int,

@@ -1,24 +1,23 @@
 """Commands through a running `selfrag serve` (the way the ollama CLI talks to its server):
-while the server holds the embedded store, `selfrag ask` and `selfrag docs` send their work to
-its HTTP API at serve.host:serve.port, with the first key of SELFRAG_API_KEYS when keys are
-set."""
+while another process holds the embedded store of the home a command names, `selfrag ask` and
+`selfrag docs` go through the HTTP API at serve.host:serve.port (`SelfRAG.connect`) — once that
+server says it serves this home and collection, and with every request naming them, so a server
+of another home refuses the request before doing anything. The key: SELFRAG_API_KEY, else the
+first of SELFRAG_API_KEYS."""
 
 from __future__ import annotations
 
 import ipaddress
-import os
-from typing import TYPE_CHECKING, Any
-
-import httpx
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
 from selfrag.cli.common import CLIError
-from selfrag.infra.settings_loader import API_KEYS_ENV
 from selfrag.schemas.settings import Settings
 
 if TYPE_CHECKING:
+    from selfrag.api import SelfRAG
     from selfrag.infra.store.qdrant_store import StoreHeld
-
-_TIMEOUT_S = 600.0
 
 
 def server_url(settings: Settings) -> str:
@@ -35,40 +34,22 @@ def server_url(settings: Settings) -> str:
     return f"http://{host}:{settings.serve.port}"
 
 
-def _headers() -> dict[str, str]:
-    keys = [k.strip() for k in os.environ.get(API_KEYS_ENV, "").split(",") if k.strip()]
-    return {"Authorization": f"Bearer {keys[0]}"} if keys else {}
+@contextmanager
+def open_home(settings: Settings) -> Iterator[SelfRAG]:
+    """The home of `settings` in this process; while another process holds its store, the
+    server that serves this home and collection (`through_server`). Closed on leaving."""
+    from selfrag.api import SelfRAG
+
+    with SelfRAG(settings) as rag:
+        held = held_store(rag)
+        if held is None:
+            yield rag
+            return
+    with through_server(settings, held) as remote:
+        yield remote
 
 
-def server_ready(settings: Settings) -> bool:
-    """Whether a selfrag server answers `/readyz` with 200 at `server_url`."""
-    try:
-        r = httpx.get(server_url(settings) + "/readyz", timeout=5.0)
-    except httpx.HTTPError:
-        return False
-    return r.status_code == 200 and isinstance(r.json(), dict) and "checks" in r.json()
-
-
-def call(settings: Settings, method: str, path: str, body: Any = None) -> Any:
-    """`method path` on the server; its JSON body, or a CLIError with the server's reason."""
-    url = server_url(settings) + path
-    try:
-        r = httpx.request(method, url, json=body, headers=_headers(), timeout=_TIMEOUT_S)
-    except httpx.HTTPError as exc:
-        where = server_url(settings)
-        raise CLIError(f"the selfrag server at {where} did not answer: {exc}") from None
-    if r.status_code >= 400:
-        try:
-            detail = r.json().get("detail") or r.text
-        except ValueError:
-            detail = r.text
-        raise CLIError(
-            f"the selfrag server at {server_url(settings)} answered {r.status_code}: {detail}"
-        )
-    return r.json()
-
-
-def held_store(rag: Any) -> StoreHeld | None:
+def held_store(rag: SelfRAG) -> StoreHeld | None:
     """Open `rag`'s store; the StoreHeld error when another process (a server) holds it."""
     from selfrag.infra.store.qdrant_store import StoreHeld
 
@@ -79,11 +60,40 @@ def held_store(rag: Any) -> StoreHeld | None:
     return None
 
 
-def via_server(
-    settings: Settings, held: StoreHeld, method: str, path: str, body: Any = None
-) -> Any:
-    """`call` on the server that holds the store; without one answering at `server_url`, the
-    store's own error (which names the holder)."""
-    if not server_ready(settings):
-        raise CLIError(f"{held} (no selfrag server answers at {server_url(settings)})")
-    return call(settings, method, path, body)
+@contextmanager
+def through_server(settings: Settings, held: StoreHeld) -> Iterator[SelfRAG]:
+    """`SelfRAG.connect` to the server at `server_url`, once its `/readyz` says it serves the
+    home and collection of `settings`; a CLIError naming the store's holder when no server
+    answers there, and refusing when it serves another home or collection (nothing is sent
+    to it then). What the server refuses later is a CLIError with its reason."""
+    from selfrag.api import SelfRAG
+    from selfrag.infra.home_identity import home_id
+    from selfrag.runtime.http_client import ServerRefused
+    from selfrag.schemas.errors import DependencyDown
+    from selfrag.schemas.health import ServedIndex
+
+    url = server_url(settings)
+    collection = settings.retrieval.collection
+    expected = ServedIndex(home_id=home_id(settings.home), collection=collection)
+    with SelfRAG.connect(url, home=settings.home, collection=collection) as remote:
+        try:
+            served = remote.health().served
+        except (DependencyDown, ServerRefused):
+            raise CLIError(f"{held} (no selfrag server answers at {url})") from None
+        if served is None:
+            raise CLIError(f"the selfrag server at {url} cannot say which home it serves yet")
+        if served != expected:
+            who = f" by {held.holder}" if held.holder else " by another process"
+            raise CLIError(
+                f"the index of {settings.home} (collection {collection!r}) is held{who}, and "
+                f"the selfrag server at {url} serves another home or collection (collection "
+                f"{served.collection!r} of the home with id {served.home_id}): nothing was sent "
+                "to it. Stop the process holding the index, or point this command at the "
+                "server of this home (serve.port, SELFRAG_SERVE__PORT)"
+            )
+        try:
+            yield remote
+        except ServerRefused as exc:
+            raise CLIError(
+                f"the selfrag server at {url} answered {exc.status}: {exc.detail}"
+            ) from None

@@ -78,15 +78,14 @@ def _ready_model(settings: Settings) -> None:
     CPU backend can run, would otherwise surface as a replica that keeps failing to start.
     Then fit the served collection's support threshold if it is missing (abstention needs
     it), while the port answers 503, rather than serve without one."""
-    from selfrag.cli.first_use import calibrate_before_answering
     from selfrag.infra.models.model_presets import recheck_model
-    from selfrag.runtime.system import LocalRuntime
+    from selfrag.jobs.first_use import answering_runtime, calibrate_before_serving
 
     recheck_model(settings.model, settings.home)  # its bytes, not its remembered hash
     # One runtime for both, closed before Ray starts: Serve's replicas open the store next.
-    with LocalRuntime(settings) as rag:
+    with answering_runtime(settings) as rag:
         _check_model_runs(rag.model.path, settings.model.n_threads)
-        calibrate_before_answering(settings, rag)
+        calibrate_before_serving(settings, rag)
 
 
 def _say_stopping(left: int, drain_s: float) -> None:

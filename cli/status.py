@@ -39,12 +39,12 @@ def collect_status(settings: Settings) -> dict[str, Any]:
     """What `selfrag status` shows: the home, the index, the model and heads in use and the
     critique the configured one resolves to. Opens the store, resolves (and, the first time,
     derives) the model file; never loads the language model."""
-    from selfrag.api import SelfRAG
     from selfrag.infra.store.qdrant_store import StoreError, StoreMisconfigured, StoreUnavailable
+    from selfrag.runtime.system import LocalRuntime
 
     r = settings.retrieval
-    with SelfRAG(settings) as rag:
-        system = rag.system
+    # Never calibrates (no first use): status only reads what is there.
+    with LocalRuntime(settings) as system:
         try:
             store = system.store
             index = {
@@ -73,10 +73,17 @@ def collect_status(settings: Settings) -> dict[str, Any]:
         if settings.model.backend != "vllm":
             from selfrag.infra.models.model_files import file_sha256
             from selfrag.jobs.threshold_status import threshold_status
+            from selfrag.runtime.answering import AnswerPath
 
             sha = file_sha256(system.model.path)
+            decoding = settings.decoding.model_copy(update={"critique": critique["resolved"]})
             threshold = threshold_status(
-                settings.home, sha, critique["resolved"], index["version"], r.collection
+                settings.home,
+                sha,
+                AnswerPath(settings.decoding, facts=system).settle(decoding),
+                index["version"],
+                r.collection,
+                configured=settings.decoding.min_support_score is not None,
             )
     return {
         "selfrag": selfrag_version(),

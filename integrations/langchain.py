@@ -1,6 +1,6 @@
-"""LangChain adapters (install the `langchain` extra): a retriever over `selfrag.SelfRAG`, and a
-chat model and a runnable over an answer client (`runtime.answer_client.AnswerClient`: a
-`SelfRAG`'s, taken from it when given one, or the Serve ingress's).
+"""LangChain adapters (install the `langchain` extra): a retriever, a chat model and a runnable,
+each over an answer client (`runtime.answer_client.AnswerClient`: a `SelfRAG`'s, taken from
+it when given one, in this process or through a server, or the Serve ingress's).
 
     from selfrag import SelfRAG
     from selfrag.integrations.langchain import SelfRAGChatModel, SelfRAGRetriever
@@ -20,12 +20,14 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
+from pydantic import AliasChoices, Field, field_validator
+
 from selfrag.integrations.langchain_chat import SelfRAGChatModel
-from selfrag.integrations.sources import HasAnswerClient, Retrieving, answer_client, sources
+from selfrag.integrations.sources import HasAnswerClient, answer_client, sources
 from selfrag.runtime.answer_client import AnswerClient
-from selfrag.runtime.answer_stream import SegmentStream, answer_blocking
 from selfrag.schemas.answer import AnswerRequest, AnswerResponse
-from selfrag.schemas.retrieval import RankedPassage
+from selfrag.schemas.decoding import CritiqueSource
+from selfrag.schemas.retrieval import RankedPassage, RetrieveRequest
 
 try:
     from langchain_core.callbacks import (
@@ -102,22 +104,33 @@ def passage_documents(passages: list[RankedPassage]) -> list[Document]:
 class SelfRAGRetriever(BaseRetriever):
     """Retrieves and ranks, no answer drafted: the store's `top_k` passages for the query
     (default: the configured top_k), most relevant first by the critique's s_rel
-    (`SelfRAG.retrieve`; `critique` names the source, default the configured one)."""
+    (`AnswerClient.retrieve`; `critique` names the source, default the configured one).
+    `client` (or `rag`): the `AnswerClient`, or a `SelfRAG` (its `client`)."""
 
-    rag: Retrieving
+    client: AnswerClient = Field(validation_alias=AliasChoices("client", "rag"))
     top_k: int | None = None
-    critique: str | None = None
+    critique: CritiqueSource | None = None
+    collection: str | None = None
+
+    @field_validator("client", mode="before")
+    @classmethod
+    def _client(cls, value: Any) -> AnswerClient:
+        return answer_client(value)
+
+    def _request(self, query: str) -> RetrieveRequest:
+        return RetrieveRequest(
+            query=query, top_k=self.top_k, critique=self.critique, collection=self.collection
+        )
 
     def _get_relevant_documents(
         self, query: str, *, run_manager: CallbackManagerForRetrieverRun
     ) -> list[Document]:
-        return passage_documents(self.rag.retrieve(query, top_k=self.top_k, critique=self.critique))
+        return passage_documents(self.client.retrieve(self._request(query)))
 
     async def _aget_relevant_documents(
         self, query: str, *, run_manager: AsyncCallbackManagerForRetrieverRun
     ) -> list[Document]:
-        ranked = await self.rag.aretrieve(query, top_k=self.top_k, critique=self.critique)
-        return passage_documents(ranked)
+        return passage_documents(await self.client.aretrieve(self._request(query)))
 
 
 class SelfRAGRunnable(Runnable[RunnableInput, dict[str, Any]]):
@@ -149,10 +162,10 @@ class SelfRAGRunnable(Runnable[RunnableInput, dict[str, Any]]):
         )
 
     def _invoke(self, input: RunnableInput) -> dict[str, Any]:
-        return to_output(answer_blocking(self.client, self._request(input)))
+        return to_output(self.client.answer(self._request(input)).response)
 
     async def _ainvoke(self, input: RunnableInput) -> dict[str, Any]:
-        return to_output((await self.client.run(self._request(input))).response)
+        return to_output((await self.client.aanswer(self._request(input))).response)
 
     def invoke(
         self, input: RunnableInput, config: RunnableConfig | None = None, **kwargs: Any
@@ -166,7 +179,7 @@ class SelfRAGRunnable(Runnable[RunnableInput, dict[str, Any]]):
 
     def _stream(self, inputs: Iterator[RunnableInput]) -> Iterator[dict[str, Any]]:
         for input in inputs:
-            events = SegmentStream(self.client, self._request(input))
+            events = self.client.stream(self._request(input))
             segments = iter(events)
             try:
                 for event in segments:
@@ -178,7 +191,7 @@ class SelfRAGRunnable(Runnable[RunnableInput, dict[str, Any]]):
 
     async def _astream(self, inputs: AsyncIterator[RunnableInput]) -> AsyncIterator[dict[str, Any]]:
         async for input in inputs:
-            events = SegmentStream(self.client, self._request(input))
+            events = self.client.stream(self._request(input))
             segments = aiter(events)
             try:
                 async for event in segments:

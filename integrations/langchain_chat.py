@@ -19,7 +19,6 @@ from pydantic import AliasChoices, Field, field_validator
 
 from selfrag.integrations.sources import answer_client
 from selfrag.runtime.answer_client import AnswerClient
-from selfrag.runtime.answer_stream import SegmentStream, answer_blocking
 from selfrag.schemas.answer import AnswerRequest, AnswerResponse
 from selfrag.schemas.events import SegmentEvent
 
@@ -133,7 +132,7 @@ class SelfRAGChatModel(BaseChatModel):
         run_manager: CallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> ChatResult:
-        return _result(answer_blocking(self.client, self._request(messages, stop, kwargs)))
+        return _result(self.client.answer(self._request(messages, stop, kwargs)).response)
 
     async def _agenerate(
         self,
@@ -142,7 +141,7 @@ class SelfRAGChatModel(BaseChatModel):
         run_manager: AsyncCallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> ChatResult:
-        answer = await self.client.run(self._request(messages, stop, kwargs))
+        answer = await self.client.aanswer(self._request(messages, stop, kwargs))
         return _result(answer.response)
 
     def _stream(
@@ -154,7 +153,7 @@ class SelfRAGChatModel(BaseChatModel):
     ) -> Iterator[ChatGenerationChunk]:
         request = self._request(messages, stop, kwargs)
         config = self.client.config(request)
-        events = SegmentStream(self.client, request, config)
+        events = self.client.stream(request, config)
         text = _TextStream(incremental=config.beam == 1)
         segments = iter(events)
         try:
@@ -176,8 +175,8 @@ class SelfRAGChatModel(BaseChatModel):
         **kwargs: Any,
     ) -> AsyncIterator[ChatGenerationChunk]:
         request = self._request(messages, stop, kwargs)
-        config = await asyncio.to_thread(self.client.config, request)
-        events = SegmentStream(self.client, request, config)
+        config = await self.client.aconfig(request)
+        events = self.client.stream(request, config)
         text = _TextStream(incremental=config.beam == 1)
         segments = aiter(events)
         try:

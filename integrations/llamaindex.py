@@ -20,7 +20,6 @@ from pydantic import AliasChoices, Field, field_validator
 
 from selfrag.integrations.sources import answer_client, sources
 from selfrag.runtime.answer_client import AnswerClient
-from selfrag.runtime.answer_stream import answer_blocking
 from selfrag.schemas.answer import AnswerRequest, AnswerResponse
 
 try:
@@ -92,8 +91,8 @@ class SelfRAGQueryEngine(CustomQueryEngine):
 
     def custom_query(self, query_str: str) -> Response:
         request = AnswerRequest.of(query_str, **self.dials)
-        return to_response(answer_blocking(self.client, request))
+        return to_response(self.client.answer(request).response)
 
     async def acustom_query(self, query_str: str) -> Response:
-        answer = await self.client.run(AnswerRequest.of(query_str, **self.dials))
+        answer = await self.client.aanswer(AnswerRequest.of(query_str, **self.dials))
         return to_response(answer.response)

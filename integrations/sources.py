@@ -1,15 +1,14 @@
-"""What the framework adapters share: the answer client they talk to (`answer_client`), the
-retrieval they wrap, and an answer's passages as sources, cited first, each with the scores of
-the segment that cites it. No framework here."""
+"""What the framework adapters share: the answer client they talk to (`answer_client`), and an
+answer's passages as sources, cited first, each with the scores of the segment that cites it.
+No framework here."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol
 
 from selfrag.runtime.answer_client import AnswerClient
 from selfrag.schemas.answer import AnswerResponse, PassageOut, SegmentOut
-from selfrag.schemas.retrieval import RankedPassage
 
 
 class HasAnswerClient(Protocol):
@@ -22,7 +21,8 @@ class HasAnswerClient(Protocol):
 def answer_client(source: AnswerClient | HasAnswerClient) -> AnswerClient:
     """The answer client an adapter talks to: `source` itself when it is one (in this process,
     `runtime.answer_client.LocalAnswerClient`; through Serve,
-    `actors.http.service.ServeAnswerService`), else its `client` (a `selfrag.SelfRAG`'s)."""
+    `actors.http.service.ServeAnswerService`; over HTTP, `runtime.http_client.HTTPAnswerClient`),
+    else its `client` (a `selfrag.SelfRAG`'s, in process or `SelfRAG.open(url=...)`)."""
     if isinstance(source, AnswerClient):
         return source
     client = getattr(source, "client", None)
@@ -32,19 +32,6 @@ def answer_client(source: AnswerClient | HasAnswerClient) -> AnswerClient:
         "an adapter answers with an answer client (runtime.answer_client.AnswerClient) or a "
         f"selfrag.SelfRAG, not {type(source).__name__}"
     )
-
-
-@runtime_checkable
-class Retrieving(Protocol):
-    """What a retriever adapter calls: `selfrag.SelfRAG`'s retrieval without drafting."""
-
-    def retrieve(
-        self, query: str, *, top_k: int | None = None, critique: str | None = None
-    ) -> list[RankedPassage]: ...
-
-    async def aretrieve(
-        self, query: str, *, top_k: int | None = None, critique: str | None = None
-    ) -> list[RankedPassage]: ...
 
 
 @dataclass(frozen=True)

@@ -35,7 +35,6 @@ from selfrag.infra.calibration_files import save_calibration
 from selfrag.jobs.threshold_status import describe_calibration
 from selfrag.pipeline.branching import read_evidence_branches
 from selfrag.pipeline.critics import Branch
-from selfrag.pipeline.critics.filters import settle_filters
 from selfrag.pipeline.learning.logistic_fit import auc
 from selfrag.pipeline.learning.synthetic_qa import (
     QuestionStyle,
@@ -125,8 +124,9 @@ def score_pairs(
     from tqdm import tqdm
 
     critic = rag.critic(critique)
-    # The filters an answer with the default request would use, save the threshold itself.
-    cfg = settle_filters(rag.settings.decoding, critic.name)
+    # The filters an answer with the default request would use, save the threshold itself
+    # (settled as every answer is; a first-use calibration's own settling finds none yet).
+    cfg = rag.answer_path.settle(rag.settings.decoding.model_copy(update={"critique": critic.name}))
     started = clock()
     out: list[PairScore] = []
     bar = tqdm(

@@ -1,34 +1,43 @@
 """Support thresholds described for the terminal: where one comes from, for `selfrag status`
-(the calibration saved for the model file, critique source and index collection, else the
-source's constant; reads no model), and what a calibration chose (`jobs.support_calibration`)."""
+(the settings, else the calibration saved for the model file, critique source and index
+collection, else none; reads no model), and what a calibration chose
+(`jobs.support_calibration`)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from selfrag.pipeline.critics.filters import settle_filters
 from selfrag.schemas.calibration import SupportCalibration
 from selfrag.schemas.decoding import DecodingConfig
 from selfrag.schemas.settings import DEFAULT_COLLECTION
 
 
 def threshold_status(
-    home: Path, model_sha256: str, critique: str, index_version: str, collection: str
+    home: Path,
+    model_sha256: str,
+    settled: DecodingConfig,
+    index_version: str,
+    collection: str,
+    *,
+    configured: bool = False,
 ) -> dict[str, object]:
-    """Where the support threshold of `critique` on this model file and index `collection`
-    comes from, for `selfrag status`: the calibration (and whether the index changed since),
-    else the source's constant (or none). Reads no model."""
+    """Where the support threshold of the default request comes from, for `selfrag status`:
+    `settled` is that request's config as the answer path settles it (its critique source the
+    concrete one), `configured` whether the settings set `min_support_score` themselves. Then
+    the settings, else the calibration of the source on this model file and index
+    `collection` (and whether the index changed since), else none (off). Reads no model."""
     from selfrag.infra.calibration_files import calibration_path, read_calibration
 
-    cal = read_calibration(home, model_sha256, critique, collection)
+    if configured:
+        return {"min_support_score": settled.min_support_score, "calibrated": False, "set": True}
+    cal = read_calibration(home, model_sha256, settled.critique, collection)
     if cal is None:
-        value = settle_filters(DecodingConfig(), critique).min_support_score
-        return {"min_support_score": value, "calibrated": False}
+        return {"min_support_score": settled.min_support_score, "calibrated": False}
     return {
         "min_support_score": cal.min_support_score,
         "by_corpus": cal.corpus_thresholds(),
         "calibrated": True,
-        "file": str(calibration_path(home, model_sha256, critique, collection)),
+        "file": str(calibration_path(home, model_sha256, settled.critique, collection)),
         "questions": cal.questions,
         "created": cal.created,
         "index_changed": cal.index_version != index_version,
@@ -37,6 +46,8 @@ def threshold_status(
 
 def describe_threshold(t: dict[str, object]) -> str:
     """`threshold_status` on one line."""
+    if t.get("set"):
+        return f"{t['min_support_score']} (set in the settings: decoding.min_support_score)"
     if not t["calibrated"]:
         if not t["min_support_score"]:
             return "off (not calibrated: `selfrag calibrate`)"

@@ -1,12 +1,15 @@
-"""The answer client: one protocol for whatever answers requests, in this process or through
-Ray Serve's deployments.
+"""The answer client: one protocol for whatever answers requests, in this process, through Ray
+Serve's deployments, or over a running server's HTTP API.
 
-`AnswerClient` is what every way in talks to: answer a request (and stream its steps through
-`on_step`), the config it is answered with, and readiness. `LocalAnswerClient` answers in this
-process (the Python API, batch actors, evaluation, and the HTTP app without Serve);
-`actors.http.service.ServeAnswerService` answers through the deployments behind the Serve
-ingress. Both answer along `runtime.answering.AnswerPath`, the one place a request's config is
-settled, and report what metrics count to `ClientEvents` (the HTTP app's `Metrics`).
+`AnswerClient` is what every way in holds (the CLI, the Python API, batch, evaluation, the HTTP
+app, the framework adapters): a request's settled config, its answer (blocking, awaited or
+streamed), retrieval without drafting, and health. Three implementations: `LocalAnswerClient`
+answers in this process; `actors.http.service.ServeAnswerService` through the deployments
+behind the Serve ingress; `runtime.http_client.HTTPAnswerClient` through a server's HTTP API.
+The first two settle and answer along `runtime.answering.AnswerPath` (the one place a
+request's config is settled), the third through its server's, and report what metrics count
+to `ClientEvents` (the HTTP app's `Metrics`). `AnswerClientBase` gives an implementation whose
+methods are async its blocking twins and its stream.
 """
 
 from __future__ import annotations
@@ -15,13 +18,17 @@ import asyncio
 import functools
 import logging
 import threading
-from collections.abc import Callable, Iterator, Mapping
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
+from selfrag.infra.home_identity import home_id
 from selfrag.pipeline.decoder import StepListener
+from selfrag.pipeline.protocols import Passage
 from selfrag.pipeline.ranking import Hypothesis
+from selfrag.runtime.answer_stream import SegmentStream, run_blocking
 from selfrag.runtime.answering import (
     Answer,
     AnswerEvents,
@@ -31,9 +38,12 @@ from selfrag.runtime.answering import (
     Decode,
     QueryCache,
 )
+from selfrag.runtime.relevance import as_passage, ranked_passages
 from selfrag.schemas.answer import AnswerRequest, AnswerResponse
 from selfrag.schemas.decoding import DecodingConfig
-from selfrag.schemas.errors import DeadlineExceeded
+from selfrag.schemas.errors import DeadlineExceeded, Unprocessable
+from selfrag.schemas.health import Health, ServedIndex
+from selfrag.schemas.retrieval import RankedPassage, RetrievalOrder, RetrieveRequest
 
 if TYPE_CHECKING:
     from selfrag.runtime.system import LocalRuntime
@@ -43,39 +53,140 @@ log = logging.getLogger("selfrag.answer_client")
 READY_PROBE_KEY = "selfrag:readyz-probe"
 PROBE_TIMEOUT_S = 5.0
 """How long a readiness probe in this process may take (a model still loading is not ready)."""
+CLOSE_WAIT_S = 60.0
+"""How long `close` waits for the answers still decoding to reach their next step."""
 
 
 @runtime_checkable
 class AnswerClient(Protocol):
-    """What answers requests: the HTTP app, the Python API, batch and evaluation talk to one."""
+    """What answers requests: every entry point holds one, in this process, through Ray
+    Serve, or over HTTP. Failures are the kinds of `schemas.errors`."""
 
     def config(self, request: AnswerRequest) -> DecodingConfig:
         """The config `request` is answered with: its dials over the defaults, within this
-        client's limits, settled (`AnswerPath.config`) where the critique facts are at hand,
-        else settled by `run` (the Serve ingress fetches them from the pool). Raises
-        `AnswerError` if refused."""
+        client's limits, the critique source resolved and every filter filled
+        (`AnswerPath.config`). Raises `AnswerError` if refused."""
         ...
 
-    async def run(
+    async def aconfig(self, request: AnswerRequest) -> DecodingConfig:
+        """`config` without blocking the event loop."""
+        ...
+
+    def answer(
         self,
         request: AnswerRequest,
         on_step: StepListener | None = None,
         config: DecodingConfig | None = None,
     ) -> Answer:
-        """Answer one request along the answer path; `on_step` sees the leading hypothesis
-        after each step and may be called from any thread. `config`: what `config(request)`
-        returned, when the caller has it (not worked out again). Cancelling the call stops
-        the decode at its next step or wait."""
+        """`aanswer`, blocking this thread."""
         ...
 
-    async def readiness(self) -> dict[str, bool]:
-        """Each dependency (model, store, cache) and whether it answers now."""
+    async def aanswer(
+        self,
+        request: AnswerRequest,
+        on_step: StepListener | None = None,
+        config: DecodingConfig | None = None,
+    ) -> Answer:
+        """Answer one request; `on_step` sees the leading hypothesis after each step and may
+        be called from any thread. `config`: what `config(request)` returned, when the caller
+        has it (not worked out again). Cancelling the call stops the decode at its next step
+        or wait."""
+        ...
+
+    def stream(self, request: AnswerRequest, config: DecodingConfig | None = None) -> SegmentStream:
+        """The answer's segments as they are decoded, iterated blocking or with `async for`;
+        the response is the stream's `response` once it ends."""
+        ...
+
+    def retrieve(self, request: RetrieveRequest) -> list[RankedPassage]:
+        """`aretrieve`, blocking this thread."""
+        ...
+
+    async def aretrieve(self, request: RetrieveRequest) -> list[RankedPassage]:
+        """The store's `top_k` passages for the query, most relevant first by the critique's
+        s_rel (or in the store's order), no answer drafted; `top_k` and `critique` default
+        as an answer's do (`AnswerPath.retrieval`)."""
+        ...
+
+    async def health(self) -> Health:
+        """Whether each dependency (model, store, cache) answers now, and the home and
+        collection answered from."""
         ...
 
     async def collect_metrics(self) -> None:
         """Bring what the client counts outside the metrics (e.g. the query cache's tier
         counters) into them, before `/metrics` renders them."""
         ...
+
+    def close(self) -> None:
+        """Stop what this client runs (answers in flight, connections)."""
+        ...
+
+
+class AnswerClientBase(ABC):
+    """An `AnswerClient` made of its async methods: the blocking twins run them on an event
+    loop of their own, and `stream` streams `aanswer`."""
+
+    @abstractmethod
+    async def aconfig(self, request: AnswerRequest) -> DecodingConfig: ...
+
+    @abstractmethod
+    async def aanswer(
+        self,
+        request: AnswerRequest,
+        on_step: StepListener | None = None,
+        config: DecodingConfig | None = None,
+    ) -> Answer: ...
+
+    @abstractmethod
+    async def aretrieve(self, request: RetrieveRequest) -> list[RankedPassage]: ...
+
+    @abstractmethod
+    async def health(self) -> Health: ...
+
+    def config(self, request: AnswerRequest) -> DecodingConfig:
+        return run_blocking(lambda: self.aconfig(request))
+
+    def answer(
+        self,
+        request: AnswerRequest,
+        on_step: StepListener | None = None,
+        config: DecodingConfig | None = None,
+    ) -> Answer:
+        return run_blocking(lambda: self.aanswer(request, on_step, config))
+
+    def stream(self, request: AnswerRequest, config: DecodingConfig | None = None) -> SegmentStream:
+        return SegmentStream(self.aanswer, request, config)
+
+    def retrieve(self, request: RetrieveRequest) -> list[RankedPassage]:
+        return run_blocking(lambda: self.aretrieve(request))
+
+    async def collect_metrics(self) -> None:
+        """Nothing to collect (a client whose metrics are elsewhere)."""
+        return None
+
+    def close(self) -> None:
+        """Nothing to stop (a client that holds nothing open between calls)."""
+        return None
+
+
+class ClientPassages:
+    """`pipeline.protocols.PassageSearch` over an answer client's retrieval in the store's
+    order (nothing read): the passages the client's store finds, for a pipeline part that
+    searches (the evaluation's vanilla RAG)."""
+
+    def __init__(self, client: AnswerClient, collection: str | None = None) -> None:
+        self._client = client
+        self._collection = collection
+
+    def search(self, query: str, k: int) -> list[Passage]:
+        request = RetrieveRequest(
+            query=query, top_k=k, order="retriever", collection=self._collection
+        )
+        return [as_passage(p) for p in self._client.retrieve(request)]
+
+    def search_many(self, queries: Sequence[str], k: int) -> list[list[Passage]]:
+        return [self.search(q, k) for q in queries]
 
 
 class ClientEvents(AnswerEvents, Protocol):
@@ -125,20 +236,26 @@ async def probe(check: Callable[[], bool], timeout_s: float, name: str) -> bool:
         return False
 
 
+Retrieve = Callable[[str, DecodingConfig, RetrievalOrder], list[RankedPassage]]
+"""`retrieve(query, config, order)`: the config's `top_k` passages, ranked by the relevance
+read of its critique source, or in the store's order (`runtime.relevance.ranked_passages`)."""
+
+
 @dataclass(frozen=True)
 class AnswerSite:
     """Where one collection's answers are made in this process: its answer path, how to
-    decode, and the cache identity (asked only when answers are cached)."""
+    decode, the cache identity (asked only when answers are cached), and how to retrieve."""
 
     path: AnswerPath
     decode: Decode
     identity: Callable[[], CacheIdentity] | None = None
+    retrieve: Retrieve | None = None
 
 
 class LocalAnswerClient:
     """`AnswerClient` in this process: each request along its collection's `AnswerSite`. The
-    blocking `answer` is for callers in threads (the Python API, batch actors, evaluation);
-    `run` answers in a worker thread for an event loop (the HTTP app without Serve). With
+    blocking methods run in the caller's thread (the Python API, batch actors, evaluation);
+    the async ones in a worker thread for an event loop (the HTTP app without Serve). With
     `events` it reports what the Serve ingress reports: its path's cache lookups and
     deadlines, each decoded answer, the answers in flight and the cache's tier counters."""
 
@@ -148,12 +265,15 @@ class LocalAnswerClient:
         *,
         probes: Mapping[str, Callable[[], bool]] | None = None,
         events: ClientEvents | None = None,
+        served: Callable[[], ServedIndex] | None = None,
     ) -> None:
         """`site(collection)`: where a request on `collection` (None: the configured one) is
-        answered. `probes`: readiness checks by dependency name (the query cache's is added)."""
+        answered. `probes`: readiness checks by dependency name (the query cache's is added).
+        `served`: the home and collection answered from, for `health`."""
         self._site = site
         self._probes = dict(probes or {})
         self._events = events
+        self._served = served
         self._idle = threading.Condition()
         self._running: set[Deadline] = set()
 
@@ -163,6 +283,7 @@ class LocalAnswerClient:
     ) -> LocalAnswerClient:
         """Answers with `runtime`'s engine, store and answer path (on any collection of its
         home); ready when its model tokenizes and its store answers."""
+        settings = runtime.settings
         return cls(
             lambda collection: runtime_site(runtime.for_collection(collection)),
             probes={
@@ -170,18 +291,27 @@ class LocalAnswerClient:
                 "store": lambda: runtime.store.ready(),
             },
             events=events,
+            served=lambda: ServedIndex(
+                home_id=home_id(settings.home), collection=settings.retrieval.collection
+            ),
         )
 
     def reporting(self, events: ClientEvents) -> LocalAnswerClient:
         """A client answering as this one does (its sites and probes) that reports to
         `events`. The two share their answers in flight: those are counted together, and
         `stop` on either cancels them all."""
-        client = LocalAnswerClient(self._site, probes=self._probes, events=events)
+        client = LocalAnswerClient(
+            self._site, probes=self._probes, events=events, served=self._served
+        )
         client._idle, client._running = self._idle, self._running
         return client
 
     def config(self, request: AnswerRequest) -> DecodingConfig:
         return self._site(request.collection).path.config(request)
+
+    async def aconfig(self, request: AnswerRequest) -> DecodingConfig:
+        # In a thread: settling may calibrate a missing threshold first (minutes).
+        return await asyncio.to_thread(self.config, request)
 
     def answer(
         self,
@@ -190,10 +320,10 @@ class LocalAnswerClient:
         config: DecodingConfig | None = None,
         deadline: Deadline | None = None,
     ) -> Answer:
-        """Answer `request`, blocking. `config`: a settled config (`config(request)`, or the
-        batch driver's). The decode stops at its next step once `deadline` (default: one of
-        `timeout_s`, from the path, which counts its expiry) is cancelled or expired by whoever
-        waits, or `stop` cancels it; an unexpired one the decoder keeps to itself."""
+        """Answer `request` in this thread. `config`: a settled config (`config(request)`, or
+        the batch driver's). The decode stops at its next step once `deadline` (default: one
+        of `timeout_s`, from the path, which counts its expiry) is cancelled or expired by
+        whoever waits, or `stop` cancels it; an unexpired one the decoder keeps to itself."""
         site = self._site(request.collection)
         path = self._path(site)
         if config is None:
@@ -211,6 +341,37 @@ class LocalAnswerClient:
         if self._events is not None and answer.cache != "hit":
             self._events.observe_answer(answer.response)
         return answer
+
+    async def aanswer(
+        self,
+        request: AnswerRequest,
+        on_step: StepListener | None = None,
+        config: DecodingConfig | None = None,
+    ) -> Answer:
+        if config is None:
+            config = await self.aconfig(request)
+        deadline = await asyncio.to_thread(self._deadline, request, config)
+        try:
+            async with asyncio.timeout(config.timeout_s):
+                return await asyncio.to_thread(self.answer, request, on_step, config, deadline)
+        except TimeoutError:
+            deadline.expire()
+            raise DeadlineExceeded(f"no answer within timeout_s={config.timeout_s:g}") from None
+        except asyncio.CancelledError:
+            deadline.cancel()  # the decode thread stops at its next step
+            raise
+
+    def stream(self, request: AnswerRequest, config: DecodingConfig | None = None) -> SegmentStream:
+        return SegmentStream(self.aanswer, request, config)
+
+    def retrieve(self, request: RetrieveRequest) -> list[RankedPassage]:
+        site = self._site(request.collection)
+        if site.retrieve is None:
+            raise Unprocessable("this answer client does not retrieve without drafting")
+        return site.retrieve(request.query, site.path.retrieval(request), request.order)
+
+    async def aretrieve(self, request: RetrieveRequest) -> list[RankedPassage]:
+        return await asyncio.to_thread(self.retrieve, request)
 
     def _path(self, site: AnswerSite) -> AnswerPath:
         """`site`'s answer path, reporting to this client's events."""
@@ -246,32 +407,18 @@ class LocalAnswerClient:
                 deadline.cancel()
             return self._idle.wait_for(lambda: not self._running, wait_s)
 
-    async def run(
-        self,
-        request: AnswerRequest,
-        on_step: StepListener | None = None,
-        config: DecodingConfig | None = None,
-    ) -> Answer:
-        if config is None:
-            config = await asyncio.to_thread(self.config, request)
-        deadline = await asyncio.to_thread(self._deadline, request, config)
-        try:
-            async with asyncio.timeout(config.timeout_s):
-                return await asyncio.to_thread(self.answer, request, on_step, config, deadline)
-        except TimeoutError:
-            deadline.expire()
-            raise DeadlineExceeded(f"no answer within timeout_s={config.timeout_s:g}") from None
-        except asyncio.CancelledError:
-            deadline.cancel()  # the decode thread stops at its next step
-            raise
+    def close(self) -> None:
+        """`stop` the answers in flight, waiting up to `CLOSE_WAIT_S` for them."""
+        self.stop(CLOSE_WAIT_S)
 
-    async def readiness(self) -> dict[str, bool]:
+    async def health(self) -> Health:
         cache = self._site(None).path.cache
         checks = {**self._probes, "cache": functools.partial(query_cache_ready, cache)}
         results = await asyncio.gather(
             *(probe(check, PROBE_TIMEOUT_S, name) for name, check in checks.items())
         )
-        return dict(zip(checks, results, strict=True))
+        served = await asyncio.to_thread(self._served) if self._served is not None else None
+        return Health.of(dict(zip(checks, results, strict=True)), served)
 
     async def collect_metrics(self) -> None:
         """The query cache's tier counters into `events` (nothing without them)."""
@@ -281,8 +428,14 @@ class LocalAnswerClient:
 
 
 def runtime_site(runtime: LocalRuntime) -> AnswerSite:
-    """`runtime`'s answer path, decoding in this process, keyed by its index and model."""
-    return AnswerSite(runtime.answer_path, runtime.decode, runtime.cache_identity)
+    """`runtime`'s answer path, decoding and retrieving in this process, keyed by its index
+    and model."""
+
+    def retrieve(query: str, config: DecodingConfig, order: RetrievalOrder) -> list[RankedPassage]:
+        relevance = runtime.critic(config.critique).relevance if order == "relevance" else None
+        return ranked_passages(query, runtime.store, config.top_k, relevance)
+
+    return AnswerSite(runtime.answer_path, runtime.decode, runtime.cache_identity, retrieve)
 
 
 def _checked_step(deadline: Deadline, on_step: StepListener | None, h: Hypothesis) -> None:

@@ -1,6 +1,7 @@
-"""One answer of any `AnswerClient` as its segments are decoded, for callers that block or that
-run an event loop: the Python API's `stream` and the framework adapters (`integrations/`) share
-it, over a client in this process or the Serve ingress's."""
+"""One answer of any answer client as its segments are decoded, for callers that block or that
+run an event loop (`AnswerClient.stream`, which the Python API and the framework adapters
+use), and a coroutine run to its end from blocking code (`run_blocking`: the blocking twins of
+a client's async methods)."""
 
 from __future__ import annotations
 
@@ -8,11 +9,11 @@ import asyncio
 import contextlib
 import queue
 import threading
-from collections.abc import AsyncGenerator, Generator
+from collections.abc import AsyncGenerator, Awaitable, Callable, Coroutine, Generator
+from typing import Any, TypeVar
 
 from selfrag.pipeline.decoder import StepListener
 from selfrag.pipeline.ranking import Hypothesis
-from selfrag.runtime.answer_client import AnswerClient
 from selfrag.runtime.answering import Answer, LeaderSegments
 from selfrag.schemas.answer import AnswerRequest, AnswerResponse
 from selfrag.schemas.decoding import DecodingConfig
@@ -20,10 +21,40 @@ from selfrag.schemas.errors import Cancelled
 from selfrag.schemas.events import SegmentEvent
 
 _END = object()
+_T = TypeVar("_T")
+
+AnswerCall = Callable[
+    [AnswerRequest, StepListener | None, DecodingConfig | None], Awaitable[Answer]
+]
+"""An answer client's `aanswer`: the answer, its leading hypothesis after each step to
+`on_step`."""
+
+
+def run_blocking(work: Callable[[], Coroutine[Any, Any, _T]]) -> _T:
+    """`work()` run to its end on an event loop of its own, blocking this thread: here when
+    this thread runs no loop, else in a thread of its own (a notebook's thread runs one)."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(work())
+    box: list[Any] = []
+
+    def run() -> None:
+        try:
+            box.append(asyncio.run(work()))
+        except BaseException as exc:  # handed to the caller, which raises it
+            box.append(exc)
+
+    thread = threading.Thread(target=run, name="selfrag-blocking", daemon=True)
+    thread.start()
+    thread.join()
+    if isinstance(box[0], BaseException):
+        raise box[0]
+    return box[0]  # type: ignore[no-any-return]
 
 
 class SegmentStream:
-    """The leading hypothesis's segments of one answer as `client` decodes them
+    """The leading hypothesis's segments of one answer as a client decodes them
     (`SegmentEvent`: index i replaces any segment with index ≥ i seen before, since the beam's
     leader can change); the full answer is `response` once the iteration ends. Iterating blocks
     (the answer runs on an event loop in a thread of its own); `async for` runs it as a task on
@@ -31,11 +62,12 @@ class SegmentStream:
     its next step. Iterate a stream once."""
 
     def __init__(
-        self, client: AnswerClient, request: AnswerRequest, config: DecodingConfig | None = None
+        self, answer: AnswerCall, request: AnswerRequest, config: DecodingConfig | None = None
     ) -> None:
-        """`config`: `client.config(request)`, when the caller has it."""
+        """`answer`: the client's `aanswer`. `config`: the client's `config(request)`, when the
+        caller has it."""
         self.response: AnswerResponse | None = None
-        self._client = client
+        self._answer = answer
         self._request = request
         self._config = config
         self._leader = LeaderSegments()
@@ -63,9 +95,7 @@ class SegmentStream:
         with self._lock:
             if self._stopped:
                 raise Cancelled("the stream was stopped")
-            self._task = asyncio.ensure_future(
-                self._client.run(self._request, on_step, self._config)
-            )
+            self._task = asyncio.ensure_future(self._answer(self._request, on_step, self._config))
             return self._task
 
     def __iter__(self) -> Generator[SegmentEvent, None, None]:
@@ -127,12 +157,3 @@ class SegmentStream:
             self.response = item.response
             return None
         return item  # type: ignore[return-value]
-
-
-def answer_blocking(client: AnswerClient, request: AnswerRequest) -> AnswerResponse:
-    """`client`'s answer to `request`, blocking this thread (which may run a loop of its own)."""
-    stream = SegmentStream(client, request)
-    for _ in stream:
-        pass
-    assert stream.response is not None  # set once the iteration ends
-    return stream.response

@@ -31,6 +31,7 @@ from selfrag.schemas.answer import AnswerRequest, AnswerResponse, SegmentOut
 from selfrag.schemas.decoding import DecodingConfig, DecodingOverrides
 from selfrag.schemas.errors import AnswerError, Cancelled, DeadlineExceeded, Unprocessable
 from selfrag.schemas.events import SegmentEvent
+from selfrag.schemas.retrieval import RetrieveRequest
 from selfrag.schemas.settings import Settings
 
 log = logging.getLogger("selfrag.answering")
@@ -294,17 +295,42 @@ class AnswerPath:
 
     def settle(self, config: DecodingConfig, facts: CritiqueFacts | None = None) -> DecodingConfig:
         """`config` as it is decoded and keyed: its critique source resolved to the concrete
-        one (`auto` to native, learned or likelihood) and its unset filters filled
-        (`pipeline.critics.filters.settle_filters`), by `facts` (else the path's own). A source
-        this model cannot run is `Unprocessable`. A settled config settles to itself."""
-        facts = facts if facts is not None else self._facts
-        if facts is None:
-            raise ValueError("AnswerPath.settle needs the deployment's CritiqueFacts")
+        one (`resolve`) and its unset filters filled with what was calibrated for that source
+        on the served collection, else off (`pipeline.critics.filters.settle_filters`), by
+        `facts` (else the path's own; `LocalRuntime`'s calibrate a missing threshold on first
+        use there). A settled config settles to itself. Every answer's config is settled here,
+        whichever client answers it."""
+        facts = self._facts_or(facts)
+        name = self.resolve(config, facts).critique
+        return settle_filters(config, name, facts.calibrated_filters(name))
+
+    def resolve(self, config: DecodingConfig, facts: CritiqueFacts | None = None) -> DecodingConfig:
+        """`config` with its critique source the concrete one it stands for on this model
+        (`auto` to native, learned or likelihood), by `facts` (else the path's own); its
+        filters as they are. A source this model cannot run is `Unprocessable`."""
+        facts = self._facts_or(facts)
         try:
             name = facts.critique_name(config.critique)
         except CritiqueUnavailable as exc:
             raise Unprocessable(str(exc)) from exc
-        return settle_filters(config, name, facts.calibrated_filters(name))
+        return config if name == config.critique else config.model_copy(update={"critique": name})
+
+    def retrieval(
+        self, request: RetrieveRequest, facts: CritiqueFacts | None = None
+    ) -> DecodingConfig:
+        """The config a retrieval is read with: its `top_k` and `critique` over the defaults,
+        the source resolved (`resolve`); no filter applies to a retrieval, so none is filled
+        (and no threshold is calibrated for it)."""
+        dials = DecodingOverrides.model_validate(
+            {"top_k": request.top_k, "critique": request.critique}
+        )
+        return self.resolve(self.dials(dials), facts)
+
+    def _facts_or(self, facts: CritiqueFacts | None) -> CritiqueFacts:
+        facts = facts if facts is not None else self._facts
+        if facts is None:
+            raise ValueError("settling a config needs the deployment's CritiqueFacts")
+        return facts
 
     def dials(self, overrides: DecodingOverrides) -> DecodingConfig:
         """The defaults under `overrides` (a request's or a command's dials), not settled."""

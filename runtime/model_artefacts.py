@@ -25,6 +25,7 @@ from selfrag.pipeline.critics.factory import auto_source
 from selfrag.pipeline.critics.verify import verified_support_id
 from selfrag.pipeline.heads import HeadsError, ReflectionHeads
 from selfrag.pipeline.scoring import SUPPORT_THRESHOLD_SCORE
+from selfrag.schemas.decoding import CRITIQUE_SOURCES
 from selfrag.schemas.settings import ModelSettings, Settings
 
 if TYPE_CHECKING:  # heavy modules (llama.cpp) load only when the engine is built
@@ -35,9 +36,6 @@ if TYPE_CHECKING:  # heavy modules (llama.cpp) load only when the engine is buil
     from selfrag.runtime.calibrated import CalibratedDefaults
 
 log = logging.getLogger(__name__)
-# The critique sources (all but `auto`): each may have an answerability model (part of the
-# model's cache identity) and a calibrated support threshold (part of a settled config).
-CRITIQUE_SOURCES = ("learned", "likelihood", "prompted", "native")
 
 
 def model_artefacts(

@@ -12,11 +12,13 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, TypeVar
 
+from selfrag.infra.home_identity import home_id
 from selfrag.pipeline.protocols import Passage
 from selfrag.runtime.model_artefacts import open_embedder
 from selfrag.runtime.system import open_store
 from selfrag.schemas.documents import DocumentInfo, Removal
 from selfrag.schemas.errors import DependencyDown, Misconfigured
+from selfrag.schemas.health import ServedIndex
 from selfrag.schemas.settings import Settings
 
 if TYPE_CHECKING:
@@ -156,6 +158,12 @@ class PassageService:
             return self._store().ready()
         except (DependencyDown, Misconfigured):
             return False
+
+    def served(self) -> ServedIndex:
+        """The home and collection this store is of."""
+        return ServedIndex(
+            home_id=home_id(self._settings.home), collection=self._settings.retrieval.collection
+        )
 
     def count(self) -> int:
         """Passages in the index."""

@@ -10,7 +10,7 @@ import re
 import threading
 from collections.abc import Mapping
 from functools import cached_property
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from selfrag.infra.lifecycle import Closeable
 from selfrag.pipeline.critics import Critic, make_critic, with_answerability
@@ -36,6 +36,16 @@ if TYPE_CHECKING:  # heavy modules (llama.cpp, Qdrant) load only when a componen
     from selfrag.infra.store.qdrant_store import QdrantStore
 
 
+class FirstUseCalibration(Protocol):
+    """What calibrates a support threshold the first time a runtime settles a request for a
+    critique source without one (`jobs.first_use.calibrate_on_first_use`)."""
+
+    def __call__(self, runtime: LocalRuntime, critique: str) -> bool:
+        """Calibrate the threshold of `critique` on `runtime`'s collection if it has none and
+        the settings allow it; whether one was written."""
+        ...
+
+
 def open_store(settings: Settings, embedder: SentenceEmbedder) -> QdrantStore:
     """The passage store of `settings`, searched with `embedder`: where every process opens
     one (`LocalRuntime.store`, `PassageService`)."""
@@ -48,15 +58,28 @@ class LocalRuntime(Closeable):
     """The parts of Self-RAG in this process (model, store, critics, decoder parts, answer
     path), built lazily from the settings. Thread-safe; the engine serialises its own calls."""
 
-    def __init__(self, settings: Settings, *, layer_tap: bool | None = None) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        layer_tap: bool | None = None,
+        first_use: FirstUseCalibration | None = None,
+    ) -> None:
         """`layer_tap`: whether the engine can read middle layers; None: when an answerability
-        model of the model file reads one (`model_artefacts`)."""
+        model of the model file reads one (`model_artefacts`). `first_use`: what calibrates a
+        missing support threshold when a request first settles for its critique source, in a
+        process that owns the store (the Python API, the CLI, batch and evaluation drivers);
+        None: a missing one leaves the filter off (Serve's replicas, which only read)."""
         self.settings = settings
         self._layer_tap = layer_tap
         settings.home.mkdir(parents=True, exist_ok=True)
         self._critics: dict[str, Critic] = {}
         self._lock = threading.Lock()
         self._siblings: dict[str, LocalRuntime] = {}
+        self._first_use = first_use
+        # Re-entrant: the calibration's own settling must not start it again.
+        self._first_use_lock = threading.RLock()
+        self._first_use_tried: set[str] = set()
 
     # --- components -----------------------------------------------------------------------------
 
@@ -113,8 +136,25 @@ class LocalRuntime(Closeable):
 
     def calibrated_filters(self, critique: str) -> dict[str, object]:
         """The filter defaults calibrated on the served collection for the critique source
-        `critique` (`selfrag calibrate`); none for a model without a file to key them by."""
+        `critique` (`selfrag calibrate`, or on first use here); none for a model without a
+        file to key them by."""
+        self._calibrate_on_first_use(critique)
         return self.model.calibrated_filters(self.calibrated, critique)
+
+    def _calibrate_on_first_use(self, critique: str) -> None:
+        """`first_use` for `critique`, once per runtime and source; other threads settling
+        meanwhile wait for it, so none answers with the filter off while it runs."""
+        if self._first_use is None:
+            return
+        with self._first_use_lock:
+            if critique in self._first_use_tried:
+                return
+            self._first_use_tried.add(critique)
+            try:
+                self._first_use(self, critique)
+            except BaseException:
+                self._first_use_tried.discard(critique)  # the next request tries again
+                raise
 
     def critique_name(self, source: str) -> str:
         """The concrete critique source `source` stands for on this model: `auto` as the model
@@ -195,7 +235,10 @@ class CollectionRuntime(LocalRuntime):
                 "64 at most, starting with a letter or digit"
             )
         retrieval = parent.settings.retrieval.model_copy(update={"collection": collection})
-        super().__init__(parent.settings.model_copy(update={"retrieval": retrieval}))
+        super().__init__(
+            parent.settings.model_copy(update={"retrieval": retrieval}),
+            first_use=parent._first_use,
+        )
         self._parent = parent
         self._critics = parent._critics
         self._lock = parent._lock

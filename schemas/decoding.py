@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, create_model
 from pydantic.fields import FieldInfo
 
 RetrievalMode = Literal["adaptive", "always", "never"]
 CritiqueSource = Literal["auto", "native", "learned", "prompted", "likelihood"]
+CRITIQUE_SOURCES: tuple[str, ...] = tuple(s for s in get_args(CritiqueSource) if s != "auto")
+"""The concrete critique sources (all but `auto`, which stands for one of them)."""
 SupportLevel = Literal["none", "partial", "full"]
 UnsupportedPolicy = Literal["abstain", "no_retrieval"]
 SegmentRetrieval = Literal["answer", "part", "missing", "static"]

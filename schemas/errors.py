@@ -80,6 +80,24 @@ class Misconfigured(AnswerError):
     status = 500
 
 
+def error_of_kind(kind: object, detail: object) -> AnswerError | None:
+    """The `AnswerError` an error body or record of `kind` stands for (its detail as text),
+    or None when `kind` is not one of `ErrorKind` (an HTTP-level refusal)."""
+    kinds: tuple[type[AnswerError], ...] = (
+        Unprocessable,
+        Overloaded,
+        DependencyDown,
+        DeadlineExceeded,
+        Cancelled,
+        Misconfigured,
+        AnswerError,
+    )
+    for error in kinds:
+        if error.kind == kind:
+            return error(detail if isinstance(detail, str) else str(detail))
+    return None
+
+
 class ErrorBody(BaseModel):
     """The JSON body of every HTTP error, and the `error` of a failed batch or eval record."""
 

@@ -10,17 +10,12 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from selfrag.schemas.decoding import CRITIQUE_SOURCES, DecodingConfig
 from selfrag.schemas.errors import ErrorKind
 
-SYSTEMS = (
-    "closed-book",
-    "vanilla-rag",
-    "vanilla-rag-long",
-    "selfrag-prompted",
-    "selfrag-likelihood",
-    "selfrag-learned",
-    "selfrag-native",
-)
+BASELINES = ("closed-book", "vanilla-rag", "vanilla-rag-long")
+"""The systems Self-RAG is compared with (`pipeline.evaluation.baselines`)."""
+SYSTEMS = (*BASELINES, *(f"selfrag-{source}" for source in CRITIQUE_SOURCES))
 """The QA systems `selfrag eval` runs (`EvalRecord.system`)."""
 DEFAULT_SYSTEMS = ("closed-book", "vanilla-rag", "selfrag-likelihood", "selfrag-learned")
 DEFAULT_LONGFORM_SYSTEMS = (
@@ -107,6 +102,12 @@ class EvalRecord(BaseModel):
         None,
         description="Higher means answer: the quantity the system abstains by "
         "(jobs/evaluation/abstention.py); None ranks below every score.",
+    )
+    support: float | None = Field(
+        None, description="The support that decided abstention (`AnswerResponse.support`)."
+    )
+    config: DecodingConfig | None = Field(
+        None, description="The config the answer was made with (Self-RAG's: settled)."
     )
     units: list[EvalUnit] | None = Field(
         None, description="Long-form questions only: the answer's units and their citations."

@@ -130,3 +130,21 @@ def redis_url(redis_server: tuple[str, RedisProcess | None]) -> str:
         proc.start()
     redis.Redis.from_url(url).flushdb()
     return url
+
+
+@pytest.fixture(scope="module")
+def ray_local() -> Iterator[None]:
+    """A private Ray instance for this module's Ray Data runs (or the one already started in
+    this process); a `selfrag serve` child starts its own."""
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    import ray
+
+    started = not ray.is_initialized()
+    if started:
+        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        yield
+    finally:
+        if started:
+            ray.shutdown()

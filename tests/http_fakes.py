@@ -18,6 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from selfrag.actors.http.metrics import Metrics
 from selfrag.pipeline.decoder import StepListener
 from selfrag.pipeline.ranking import Hypothesis
+from selfrag.runtime.answer_client import AnswerClientBase
 from selfrag.runtime.answering import Answer
 from selfrag.schemas.answer import (
     AnswerRequest,
@@ -28,7 +29,12 @@ from selfrag.schemas.answer import (
     Usage,
 )
 from selfrag.schemas.decoding import DecodingConfig
+from selfrag.schemas.health import Health, ServedIndex
+from selfrag.schemas.retrieval import RankedPassage, RetrieveRequest
 from tests.redis_proc import free_port
+
+SERVED = ServedIndex(home_id="0" * 32, collection="passages")
+"""What `FakeService` says it serves."""
 
 
 def _segment(text: str, pid: str | None) -> SegmentOut:
@@ -67,9 +73,10 @@ def scripted_response(question: str, config: DecodingConfig) -> AnswerResponse:
 
 
 @dataclass
-class FakeService:
+class FakeService(AnswerClientBase):
     """Answers from a script after `delay_s`; `fail` raises instead; records the requests
-    it saw. `ready_error` makes the readiness check itself fail."""
+    it saw. `ready_error` makes the readiness check itself fail. Retrieves passage p1 (and
+    records the request)."""
 
     fail: Exception | None = None
     delay_s: float = 0.0
@@ -84,12 +91,22 @@ class FakeService:
     scrapes: int = 0
     script: Callable[[str, DecodingConfig], AnswerResponse] = scripted_response
     """What the answer is (its segments are also the steps streamed)."""
+    served: ServedIndex | None = SERVED
+    retrieved: list[RetrieveRequest] = field(default_factory=list)
 
-    def config(self, request: AnswerRequest) -> DecodingConfig:
+    async def aconfig(self, request: AnswerRequest) -> DecodingConfig:
         config = request.config.apply_to(DecodingConfig())
         return config if request.max_tokens is None else config.within_tokens(request.max_tokens)
 
-    async def run(
+    async def aretrieve(self, request: RetrieveRequest) -> list[RankedPassage]:
+        self.retrieved.append(request)
+        if self.fail is not None:
+            raise self.fail
+        s_rel = 0.9 if request.order == "relevance" else None
+        passage = RankedPassage(id="p1", title="T", text="Rollo founded Normandy.", score=0.9)
+        return [passage.model_copy(update={"s_rel": s_rel})]
+
+    async def aanswer(
         self,
         request: AnswerRequest,
         on_step: StepListener | None = None,
@@ -100,7 +117,7 @@ class FakeService:
         await asyncio.sleep(self.delay_s)
         if self.fail is not None:
             raise self.fail
-        r = self.script(request.question, config or self.config(request))
+        r = self.script(request.question, config or await self.aconfig(request))
         if on_step is not None:
             # Steps come from a worker thread in the real service.
             def steps() -> None:
@@ -116,10 +133,10 @@ class FakeService:
         """The leading hypothesis at each step: the first segment, then the whole answer."""
         return [Hypothesis(segments=(segments[0],)), Hypothesis(segments=tuple(segments))]
 
-    async def readiness(self) -> dict[str, bool]:
+    async def health(self) -> Health:
         if self.ready_error is not None:
             raise self.ready_error
-        return dict(self.ready)
+        return Health.of(self.ready, self.served)
 
     async def collect_metrics(self) -> None:
         """Counts the scrapes: `/metrics` asks first."""
@@ -134,14 +151,14 @@ class HangingService(FakeService):
         super().__init__()
         self.cancelled = threading.Event()
 
-    async def run(
+    async def aanswer(
         self,
         request: AnswerRequest,
         on_step: StepListener | None = None,
         config: DecodingConfig | None = None,
     ) -> Answer:
         self.seen.append(request)
-        r = self.script(request.question, config or self.config(request))
+        r = self.script(request.question, config or await self.aconfig(request))
         try:
             if on_step is not None:
                 await asyncio.to_thread(on_step, Hypothesis(segments=(r.segments[0],)))

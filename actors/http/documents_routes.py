@@ -37,8 +37,10 @@ def add_document_routes(
         if not keys_set:
             raise HTTPException(
                 403,
-                "removing documents over HTTP needs an API key: start the server with "
-                "SELFRAG_API_KEYS set, or use `selfrag docs rm` on the server's machine",
+                "removing documents over HTTP needs an API key: restart the server with "
+                "SELFRAG_API_KEYS set and send one of them (`selfrag docs rm` sends "
+                "SELFRAG_API_KEY, else the first of SELFRAG_API_KEYS), or stop the server and "
+                "run `selfrag docs rm` on its home, which then opens the index itself",
             )
         removal = await service.remove([ref])
         if removal.unmatched:

@@ -1,6 +1,7 @@
-"""What keeps a web page, a rebound DNS name or a flood of probes from using the HTTP API:
-the JSON content type on every POST, the Host check of a loopback server, and the readiness
-check shared by every caller within a second.
+"""What keeps a web page, a rebound DNS name, a flood of probes or a command meant for another
+home from using the HTTP API: the JSON content type on every POST, the Host check of a loopback
+server, the readiness check shared by every caller within a second, and the check that a
+request naming a home reaches a server of that home.
 
 A browser sends a cross-site POST without asking first (no CORS preflight) only when its
 Content-Type is `text/plain`, `multipart/form-data` or `application/x-www-form-urlencoded`;
@@ -19,6 +20,8 @@ from fastapi import Request
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from selfrag.infra.settings_loader import is_loopback
+from selfrag.schemas.errors import DependencyDown
+from selfrag.schemas.health import COLLECTION_HEADER, HOME_HEADER, Health
 
 JSON_MEDIA_TYPE = "application/json"
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
@@ -93,17 +96,17 @@ class SharedReadiness:
     fan-out to the dependencies per `ttl_s`. A failed check is shared the same way."""
 
     def __init__(
-        self, check: Callable[[], Awaitable[dict[str, bool]]], ttl_s: float = READINESS_TTL_S
+        self, check: Callable[[], Awaitable[Health]], ttl_s: float = READINESS_TTL_S
     ) -> None:
         self._check = check
         self._ttl_s = ttl_s
-        self._running: asyncio.Task[dict[str, bool]] | None = None
+        self._running: asyncio.Task[Health] | None = None
         # (time.monotonic() when it ended, its result or its exception)
-        self._last: tuple[float, dict[str, bool] | BaseException] | None = None
+        self._last: tuple[float, Health | BaseException] | None = None
         self.runs = 0
         """Checks run so far."""
 
-    async def __call__(self) -> dict[str, bool]:
+    async def __call__(self) -> Health:
         if self._last is not None and time.monotonic() - self._last[0] < self._ttl_s:
             outcome = self._last[1]
         else:
@@ -111,9 +114,9 @@ class SharedReadiness:
         if isinstance(outcome, BaseException):
             # A new exception each time: re-raising one object would grow its traceback.
             raise ReadinessFailed("the readiness check failed") from outcome
-        return dict(outcome)
+        return outcome  # frozen: shared as it is
 
-    async def _shared_run(self) -> dict[str, bool] | BaseException:
+    async def _shared_run(self) -> Health | BaseException:
         loop = asyncio.get_running_loop()
         task = self._running
         if task is None or task.get_loop() is not loop:  # a test client's loop may be gone
@@ -130,10 +133,42 @@ class SharedReadiness:
         except Exception as exc:
             return exc
 
-    def _finished(self, task: asyncio.Task[dict[str, bool]]) -> None:
+    def _finished(self, task: asyncio.Task[Health]) -> None:
         if self._running is task:
             self._running = None
         if task.cancelled():
             return
         exc = task.exception()
         self._last = (time.monotonic(), exc if exc is not None else task.result())
+
+
+def served_check(readiness: SharedReadiness) -> Callable[[Request], Awaitable[None]]:
+    """A FastAPI dependency: a request that names a home (`X-Selfrag-Home`, its id) or a
+    collection (`X-Selfrag-Collection`) this server does not serve is refused (409) before
+    anything is done for it, so a command meant for one home never reads or changes another;
+    503 while the server cannot tell what it serves. A request naming neither passes."""
+
+    async def require_served(request: Request) -> None:
+        home = request.headers.get(HOME_HEADER)
+        collection = request.headers.get(COLLECTION_HEADER)
+        if not home and not collection:
+            return
+        try:
+            served = (await readiness()).served
+        except ReadinessFailed:
+            served = None
+        if served is None:
+            raise DependencyDown("this server cannot tell which home it serves now; retry later")
+        if (home and home != served.home_id) or (collection and collection != served.collection):
+            named = ", ".join(
+                f"{what} {_shown(value)}"
+                for what, value in (("home id", home), ("collection", collection))
+                if value
+            )
+            raise StarletteHTTPException(
+                409,
+                f"this server serves the collection {served.collection!r} of the home with id "
+                f"{served.home_id}, not the request's ({named}): nothing was done",
+            )
+
+    return require_served

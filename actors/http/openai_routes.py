@@ -107,7 +107,7 @@ class _Routes:
     async def answer_one(self, request: Request, body: AnswerRequest) -> AnswerResponse:
         started, rid = time.perf_counter(), request_id(request)
         try:
-            result = await self.service.run(body)
+            result = await self.service.aanswer(body)
         except AnswerError as exc:
             self.log_answer(body.question, exc.status, started, rid)
             raise from_answer_error(exc, rid, self.retry_after_s) from exc
@@ -123,7 +123,7 @@ class _Routes:
         completion_id: str,
     ) -> Response:
         try:
-            config = self.service.config(body)
+            config = await self.service.aconfig(body)
         except AnswerError as exc:
             raise from_answer_error(exc, request_id(request), self.retry_after_s) from exc
         fmt = OpenAIStreamFormat(

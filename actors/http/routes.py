@@ -1,14 +1,18 @@
 """The HTTP API as a FastAPI app around an answer client (`runtime.answer_client.AnswerClient`:
 in this process, or through Ray Serve's deployments); no Ray here, so it tests quickly.
 
-Routes: `POST /v1/answer`, `POST /v1/answer/stream` (server-sent events), `GET /healthz` (and
-`GET /health`, the name vLLM uses),
-`GET /readyz`, `GET /metrics`, the playground page at `GET /` (actors/http/playground.py), the
-OpenAI-compatible `/v1/models`, `/v1/chat/completions` and `/v1/completions`
-(actors/http/openai_routes.py), and the OpenAPI document at `/openapi.json` (no `/docs`: FastAPI's
-Swagger UI loads its scripts from a CDN, which would run on the playground's origin).
-Every POST needs `Content-Type: application/json` (415), and a server bound to loopback
-answers only requests that name it in `Host` (421; actors/http/guards.py).
+Routes: `POST /v1/answer`, `POST /v1/answer/stream` (server-sent events), `POST /v1/config` (a
+request's settled config), `POST /v1/retrieve` (passages ranked by s_rel, no drafting),
+`GET /healthz` (and `GET /health`, the name vLLM uses), `GET /readyz` (readiness, and the home
+and collection served), `GET /metrics`, the playground page at `GET /`
+(actors/http/playground.py), the OpenAI-compatible `/v1/models`, `/v1/chat/completions` and
+`/v1/completions` (actors/http/openai_routes.py), and the OpenAPI document at `/openapi.json`
+(no `/docs`: FastAPI's Swagger UI loads its scripts from a CDN, which would run on the
+playground's origin).
+Every POST needs `Content-Type: application/json` (415), a server bound to loopback
+answers only requests that name it in `Host` (421), and a request naming a home or collection
+(`X-Selfrag-Home`, `X-Selfrag-Collection`) that this server does not serve is refused (409;
+actors/http/guards.py).
 Every error body is `{"error": <slug>, "detail": <text or list>}` (OpenAI's envelope on the
 OpenAI routes); an internal error says only
 `internal error; request id <id>` (and `request_id`), its detail goes to the log under that id.
@@ -30,7 +34,7 @@ from pydantic import SecretStr
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from selfrag.actors.http.documents_routes import DocumentService, add_document_routes
-from selfrag.actors.http.guards import HostCheck, SharedReadiness, require_json
+from selfrag.actors.http.guards import HostCheck, SharedReadiness, require_json, served_check
 from selfrag.actors.http.metrics import Metrics
 from selfrag.actors.http.openai_routes import add_openai_routes
 from selfrag.actors.http.playground import add_playground
@@ -45,7 +49,10 @@ from selfrag.actors.http.streaming import (
 )
 from selfrag.runtime.answer_client import AnswerClient, LocalAnswerClient
 from selfrag.schemas.answer import AnswerRequest, AnswerResponse
+from selfrag.schemas.decoding import DecodingConfig
 from selfrag.schemas.errors import AnswerError, ErrorBody
+from selfrag.schemas.health import Health
+from selfrag.schemas.retrieval import RetrieveRequest, RetrieveResponse
 
 log = logging.getLogger("selfrag.http")
 
@@ -71,6 +78,7 @@ ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     for status, description in (
         (401, "missing or invalid API key"),
         (413, "request body too large"),
+        (409, "the request names a home or collection this server does not serve"),
         (415, "the body is not declared application/json"),
         (422, "invalid request, or one this server cannot answer as configured"),
         (500, "internal error or misconfigured deployment"),
@@ -115,6 +123,7 @@ class _Failures:
                 401: "unauthorized",
                 404: "not_found",
                 405: "method_not_allowed",
+                409: "wrong_home",
                 413: "payload_too_large",
                 415: "unsupported_media_type",
             }.get(exc.status_code, "http_error")
@@ -197,7 +206,8 @@ def build_http_app(
 ) -> FastAPI:
     """The FastAPI app. With `api_keys`, `/v1/*` and `/metrics` need one of them as
     `Authorization: Bearer <key>` or `X-API-Key: <key>`; probes, the OpenAPI document and
-    the playground page stay open. Every POST needs `Content-Type: application/json` (415).
+    the playground page stay open. Every POST needs `Content-Type: application/json` (415);
+    a request naming another home or collection than `service` serves is refused (409).
     When `bind_host` (the address the server listens on) is loopback, a request whose
     `Host` names neither loopback, `bind_host` nor one of `allowed_hosts` gets 421.
     `/readyz` reuses one check's result for `readiness_ttl_s` seconds.
@@ -212,9 +222,9 @@ def build_http_app(
     log_answer = AnswerLog(log_questions)
     host_check = HostCheck.for_bind(bind_host, allowed_hosts)
     app = _app_with_edge(title, metrics, failures, max_body_bytes, host_check, request_id_header)
-    authed = [Depends(api_key_check(api_keys))]
+    readiness = SharedReadiness(service.health, readiness_ttl_s)
+    authed = [Depends(api_key_check(api_keys)), Depends(served_check(readiness))]
     posted = [*authed, Depends(require_json)]
-    readiness = SharedReadiness(service.readiness, readiness_ttl_s)
 
     _add_answer_routes(app, service, metrics, failures, log_answer, posted, keepalive_s)
     _add_probe_routes(app, service, metrics, failures, readiness, authed)
@@ -263,13 +273,35 @@ def _add_answer_routes(
         started = time.perf_counter()
         rid = request_id(request)
         try:
-            result = await service.run(body)
+            result = await service.aanswer(body)
         except AnswerError as exc:
             log_answer(body.question, exc.status, started, rid)
             raise
         log_answer(body.question, 200, started, rid)
         response.headers["X-Cache"] = result.cache
         return result.response
+
+    @app.post(
+        "/v1/config", response_model=DecodingConfig, dependencies=posted, responses=ERROR_RESPONSES
+    )
+    async def config(body: AnswerRequest) -> DecodingConfig:
+        """The config this request would be answered with: its dials over the server's
+        defaults, the critique source resolved and every filter filled (with the support
+        threshold calibrated for the model, critique source and collection). Nothing is
+        answered."""
+        return await service.aconfig(body)
+
+    @app.post(
+        "/v1/retrieve",
+        response_model=RetrieveResponse,
+        dependencies=posted,
+        responses=ERROR_RESPONSES,
+    )
+    async def retrieve(body: RetrieveRequest) -> RetrieveResponse:
+        """The store's `top_k` passages for the query, most relevant first by the critique's
+        relevance read (s_rel), or in the store's order (`order: retriever`); no answer is
+        drafted."""
+        return RetrieveResponse(passages=await service.aretrieve(body))
 
     @app.post(
         "/v1/answer/stream",
@@ -311,23 +343,23 @@ def _add_probe_routes(
         """Liveness: the process serves HTTP."""
         return {"status": "ok"}
 
-    @app.get("/readyz")
+    @app.get("/readyz", response_model=Health, responses={503: {"model": Health}})
     async def readyz(request: Request) -> JSONResponse:
-        """Readiness: 200 only when the model, the store and the cache all answer. One check
-        answers every call within a second (concurrent calls share it)."""
+        """Readiness: 200 only when the model, the store and the cache all answer; with the
+        home (its id) and collection served. One check answers every call within a second
+        (concurrent calls share it)."""
         try:
-            checks = await readiness()
+            health = await readiness()
         except Exception as exc:
             rid = request_id(request)
             log.warning("readiness check failed; request id %s", rid, exc_info=exc)
             return error_response(
                 503, "not_ready", f"readiness check failed; request id {rid}", failures.retry_after
             )
-        ready = all(checks.values())
         return JSONResponse(
-            {"ready": ready, "checks": checks},
-            status_code=200 if ready else 503,
-            headers=None if ready else failures.retry_after,
+            health.model_dump(mode="json"),
+            status_code=200 if health.ready else 503,
+            headers=None if health.ready else failures.retry_after,
         )
 
     @app.get("/metrics", dependencies=authed, response_class=PlainTextResponse)

@@ -1,5 +1,5 @@
-"""The answer client of the Serve ingress: the CLI's `BeamDecoder`, reaching the other
-deployments through proxies.
+"""The answer client of the Serve ingress (`ServeAnswerService`): the CLI's `BeamDecoder`,
+reaching the other deployments through proxies.
 
 The decoder is synchronous, so each answer runs in a worker thread; the proxies block on
 `handle.method.remote(...).result(timeout_s=...)` there while the replica's event loop keeps
@@ -32,7 +32,12 @@ from selfrag.actors.http.deployment_calls import (
 )
 from selfrag.actors.http.metrics import Metrics
 from selfrag.pipeline.decoder import StepListener
-from selfrag.runtime.answer_client import probe, query_cache_ready, report_cache_counters
+from selfrag.runtime.answer_client import (
+    AnswerClientBase,
+    probe,
+    query_cache_ready,
+    report_cache_counters,
+)
 from selfrag.runtime.answering import (
     Answer,
     AnswerPath,
@@ -41,6 +46,7 @@ from selfrag.runtime.answering import (
     KnownCritique,
 )
 from selfrag.runtime.assembly import DecoderParts
+from selfrag.runtime.relevance import ranked_passages
 from selfrag.runtime.remote_retriever import RemoteRetriever
 from selfrag.schemas.answer import AnswerRequest, AnswerResponse
 from selfrag.schemas.decoding import DecodingConfig
@@ -52,6 +58,8 @@ from selfrag.schemas.errors import (
     Overloaded,
     Unprocessable,
 )
+from selfrag.schemas.health import Health, ServedIndex
+from selfrag.schemas.retrieval import RankedPassage, RetrieveRequest
 
 log = logging.getLogger("selfrag.service")
 
@@ -149,9 +157,10 @@ class _Admission:
         self._count.give_back()
 
 
-class ServeAnswerService:
+class ServeAnswerService(AnswerClientBase):
     """`runtime.answer_client.AnswerClient` over deployment handles: the answer path
-    (`AnswerPath`: defaults, query cache, deadline, error kinds) decoding through the pool."""
+    (`AnswerPath`: settled config, query cache, deadline, error kinds) decoding through the
+    pool, settling with the pool's critique facts (fetched once per source)."""
 
     def __init__(
         self,
@@ -190,6 +199,7 @@ class ServeAnswerService:
         self._index_version_ttl_s = index_version_ttl_s
         # (version, time.monotonic() when read); a hit needs no Retriever call while it is fresh.
         self._index_version: tuple[str, float] | None = None
+        self._served: ServedIndex | None = None
 
     @property
     def inflight(self) -> int:
@@ -205,13 +215,20 @@ class ServeAnswerService:
 
     # --- answering -------------------------------------------------------------------------------
 
-    def config(self, request: AnswerRequest) -> DecodingConfig:
-        """The config of `request` before it is settled (`AnswerPath.requested`): its critique
-        source resolved and filters filled only in `run`, with the pool's facts."""
+    async def aconfig(self, request: AnswerRequest) -> DecodingConfig:
+        """The settled config of `request` (`AnswerPath.requested`, then `settle` with the
+        pool's facts)."""
         self._check_collection(request)
-        return self._path.requested(request)
+        with service_errors():
+            return await self._settled(self._path.requested(request))
 
-    def _check_collection(self, request: AnswerRequest) -> None:
+    async def _settled(self, config: DecodingConfig) -> DecodingConfig:
+        """`config` settled with the pool's facts of its critique source."""
+        name = await self._get_critic_name(config.critique)
+        calibrated = await self._get_calibrated(name)
+        return self._path.settle(config, KnownCritique(config.critique, name, calibrated))
+
+    def _check_collection(self, request: AnswerRequest | RetrieveRequest) -> None:
         """A server answers from the one collection its Retriever serves: another is a 422."""
         if request.collection not in (None, self._collection):
             raise Unprocessable(
@@ -220,7 +237,7 @@ class ServeAnswerService:
                 "use the CLI or the Python API, which answer from any collection of the home)"
             )
 
-    async def run(
+    async def aanswer(
         self,
         request: AnswerRequest,
         on_step: StepListener | None = None,
@@ -258,10 +275,7 @@ class ServeAnswerService:
         try:
             async with asyncio.timeout_at(loop.time() + config.timeout_s):
                 model_id = await self._get_model_id()
-                critic_name = await self._get_critic_name(config.critique)
-                calibrated = await self._get_calibrated(critic_name)
-                facts = KnownCritique(config.critique, critic_name, calibrated)
-                config = self._path.settle(config, facts)
+                config = await self._settled(config)  # a settled one settles to itself
                 identity: CacheIdentity | None = None
                 if self._cache is not None:
                     identity = CacheIdentity(
@@ -278,7 +292,7 @@ class ServeAnswerService:
                     on_step=on_step,
                 )
                 # The slot stays taken until the thread really ends, even after a 504. It is
-                # freed from that thread: the loop may be gone by then (`answer_blocking` runs
+                # freed from that thread: the loop may be gone by then (a blocking `answer` runs
                 # an answer on a loop of its own, closed once the answer is cancelled).
                 slot.deferred = True
                 future.add_done_callback(lambda _: slot.release())
@@ -349,6 +363,44 @@ class ServeAnswerService:
             )
         return self._calibrated[critic_name]
 
+    # --- retrieval -------------------------------------------------------------------------------
+
+    async def aretrieve(self, request: RetrieveRequest) -> list[RankedPassage]:
+        """The Retriever's passages for the query, read for relevance on the pool (one call
+        each), within the config's `timeout_s`."""
+        self._check_collection(request)
+        source = request.critique or self._path.defaults.critique
+        with service_errors():
+            name = await self._get_critic_name(source)
+        config = self._path.retrieval(request, KnownCritique(source, name, {}))
+        deadline = self._path.deadline(config.timeout_s)
+        try:
+            async with asyncio.timeout(config.timeout_s):
+                future = self._executor.submit(
+                    self._retrieve, request.query, config, request.order == "relevance", deadline
+                )
+                return await asyncio.wrap_future(future)
+        except TimeoutError:
+            deadline.expire()
+            raise DeadlineExceeded(f"no passages within timeout_s={config.timeout_s:g}") from None
+        except asyncio.CancelledError:
+            deadline.cancel()
+            raise
+
+    def _retrieve(
+        self, query: str, config: DecodingConfig, read: bool, deadline: Deadline
+    ) -> list[RankedPassage]:
+        remote = RemoteCalls(deadline, self._metrics)
+        search = RemoteRetriever(functools.partial(remote.call, self._retriever))
+
+        def relevance(branches: object) -> list[object]:
+            return remote.call(  # type: ignore[no-any-return]
+                self._pool, "relevance", config.critique, list(branches), deadline.remaining()
+            )
+
+        with service_errors():
+            return ranked_passages(query, search, config.top_k, relevance if read else None)
+
     # --- probes --------------------------------------------------------------------------------
 
     # --- documents -------------------------------------------------------------------------------
@@ -366,7 +418,7 @@ class ServeAnswerService:
         self._index_version = None
         return removal
 
-    async def readiness(self) -> dict[str, bool]:
+    async def health(self) -> Health:
         async def ready(handle: DeploymentHandle, timeout_s: float) -> bool:
             try:
                 return bool(await asyncio.wait_for(awaited(handle.ready.remote()), timeout_s))
@@ -383,7 +435,20 @@ class ServeAnswerService:
         )
         model = pool and decider
         cache = await probe(functools.partial(query_cache_ready, self._cache), 2.0, "cache")
-        return {"model": model, "store": store, "cache": cache}
+        checks = {"model": model, "store": store, "cache": cache}
+        return Health.of(checks, await self._get_served())
+
+    async def _get_served(self) -> ServedIndex | None:
+        """The home and collection the Retriever serves (asked once); None while it does not
+        answer."""
+        if self._served is None:
+            try:
+                served = await asyncio.wait_for(awaited(self._retriever.served.remote()), 2.0)
+            except Exception as exc:
+                log.warning("the Retriever did not say what it serves: %r", exc)
+                return None
+            self._served = ServedIndex.model_validate(served)
+        return self._served
 
     async def collect_metrics(self) -> None:
         """Before a scrape: the query cache's tier counters, as they are now. (The engine

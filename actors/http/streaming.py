@@ -172,7 +172,7 @@ class AnswerStream:
         body, rid = self._body, self._rid
         started = time.perf_counter()
         try:
-            result = await self._service.run(body, self._on_step, self._config)
+            result = await self._service.aanswer(body, self._on_step, self._config)
             item: tuple[str, Any] = ("answer", result.response)
             self._log_answer(body.question, "200 stream", started, rid)
         except asyncio.CancelledError:

@@ -10,7 +10,7 @@ from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
 from selfrag.pipeline.decoder import StepListener
-from selfrag.runtime.answer_client import AnswerSite, LocalAnswerClient
+from selfrag.runtime.answer_client import AnswerClient, AnswerSite, LocalAnswerClient
 from selfrag.runtime.answering import (
     AnswerPath,
     CacheIdentity,
@@ -18,10 +18,12 @@ from selfrag.runtime.answering import (
 )
 from selfrag.runtime.assembly import DecoderParts
 from selfrag.runtime.merging import MergedCritic
+from selfrag.runtime.relevance import ranked_passages
 from selfrag.runtime.remote_retriever import RemoteRetriever, actor_call
 from selfrag.schemas.answer import AnswerRequest, AnswerResponse
 from selfrag.schemas.decoding import DecodingConfig
 from selfrag.schemas.errors import AnswerError
+from selfrag.schemas.retrieval import RankedPassage, RetrievalOrder
 from selfrag.schemas.settings import Settings
 
 if TYPE_CHECKING:
@@ -53,9 +55,10 @@ class BatchAnswerer:
         self._path = AnswerPath.for_settings(settings, facts=self._rag)
 
     @cached_property
-    def _client(self) -> LocalAnswerClient:
-        """The actor's answer client: the answer path around its merged-critic decode."""
-        site = AnswerSite(self._path, self._decode, self._identity)
+    def _client(self) -> AnswerClient:
+        """The actor's answer client: the answer path around its merged-critic decode (and
+        retrieval on the same store and merged critic)."""
+        site = AnswerSite(self._path, self._decode, self._identity, self._retrieve)
         return LocalAnswerClient(lambda _collection: site)
 
     def __call__(self, batch: dict[str, Any]) -> dict[str, list[str]]:
@@ -104,6 +107,18 @@ class BatchAnswerer:
             return parts.decode(question, config, on_step)
 
         return self._worker.run(config.critique, deadline, decode)
+
+    def _retrieve(
+        self, query: str, config: DecodingConfig, order: RetrievalOrder
+    ) -> list[RankedPassage]:
+        deadline = Deadline(config.timeout_s)
+        store = self._store(deadline)
+
+        def rank(critic: MergedCritic) -> list[RankedPassage]:
+            relevance = critic.relevance if order == "relevance" else None
+            return ranked_passages(query, store, config.top_k, relevance)
+
+        return self._worker.run(config.critique, deadline, rank)
 
 
 def _ok(response: AnswerResponse, cache: str) -> str:

@@ -60,10 +60,11 @@ from selfrag.jobs.batch.batch_records import (
     malformed_record,
     ok_record,
 )
+from selfrag.jobs.first_use import answering_runtime
 from selfrag.jobs.ray_pool import NodeLost, ensure_ray
-from selfrag.runtime.answering import AnswerPath, query_key
+from selfrag.runtime.answer_client import AnswerClient, LocalAnswerClient
+from selfrag.runtime.answering import query_key
 from selfrag.runtime.ray_cluster import shutdown_private_ray
-from selfrag.runtime.system import LocalRuntime
 from selfrag.schemas.answer import AnswerRequest
 from selfrag.schemas.errors import AnswerError
 from selfrag.schemas.settings import Settings
@@ -73,10 +74,10 @@ _T = TypeVar("_T")
 
 
 def plan_jobs(
-    questions: Iterable[BatchQuestion], path: AnswerPath
+    questions: Iterable[BatchQuestion], client: AnswerClient
 ) -> tuple[list[BatchJob], list[dict[str, Any]]]:
-    """Distinct jobs of the valid requests, each with its settled config (`path.config`), and
-    an error record for each request that is invalid or that this model cannot answer."""
+    """Distinct jobs of the valid requests, each with its settled config (`client.config`),
+    and an error record for each request that is invalid or that this model cannot answer."""
     jobs: dict[str, BatchJob] = {}
     errors: list[dict[str, Any]] = []
     for q in questions:
@@ -88,7 +89,7 @@ def plan_jobs(
             errors.append(error_record(q.id, q.question, "invalid", describe_validation_error(exc)))
             continue
         try:
-            config = path.config(request)
+            config = client.config(request)
         except AnswerError as exc:
             errors.append(error_record(q.id, q.question, exc.kind, exc.detail))
             continue
@@ -125,10 +126,12 @@ def run_batch(
         todo, unreadable, summary, superseded = _rows_to_answer(
             source, out, limit, shard, retry_failed
         )
-        with LocalRuntime(settings) as facts:  # reads model files only: no engine here
+        # Settled here, as every answer is (a missing threshold calibrated on first use);
+        # the model files are read, no engine loaded for that alone.
+        with answering_runtime(settings) as here:
             jobs, invalid = plan_jobs(
                 [r for r in todo if isinstance(r, BatchQuestion)],
-                AnswerPath(settings.decoding, facts=facts),
+                LocalAnswerClient.for_runtime(here),
             )
         _answer_into(
             settings,

@@ -18,7 +18,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from tqdm import tqdm
 
@@ -26,14 +26,16 @@ from selfrag.infra.file_lock import open_lines_for_append
 from selfrag.jobs.evaluation.abstention import abstention_score
 from selfrag.jobs.evaluation.eval_questions import EvalError, EvalQuestion
 from selfrag.jobs.evaluation.eval_report import RECORDS_FILE, read_records, write_report
-from selfrag.pipeline.critics import Branch, native_token_ids
+from selfrag.pipeline.critics import Branch, Critic, native_token_ids
 from selfrag.pipeline.evaluation.longform_metrics import Unit, marker_units
 from selfrag.pipeline.evaluation.qa_metrics import contains_answer
+from selfrag.pipeline.protocols import LanguageModel
 from selfrag.pipeline.scoring import retrieval_probability
-from selfrag.runtime.answer_client import LocalAnswerClient
+from selfrag.runtime.answer_client import AnswerClient, ClientPassages
 from selfrag.schemas.answer import AnswerRequest, AnswerResponse
 from selfrag.schemas.decoding import DecodingConfig
 from selfrag.schemas.records import (
+    BASELINES,
     DEFAULT_LONGFORM_SYSTEMS,
     DEFAULT_SYSTEMS,
     SYSTEMS,
@@ -103,10 +105,6 @@ def ensure_indexed(rag: LocalRuntime, corpora: Sequence[Path] | None, progress: 
 # --- running systems --------------------------------------------------------------------------
 
 
-BASELINES = ("closed-book", "vanilla-rag", "vanilla-rag-long")
-"""The systems `pipeline.evaluation.baselines` answers with."""
-
-
 def parse_systems(spec: str | None, questions: Sequence[EvalQuestion] = ()) -> list[str]:
     """The systems `--systems` names; without it the defaults, the long-form ones
     (`vanilla-rag-long` for `vanilla-rag`) when a question lists facts."""
@@ -122,15 +120,38 @@ def parse_systems(spec: str | None, questions: Sequence[EvalQuestion] = ()) -> l
     return list(dict.fromkeys(names))
 
 
+class EvalModel(Protocol):
+    """What an evaluation runs in this process besides its answer client: the engine the
+    baselines generate with, and the critics the p_ret probe reads (`LocalRuntime`)."""
+
+    @property
+    def engine(self) -> LanguageModel: ...
+
+    def critic(self, source: str) -> Critic: ...
+
+
+def system_request(question: str, system: str, config: DecodingConfig) -> AnswerRequest:
+    """What the Self-RAG system `system` (`selfrag-<source>`) asks its answer client: the
+    evaluation's dials, with its critique source; the client settles the rest."""
+    dials = config.model_dump(exclude_none=True) | {"critique": system.removeprefix("selfrag-")}
+    return AnswerRequest.model_validate({"question": question, "config": dials})
+
+
 def runner_for(
-    rag: LocalRuntime, system: str, config: DecodingConfig, probe_p_ret: bool
+    client: AnswerClient,
+    model: EvalModel,
+    system: str,
+    config: DecodingConfig,
+    probe_p_ret: bool,
 ) -> Callable[[EvalQuestion], tuple[AnswerResponse, float | None, int]]:
     """A function answering one question with `system`: (response, first-step p_ret, extra
-    prefill tokens spent on a p_ret probe)."""
+    prefill tokens spent on a p_ret probe). The Self-RAG systems answer through `client`; a
+    baseline generates with `model`'s engine, vanilla RAG from the passages `client`
+    retrieves in the store's order (the ones Self-RAG's first step would read)."""
     from selfrag.pipeline.evaluation.baselines import BaselineAnswerer
 
     if system in BASELINES:
-        baseline = BaselineAnswerer(rag.engine, rag.store)
+        baseline = BaselineAnswerer(model.engine, ClientPassages(client))
         retrieve = system != "closed-book"
         long_form = system == "vanilla-rag-long"
         return lambda q: (
@@ -139,20 +160,18 @@ def runner_for(
             0,
         )
     source = system.removeprefix("selfrag-")
-    if source == "native" and native_token_ids(rag.engine) is None:
+    if source == "native" and native_token_ids(model.engine) is None:
         raise EvalError("selfrag-native needs a Self-RAG checkpoint; this model has no tokens")
-    cfg = rag.answer_path.settle(config.model_copy(update={"critique": source}))
-    client = LocalAnswerClient.for_runtime(rag)
 
     def run(q: EvalQuestion) -> tuple[AnswerResponse, float | None, int]:
         extra = 0
         p_ret: float | None = None
-        if probe_p_ret and cfg.mode != "adaptive":
+        if probe_p_ret and config.mode != "adaptive":
             # The δ curve needs p_ret even when decoding did not ask for it. The likelihood
             # critic caches this closed-book draft and reuses it as the no-retrieval branch.
-            (decision,) = rag.critic(source).retrieval([Branch(q.question, "", None)])
+            (decision,) = model.critic(source).retrieval([Branch(q.question, "", None)])
             p_ret, extra = retrieval_probability(decision.probs), decision.prefill_tokens
-        response = client.answer(AnswerRequest(question=q.question), config=cfg).response
+        response = client.answer(system_request(q.question, system, config)).response
         if p_ret is None and response.segments and response.segments[0].p_ret is not None:
             p_ret = response.segments[0].p_ret
         return response, p_ret, extra
@@ -207,13 +226,16 @@ def make_record(
         evidence_branches=r.usage.evidence_branches,
         branches_pruned=r.usage.branches_pruned,
         abstention_score=abstention_score(system, r),
+        support=r.support,
+        config=r.config,
         units=units,
         passages=passages,
     ).model_dump(mode="json", exclude=None if q.facts else {"units", "passages"})
 
 
 def run_evaluation(
-    rag: LocalRuntime,
+    client: AnswerClient,
+    model: EvalModel,
     questions: Sequence[EvalQuestion],
     systems: Sequence[str],
     out: Path,
@@ -223,8 +245,10 @@ def run_evaluation(
     probe_p_ret: bool = False,
     clock: Callable[[], float] = time.perf_counter,
 ) -> dict[str, Any]:
-    """Answer every question with every system (skipping records already in `out`), then
-    write and return the report."""
+    """Answer every question with every system (skipping records already in `out`): the
+    Self-RAG systems through `client`, the baselines with `model` (`runner_for`); then write
+    and return the report. `config`: the evaluation's dials, not settled (each system's client
+    settles them with its critique source)."""
     out.mkdir(parents=True, exist_ok=True)
     path = out / RECORDS_FILE
     done = {(r["system"], r["id"]) for r in read_records(path)}
@@ -234,7 +258,7 @@ def run_evaluation(
     with open_lines_for_append(path) as sink:
         for system, q in todo:
             if system not in runners:
-                runners[system] = runner_for(rag, system, config, probe_p_ret)
+                runners[system] = runner_for(client, model, system, config, probe_p_ret)
             bar.set_postfix(system=system)
             started = clock()
             response, p_ret, extra = runners[system](q)

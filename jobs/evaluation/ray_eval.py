@@ -14,13 +14,15 @@ from selfrag.jobs.batch.batch_answers import BatchJob, stream_answers
 from selfrag.jobs.batch.batch_records import RecordSink
 from selfrag.jobs.evaluation.eval_questions import EvalQuestion
 from selfrag.jobs.evaluation.eval_report import RECORDS_FILE, read_records
-from selfrag.jobs.evaluation.eval_runner import make_record
+from selfrag.jobs.evaluation.eval_runner import make_record, system_request
+from selfrag.jobs.first_use import answering_runtime
 from selfrag.jobs.ray_pool import ensure_ray
-from selfrag.runtime.answering import AnswerPath, query_key
+from selfrag.runtime.answer_client import LocalAnswerClient
+from selfrag.runtime.answering import query_key
 from selfrag.runtime.ray_cluster import shutdown_private_ray
-from selfrag.runtime.system import LocalRuntime
 from selfrag.schemas.answer import AnswerResponse
 from selfrag.schemas.decoding import DecodingConfig
+from selfrag.schemas.records import BASELINES
 from selfrag.schemas.settings import Settings
 
 
@@ -35,15 +37,14 @@ def _eval_jobs(
     not in `done`, and for each job's key the (system, question) pairs it answers."""
     jobs: dict[str, BatchJob] = {}
     owners: dict[str, list[tuple[str, EvalQuestion]]] = {}
-    with LocalRuntime(settings) as facts:  # reads model files only: no engine here
-        answer_path = AnswerPath(settings.decoding, facts=facts)
-        cfgs = {
-            system: answer_path.settle(
-                config.model_copy(update={"critique": system.removeprefix("selfrag-")})
-            )
-            for system in systems
-            if system.startswith("selfrag-")  # the baselines stay in-process
-        }
+    selfrag = [s for s in systems if s not in BASELINES]  # the baselines stay in-process
+    if not questions or not selfrag:
+        return jobs, owners
+    # Settled as the in-process runner's client settles them (a missing threshold calibrated
+    # on first use); a config does not depend on the question.
+    with answering_runtime(settings) as here:
+        client = LocalAnswerClient.for_runtime(here)
+        cfgs = {s: client.config(system_request(questions[0].question, s, config)) for s in selfrag}
     for system, cfg in cfgs.items():
         for q in questions:
             if (system, q.id) in done:

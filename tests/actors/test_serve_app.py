@@ -152,7 +152,9 @@ def _replica_log_has(deployment: str, needle: str, limit_s: float = 10.0) -> boo
     return False
 
 
-def test_readiness_and_health(api: httpx.Client):
+def test_readiness_and_health(api: httpx.Client, indexed_home: Path):
+    from selfrag.infra.home_identity import home_id
+
     assert api.get("/healthz").json() == {"status": "ok"}
     health = api.get("/health", headers={"X-Request-Id": "probe-1"})
     assert health.json() == {"status": "ok"}
@@ -160,8 +162,39 @@ def test_readiness_and_health(api: httpx.Client):
     assert health.headers.get_list("x-request-id") == ["probe-1"]
     r = api.get("/readyz")
     assert r.status_code == 200, r.text
-    assert r.json() == {"ready": True, "checks": {"model": True, "store": True, "cache": True}}
+    # What is served: the Retriever's home and collection.
+    assert r.json() == {
+        "ready": True,
+        "checks": {"model": True, "store": True, "cache": True},
+        "served": {"home_id": home_id(indexed_home), "collection": "passages"},
+    }
     assert "/v1/answer" in api.get("/openapi.json").json()["paths"]
+    # A request naming another home is refused before anything is done for it.
+    other = api.post(
+        "/v1/answer",
+        json={"question": "Who founded Normandy?", "config": SMALL},
+        headers={"X-Selfrag-Home": "f" * 32},
+    )
+    assert other.status_code == 409 and other.json()["error"] == "wrong_home", other.text
+
+
+def test_retrieval_and_the_settled_config_through_serve(api: httpx.Client):
+    """`/v1/retrieve` reads relevance on the pool and drafts nothing; `/v1/config` is the
+    config an answer gets, settled with the pool's facts (`auto` is the source it stands
+    for, every filter filled)."""
+    question = "Who was the Norse leader who founded Normandy?"
+    r = api.post("/v1/retrieve", json={"query": question, "top_k": 2})
+    assert r.status_code == 200, r.text
+    passages = r.json()["passages"]
+    assert len(passages) == 2 and passages[0]["s_rel"] >= passages[1]["s_rel"]
+    plain = api.post("/v1/retrieve", json={"query": question, "top_k": 2, "order": "retriever"})
+    assert {p["id"] for p in plain.json()["passages"]} == {p["id"] for p in passages}
+    assert all(p["s_rel"] is None for p in plain.json()["passages"])
+    config = api.post("/v1/config", json={"question": question, "config": SMALL})
+    assert config.status_code == 200, config.text
+    answer = api.post("/v1/answer", json={"question": question, "config": SMALL}).json()
+    assert config.json() == answer["config"]
+    assert config.json()["critique"] == "learned" and config.json()["min_support_score"] == 0
 
 
 def test_documents_are_listed_through_serve_and_a_removal_needs_keys(api: httpx.Client):

@@ -28,12 +28,12 @@ from selfrag.integrations.langchain import (
     to_documents,
 )
 from selfrag.integrations.llamaindex import SelfRAGQueryEngine
-from selfrag.integrations.sources import Retrieving, answer_client
+from selfrag.integrations.sources import answer_client
 from selfrag.pipeline.ranking import Hypothesis
 from selfrag.schemas.answer import AnswerResponse, Citation, PassageOut, SegmentOut
 from selfrag.schemas.decoding import DecodingConfig
 from selfrag.schemas.events import SegmentEvent
-from selfrag.schemas.retrieval import RankedPassage
+from selfrag.schemas.retrieval import RankedPassage, RetrieveRequest
 from tests.http_fakes import FakeService, HangingService, scripted_response
 from tests.paths import ROOT
 
@@ -130,38 +130,28 @@ def test_adapters_take_an_answer_client_or_what_holds_one():
 # --- LangChain ------------------------------------------------------------------------------
 
 
+RANKED = [
+    RankedPassage(id="b", title="B", text="Passage b.", score=0.5, s_rel=0.9),
+    RankedPassage(id="a", title="A", url="https://a", text="Passage a.", score=0.7, s_rel=0.4),
+]
+
+
 @dataclass
-class FakeRetriever:
-    """Ranked passages from a list; records (method, query, top_k, critique) of every call."""
+class FakeRetriever(FakeClient):
+    """An answer client retrieving `RANKED`; records (query, top_k, critique) of every
+    retrieval."""
 
-    ranked: list[RankedPassage] = field(
-        default_factory=lambda: [
-            RankedPassage(id="b", title="B", text="Passage b.", score=0.5, s_rel=0.9),
-            RankedPassage(
-                id="a", title="A", url="https://a", text="Passage a.", score=0.7, s_rel=0.4
-            ),
-        ]
-    )
-    calls: list[tuple[str, str, int | None, str | None]] = field(default_factory=list)
+    calls_made: list[tuple[str, int | None, str | None]] = field(default_factory=list)
 
-    def retrieve(
-        self, query: str, *, top_k: int | None = None, critique: str | None = None
-    ) -> list[RankedPassage]:
-        self.calls.append(("retrieve", query, top_k, critique))
-        return self.ranked
-
-    async def aretrieve(
-        self, query: str, *, top_k: int | None = None, critique: str | None = None
-    ) -> list[RankedPassage]:
-        self.calls.append(("aretrieve", query, top_k, critique))
-        return self.ranked
+    async def aretrieve(self, request: RetrieveRequest) -> list[RankedPassage]:
+        self.calls_made.append((request.query, request.top_k, request.critique))
+        return RANKED
 
 
 def test_retriever_only_retrieves_in_relevance_order():
     fake = FakeRetriever()
-    assert isinstance(fake, Retrieving)
-    docs = SelfRAGRetriever(rag=fake, top_k=2, critique="likelihood").invoke("Q?")
-    assert fake.calls == [("retrieve", "Q?", 2, "likelihood")]
+    docs = SelfRAGRetriever(rag=Holder(fake), top_k=2, critique="likelihood").invoke("Q?")
+    assert fake.calls_made == [("Q?", 2, "likelihood")] and fake.seen == []
     assert all(isinstance(d, Document) for d in docs)
     assert [d.id for d in docs] == ["b", "a"]
     assert [d.page_content for d in docs] == ["Passage b.", "Passage a."]
@@ -172,9 +162,11 @@ def test_retriever_only_retrieves_in_relevance_order():
         "score": 0.7,
         "s_rel": 0.4,
     }
-    batched = asyncio.run(SelfRAGRetriever(rag=fake).abatch(["Q1", "Q2"]))
+    batched = asyncio.run(SelfRAGRetriever(client=fake).abatch(["Q1", "Q2"]))
     assert [[d.id for d in ds] for ds in batched] == [["b", "a"]] * 2
-    assert fake.calls[1:] == [("aretrieve", "Q1", None, None), ("aretrieve", "Q2", None, None)]
+    assert sorted(fake.calls_made[1:]) == [("Q1", None, None), ("Q2", None, None)]
+    with pytest.raises(ValueError, match="critique"):
+        SelfRAGRetriever(client=fake, critique="oracle")
 
 
 def test_documents_of_an_answer_list_cited_passages_first_with_their_scores():

@@ -330,6 +330,8 @@ def _fake_rag(
     rag.calibrated = CalibratedDefaults(
         tmp_path, lambda: file_sha256(model), lambda: "fake-fp", collection
     )
+    facts = SimpleNamespace(critique_name=lambda source: source, calibrated_filters=lambda _: {})
+    rag.answer_path = AnswerPath(rag.settings.decoding, facts=facts)
     return rag
 
 
@@ -617,10 +619,10 @@ def test_serve_decodes_with_the_pools_calibrated_threshold() -> None:
     )
     request = AnswerRequest(question="Who founded Normandy?", config={"mode": "always"})
     plain = make_service(pool=Pool(critic))
-    assert not asyncio.run(plain.service.run(request)).response.abstained
+    assert not asyncio.run(plain.service.aanswer(request)).response.abstained
     pool = Pool(critic)
     pool.calibrated = {"min_support_score": 0.52}
-    response = asyncio.run(make_service(pool=pool).service.run(request)).response
+    response = asyncio.run(make_service(pool=pool).service.aanswer(request)).response
     assert response.abstained and response.config.min_support_score == 0.52
 
 

@@ -220,7 +220,7 @@ def test_readiness_fails_a_probe_that_raises() -> None:
         raise ConnectionError("store down")
 
     client = LocalAnswerClient(Home().site, probes={"model": lambda: True, "store": down})
-    checks = asyncio.run(client.readiness())
+    checks = asyncio.run(client.health()).checks
     assert checks == {"model": True, "store": False, "cache": True}
 
 
@@ -257,7 +257,7 @@ def test_a_cancelled_run_stops_its_decode_at_the_next_step() -> None:
     client = LocalAnswerClient(slow.site)
 
     async def cancel_soon() -> None:
-        task = asyncio.create_task(client.run(AnswerRequest(question="Slow?")))
+        task = asyncio.create_task(client.aanswer(AnswerRequest(question="Slow?")))
         await asyncio.sleep(0.1)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
@@ -273,7 +273,7 @@ def test_a_run_past_its_timeout_is_deadline_exceeded_and_stops() -> None:
     client = LocalAnswerClient(slow.site)
     request = AnswerRequest.model_validate({"question": "Slow?", "config": {"timeout_s": 0.2}})
     with pytest.raises(DeadlineExceeded):
-        asyncio.run(client.run(request))
+        asyncio.run(client.aanswer(request))
     assert slow.done.wait(2.0)
     assert isinstance(slow.ended, DeadlineExceeded)
 
@@ -331,7 +331,7 @@ def test_a_run_whose_decode_ends_unaware_of_its_timeout_counts_the_deadline() ->
     client = LocalAnswerClient(lambda _: AnswerSite(path, unaware), events=metrics)
     request = AnswerRequest.model_validate({"question": "Slow?", "config": {"timeout_s": 0.2}})
     with pytest.raises(DeadlineExceeded):
-        asyncio.run(client.run(request))
+        asyncio.run(client.aanswer(request))
     assert finished.wait(2.0)
     assert metric_value(metrics.render(), "selfrag_rejected_total", reason="deadline") == 1.0
 
@@ -347,4 +347,4 @@ def test_query_cache_ready_pings_when_it_can() -> None:
 
     assert query_cache_ready(None) and query_cache_ready(DictCache())
     assert query_cache_ready(Pinged(True)) and not query_cache_ready(Pinged(False))
-    assert asyncio.run(LocalAnswerClient(Home().site).readiness()) == {"cache": True}
+    assert asyncio.run(LocalAnswerClient(Home().site).health()).checks == {"cache": True}

@@ -1,5 +1,5 @@
 """`runtime.answer_stream`: an answer client's segments as they are decoded, blocking and for
-asyncio, over scripted clients."""
+asyncio, and a client's coroutine run from blocking code, over scripted clients."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from selfrag.runtime.answer_stream import SegmentStream, answer_blocking
+from selfrag.runtime.answer_stream import SegmentStream, run_blocking
 from selfrag.schemas.answer import AnswerRequest
 from selfrag.schemas.decoding import DecodingConfig
 from selfrag.schemas.errors import Cancelled, Overloaded
@@ -20,7 +20,7 @@ REQUEST = AnswerRequest(question="Who founded Normandy?")
 
 def test_iterating_yields_each_steps_segments_then_keeps_the_response() -> None:
     client = FakeService()
-    stream = SegmentStream(client, REQUEST)
+    stream = SegmentStream(client.aanswer, REQUEST)
     events = list(stream)
     assert all(isinstance(e, SegmentEvent) for e in events)
     assert [e.index for e in events] == [0, 1]
@@ -31,7 +31,7 @@ def test_iterating_yields_each_steps_segments_then_keeps_the_response() -> None:
 def test_async_iteration_runs_on_the_callers_loop() -> None:
     config = DecodingConfig(top_k=2)
     client = FakeService()
-    stream = SegmentStream(client, REQUEST, config)
+    stream = SegmentStream(client.aanswer, REQUEST, config)
 
     async def collect() -> list[int]:
         return [e.index async for e in stream]
@@ -42,10 +42,10 @@ def test_async_iteration_runs_on_the_callers_loop() -> None:
 
 def test_a_failure_is_raised_to_the_reader() -> None:
     with pytest.raises(Overloaded):
-        list(SegmentStream(FakeService(fail=Overloaded("busy")), REQUEST))
+        list(SegmentStream(FakeService(fail=Overloaded("busy")).aanswer, REQUEST))
 
     async def read() -> None:
-        async for _ in SegmentStream(FakeService(fail=Overloaded("busy")), REQUEST):
+        async for _ in SegmentStream(FakeService(fail=Overloaded("busy")).aanswer, REQUEST):
             pass
 
     with pytest.raises(Overloaded):
@@ -54,7 +54,7 @@ def test_a_failure_is_raised_to_the_reader() -> None:
 
 def test_leaving_early_cancels_the_answer() -> None:
     client = HangingService()
-    stream = SegmentStream(client, REQUEST)
+    stream = SegmentStream(client.aanswer, REQUEST)
     for event in stream:
         assert event.index == 0
         break
@@ -64,7 +64,7 @@ def test_leaving_early_cancels_the_answer() -> None:
     client = HangingService()
 
     async def leave() -> None:
-        events: AsyncIterator[SegmentEvent] = aiter(SegmentStream(client, REQUEST))
+        events: AsyncIterator[SegmentEvent] = aiter(SegmentStream(client.aanswer, REQUEST))
         assert (await anext(events)).index == 0
         await events.aclose()  # type: ignore[attr-defined]
 
@@ -73,15 +73,40 @@ def test_leaving_early_cancels_the_answer() -> None:
 
 
 def test_a_stream_stopped_before_it_starts_is_cancelled() -> None:
-    stream = SegmentStream(FakeService(), REQUEST)
+    stream = SegmentStream(FakeService().aanswer, REQUEST)
     stream.stop()
     with pytest.raises(Cancelled):
         list(stream)
 
 
-def test_answer_blocking_works_inside_a_running_loop() -> None:
-    async def inside() -> str:
-        return answer_blocking(FakeService(), REQUEST).answer
+def test_run_blocking_works_inside_a_running_loop() -> None:
+    async def answer() -> str:
+        return (await FakeService().aanswer(REQUEST)).response.answer
 
-    assert answer_blocking(FakeService(), REQUEST).answer == "Rollo founded it. In 911."
+    async def inside() -> str:
+        return run_blocking(answer)
+
+    assert run_blocking(answer) == "Rollo founded it. In 911."
     assert asyncio.run(inside()) == "Rollo founded it. In 911."
+
+
+def test_run_blocking_raises_what_the_coroutine_raises_inside_a_running_loop() -> None:
+    async def fail() -> None:
+        await FakeService(fail=Overloaded("busy")).aanswer(REQUEST)
+
+    async def inside() -> None:
+        run_blocking(fail)
+
+    with pytest.raises(Overloaded):
+        run_blocking(fail)
+    with pytest.raises(Overloaded):
+        asyncio.run(inside())
+
+
+def test_a_clients_blocking_twins_and_stream_come_from_its_async_methods() -> None:
+    client = FakeService()
+    assert client.answer(REQUEST).response.answer == "Rollo founded it. In 911."
+    assert client.config(REQUEST) == DecodingConfig()
+    stream = client.stream(REQUEST, DecodingConfig(top_k=2))
+    assert [e.index for e in stream] == [0, 1]
+    assert client.configs_given[-1] == DecodingConfig(top_k=2)

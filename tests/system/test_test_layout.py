@@ -57,7 +57,6 @@ COVERED_ELSEWHERE: dict[str, str] = {
     # the CLI's commands, where the feature they drive is tested
     "cli/common": "tests/infra/models/test_model_presets.py",
     "cli/docs": _DOCUMENTS,
-    "cli/remote": _DOCUMENTS,
     "cli/jobs": _BATCH,
     "cli/parser": "tests/cli/test_bad_input.py",
     # infra: parts of the engine, the store and the caches, tested through their front

@@ -15,6 +15,7 @@ from fastapi.testclient import TestClient
 from selfrag.actors.http.guards import HostCheck, host_name
 from selfrag.actors.http.metrics import Metrics
 from selfrag.actors.http.routes import build_http_app
+from selfrag.schemas.health import Health
 from tests.http_fakes import FakeService, live_server
 
 BODY = json.dumps({"question": "Who founded Normandy?"}).encode()
@@ -193,10 +194,10 @@ class CountedReadiness(FakeService):
 
     checks: int = 0
 
-    async def readiness(self) -> dict[str, bool]:
+    async def health(self) -> Health:
         self.checks += 1
         await asyncio.sleep(0.05)
-        return await super().readiness()
+        return await super().health()
 
 
 async def _flood(url: str, n: int) -> list[httpx.Response]:
@@ -237,3 +238,33 @@ def test_a_failing_readiness_check_is_shared_too(caplog: pytest.LogCaptureFixtur
         assert r.status_code == 503 and "s3cret" not in r.text
     assert service.checks == 1
     assert "s3cret" in caplog.text
+
+
+# --- a request naming a home: only a server of that home acts on it ----------------------------
+
+
+def test_a_request_naming_another_home_or_collection_is_refused_before_anything_is_done():
+    from tests.http_fakes import SERVED
+
+    service = FakeService()
+    c = TestClient(build_http_app(service, Metrics(), readiness_ttl_s=0.0))
+    body = {"question": "Who founded Normandy?"}
+    for headers in (
+        {"X-Selfrag-Home": "1" * 32},
+        {"X-Selfrag-Collection": "elsewhere"},
+        {"X-Selfrag-Home": SERVED.home_id, "X-Selfrag-Collection": "elsewhere"},
+    ):
+        r = c.post("/v1/answer", json=body, headers=headers)
+        assert r.status_code == 409 and r.json()["error"] == "wrong_home", r.text
+        assert SERVED.home_id in r.json()["detail"] and "nothing was done" in r.json()["detail"]
+    assert service.seen == []
+    named = {"X-Selfrag-Home": SERVED.home_id, "X-Selfrag-Collection": SERVED.collection}
+    assert c.post("/v1/answer", json=body, headers=named).status_code == 200
+    assert c.post("/v1/answer", json=body).status_code == 200  # naming nothing: no check
+    # A server that cannot tell what it serves acts on no request that names a home.
+    service.served = None
+    unsure = c.post("/v1/answer", json=body, headers=named)
+    assert unsure.status_code == 503 and unsure.headers["retry-after"]
+    service.ready_error = ConnectionError("down")
+    assert c.post("/v1/answer", json=body, headers=named).status_code == 503
+    assert len(service.seen) == 2

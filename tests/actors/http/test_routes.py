@@ -21,7 +21,7 @@ from selfrag.actors.http.routes import MAX_BODY_BYTES, build_http_app, parse_api
 from selfrag.schemas.answer import MAX_QUESTION_CHARS, AnswerResponse
 from selfrag.schemas.errors import DeadlineExceeded, DependencyDown, Overloaded
 from tests.fakes import ScriptedCritic
-from tests.http_fakes import FakeService, live_server, metric_value
+from tests.http_fakes import SERVED, FakeService, live_server, metric_value
 from tests.serve_fakes import Pool, Rig, make_service
 
 
@@ -170,7 +170,11 @@ def test_health_and_readiness(service: FakeService):
     service.ready["cache"] = False
     r = client.get("/readyz")
     assert r.status_code == 503
-    assert r.json() == {"ready": False, "checks": {"model": True, "store": True, "cache": False}}
+    assert r.json() == {
+        "ready": False,
+        "checks": {"model": True, "store": True, "cache": False},
+        "served": SERVED.model_dump(),
+    }
 
 
 def test_metrics_text_format(client: TestClient, service: FakeService):

@@ -15,7 +15,6 @@ from selfrag.actors.http.metrics import Metrics
 from selfrag.actors.http.service import ServeAnswerService, as_service_error
 from selfrag.pipeline.protocols import Passage
 from selfrag.runtime import answering as answering_module
-from selfrag.runtime.answer_stream import SegmentStream, answer_blocking
 from selfrag.runtime.answering import query_cache_scope, query_key
 from selfrag.schemas.answer import AnswerRequest
 from selfrag.schemas.calibration import CalibrationSettings, LogisticParams
@@ -56,7 +55,7 @@ REQUEST = AnswerRequest(question="Who founded Normandy?", config={"mode": "alway
 
 def test_answers_through_the_handles_with_the_pipeline_decoder():
     service, metrics = _service()
-    answer = asyncio.run(service.run(REQUEST))
+    answer = asyncio.run(service.aanswer(REQUEST))
     assert answer.cache == "off"
     r = answer.response
     assert r.model_id == "scripted-model" and r.critique == "scripted"
@@ -70,7 +69,7 @@ def test_each_step_makes_one_call_to_each_deployment_with_no_token_lists():
         question="Who founded Normandy?",
         config={"mode": "adaptive", "threshold": 0.0, "max_segments": 2},
     )
-    r = asyncio.run(service.run(adaptive)).response
+    r = asyncio.run(service.aanswer(adaptive)).response
     steps = r.usage.steps
     assert steps >= 1
     text = metrics.render()
@@ -86,7 +85,7 @@ def test_each_step_makes_one_call_to_each_deployment_with_no_token_lists():
 @pytest.mark.parametrize("affinity", [True, False])
 def test_an_answers_pool_calls_share_one_session_id_unless_affinity_is_off(affinity: bool):
     rig = make_service(affinity=affinity)
-    asyncio.run(rig.service.run(REQUEST))
+    asyncio.run(rig.service.aanswer(REQUEST))
     seen = getattr(rig.pool_handle, "__dict__", {}).get("options_seen")
     if affinity:
         assert seen is not None and len(seen["session_id"]) == 32
@@ -99,7 +98,7 @@ def test_repeated_query_is_a_cache_hit_and_the_key_covers_config():
     service, metrics = _service(cache=cache)
 
     async def twice() -> tuple:
-        return await service.run(REQUEST), await service.run(REQUEST)
+        return await service.aanswer(REQUEST), await service.aanswer(REQUEST)
 
     first, second = asyncio.run(twice())
     assert (first.cache, second.cache) == ("miss", "hit")
@@ -168,7 +167,7 @@ def test_a_new_model_file_or_calibration_is_not_served_from_the_cache():
         pool = Pool(ScriptedCritic())
         pool.fingerprint = fingerprint
         rig = make_service(pool=pool, cache=cache, settings=settings)
-        return asyncio.run(rig.service.run(req)).cache
+        return asyncio.run(rig.service.aanswer(req)).cache
 
     assert first_answer("m.gguf sha256:aa", _settings()) == "miss"
     assert first_answer("m.gguf sha256:aa", _settings()) == "hit"
@@ -183,7 +182,7 @@ def test_the_index_version_is_asked_again_only_after_its_ttl(ttl_s: float, calls
     service, _ = _service(cache=DictCache(), store=store, index_version_ttl_s=ttl_s)
 
     async def thrice() -> list[str]:
-        return [(await service.run(REQUEST)).cache for _ in range(3)]
+        return [(await service.aanswer(REQUEST)).cache for _ in range(3)]
 
     assert asyncio.run(thrice()) == ["miss", "hit", "hit"]
     assert store.version_calls == calls
@@ -198,7 +197,7 @@ def test_the_deadline_covers_the_calls_before_decoding():
     async def run() -> float:
         t0 = time.perf_counter()
         with pytest.raises(DeadlineExceeded):
-            await service.run(slow)
+            await service.aanswer(slow)
         return time.perf_counter() - t0
 
     assert asyncio.run(run()) < 0.9
@@ -207,10 +206,10 @@ def test_the_deadline_covers_the_calls_before_decoding():
 
 def test_a_broken_cache_is_bypassed_and_counted():
     service, metrics = _service(cache=DictCache(broken=True))
-    answer = asyncio.run(service.run(REQUEST))
+    answer = asyncio.run(service.aanswer(REQUEST))
     assert answer.cache == "error" and answer.response.answer
     assert 'selfrag_query_cache_total{outcome="error"} 2' in metrics.render()
-    assert asyncio.run(service.readiness())["cache"] is False
+    assert asyncio.run(service.health()).checks["cache"] is False
 
 
 def test_past_the_deadline_is_504_and_frees_its_slot_when_the_thread_ends():
@@ -222,14 +221,14 @@ def test_past_the_deadline_is_504_and_frees_its_slot_when_the_thread_ends():
 
     async def run() -> None:
         with pytest.raises(DeadlineExceeded):
-            await service.run(slow, busy_listener)
+            await service.aanswer(slow, busy_listener)
         # The decoder thread still runs: the slot stays taken until it ends.
         with pytest.raises(Overloaded):
-            await service.run(slow)
+            await service.aanswer(slow)
         assert service.inflight == 1
         await asyncio.sleep(0.8)
         assert service.inflight == 0
-        assert (await service.run(AnswerRequest(question="q"))).response.answer
+        assert (await service.aanswer(AnswerRequest(question="q"))).response.answer
 
     asyncio.run(run())
     assert 'selfrag_rejected_total{reason="deadline"} 1' in metrics.render()
@@ -255,7 +254,7 @@ def test_a_hung_pool_call_frees_its_slot_at_the_deadline():
     async def run() -> None:
         t0 = time.perf_counter()
         with pytest.raises(DeadlineExceeded):
-            await rig.service.run(req)
+            await rig.service.aanswer(req)
         assert time.perf_counter() - t0 < 0.6
         await _until_idle(rig.service, 0.5)
         assert rig.pool.drafts_started == 1 and not hang.is_set()  # the call still hangs
@@ -278,7 +277,7 @@ def test_an_abandoned_request_stops_its_decoder_at_once():
     req = AnswerRequest(question="q", config={"mode": "never", "timeout_s": 30})
 
     async def run() -> None:
-        task = asyncio.create_task(rig.service.run(req))
+        task = asyncio.create_task(rig.service.aanswer(req))
         while rig.pool.drafts_started == 0:
             await asyncio.sleep(0.01)
         assert rig.service.inflight == 1
@@ -301,7 +300,7 @@ def test_lookups_before_decoding_are_cancelled_at_the_deadline():
 
     async def run() -> None:
         with pytest.raises(DeadlineExceeded):
-            await rig.service.run(slow)
+            await rig.service.aanswer(slow)
 
     asyncio.run(run())
     assert rig.service.inflight == 0
@@ -325,7 +324,7 @@ def test_a_deadline_both_the_timer_and_the_decoder_see_is_counted_once():
 
     async def run() -> None:
         with pytest.raises(DeadlineExceeded):
-            await rig.service.run(req)
+            await rig.service.aanswer(req)
         await _until_idle(rig.service, 1.0)
 
     try:
@@ -347,7 +346,7 @@ def test_a_cancelled_blocking_answer_gives_its_slot_back():
     """A stream over the service runs its answer on a loop of its own, closed once the answer
     is cancelled; the decoder thread ends after it and still frees the slot."""
     rig, hang = _blocking_rig()
-    stream = SegmentStream(rig.service, AnswerRequest(question="q", config={"mode": "never"}))
+    stream = rig.service.stream(AnswerRequest(question="q", config={"mode": "never"}))
     failures: list[BaseException] = []
 
     def read() -> None:
@@ -370,7 +369,7 @@ def test_a_cancelled_blocking_answer_gives_its_slot_back():
         assert metric_value(rig.metrics.render(), "selfrag_inflight_answers") == 0.0
     finally:
         hang.set()
-    assert answer_blocking(rig.service, REQUEST).answer  # the one slot is free
+    assert rig.service.answer(REQUEST).response.answer  # the one slot is free
 
 
 def test_a_blocking_answer_past_its_deadline_gives_its_slot_back_and_counts_once():
@@ -378,7 +377,7 @@ def test_a_blocking_answer_past_its_deadline_gives_its_slot_back_and_counts_once
     req = AnswerRequest(question="q", config={"mode": "never", "timeout_s": 0.2})
     try:
         with pytest.raises(DeadlineExceeded):
-            answer_blocking(rig.service, req)
+            rig.service.answer(req)
         _until_idle_blocking(rig.service, 2.0)
     finally:
         hang.set()
@@ -392,7 +391,9 @@ def test_over_the_inflight_limit_is_503():
     req = AnswerRequest(question="q", config={"mode": "never"})
 
     async def run() -> list[Any]:
-        return await asyncio.gather(service.run(req), service.run(req), return_exceptions=True)
+        return await asyncio.gather(
+            service.aanswer(req), service.aanswer(req), return_exceptions=True
+        )
 
     first, second = asyncio.run(run())
     assert first.response.answer
@@ -402,7 +403,7 @@ def test_over_the_inflight_limit_is_503():
 def test_an_unusable_critique_source_is_422():
     service, _ = _service()
     with pytest.raises(Unprocessable, match="native"):
-        asyncio.run(service.run(AnswerRequest(question="q", config={"critique": "native"})))
+        asyncio.run(service.aanswer(AnswerRequest(question="q", config={"critique": "native"})))
 
 
 def test_only_a_critique_source_the_model_lacks_is_the_requests_fault():
@@ -451,11 +452,11 @@ def test_store_down_is_503_and_not_ready_then_recovers():
     async def run() -> None:
         store.down = True
         with pytest.raises(DependencyDown, match="passage store"):
-            await service.run(REQUEST)
-        assert (await service.readiness())["store"] is False
+            await service.aanswer(REQUEST)
+        assert (await service.health()).checks["store"] is False
         store.down = False
-        assert (await service.readiness())["store"] is True
-        assert (await service.run(REQUEST)).response.segments[0].citation is not None
+        assert (await service.health()).checks["store"] is True
+        assert (await service.aanswer(REQUEST)).response.segments[0].citation is not None
 
     asyncio.run(run())
 
@@ -465,11 +466,11 @@ def test_readiness_needs_the_deciders_engine_as_well_as_the_pools():
     service = make_service(decider=decider).service
 
     async def run() -> None:
-        assert (await service.readiness())["model"] is True
+        assert (await service.health()).checks["model"] is True
         decider.up = False  # an answer cannot be served: its first step asks the decider
-        assert (await service.readiness())["model"] is False
+        assert (await service.health()).checks["model"] is False
         decider.up = True
-        assert (await service.readiness())["model"] is True
+        assert (await service.health()).checks["model"] is True
 
     asyncio.run(run())
 
@@ -486,8 +487,8 @@ def test_a_full_deployment_queue_is_503_overloaded():
 def test_timeout_above_the_server_maximum_is_422():
     service = make_service(store=Store([]), max_timeout_s=30.0).service
     with pytest.raises(Unprocessable, match="max_timeout_s"):
-        asyncio.run(service.run(AnswerRequest(question="q", config={"timeout_s": 60})))
-    assert asyncio.run(service.run(AnswerRequest(question="q", config={"timeout_s": 30})))
+        asyncio.run(service.aanswer(AnswerRequest(question="q", config={"timeout_s": 60})))
+    assert asyncio.run(service.aanswer(AnswerRequest(question="q", config={"timeout_s": 30})))
 
 
 def test_a_drain_lets_the_answers_in_progress_end_and_refuses_new_ones_with_503():
@@ -497,10 +498,10 @@ def test_a_drain_lets_the_answers_in_progress_end_and_refuses_new_ones_with_503(
     req = AnswerRequest(question="q", config={"mode": "never"})
 
     async def run() -> tuple[Any, list[int], Any]:
-        first = asyncio.ensure_future(service.run(req))
+        first = asyncio.ensure_future(service.aanswer(req))
         await asyncio.sleep(0.05)  # admitted, decoding
         counts = [service.drain()]
-        late = await asyncio.gather(service.run(req), return_exceptions=True)
+        late = await asyncio.gather(service.aanswer(req), return_exceptions=True)
         done = await first
         counts.append(service.drain())
         return done, counts, late[0]

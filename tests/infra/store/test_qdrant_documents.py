@@ -23,7 +23,6 @@ from selfrag.schemas.documents import DocumentInfo, Removal
 from selfrag.schemas.settings import RetrievalSettings
 from tests.corpus_files import HTML_PAGE, write_pdf
 from tests.fakes import HashEmbedder
-from tests.paths import ROOT
 
 MARKDOWN = """# Guide
 
@@ -578,81 +577,6 @@ def test_no_answer_cites_a_removed_document_even_cached_or_after_a_restart(
         pages = {s.citation.passage_id: s.citation.page for s in r.segments if s.citation}
         assert pages and all(page in (1, 2) for page in pages.values()), r.segments
         assert pages.get(next(p.id for p in r.passages if "Rouen" in p.text), 2) == 2
-
-
-# --- the CLI while a server holds the store --------------------------------------------------
-
-_SERVER_CHILD = """
-import sys, time
-from pathlib import Path
-from selfrag.actors.http.routes import build_http_app, parse_api_keys
-from selfrag.actors.http.metrics import Metrics
-from selfrag.infra.store.qdrant_store import QdrantStore
-from selfrag.jobs.indexing import index_corpus
-from selfrag.schemas.settings import RetrievalSettings
-from tests.fakes import HashEmbedder
-from tests.http_fakes import FakeService, live_server
-from tests.infra.store.test_qdrant_documents import StoreDocuments
-
-home, corpus, serve = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3] == "serve"
-with QdrantStore.open(RetrievalSettings(), home, HashEmbedder()) as store:
-    index_corpus(corpus, store, progress=False)
-    if not serve:
-        print("holding", flush=True)
-        time.sleep(600)
-    app = build_http_app(
-        FakeService(), Metrics(), api_keys=parse_api_keys("k1"), documents=StoreDocuments(store)
-    )
-    with live_server(app) as url:
-        print(url, flush=True)
-        time.sleep(600)
-"""
-
-
-@pytest.mark.real
-def test_cli_goes_through_the_server_that_holds_the_store_or_names_the_holder(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    import subprocess
-    import sys
-
-    from selfrag.cli import main
-
-    folder = _folder(tmp_path)
-    home = tmp_path / "home"
-    repo = ROOT
-    for mode in ("hold", "serve"):
-        child = subprocess.Popen(
-            [sys.executable, "-c", _SERVER_CHILD, str(home), str(folder), mode],
-            cwd=repo,
-            env={**os.environ, "PYTHONPATH": str(repo)},
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-        try:
-            assert child.stdout is not None
-            line = child.stdout.readline().strip()
-            base = ["--home", str(home)]
-            if mode == "hold":
-                assert line == "holding"
-                monkeypatch.setenv("SELFRAG_SERVE__PORT", "9")  # nothing answers there
-                assert main([*base, "docs", "list"]) == 2
-                err = capsys.readouterr().err
-                assert f"is held by pid {child.pid} (" in err and "no selfrag server" in err
-                continue
-            monkeypatch.setenv("SELFRAG_SERVE__PORT", line.rsplit(":", 1)[1])
-            monkeypatch.setenv("SELFRAG_API_KEYS", "k1")
-            assert main([*base, "docs", "list", "--json"]) == 0
-            names = {Path(d["source"]).name for d in json.loads(capsys.readouterr().out)}
-            assert names == {"notes.txt", "guide.md", "paper.pdf"}
-            assert main([*base, "docs", "rm", str(folder / "notes.txt"), "nope"]) == 1
-            out = capsys.readouterr().out
-            assert "removed 1 documents" in out and "no indexed document is nope" in out
-            assert main([*base, "ask", "Who founded Normandy?", "--json"]) == 0
-            assert json.loads(capsys.readouterr().out)["question"] == "Who founded Normandy?"
-        finally:
-            child.kill()
-            child.wait(30)
 
 
 # --- indexing on Ray --------------------------------------------------------------------------

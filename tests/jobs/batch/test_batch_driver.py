@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import csv
 import json
-import os
 import subprocess
 import sys
 import threading
@@ -36,8 +35,10 @@ from selfrag.jobs.ray_pool import (
     plan_resources,
 )
 from selfrag.pipeline.critics import Branch, settle_filters
+from selfrag.runtime.answer_client import AnswerSite, LocalAnswerClient
 from selfrag.runtime.answering import AnswerPath, KnownCritique
 from selfrag.runtime.merging import CallMerger
+from selfrag.schemas.answer import AnswerResponse
 from selfrag.schemas.decoding import DecodingConfig
 from tests.fakes import ScriptedCritic
 from tests.paths import ROOT
@@ -324,9 +325,15 @@ def test_retry_failed_answers_again_only_the_ids_whose_last_record_is_an_error(t
     assert by_id["c"]["error"]["type"] == "malformed" and by_id["c"]["line"] == 3
 
 
-def _settling(defaults: DecodingConfig) -> AnswerPath:
-    """An answer path settling configs as a model whose `auto` is the likelihood critique."""
-    return AnswerPath(defaults, facts=KnownCritique("auto", "likelihood", {}))
+def _settling(defaults: DecodingConfig) -> LocalAnswerClient:
+    """An answer client settling configs as a model whose `auto` is the likelihood critique
+    (the driver only settles: nothing is decoded in it)."""
+
+    def no_decode(*_: object) -> AnswerResponse:
+        raise AssertionError("the driver decodes nothing")
+
+    path = AnswerPath(defaults, facts=KnownCritique("auto", "likelihood", {}))
+    return LocalAnswerClient(lambda _collection: AnswerSite(path, no_decode))
 
 
 def test_duplicates_share_a_job_and_bad_config_is_an_error_record():
@@ -350,8 +357,8 @@ def test_duplicates_share_a_job_and_bad_config_is_an_error_record():
 def test_a_duplicate_of_an_id_answered_by_an_earlier_run_reuses_its_answer(tmp_path: Path):
     """A killed run may have written the first id of a duplicate but not the others; the next
     run must not decode the question again."""
-    path = _settling(DecodingConfig(top_k=2))
-    jobs, _ = plan_jobs([BatchQuestion("dup", "WHO founded Normandy?", {"top_k": 2}, 1)], path)
+    client = _settling(DecodingConfig(top_k=2))
+    jobs, _ = plan_jobs([BatchQuestion("dup", "WHO founded Normandy?", {"top_k": 2}, 1)], client)
     # The earlier run's response holds the settled config it was decoded with.
     response = {"answer": "Rollo", "config": jobs[0].config.model_dump(mode="json")}
     out = tmp_path / "a.jsonl"
@@ -364,7 +371,7 @@ def test_a_duplicate_of_an_id_answered_by_an_earlier_run_reuses_its_answer(tmp_p
         + "\n{torn"
     )
     assert earlier_answers(out, {jobs[0].key}) == {jobs[0].key: ("q0", response)}
-    other, _ = plan_jobs([BatchQuestion("x", "Who founded Normandy?", {"top_k": 3}, 1)], path)
+    other, _ = plan_jobs([BatchQuestion("x", "Who founded Normandy?", {"top_k": 3}, 1)], client)
     assert earlier_answers(out, {other[0].key}) == {}  # another config is another answer
 
 
@@ -592,6 +599,30 @@ def test_batch_caches_answers_under_the_online_endpoints_key():
     assert json.loads(actor._answer_one("who founded normandy?", config))["cache"] == "hit"
 
 
+def test_the_actors_client_retrieves_with_its_store_and_merged_critic():
+    from types import SimpleNamespace
+
+    from selfrag.jobs.batch.batch_actors import BatchAnswerer
+    from selfrag.pipeline.protocols import Passage
+    from selfrag.schemas.retrieval import RetrieveRequest
+    from tests.fakes import ListRetriever
+
+    critic = ScriptedCritic(relevance_of={"p1": 0.2, "p2": 0.9})
+    actor = object.__new__(BatchAnswerer)
+    actor._rag = SimpleNamespace(  # type: ignore[attr-defined]
+        critic=lambda source: critic,
+        store=ListRetriever([Passage("p1", "Rollo."), Passage("p2", "Normandy.")]),
+    )
+    actor._retriever = None  # type: ignore[attr-defined]
+    actor._index_version, actor._model_id = "v", "m"  # type: ignore[attr-defined]
+    facts = KnownCritique("auto", "learned", {})
+    actor._path = AnswerPath(DecodingConfig(), facts=facts)  # type: ignore[attr-defined]
+    actor._worker = _worker_without_engine(actor._rag, critic)  # type: ignore[attr-defined]
+    ranked = actor._client.retrieve(RetrieveRequest(query="Who founded Normandy?", top_k=2))
+    assert [(p.id, p.s_rel) for p in ranked] == [("p2", 0.9), ("p1", 0.2)]
+    assert critic.calls == ["relevance:2"]
+
+
 def _offline_settings(tmp_path: Path) -> Any:
     from selfrag.infra.settings_loader import load_settings
 
@@ -599,23 +630,6 @@ def _offline_settings(tmp_path: Path) -> Any:
 
 
 # --- real: Ray Data, llama.cpp, embedded Qdrant --------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def ray_local() -> Iterator[None]:
-    """Ray for this module (or the session's, when another module started it already)."""
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-    import ray
-
-    started = not ray.is_initialized()
-    if started:
-        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
-    try:
-        yield
-    finally:
-        if started:
-            ray.shutdown()
 
 
 @pytest.mark.real

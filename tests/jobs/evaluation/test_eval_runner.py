@@ -20,6 +20,7 @@ from selfrag.jobs.evaluation.eval_report import (
 from selfrag.jobs.evaluation.eval_runner import parse_systems, run_evaluation
 from selfrag.pipeline.decoder import BeamDecoder
 from selfrag.pipeline.protocols import Passage
+from selfrag.runtime.answer_client import LocalAnswerClient, runtime_site
 from selfrag.runtime.answering import AnswerPath, CacheIdentity
 from selfrag.schemas.answer import AnswerResponse
 from selfrag.schemas.decoding import DecodingConfig
@@ -117,6 +118,11 @@ class FakeRag:
         return CacheIdentity("v", "fake")
 
 
+def _client(rag: FakeRag) -> LocalAnswerClient:
+    """The evaluation's answer client: in this process, on the fake runtime."""
+    return LocalAnswerClient(lambda _collection: runtime_site(rag))  # type: ignore[arg-type]
+
+
 @pytest.fixture()
 def squad_file(tmp_path: Path) -> Path:
     path = tmp_path / "squad.json"
@@ -148,13 +154,13 @@ def test_resume_skips_done_records(squad_file: Path, tmp_path: Path):
     qs = load_questions(squad_file, article="Normans")
     systems = ["closed-book", "selfrag-prompted"]
     cfg = DecodingConfig(mode="always", max_segments=1)
-    run_evaluation(rag, qs[:2], systems, out, cfg, progress=False)  # type: ignore[arg-type]
+    run_evaluation(_client(rag), rag, qs[:2], systems, out, cfg, progress=False)  # type: ignore[arg-type]
     assert len(read_records(out / "records.jsonl")) == 4
     # An interrupted write leaves a torn line; the rerun ignores it and answers only what is new.
     with (out / "records.jsonl").open("a") as f:
         f.write('{"system": "closed-book", "id": "q3", "answ')
     calls, drafts = len(rag.engine.prompts), rag.critic_obj.calls.count("draft:2")
-    report = run_evaluation(rag, qs, systems, out, cfg, progress=False)  # type: ignore[arg-type]
+    report = run_evaluation(_client(rag), rag, qs, systems, out, cfg, progress=False)  # type: ignore[arg-type]
     assert len(rag.engine.prompts) == calls + 1  # only q3 for closed-book
     assert rag.critic_obj.calls.count("draft:2") == drafts + 1  # and only q3 for self-RAG
     assert len([r for r in read_records(out / "records.jsonl")]) == 6
@@ -173,7 +179,7 @@ def test_report_has_abstention_scores_and_the_accuracy_coverage_curve(
     qs = load_questions(squad_file, article="Normans")  # q1, q2 answerable; q3 not
     systems = ["closed-book", "selfrag-prompted"]
     cfg = DecodingConfig(mode="always", max_segments=1)
-    report = run_evaluation(rag, qs, systems, out, cfg, progress=False)  # type: ignore[arg-type]
+    report = run_evaluation(_client(rag), rag, qs, systems, out, cfg, progress=False)  # type: ignore[arg-type]
     records = {(r["system"], r["id"]): r for r in read_records(out / "records.jsonl")}
     # Closed-book: the mean token log-prob of its answer (WordModel: -0.5 per token).
     assert records[("closed-book", "q1")]["abstention_score"] == pytest.approx(-0.5)
@@ -234,7 +240,7 @@ def test_report_has_abstention_scores_and_the_accuracy_coverage_curve(
         in table
     )
     # Without unanswerable questions the AUROC is undefined, and the table says why.
-    report = run_evaluation(rag, qs[:2], systems, out, cfg, progress=False)  # type: ignore[arg-type]
+    report = run_evaluation(_client(rag), rag, qs[:2], systems, out, cfg, progress=False)  # type: ignore[arg-type]
     assert report["systems"]["closed-book"]["abstention_auroc"] is None
     assert "– (no unanswerable questions)" in (out / "report.md").read_text()
 
@@ -435,7 +441,7 @@ def test_long_form_report_judges_citations_alike_for_self_rag_and_vanilla_rag(tm
     qs = load_questions(_jsonl(tmp_path / "long.jsonl", LONGFORM[:1]))
     systems = ["vanilla-rag-long", "selfrag-prompted"]
     cfg = DecodingConfig(mode="always", max_segments=1, top_k=2)
-    report = run_evaluation(rag, qs, systems, out, cfg, progress=False)  # type: ignore[arg-type]
+    report = run_evaluation(_client(rag), rag, qs, systems, out, cfg, progress=False)  # type: ignore[arg-type]
     # The long-form prompt numbers the passages and asks for a citation after each sentence,
     # within Self-RAG's budget (one segment of 48 tokens here).
     prompt = rag.engine.prompts[-1]
@@ -529,7 +535,9 @@ def test_long_form_report_judges_citations_alike_for_self_rag_and_vanilla_rag(tm
             tmp_path / "short.jsonl", [{"id": "s", "question": "Who?", "golden_answers": ["Rollo"]}]
         )
     )
-    run_evaluation(rag, short, ["selfrag-prompted"], tmp_path / "short", cfg, progress=False)  # type: ignore[arg-type]
+    run_evaluation(
+        _client(rag), rag, short, ["selfrag-prompted"], tmp_path / "short", cfg, progress=False
+    )  # type: ignore[arg-type]
     (record,) = read_records(tmp_path / "short" / "records.jsonl")
     assert "units" not in record and "passages" not in record
 
@@ -555,3 +563,22 @@ def test_long_form_baseline_abstains_only_when_every_sentence_declines():
     assert budgets == [30]  # Self-RAG's budget: max_segments x max_segment_tokens
     with pytest.raises(ValueError, match="needs retrieval"):
         answerer.answer("Who?", cfg, retrieve=False, long_form=True)
+
+
+def test_vanilla_rag_reads_the_passages_its_answer_client_retrieves():
+    """The baselines' passages come through the answer client (`retrieve`, in the store's
+    order), not from a store of the evaluation's own."""
+    from selfrag.jobs.evaluation.eval_runner import runner_for
+    from selfrag.schemas.retrieval import RetrieveRequest
+    from tests.http_fakes import FakeService
+
+    rag, client = FakeRag(), FakeService()
+    q = EvalQuestion(id="q1", question="Who founded Normandy?", golds=("Rollo",), answerable=True)
+    config = DecodingConfig(top_k=2)
+    response, p_ret, extra = runner_for(client, rag, "vanilla-rag", config, False)(q)  # type: ignore[arg-type]
+    assert client.retrieved == [RetrieveRequest(query=q.question, top_k=2, order="retriever")]
+    assert [p.text for p in response.passages] == ["Rollo founded Normandy."]  # the client's
+    assert "Rollo founded Normandy." in rag.engine.prompts[-1] and client.seen == []
+    assert (p_ret, extra) == (None, 0)
+    runner_for(client, rag, "closed-book", config, False)(q)  # type: ignore[arg-type]
+    assert len(client.retrieved) == 1 and "Rollo" not in rag.engine.prompts[-1]
