@@ -19,7 +19,13 @@ questions) and the share of answers that abstained (vanilla RAG's "I don't know"
 and as the physical reference the engine's prefill tokens/s and decode ms/token on this CPU.
 Last line: name=value.
 
+With `--long-form SET` (a long-form set of `bench/data/`), long answers instead: vanilla RAG's
+long-form prompt (`vanilla-rag-long`) against selfrag with the product's defaults, cold then
+warm, one client, each within the same token budget (`max_segments` × `max_segment_tokens`);
+"acc" is then the share of a question's facts the answer states.
+
     .venv/bin/python -m bench.vs_vanilla --home ~/.local/share/selfrag --questions 40
+    .venv/bin/python -m bench.vs_vanilla --home HOME --long-form bench/data/longform_wiki.jsonl
 """
 
 from __future__ import annotations
@@ -33,7 +39,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -43,6 +49,7 @@ from typing import Any
 import httpx
 
 from bench.serve_load import served, wait_ready
+from selfrag.pipeline.evaluation.longform_metrics import strip_markers
 from selfrag.pipeline.evaluation.qa_metrics import contains_answer
 
 K = 3
@@ -51,22 +58,42 @@ SELFRAG_CONFIG = {"mode": "always", "top_k": K, "max_segments": 1, "max_segment_
 HELD_OUT = "Computational_complexity_theory"
 LEVELS = (1, 4)
 
+Score = Callable[[str], float]
+"""How right an answer's text is, in [0, 1]."""
+Question = tuple[str, Score]
+
 
 @dataclass
 class Result:
     seconds: float
-    correct: bool
+    score: float
     prefill: int
     decode: int
     abstained: bool
 
 
-def held_out_questions(data: Path, n: int) -> list[tuple[str, tuple[str, ...]]]:
-    """The first `n` answerable held-out questions with their gold answers."""
+def held_out_questions(data: Path, n: int) -> list[Question]:
+    """The first `n` answerable held-out questions, each scored 1 when a gold answer is
+    stated."""
     from selfrag.jobs.evaluation.eval_questions import load_questions
 
     qs = load_questions(data / "squad_v2_small.json", article=HELD_OUT)
-    return [(q.question, q.golds) for q in qs if q.answerable][:n]
+    return [
+        (q.question, lambda a, g=q.golds: float(contains_answer(a, g))) for q in qs if q.answerable
+    ][:n]
+
+
+def long_form_questions(path: Path, split: str, n: int) -> list[Question]:
+    """The first `n` questions of a long-form set's `split`, each scored by the share of its
+    facts the answer states (`[n]` markers aside)."""
+    from selfrag.jobs.evaluation.eval_questions import load_questions
+
+    def share(answer: str, facts: Sequence[tuple[str, ...]]) -> float:
+        text = strip_markers(answer)
+        return sum(contains_answer(text, f) for f in facts) / len(facts)
+
+    qs = load_questions(path, split=split, limit=n)
+    return [(q.question, lambda a, f=tuple(f.answers for f in q.facts): share(a, f)) for q in qs]
 
 
 # --- the baselines' server (a child process) ---------------------------------------------------
@@ -93,6 +120,7 @@ def serve_baselines(home: str, port: int) -> None:
     rag = LocalRuntime(settings)
     vanilla = BaselineAnswerer(rag.engine, rag.store)
     config = DecodingConfig(top_k=K, max_segments=1, max_segment_tokens=MAX_TOKENS)
+    long_config = DecodingConfig(top_k=K)  # selfrag's default budget of a long answer
     # The pack's engine: llama-cpp-python's high-level Llama with every logit kept.
     llm = llama_cpp.Llama(
         model_path=str(rag.model.path),
@@ -139,6 +167,17 @@ def serve_baselines(home: str, port: int) -> None:
     def vanilla_answer(body: dict[str, str]) -> dict[str, Any]:
         with engine_lock:
             r = vanilla.answer(body["question"], config, retrieve=True)
+        return {
+            "answer": r.answer,
+            "abstained": r.abstained,  # its "I don't know"
+            "prefill_tokens": r.usage.prefill_tokens,
+            "decode_tokens": r.usage.decode_tokens,
+        }
+
+    @app.post("/vanilla-long")
+    def vanilla_long_answer(body: dict[str, str]) -> dict[str, Any]:
+        with engine_lock:
+            r = vanilla.answer(body["question"], long_config, retrieve=True, long_form=True)
         return {
             "answer": r.answer,
             "abstained": r.abstained,  # its "I don't know"
@@ -209,14 +248,14 @@ def baselines(home: str, port: int) -> Iterator[str]:
 # --- the client side ---------------------------------------------------------------------------
 
 
-def ask_baseline(url: str, route: str, question: str, golds: Sequence[str]) -> Result:
+def ask_baseline(url: str, route: str, question: str, score: Score) -> Result:
     started = time.perf_counter()
     r = httpx.post(f"{url}/{route}", json={"question": question}, timeout=600)
     r.raise_for_status()
     body = r.json()
     return Result(
         time.perf_counter() - started,
-        contains_answer(body["answer"], golds),
+        0.0 if body["abstained"] else score(body["answer"]),
         body["prefill_tokens"],
         body["decode_tokens"],
         body["abstained"],
@@ -224,24 +263,23 @@ def ask_baseline(url: str, route: str, question: str, golds: Sequence[str]) -> R
 
 
 def ask_selfrag(
-    url: str, question: str, golds: Sequence[str], config: dict[str, Any] = SELFRAG_CONFIG
+    url: str, question: str, score: Score, config: dict[str, Any] = SELFRAG_CONFIG
 ) -> Result:
     started = time.perf_counter()
     r = httpx.post(url + "/v1/answer", json={"question": question, "config": config}, timeout=600)
     r.raise_for_status()
     body = r.json()
-    correct = not body["abstained"] and contains_answer(body["answer"], golds)
     u = body["usage"]
     return Result(
         time.perf_counter() - started,
-        correct,
+        0.0 if body["abstained"] else score(body["answer"]),
         u["prefill_tokens"],
         u["decode_tokens"],
         body["abstained"],
     )
 
 
-def level(ask: Any, qs: Sequence[tuple[str, tuple[str, ...]]], clients: int) -> dict[str, float]:
+def level(ask: Any, qs: Sequence[Question], clients: int) -> dict[str, float]:
     """Every question once, `clients` at a time."""
     started = time.perf_counter()
     with ThreadPoolExecutor(clients) as pool:
@@ -251,11 +289,12 @@ def level(ask: Any, qs: Sequence[tuple[str, tuple[str, ...]]], clients: int) -> 
     n = len(results)
     return {
         "p50_s": statistics.median(secs),
+        "mean_s": statistics.mean(secs),
         "p95_s": secs[min(n - 1, int(0.95 * n))],
         "answers_per_s": n / wall,
         "prefill": statistics.mean(r.prefill for r in results),
         "decode": statistics.mean(r.decode for r in results),
-        "accuracy": sum(r.correct for r in results) / n,
+        "accuracy": sum(r.score for r in results) / n,
         "abstained": sum(r.abstained for r in results) / n,
         "first_s": results[0].seconds,
     }
@@ -268,6 +307,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--data", type=Path, default=Path(__file__).resolve().parents[2] / "shared" / "data"
     )
     p.add_argument("--questions", type=int, default=40)
+    p.add_argument(
+        "--long-form",
+        type=Path,
+        metavar="SET",
+        help="Long answers: a long-form set (bench/data/longform_*.jsonl) whose corpus the "
+        "home indexes; vanilla-rag-long against selfrag's defaults, one client.",
+    )
+    p.add_argument("--split", choices=("tune", "report"), default="report")
     p.add_argument(
         "--pack-questions",
         type=int,
@@ -292,48 +339,59 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.serve_baselines:
         serve_baselines(home, args.port)
         return 0
-    qs = held_out_questions(args.data, args.questions)
-    if len(qs) < args.questions:
+    long_form = args.long_form is not None
+    if long_form:
+        qs = long_form_questions(args.long_form, args.split, args.questions)
+        config: dict[str, Any] = {"top_k": K}
+        levels: tuple[int, ...] = (1,)
+        baseline_routes = (("vanilla", "vanilla-long", qs),)
+    else:
+        qs = held_out_questions(args.data, args.questions)
+        config = dict(SELFRAG_CONFIG)
+        levels = LEVELS
+        pack_qs = qs[: args.pack_questions or len(qs)]
+        baseline_routes = (("vanilla", "vanilla", qs), ("pack", "pack", pack_qs))
+    if len(qs) < args.questions and not long_form:
         p.error(f"only {len(qs)} answerable held-out questions")
     os.environ["SELFRAG_CACHE__QUERY"] = "false"  # every answer computed
     out: dict[str, dict[int, dict[str, float]]] = {}
-    warm_q = ("What is the capital of France?", ())
-    config = dict(SELFRAG_CONFIG)
+    warm_q: Question = ("What is the capital of France?", lambda _: 0.0)
     if args.max_drafts is not None:
         config["max_drafts"] = args.max_drafts
     if args.retry_flagged:
         config["retry_flagged"] = True
 
     def ask(url: str) -> Any:
-        return lambda q, g: ask_selfrag(url, q, g, config)
+        return lambda q, score: ask_selfrag(url, q, score, config)
 
+    kind = f"{args.long_form.name} {args.split}" if long_form else "held-out"
     print(
-        f"{len(qs)} held-out questions, K={K}, {MAX_TOKENS} answer tokens, "
+        f"{len(qs)} {kind} questions, K={K}, "
+        f"{'the default budget' if long_form else f'{MAX_TOKENS} answer tokens'}, "
         f"max_drafts={config.get('max_drafts', 'default')}, "
         f"retry_flagged={config.get('retry_flagged', 'default')}",
         flush=True,
     )
     with baselines(home, args.port) as url:
         reference = httpx.get(url + "/reference", timeout=600).json()
-        for system, route, some in (
-            ("vanilla", "vanilla", qs),
-            ("pack", "pack", qs[: args.pack_questions or len(qs)]),
-        ):
+        for system, route, some in baseline_routes:
             ask_baseline(url, route, *warm_q)
             out[system] = {}
-            for c in LEVELS:
+            for c in levels:
                 httpx.post(url + "/reset", timeout=60).raise_for_status()
-                out[system][c] = level(lambda q, g, r=route: ask_baseline(url, r, q, g), some, c)
+                out[system][c] = level(
+                    lambda q, score, r=route: ask_baseline(url, r, q, score), some, c
+                )
             print(f"  {system}: done", flush=True)
     kv = Path(home) / "kv"
     out["cold"] = {}
-    for c in LEVELS:
+    for c in levels:
         shutil.rmtree(kv, ignore_errors=True)  # an empty disk tier, and a fresh process
         with served(home, args.port, None) as (url, _):
             out["cold"][c] = level(ask(url), qs, c)
         print(f"  selfrag cold, {c} client(s): done", flush=True)
     with served(home, args.port, None) as (url, _):  # restarted: only the disk tier is warm
-        out["warm"] = {c: level(ask(url), qs, c) for c in LEVELS}
+        out["warm"] = {c: level(ask(url), qs, c) for c in levels}
     print("  selfrag warm: done\n", flush=True)
 
     print(
@@ -342,47 +400,56 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     head = f"{'system':<8} {'clients':>7} {'p50 s':>7} {'p95 s':>7} {'ans/s':>7} {'prefill':>8}"
     print(head + f" {'decode':>7} {'acc':>6} {'abst':>6} {'first s':>8}")
-    for system, levels in out.items():
-        for c, r in levels.items():
+    for system, by_level in out.items():
+        for c, r in by_level.items():
             print(
                 f"{system:<8} {c:>7} {r['p50_s']:>7.2f} {r['p95_s']:>7.2f} "
                 f"{r['answers_per_s']:>7.3f} {r['prefill']:>8.0f} {r['decode']:>7.0f} "
                 f"{r['accuracy']:>6.3f} {r['abstained']:>6.3f} {r['first_s']:>8.2f}"
             )
-    figures = {
-        "questions": str(len(qs)),
+    print(" ".join(f"{k}={v}" for k, v in figures(out, reference, len(qs)).items()))
+    return 0
+
+
+def figures(
+    out: dict[str, dict[int, dict[str, float]]], reference: dict[str, float], questions: int
+) -> dict[str, str]:
+    """The run's name=value figures: every system's at every level, then the ratios at one
+    client (and at four, and the pack's, where the run has them)."""
+    fig = {
+        "questions": str(questions),
         "prefill_tok_s": f"{reference['prefill_tok_s']:.0f}",
         "decode_ms_per_token": f"{reference['decode_ms_per_token']:.2f}",
     }
-    for system, levels in out.items():
-        for c, r in levels.items():
-            figures[f"{system}_p50_s_c{c}"] = f"{r['p50_s']:.2f}"
-            figures[f"{system}_acc_c{c}"] = f"{r['accuracy']:.3f}"
-            figures[f"{system}_abst_c{c}"] = f"{r['abstained']:.3f}"
+    for system, by_level in out.items():
+        for c, r in by_level.items():
+            fig[f"{system}_p50_s_c{c}"] = f"{r['p50_s']:.2f}"
+            fig[f"{system}_acc_c{c}"] = f"{r['accuracy']:.3f}"
+            fig[f"{system}_abst_c{c}"] = f"{r['abstained']:.3f}"
     one = {s: out[s][1]["p50_s"] for s in out}
+    mean_s = {s: out[s][1]["mean_s"] for s in out}
     acc = {s: out[s][1]["accuracy"] for s in out}
 
     def tokens(system: str, kind: str) -> float:
         """`system`'s tokens of `kind` per answer over vanilla's, at one client."""
         return out[system][1][kind] / max(out["vanilla"][1][kind], 1e-9)
 
-    figures |= {
-        "vanilla_p50_s": f"{one['vanilla']:.2f}",
-        "pack_p50_s": f"{one['pack']:.2f}",
-        "cold_p50_s": f"{one['cold']:.2f}",
-        "warm_p50_s": f"{one['warm']:.2f}",
+    fig |= {f"{s}_p50_s": f"{one[s]:.2f}" for s in out}
+    fig |= {
         "warm_over_vanilla": f"{one['warm'] / one['vanilla']:.2f}",
+        "warm_mean_over_vanilla": f"{mean_s['warm'] / mean_s['vanilla']:.2f}",
         "warm_prefill_over_vanilla": f"{tokens('warm', 'prefill'):.2f}",
         "warm_decode_over_vanilla": f"{tokens('warm', 'decode'):.2f}",
-        "warm_answers_s_over_vanilla_c4": (
-            f"{out['warm'][4]['answers_per_s'] / out['vanilla'][4]['answers_per_s']:.2f}"
-        ),
         "warm_acc_minus_vanilla": f"{acc['warm'] - acc['vanilla']:+.3f}",
-        "pack_over_warm": f"{one['pack'] / one['warm']:.2f}",
         "warm_first_over_p50": f"{out['warm'][1]['first_s'] / one['warm']:.2f}",
     }
-    print(" ".join(f"{k}={v}" for k, v in figures.items()))
-    return 0
+    if 4 in out["warm"]:
+        fig["warm_answers_s_over_vanilla_c4"] = (
+            f"{out['warm'][4]['answers_per_s'] / out['vanilla'][4]['answers_per_s']:.2f}"
+        )
+    if "pack" in out:
+        fig["pack_over_warm"] = f"{one['pack'] / one['warm']:.2f}"
+    return fig
 
 
 if __name__ == "__main__":

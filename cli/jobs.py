@@ -104,8 +104,10 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from selfrag.jobs.first_use import answering_runtime
     from selfrag.runtime.answer_client import LocalAnswerClient
 
-    systems = parse_systems(args.systems)
-    questions = load_questions(args.dataset, article=args.article, limit=question_limit(args))
+    questions = load_questions(
+        args.dataset, article=args.article, split=args.split, limit=question_limit(args)
+    )
+    systems = parse_systems(args.systems, questions)
     chosen = {n: getattr(args, n) for n in DecodingOverrides.model_fields}
     overrides = DecodingOverrides.model_validate({n: v for n, v in chosen.items() if v is not None})
     settings = settings_from_args(args)

@@ -219,7 +219,8 @@ def _eval_parsers(sub: Any) -> None:
 
 
 def _eval_parser(sub: Any) -> None:
-    from selfrag.schemas.records import DEFAULT_SYSTEMS, SYSTEMS  # not jobs.evaluation: --help
+    # not jobs.evaluation: --help stays light
+    from selfrag.schemas.records import DEFAULT_LONGFORM_SYSTEMS, DEFAULT_SYSTEMS, SYSTEMS
 
     p_eval = sub.add_parser("eval", help="Run QA systems on a dataset and write a report.")
     _dataset_args(p_eval)
@@ -227,8 +228,14 @@ def _eval_parser(sub: Any) -> None:
     _collection_flag(p_eval)
     p_eval.add_argument(
         "--systems",
-        default=",".join(DEFAULT_SYSTEMS),
-        help=f"Comma-separated, from: {', '.join(SYSTEMS)}.",
+        help=f"Comma-separated, from: {', '.join(SYSTEMS)} (default: "
+        f"{','.join(DEFAULT_SYSTEMS)}; on a long-form set, whose questions list facts, "
+        f"{','.join(DEFAULT_LONGFORM_SYSTEMS)}).",
+    )
+    p_eval.add_argument(
+        "--split",
+        choices=("tune", "report"),
+        help="Keep the questions of one split of a JSONL set whose records name theirs.",
     )
     p_eval.add_argument(
         "--out",

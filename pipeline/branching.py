@@ -10,8 +10,9 @@ no-retrieval branch reuses the closed-book draft its retrieval decision was read
 there is one; a draft that only repeats the question drafts again, past its echo; one stuck in a
 loop counts as drafting nothing); drafts are critiqued for support (evidence branches) and
 utility. A hypothesis whose drafts all fail the hard filters (or, with `retry_flagged`, all
-pass them flagged) drafts its next passage, one at a time, up to `retry_drafts` more: the
-budget's passages past the first cost only where the first failed.
+pass them flagged; or, past its first segment, would be dropped) drafts its next passage,
+one at a time, up to `retry_drafts` more: the budget's passages past the first cost only where
+the first failed.
 What comes back is small: `Drafted` scores for the ranker, and the step's token counts.
 """
 
@@ -29,6 +30,7 @@ from selfrag.pipeline.ranking import (
     Candidate,
     Drafted,
     certainly_filtered,
+    drops_later_segment,
     passes_filters,
     segment_flags,
 )
@@ -197,15 +199,19 @@ def failing_hypotheses(
     """The hypotheses (parents) with evidence among a step's `candidates` none of whose
     `drafted` evidence branches passes the hard filters (a branch that drafted nothing is not
     among `drafted`), or, with `cfg.retry_flagged`, passes them without a flag a reader would
-    be asked to check (`segment_flags`: low support, or numbers or names its passage lacks)."""
+    be asked to check (`segment_flags`: low support, or numbers or names its passage lacks).
+    A later segment that ranking would drop (`drops_later_segment`) fails too."""
     parents = {c.parent for c in candidates if c.branch.passage is not None}
-    passing = {
-        d.parent
-        for d in drafted
-        if d.grounded
-        and passes_filters(d, cfg)
-        and not (cfg.retry_flagged and segment_flags(d, answer_retrieved=True))
-    }
+    passing = set()
+    for d in drafted:
+        flags = segment_flags(d, answer_retrieved=True)
+        if (
+            d.grounded
+            and passes_filters(d, cfg)
+            and not (cfg.retry_flagged and flags)
+            and not (d.later and drops_later_segment(flags, d.novelty, cfg))
+        ):
+            passing.add(d.parent)
     return parents - passing
 
 

@@ -7,6 +7,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from selfrag.pipeline.branching import BranchWorker, branch_worker, reusable_draft
+from selfrag.pipeline.coverage import (
+    QuestionPlan,
+    about_topic,
+    branch_question,
+    plan_question,
+    search_query,
+    settle,
+)
 from selfrag.pipeline.critics import Branch, Critic
 from selfrag.pipeline.critics.filters import unsettled_filters
 from selfrag.pipeline.protocols import Generation, Passage, PassageSearch, Sampling
@@ -45,8 +53,12 @@ class _Run:
     passages: dict[str, Passage] = field(default_factory=dict)
     support: SupportRead | None = None
     """`best_support` of the first step: what decides abstention (`AnswerResponse.support`)."""
-    asked: str = ""
-    """The question as its branches are prompted with: followed by the request's instructions."""
+    plan: QuestionPlan | None = None
+    """What the question asks for (`coverage.plan_question`): which parts each step answers,
+    when the answer is complete."""
+    static: list[Passage] | None = None
+    """The first step's passages, which every later step chooses among when
+    `segment_retrieval` is static."""
 
     def budget_exceeded(self) -> StopReason | None:
         if self.clock() - self.started > self.config.timeout_s:
@@ -75,7 +87,8 @@ class BeamDecoder:
 
     Engines, retrievers and critique come in through protocols; this class is pure logic.
     Per step: the retrieval decision for the live hypotheses, one search per hypothesis that
-    retrieves, the branch work of all branches (`BranchWorker.expand`), then the ranker.
+    retrieves (for what its answer still misses: `pipeline.coverage`), the branch work of all
+    branches (`BranchWorker.expand`), the ranker, then the stop rule (`coverage.settle`).
     """
 
     def __init__(
@@ -106,9 +119,11 @@ class BeamDecoder:
             )
         worker = branch_worker(self._critic_for(config.critique), clock=self._clock)
         run = _Run(config=config, clock=self._clock, started=self._clock())
-        run.asked = asked_question(question, config)
+        run.plan = plan_question(question)
         beam: list[Hypothesis] = [Hypothesis()]
-        for _ in range(config.max_segments):
+        # Each step adds a segment (at most max_segments) or moves its answer on to the next
+        # part or miss (`coverage.settle` ends it): this bound is never what stops it.
+        for _ in range(2 * config.max_segments + len(run.plan.parts) + 1):
             live = [h for h in beam if not h.done]
             if not live:
                 break
@@ -117,7 +132,7 @@ class BeamDecoder:
                 run.usage.stopped_by = stopped_by
                 break
             run.usage.steps += 1
-            beam = self._step(question, beam, live, worker, run)
+            beam = self._step(beam, live, worker, run)
             if on_step is not None and beam:
                 on_step(beam[0])
         best = max(beam, key=lambda h: h.score) if beam else Hypothesis()
@@ -128,14 +143,13 @@ class BeamDecoder:
 
     def _step(
         self,
-        question: str,
         beam: list[Hypothesis],
         live: list[Hypothesis],
         worker: BranchWorker,
         run: _Run,
     ) -> list[Hypothesis]:
         cfg = run.config
-        candidates = self._open_branches(question, live, worker, run)
+        candidates = self._open_branches(live, worker, run)
         work = worker.expand(candidates, cfg)
         run.usage.prefill_tokens += work.prefill_tokens
         run.usage.decode_tokens += work.decode_tokens
@@ -148,17 +162,23 @@ class BeamDecoder:
         with timed(run.timings, "rank", run.clock):
             ranking = self._ranker(beam, live, work.drafted, cfg)
         run.usage.branches_filtered += ranking.filtered
-        return ranking.beam
+        assert run.plan is not None
+        return [settle(run.plan, h) for h in ranking.beam]
 
     def _open_branches(
-        self, question: str, live: list[Hypothesis], worker: BranchWorker, run: _Run
+        self, live: list[Hypothesis], worker: BranchWorker, run: _Run
     ) -> list[Candidate]:
         cfg = run.config
+        assert run.plan is not None
+        asked = [asked_question(branch_question(run.plan, h), cfg) for h in live]
         p_rets: list[float | None] = [None] * len(live)
         closed: list[Generation | None] = [None] * len(live)
         if cfg.mode == "adaptive":
+            asking = [asking_prefix(h, run.plan) for h in live]
             with timed(run.timings, "retrieval_decision", run.clock):
-                decisions = worker.retrieval([Branch(run.asked, h.text, None) for h in live])
+                decisions = worker.retrieval(
+                    [Branch(q, a, None) for q, a in zip(asked, asking, strict=True)]
+                )
             for i, d in enumerate(decisions):
                 p_rets[i] = retrieval_probability(d.probs)
                 # The closed-book draft the decision was read from is this hypothesis's
@@ -180,11 +200,7 @@ class BeamDecoder:
         found: dict[int, list[Passage]] = {}
         if retrieving:
             with timed(run.timings, "retrieve", run.clock):
-                queries = [" ".join(f"{question} {live[i].text}".split()) for i in retrieving]
-                found = dict(
-                    zip(retrieving, self._retriever.search_many(queries, cfg.top_k), strict=True)
-                )
-            run.usage.retrievals += len(retrieving)
+                found = dict(zip(retrieving, self._search(live, retrieving, run), strict=True))
             for passages in found.values():
                 for p in passages:
                     run.passages.setdefault(p.id, p)
@@ -195,13 +211,48 @@ class BeamDecoder:
             retrieve = index in found
             passages = found.get(index, [])
             run.usage.evidence_branches += len(passages)
+            # A part of the question is answered on its own (a model told to answer in a
+            # sentence or two ends its turn after an answer so far); a segment cut
+            # mid-sentence, or an account of a topic, goes on from the answer so far.
+            prefix = h.text if h.cut or not run.plan.parts else ""
             for p in passages:
-                branch = Branch(run.asked, h.text, p, sampling)
-                candidates.append(Candidate(index, branch, True, p_ret))
-            branch = Branch(run.asked, h.text, None, sampling)
-            candidates.append(Candidate(index, branch, retrieve, p_ret, draft=closed[index]))
+                branch = Branch(asked[index], prefix, p, sampling)
+                candidates.append(Candidate(index, branch, True, p_ret, said=h.text))
+            branch = Branch(asked[index], prefix, None, sampling)
+            draft = closed[index] if prefix == asking_prefix(h, run.plan) else None
+            candidates.append(Candidate(index, branch, retrieve, p_ret, draft=draft, said=h.text))
         run.usage.branches_opened += len(candidates)
         return candidates
+
+    def _search(
+        self, live: list[Hypothesis], retrieving: list[int], run: _Run
+    ) -> list[list[Passage]]:
+        """The passages of each retrieving hypothesis: the search for what it still misses
+        (`coverage.search_query`), past the passages its steps drafted on when
+        `diverse_passages` (they rank last); with `segment_retrieval` static, the first
+        step's search, shared by every later step. Past its first segment an account of a
+        topic draws only on passages about it (`coverage.about_topic`)."""
+        cfg = run.config
+        assert run.plan is not None
+        hyps = [live[i] for i in retrieving]
+        cited = [set(h.drafted_from) for h in hyps]
+        if not cfg.diverse_passages:
+            cited = [set() for _ in hyps]
+        static = cfg.segment_retrieval == "static" and run.plan.long
+        if static and run.static is not None:
+            results = [run.static] * len(hyps)
+        else:
+            extra = max(len(used) for used in cited)
+            queries = [search_query(run.plan, h, cfg) for h in hyps]
+            results = self._retriever.search_many(queries, cfg.top_k + extra)
+            run.usage.retrievals += len(retrieving)
+            if static:
+                run.static = results[0]
+        plan = run.plan
+        return [
+            _ranked_down([p for p in r if not h.segments or about_topic(plan, p)], used, cfg.top_k)
+            for r, used, h in zip(results, cited, hyps, strict=True)
+        ]
 
     def _response(
         self, question: str, best: Hypothesis, critique: str, run: _Run
@@ -226,3 +277,15 @@ class BeamDecoder:
             critique=critique,
             config=run.config,
         )
+
+
+def asking_prefix(h: Hypothesis, plan: QuestionPlan) -> str:
+    """The answer so far a step's retrieval decision reads after: in a long answer none (each
+    step decides for the need it answers, a part or the topic: a new part is a new need for
+    evidence), but past a segment cut mid-sentence, which goes on."""
+    return h.text if h.cut or not plan.long else ""
+
+
+def _ranked_down(passages: list[Passage], used: set[str], k: int) -> list[Passage]:
+    """The first `k` of `passages`, those in `used` after all the others."""
+    return ([p for p in passages if p.id not in used] + [p for p in passages if p.id in used])[:k]

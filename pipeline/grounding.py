@@ -152,6 +152,16 @@ def sentence_share(segment: str, evidence: str, question: str = "") -> float | N
     return best
 
 
+def word_share(segment: str, evidence: str) -> float | None:
+    """The share of `segment`'s content words (as `sentence_share` counts them) that occur
+    anywhere in `evidence`; None when the segment has no content word, or is written in a
+    script without spaces between words."""
+    words = _content_words(segment)
+    if not words or _UNSPACED.search(segment):
+        return None
+    return len(words & _content_words(evidence)) / len(words)
+
+
 def _content_words(text: str) -> set[str]:
     return {w for w in re.findall(r"\w+", _fold(text)) if len(w) > 2 and w not in _FUNCTION_WORDS}
 
@@ -173,3 +183,13 @@ def grounding_score(segment: str, evidence: str, question: str = "") -> float | 
     if found is None or share is None:
         return share if found is None else found
     return found * share
+
+
+def novelty(segment: str, said: str) -> float | None:
+    """The share of `segment`'s content words (as `sentence_share` counts them) that `said`
+    (the question and the answer so far) lacks: 0 for a segment that only restates them; None
+    when the segment has no content word, or is written in a script without spaces."""
+    words = _content_words(segment)
+    if not words or _UNSPACED.search(segment):
+        return None
+    return len(words - _content_words(said)) / len(words)

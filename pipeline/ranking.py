@@ -7,7 +7,7 @@ from dataclasses import dataclass, replace
 
 from selfrag.pipeline.critics import RELEVANCE_LABELS, SUPPORT_LABELS, Branch, LabelProbs
 from selfrag.pipeline.evidence import evidence_span
-from selfrag.pipeline.grounding import missing_terms
+from selfrag.pipeline.grounding import missing_terms, novelty
 from selfrag.pipeline.prompts import passage_text
 from selfrag.pipeline.protocols import COLLECTION, Generation
 from selfrag.pipeline.scoring import (
@@ -26,12 +26,23 @@ from selfrag.schemas.decoding import DecodingConfig
 
 @dataclass(frozen=True)
 class Hypothesis:
-    """A partial answer in the beam: its segments and cumulative score."""
+    """A partial answer in the beam: its segments and cumulative score, and where it stands
+    in covering the question (`pipeline.coverage`, whose stop rule sets `done`)."""
 
     segments: tuple[SegmentOut, ...] = ()
     score: float = 0.0
     done: bool = False
     abstained: bool = False
+    part: int = 0
+    """The listed part of the question its next step answers (`coverage.QuestionPlan.parts`):
+    a step moves on to the next part when it adds a whole segment, or adds none."""
+    misses: int = 0
+    """Steps in a row that added no segment (every branch failed the hard filters)."""
+    cut: bool = False
+    """Its last segment was cut by `max_segment_tokens` before its sentence ended."""
+    drafted_from: frozenset[str] = frozenset()
+    """The passages its steps have drafted on, whether their segments were kept or not: a
+    later search ranks them last (`DecodingConfig.diverse_passages`)."""
 
     @property
     def text(self) -> str:
@@ -51,11 +62,18 @@ class Candidate:
     draft: Generation | None = None
     sup: LabelProbs | None = None
     use: LabelProbs | None = None
+    said: str = ""
+    """The answer so far of its hypothesis, which a branch answering a part of the question
+    on its own does not draft after (`Branch.prefix` is empty then)."""
 
     def drafted(self) -> Drafted:
-        """What ranking needs of this drafted branch."""
+        """What ranking needs of this drafted branch: a draft made on its own after an answer
+        so far is set apart from it by a space."""
         assert self.draft is not None
         d, p = self.draft, self.branch.passage
+        text = d.text
+        if self.said and not self.branch.prefix and text[:1] not in ("", " ", "\n"):
+            text = f" {text}"
         return Drafted(
             parent=self.parent,
             retrieved=self.retrieved,
@@ -69,10 +87,13 @@ class Candidate:
             )
             if p is not None
             else None,
-            text=d.text,
+            text=text,
             logprob=d.logprob,
             n_tokens=len(d.tokens),
             finished=d.finish_reason == "eos",
+            cut=d.finish_reason == "length",
+            novelty=novelty(d.text, f"{self.branch.question} {self.said or self.branch.prefix}"),
+            later=bool((self.said or self.branch.prefix).strip()),
             rel=self.rel.probs if self.rel is not None else None,
             sup=self.sup.probs if self.sup is not None else None,
             use=self.use.probs if self.use is not None else None,
@@ -97,6 +118,7 @@ class Drafted:
     logprob: float
     n_tokens: int
     finished: bool
+    """The draft ended with the model's end of generation."""
     rel: dict[str, float] | None
     sup: dict[str, float] | None
     use: dict[str, float] | None
@@ -106,6 +128,13 @@ class Drafted:
     """The retriever's similarity of the branch's passage to the query (`Passage.similarity`)."""
     collection: str | None = None
     """The collection the branch's passage was indexed from (`protocols.COLLECTION`), if known."""
+    cut: bool = False
+    """The draft stopped at `max_segment_tokens` before its sentence ended."""
+    novelty: float | None = None
+    """The share of the segment's content words that neither the question nor the answer so
+    far holds (`grounding.novelty`); None when it has no content word."""
+    later: bool = False
+    """The segment would follow an answer so far (not the answer's first)."""
 
     @property
     def evidence_support(self) -> float | None:
@@ -216,10 +245,14 @@ def segment_flags(c: Drafted, answer_retrieved: bool) -> list[SegmentFlag]:
 
 
 def score_candidate(
-    c: Drafted, cfg: DecodingConfig, answer_retrieved: bool = False
-) -> tuple[float, SegmentOut, bool]:
-    """S for a drafted branch, the segment it would add to an answer that retrieved
-    (`answer_retrieved`) or not, and whether it ends the answer."""
+    c: Drafted, cfg: DecodingConfig, parent: Hypothesis | None = None
+) -> tuple[float, SegmentOut]:
+    """S for a drafted branch, and the segment it would add to `parent` (None: an answer
+    with no segment yet, that did not retrieve). A segment after the first also scores what
+    it adds (`w_new` times its novelty): one that restates the answer so far ranks below one
+    that states something new."""
+    answer_retrieved = parent is not None and any(seg.retrieved for seg in parent.segments)
+    later = parent is not None and bool(parent.segments)
     s_rel = relevance_score(c.rel) if c.rel is not None else None
     s_sup = support_score(c.sup) if c.sup is not None else None
     s_use = utility_score(c.use) if c.use is not None else None
@@ -232,6 +265,8 @@ def score_candidate(
         n_tokens=c.n_tokens,
         length_normalize=cfg.length_normalize,
     )
+    if later:
+        score += cfg.w_new * (c.novelty or 0.0)
     segment = SegmentOut(
         text=c.text,
         citation=c.citation,
@@ -240,6 +275,7 @@ def score_candidate(
         s_rel=s_rel,
         s_sup=s_sup,
         s_use=s_use,
+        novelty=c.novelty,
         is_sup=most_likely(c.sup, SUPPORT_LABELS) if c.sup is not None else None,
         unsupported_terms=list(c.unsupported_terms),
         flags=segment_flags(c, answer_retrieved),
@@ -247,16 +283,24 @@ def score_candidate(
         n_tokens=c.n_tokens,
         score=score,
     )
-    return score, segment, c.finished
+    return score, segment
 
 
-def ends_before(parent: Hypothesis, segment: SegmentOut) -> bool:
-    """Whether the answer `parent` ends rather than go on with `segment`: a later segment that
-    cites nothing in an answer that retrieved, or states numbers or names its passage lacks
-    (unless `keep_unsupported_segments`). The first segment is never dropped; it is flagged."""
-    if not parent.segments:
-        return False
-    return "uncited" in segment.flags or "unsupported_terms" in segment.flags
+def dropped_after(parent: Hypothesis, segment: SegmentOut, cfg: DecodingConfig) -> bool:
+    """Whether `segment` is unavailable to the answer `parent` though it passes the hard
+    filters (`drops_later_segment`). The first segment is never dropped so; it is flagged."""
+    return bool(parent.segments) and drops_later_segment(segment.flags, segment.novelty, cfg)
+
+
+def drops_later_segment(flags: Sequence[str], novelty: float | None, cfg: DecodingConfig) -> bool:
+    """Whether a segment after an answer's first, with these `flags` (`segment_flags`) and
+    `novelty`, is dropped: it cites nothing in an answer that retrieved, or states numbers or
+    names its passage lacks (unless `keep_unsupported_segments`), or says too little that is
+    new (novelty under `min_novelty`). The answer goes on without it."""
+    unsupported = "uncited" in flags or "unsupported_terms" in flags
+    if unsupported and not cfg.keep_unsupported_segments:
+        return True
+    return (novelty or 0.0) < cfg.min_novelty
 
 
 def rank_step(
@@ -265,38 +309,53 @@ def rank_step(
     drafted: Sequence[Drafted],
     cfg: DecodingConfig,
 ) -> StepRanking:
-    """Score the drafted branches, drop those failing hard filters, keep the best `cfg.beam`.
+    """Score the drafted branches, drop those failing hard filters (or `dropped_after`), keep
+    the best `cfg.beam`.
 
-    A live hypothesis whose branches all fail ends where it is (abstaining if it has no
-    segment yet), unless `on_unsupported` lets its no-retrieval draft through.
+    A live hypothesis whose branches all fail stays as it is, with one more miss, unless
+    `on_unsupported` lets its no-retrieval draft through: whether it goes on is the stop
+    rule's call (`pipeline.coverage`), which sets `done` on every hypothesis that is not at
+    `max_segments`.
     """
     filtered = 0
     pool: list[Hypothesis] = [h for h in beam if h.done]
     for index, parent in enumerate(live):
-        available: list[tuple[float, SegmentOut, bool]] = []
-        fallback: tuple[float, SegmentOut, bool] | None = None
-        retrieved = any(seg.retrieved for seg in parent.segments)
+        available: list[tuple[float, SegmentOut, Drafted]] = []
+        fallback: tuple[float, SegmentOut, Drafted] | None = None
         for c in (c for c in drafted if c.parent == index):
-            scored = score_candidate(c, cfg, retrieved)
+            score, segment = score_candidate(c, cfg, parent)
             if not c.grounded and c.retrieved:
-                fallback = scored
-            if passes_filters(c, cfg) and (
-                cfg.keep_unsupported_segments or not ends_before(parent, scored[1])
-            ):
-                available.append(scored)
+                fallback = (score, segment, c)
+            if passes_filters(c, cfg) and not dropped_after(parent, segment, cfg):
+                available.append((score, segment, c))
             else:
                 filtered += 1
         if not available and fallback is not None and cfg.on_unsupported == "no_retrieval":
             available.append(fallback)
+        tried = parent.drafted_from | {
+            c.citation.passage_id for c in drafted if c.parent == index and c.citation is not None
+        }
         if not available:
-            pool.append(replace(parent, done=True, abstained=not parent.segments))
+            pool.append(
+                replace(
+                    parent,
+                    part=parent.part + 1,
+                    misses=parent.misses + 1,
+                    cut=False,
+                    drafted_from=tried,
+                )
+            )
             continue
-        for s, seg, finished in available:
+        for score, segment, c in available:
+            n = len(parent.segments) + 1
             pool.append(
                 Hypothesis(
-                    segments=(*parent.segments, seg),
-                    score=parent.score + s,
-                    done=finished or len(parent.segments) + 1 >= cfg.max_segments,
+                    segments=(*parent.segments, segment),
+                    score=parent.score + score,
+                    done=n >= cfg.max_segments,
+                    part=parent.part + (0 if c.cut else 1),
+                    cut=c.cut,
+                    drafted_from=tried,
                 )
             )
     pool.sort(key=lambda h: h.score, reverse=True)

@@ -104,6 +104,13 @@ class SegmentOut(BaseModel):
     s_rel: float | None = Field(None, ge=0.0, le=1.0)
     s_sup: float | None = Field(None, ge=0.0, le=1.0)
     s_use: float | None = Field(None, ge=-1.0, le=1.0)
+    novelty: float | None = Field(
+        None,
+        ge=0.0,
+        le=1.0,
+        description="The share of the segment's content words that neither the question nor "
+        "the answer before it holds (pipeline/grounding.py): what it adds. None without any.",
+    )
     is_sup: SupportLevel | None = Field(None, description="Most likely IsSup label.")
     unsupported_terms: list[str] = Field(
         default_factory=list,

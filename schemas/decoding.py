@@ -13,6 +13,7 @@ CRITIQUE_SOURCES: tuple[str, ...] = tuple(s for s in get_args(CritiqueSource) if
 """The concrete critique sources (all but `auto`, which stands for one of them)."""
 SupportLevel = Literal["none", "partial", "full"]
 UnsupportedPolicy = Literal["abstain", "no_retrieval"]
+SegmentRetrieval = Literal["answer", "part", "missing", "static"]
 
 # A bound on the work one request may ask for: minutes of prefill on a small machine, far above
 # any answer the other bounds allow (K ≤ 50, B ≤ 8, 32 segments).
@@ -43,7 +44,11 @@ class DecodingConfig(BaseModel):
     beam: int = Field(1, ge=1, le=8, description="Segment-level beam width (B).")
     # Defaults below marked "measured" won on the Normans questions (notes/evaluation.md).
     max_segments: int = Field(
-        2, ge=1, le=MAX_SEGMENTS, description="Segments per answer (measured)."
+        5,
+        ge=1,
+        le=MAX_SEGMENTS,
+        description="Segments per answer at most (measured on long answers; a question "
+        "asking one thing takes one, or two when the first was cut mid-sentence).",
     )
     max_segment_tokens: int = Field(48, ge=4, le=MAX_SEGMENT_TOKENS)
     w_rel: float = Field(2.0, ge=0.0, le=100.0, description="Weight of s_rel in S (measured).")
@@ -147,7 +152,35 @@ class DecodingConfig(BaseModel):
         False,
         description="Keep a segment after the first that cites nothing while the answer "
         "retrieved, or states numbers or names its passage lacks; by default such a segment is "
-        "unavailable and the answer ends before it (the first segment is flagged instead).",
+        "dropped and the answer goes on without it (the first segment is flagged instead).",
+    )
+    segment_retrieval: SegmentRetrieval = Field(
+        "part",
+        description="What each step of a question that lists several parts searches for: "
+        "part (the part it answers, with the question's topic), missing (every part not "
+        "answered yet), answer (the question and the answer so far), static (nothing new: "
+        "the first step's passages, each step choosing among them). A question asking one "
+        "thing searches the question (and the answer so far past its first step).",
+    )
+    diverse_passages: bool = Field(
+        True,
+        description="A later step's search ranks the passages the answer's steps already "
+        "drafted on (kept or not) below the others, so each segment can draw on evidence of "
+        "its own.",
+    )
+    w_new: float = Field(
+        1.0,
+        ge=0.0,
+        le=100.0,
+        description="Weight in S of a later segment's novelty: the share of its content words "
+        "that neither the question nor the answer so far holds.",
+    )
+    min_novelty: float = Field(
+        0.2,
+        ge=0.0,
+        le=1.0,
+        description="A segment after the first whose novelty is under this is dropped: it "
+        "restates the question or the answer so far. 0: never.",
     )
     on_unsupported: UnsupportedPolicy = Field(
         "abstain",
@@ -159,7 +192,7 @@ class DecodingConfig(BaseModel):
         description="auto picks native when the model has reflection tokens, else learned "
         "when reflection heads exist for the model file, else likelihood.",
     )
-    max_retrievals: int = Field(4, ge=0, le=64, description="Retrieval steps allowed per question.")
+    max_retrievals: int = Field(8, ge=0, le=64, description="Retrieval steps allowed per question.")
     max_prefill_tokens: int = Field(
         200_000,
         ge=1,

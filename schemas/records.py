@@ -13,11 +13,18 @@ from pydantic import BaseModel, ConfigDict, Field
 from selfrag.schemas.decoding import CRITIQUE_SOURCES, DecodingConfig
 from selfrag.schemas.errors import ErrorKind
 
-BASELINES = ("closed-book", "vanilla-rag")
+BASELINES = ("closed-book", "vanilla-rag", "vanilla-rag-long")
 """The systems Self-RAG is compared with (`pipeline.evaluation.baselines`)."""
 SYSTEMS = (*BASELINES, *(f"selfrag-{source}" for source in CRITIQUE_SOURCES))
 """The QA systems `selfrag eval` runs (`EvalRecord.system`)."""
 DEFAULT_SYSTEMS = ("closed-book", "vanilla-rag", "selfrag-likelihood", "selfrag-learned")
+DEFAULT_LONGFORM_SYSTEMS = (
+    "closed-book",
+    "vanilla-rag-long",
+    "selfrag-likelihood",
+    "selfrag-learned",
+)
+"""The default systems on a question set whose questions list facts (long answers)."""
 
 RecordErrorType = ErrorKind | Literal["invalid", "malformed"]
 """An answer path error kind, or an input problem: `invalid` (the row's config or question
@@ -49,6 +56,24 @@ class BatchRecord(BaseModel):
     def to_json(self) -> dict[str, Any]:
         """The record as written: the fields it was given, nothing else."""
         return self.model_dump(mode="json", exclude_unset=True)
+
+
+class EvalUnit(BaseModel):
+    """A piece of an answer that can carry citations: a Self-RAG segment, a baseline's
+    sentence (its `[n]` markers read as the passages they name)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    text: str
+    cited: list[str] = Field(description="Ids of the passages it cites.")
+
+
+class EvalPassage(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    id: str
+    title: str | None = None
+    text: str
 
 
 class EvalRecord(BaseModel):
@@ -83,4 +108,10 @@ class EvalRecord(BaseModel):
     )
     config: DecodingConfig | None = Field(
         None, description="The config the answer was made with (Self-RAG's: settled)."
+    )
+    units: list[EvalUnit] | None = Field(
+        None, description="Long-form questions only: the answer's units and their citations."
+    )
+    passages: list[EvalPassage] | None = Field(
+        None, description="Long-form questions only: every passage the answer was given."
     )

@@ -5,7 +5,8 @@ run resumes where it stopped (a record is keyed by system and question id). The 
 always rebuilt from every record of the requested systems and questions.
 
 The parts, by job: `jobs.evaluation.eval_questions` (the question sets),
-`jobs.evaluation.eval_report` (the records read back and the report), `jobs.evaluation.abstention`
+`jobs.evaluation.eval_report` (the records read back and the report),
+`jobs.evaluation.longform_report` (long answers judged), `jobs.evaluation.abstention`
 (abstention scores and curves), `jobs.evaluation.eval_plots` (`--plot`) and
 `jobs.evaluation.ray_eval` (`--ray`); this module runs the systems.
 """
@@ -26,13 +27,22 @@ from selfrag.jobs.evaluation.abstention import abstention_score
 from selfrag.jobs.evaluation.eval_questions import EvalError, EvalQuestion
 from selfrag.jobs.evaluation.eval_report import RECORDS_FILE, read_records, write_report
 from selfrag.pipeline.critics import Branch, Critic, native_token_ids
+from selfrag.pipeline.evaluation.longform_metrics import Unit, marker_units
 from selfrag.pipeline.evaluation.qa_metrics import contains_answer
 from selfrag.pipeline.protocols import LanguageModel
 from selfrag.pipeline.scoring import retrieval_probability
 from selfrag.runtime.answer_client import AnswerClient, ClientPassages
 from selfrag.schemas.answer import AnswerRequest, AnswerResponse
 from selfrag.schemas.decoding import DecodingConfig
-from selfrag.schemas.records import BASELINES, SYSTEMS, EvalRecord
+from selfrag.schemas.records import (
+    BASELINES,
+    DEFAULT_LONGFORM_SYSTEMS,
+    DEFAULT_SYSTEMS,
+    SYSTEMS,
+    EvalPassage,
+    EvalRecord,
+    EvalUnit,
+)
 
 if TYPE_CHECKING:
     from selfrag.runtime.system import LocalRuntime
@@ -95,7 +105,12 @@ def ensure_indexed(rag: LocalRuntime, corpora: Sequence[Path] | None, progress: 
 # --- running systems --------------------------------------------------------------------------
 
 
-def parse_systems(spec: str, rag: LocalRuntime | None = None) -> list[str]:
+def parse_systems(spec: str | None, questions: Sequence[EvalQuestion] = ()) -> list[str]:
+    """The systems `--systems` names; without it the defaults, the long-form ones
+    (`vanilla-rag-long` for `vanilla-rag`) when a question lists facts."""
+    if spec is None:
+        long_form = any(q.facts for q in questions)
+        return list(DEFAULT_LONGFORM_SYSTEMS if long_form else DEFAULT_SYSTEMS)
     names = [s.strip() for s in spec.split(",") if s.strip()]
     if not names:
         raise EvalError("--systems names no system")
@@ -137,8 +152,13 @@ def runner_for(
 
     if system in BASELINES:
         baseline = BaselineAnswerer(model.engine, ClientPassages(client))
-        retrieve = system == "vanilla-rag"
-        return lambda q: (baseline.answer(q.question, config, retrieve=retrieve), None, 0)
+        retrieve = system != "closed-book"
+        long_form = system == "vanilla-rag-long"
+        return lambda q: (
+            baseline.answer(q.question, config, retrieve=retrieve, long_form=long_form),
+            None,
+            0,
+        )
     source = system.removeprefix("selfrag-")
     if source == "native" and native_token_ids(model.engine) is None:
         raise EvalError("selfrag-native needs a Self-RAG checkpoint; this model has no tokens")
@@ -159,6 +179,17 @@ def runner_for(
     return run
 
 
+def answer_units(system: str, r: AnswerResponse) -> list[Unit]:
+    """The units an answer's citations are judged on (`longform_metrics`): Self-RAG's segments
+    with their citations; a baseline's sentences with the passages their `[n]` markers name,
+    numbered as it was shown them."""
+    if system.startswith("selfrag-"):
+        return [
+            Unit(s.text.strip(), (s.citation.passage_id,) if s.citation else ()) for s in r.segments
+        ]
+    return marker_units(r.answer, [p.id for p in r.passages])
+
+
 def make_record(
     system: str, q: EvalQuestion, r: AnswerResponse, p_ret: float | None, extra: int, ms: float
 ) -> dict[str, Any]:
@@ -172,6 +203,10 @@ def make_record(
         # Vanilla RAG cites nothing per segment: it is credited with every passage it was given.
         cited_ids = list(by_id)
     cited = [contains_answer(by_id[i].text, q.golds) if i in by_id else False for i in cited_ids]
+    units = passages = None
+    if q.facts:
+        units = [EvalUnit(text=u.text, cited=list(u.cited)) for u in answer_units(system, r)]
+        passages = [EvalPassage(id=p.id, title=p.title, text=p.text) for p in r.passages]
     return EvalRecord(
         system=system,
         id=q.id,
@@ -193,7 +228,9 @@ def make_record(
         abstention_score=abstention_score(system, r),
         support=r.support,
         config=r.config,
-    ).model_dump(mode="json")
+        units=units,
+        passages=passages,
+    ).model_dump(mode="json", exclude=None if q.facts else {"units", "passages"})
 
 
 def run_evaluation(

@@ -1,8 +1,11 @@
 """Baselines for evaluation, over the same protocols as Self-RAG: closed-book and vanilla RAG.
 
 Vanilla RAG is the usual pipeline: retrieve the top-k passages once, concatenate them into one
-prompt, generate one answer. Both baselines may abstain by replying "I don't know", which the
-prompt offers, so abstention is measured the same way for every system.
+prompt, generate one answer. Its long-form variant asks for every part of the question, each
+sentence followed by the numbers of the passages it uses ("[2]"), so its citations can be
+judged like Self-RAG's segments (`longform_metrics.marker_units`). Every baseline may abstain
+by replying "I don't know", which the prompt offers, so abstention is measured the same way for
+every system.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ import time
 from collections.abc import Callable
 
 from selfrag.pipeline.critics.base import RESERVED_PIECES
+from selfrag.pipeline.evaluation.longform_metrics import marker_units
 from selfrag.pipeline.evaluation.qa_metrics import normalize_answer
 from selfrag.pipeline.prompts import (
     Part,
@@ -40,6 +44,13 @@ _TASK_RAG = (
     "Answer the question in one or two sentences using the passages above. If they do not "
     f"contain the answer, reply exactly: {ABSTAIN_REPLY}."
 )
+# No instruction to decline: with one, the small models reply "I don't know." to a question of
+# several parts as soon as one part is missing from the passages (the tuning half of the wiki
+# set: every question); a part they cannot answer they decline or get wrong on their own.
+_TASK_RAG_LONG = (
+    "Answer every part of the question using the passages above, one sentence for each part. "
+    "End each sentence with the passages it uses, as [1], [2] and so on."
+)
 # "I'm not sure" is how SmolLM2 usually declines, despite the instruction.
 _ABSTAIN_MARKERS = (
     "i dont know",
@@ -54,6 +65,12 @@ def is_abstention(answer: str) -> bool:
     """True when a baseline's reply declines to answer."""
     norm = normalize_answer(answer)
     return not norm or any(marker in norm for marker in _ABSTAIN_MARKERS)
+
+
+def declines_every_part(answer: str) -> bool:
+    """True when every sentence of a long answer declines (`is_abstention`): one that answers
+    some parts and declines others is an answer."""
+    return all(is_abstention(u.text) for u in marker_units(answer, ()))
 
 
 class BaselineAnswerer:
@@ -72,12 +89,14 @@ class BaselineAnswerer:
         self._builder = PromptBuilder(model, reserved=RESERVED_PIECES)
         self._clock = clock
 
-    def prompt(self, question: str, passages: list[Passage]) -> list[int]:
+    def prompt(
+        self, question: str, passages: list[Passage], *, long_form: bool = False
+    ) -> list[int]:
         g = self._glue
         parts: list[Part] = system_head(g)
         for i, p in enumerate(passages, 1):
             parts += passage_part(p, f"Passage [{i}]", len(passages))
-        task = _TASK_RAG if passages else _TASK_CLOSED
+        task = (_TASK_RAG_LONG if long_form else _TASK_RAG) if passages else _TASK_CLOSED
         parts += [
             Trusted("Question: "),
             Untrusted(question),
@@ -86,8 +105,15 @@ class BaselineAnswerer:
         ]
         return self._builder.build(parts)
 
-    def answer(self, question: str, config: DecodingConfig, *, retrieve: bool) -> AnswerResponse:
-        """One answer; `retrieve` picks vanilla RAG (top `config.top_k`) over closed-book."""
+    def answer(
+        self, question: str, config: DecodingConfig, *, retrieve: bool, long_form: bool = False
+    ) -> AnswerResponse:
+        """One answer within `config.max_segments` × `config.max_segment_tokens` (Self-RAG's
+        budget); `retrieve` picks vanilla RAG (top `config.top_k`) over closed-book, and
+        `long_form` its long-form prompt (the passages numbered [1]..[k] are
+        `AnswerResponse.passages` in order; the answer keeps its `[n]` markers)."""
+        if long_form and not retrieve:
+            raise ValueError("a long-form baseline answer cites passages: it needs retrieval")
         started = self._clock()
         timings: dict[str, float] = {}
         passages: list[Passage] = []
@@ -98,11 +124,11 @@ class BaselineAnswerer:
                 passages = self._retriever.search(question, config.top_k)
         budget = config.max_segment_tokens * config.max_segments
         with timed(timings, "draft", self._clock):
-            prompt = self.prompt(question, passages)
+            prompt = self.prompt(question, passages, long_form=long_form)
             request = GenerationRequest(prompt, budget, stop_at_sentence_end=False)
             (gen,) = self._model.generate([request])
         text = gen.text.strip()
-        abstained = is_abstention(text)
+        abstained = declines_every_part(text) if long_form else is_abstention(text)
         segment = SegmentOut(
             text=text,
             retrieved=retrieve,

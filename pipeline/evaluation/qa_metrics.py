@@ -6,7 +6,7 @@ import math
 import re
 import string
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from selfrag.pipeline.learning.logistic_fit import auc
@@ -236,8 +236,9 @@ def summarize(outcomes: Sequence[Outcome]) -> dict[str, float | int | str | None
 
 @dataclass(frozen=True)
 class PairedCounts:
-    """Two systems judged on the same questions (`Outcome.correct`): how many both, only the
-    first, only the second and neither got right."""
+    """Two systems judged on the same items (`Outcome.correct` of each question, or any other
+    judgement, `paired_flags`): how many both, only the first, only the second and neither got
+    right."""
 
     both: int
     only_first: int
@@ -261,7 +262,13 @@ class PairedCounts:
 
 def paired_counts(pairs: Sequence[tuple[Outcome, Outcome]]) -> PairedCounts:
     """`PairedCounts` of `pairs`: each question's outcome under the first and second system."""
-    counts = Counter((first.correct, second.correct) for first, second in pairs)
+    return paired_flags([(first.correct, second.correct) for first, second in pairs])
+
+
+def paired_flags(pairs: Iterable[tuple[bool, bool]]) -> PairedCounts:
+    """`PairedCounts` of any paired judgement: each item (a question, a fact) right or not
+    under the first and the second system."""
+    counts = Counter(pairs)
     return PairedCounts(
         both=counts[True, True],
         only_first=counts[True, False],

@@ -346,16 +346,156 @@ def test_require_relevant_filter():
     assert out.usage.branches_filtered == 2
 
 
-def test_multiple_segments_and_retrieval_query_uses_answer_so_far():
+LISTED = "Who led the Vikings, where did they settle, and when did they arrive?"
+
+
+def test_a_question_listing_parts_gets_a_segment_per_part_each_searched_for():
     critic = ScriptedCritic(
         drafts={"p1": (" First part.", -1.0, "sentence"), None: (" x.", -9.0, "sentence")},
     )
     decoder, retriever = make(critic, PASSAGES[:1])
-    out = decoder.answer("q", cfg(max_segments=3))
-    assert len(out.segments) == 3
+    out = decoder.answer(LISTED, cfg(max_segments=5, min_novelty=0.0))
+    assert len(out.segments) == 3 and out.usage.steps == 3
     assert out.answer == "First part. First part. First part."
-    assert retriever.queries[1] == "q First part."
+    assert retriever.queries == [
+        "Who led the Vikings?",
+        "Where did they settle (Vikings)?",
+        "When did they arrive (Vikings)?",
+    ]
+    answer = decoder.answer(
+        LISTED, cfg(max_segments=5, min_novelty=0.0, segment_retrieval="answer")
+    )
+    assert len(answer.segments) == 3
+    assert retriever.queries[-1] == f"{LISTED} First part. First part."
+
+
+def test_a_question_asking_one_thing_ends_after_its_first_sentence():
+    critic = ScriptedCritic(
+        drafts={"p1": (" First part.", -1.0, "sentence"), None: (" x.", -9.0, "sentence")},
+    )
+    decoder, _ = make(critic, PASSAGES[:1])
+    out = decoder.answer("q", cfg(max_segments=3))
+    assert len(out.segments) == 1 and out.usage.steps == 1
+
+
+def test_a_first_segment_cut_mid_sentence_goes_on_searching_with_it():
+    critic = ScriptedCritic(
+        drafts={"p1": (" Rollo and", -1.0, "length"), None: (" x.", -9.0, "sentence")},
+    )
+    decoder, retriever = make(critic, PASSAGES[:1])
+    out = decoder.answer("q", cfg(max_segments=2, min_novelty=0.0))
+    assert len(out.segments) == 2
+    assert retriever.queries[1] == "q Rollo and"
+
+
+def test_a_part_whose_evidence_fails_is_dropped_and_the_next_part_answered():
+    critic = ScriptedCritic(
+        relevance_of={"p1": 0.9, "p2": 0.9},
+        drafts={"p1": (" Rollo led them.", -1.0, "sentence"), None: (" x.", -9.0, "sentence")},
+        support_of={"p1": {"full": 0.9, "none": 0.1}, "p2": {"none": 1.0}},
+    )
+
+    class ByPart(ListRetriever):
+        def search(self, query, k):
+            self.queries.append(query)
+            # The second part finds only a passage that supports nothing it drafts.
+            return [PASSAGES[1]] if "settle" in query else [PASSAGES[0]]
+
+    retriever = ByPart([])
+    decoder = BeamDecoder(lambda _: critic, retriever, "test-model")
+    out = decoder.answer(LISTED, cfg(max_segments=5, min_support_score=0.5, min_novelty=0.0))
     assert out.usage.steps == 3
+    assert [s.citation.passage_id for s in out.segments] == ["p1", "p1"]
+    assert not out.abstained
+
+
+def test_a_later_draft_that_would_be_dropped_lets_the_next_passage_draft():
+    passages = [
+        Passage("p1", "Rollo led the Vikings.", "Rollo", 0.9),
+        Passage("s1", "Rollo led the Vikings, who settled.", "Settle", 0.9),
+        Passage("s2", "The Vikings settled in Normandy.", "Settle", 0.8),
+    ]
+    critic = ScriptedCritic(
+        relevance_of={"p1": 0.9, "s1": 0.8, "s2": 0.85},
+        drafts={
+            "p1": (" Rollo led the Vikings.", -1.0, "eos"),
+            "s1": (" Rollo led the Vikings.", -1.0, "eos"),  # nothing new: dropped
+            "s2": (" They settled in Normandy.", -1.0, "eos"),
+            None: (" x.", -9.0, "eos"),
+        },
+    )
+
+    class ByPart(ListRetriever):
+        def search(self, query, k):
+            self.queries.append(query)
+            return passages[1:] if "settle" in query else passages[:1]
+
+    decoder = BeamDecoder(lambda _: critic, ByPart([]), "test-model")
+    config = cfg(max_segments=2, max_drafts=1, draft_order_margin=0.5)
+    out = decoder.answer(LISTED, config)
+    assert [s.citation.passage_id for s in out.segments] == ["p1", "s2"]
+    none = decoder.answer(LISTED, config.model_copy(update={"retry_drafts": 0}))
+    assert [s.citation.passage_id for s in none.segments] == ["p1"]
+
+
+def test_later_searches_rank_the_passages_already_cited_last():
+    critic = ScriptedCritic(
+        relevance_of={"p1": 0.9, "p2": 0.8},
+        drafts={
+            "p1": (" Normandy is a region.", -1.0, "sentence"),
+            "p2": (" Rollo was a Viking.", -1.0, "sentence"),
+            None: (" x.", -9.0, "sentence"),
+        },
+    )
+    decoder, _ = make(critic, PASSAGES[:2])
+    diverse = decoder.answer(LISTED, cfg(max_segments=2, top_k=1, min_novelty=0.0))
+    assert [s.citation.passage_id for s in diverse.segments] == ["p1", "p2"]
+    same = decoder.answer(
+        LISTED, cfg(max_segments=2, top_k=1, min_novelty=0.0, diverse_passages=False)
+    )
+    assert [s.citation.passage_id for s in same.segments] == ["p1", "p1"]
+
+
+def test_static_retrieval_searches_once_and_every_step_chooses_among_those_passages():
+    critic = ScriptedCritic(
+        relevance_of={"p1": 0.9, "p2": 0.8},
+        drafts={
+            "p1": (" Normandy is a region.", -1.0, "sentence"),
+            "p2": (" Rollo was a Viking.", -1.0, "sentence"),
+            None: (" x.", -9.0, "sentence"),
+        },
+    )
+    decoder, retriever = make(critic, PASSAGES[:2])
+    out = decoder.answer(LISTED, cfg(max_segments=3, top_k=2, segment_retrieval="static"))
+    assert retriever.queries == [LISTED]
+    assert out.usage.retrievals == 1
+    assert [s.citation.passage_id for s in out.segments][:2] == ["p1", "p2"]
+
+
+def test_an_account_of_a_topic_goes_on_until_its_evidence_gives_nothing_new():
+    passages = [
+        Passage("n1", "Normandy is a region of France.", "Normandy", 0.9),
+        Passage("n2", "Vikings settled there in 911.", "Normandy", 0.8),
+        Passage("n3", "Normandy is a region of France.", "Normandy", 0.7),
+        Passage("r1", "Rollo was a Viking leader.", "Rollo", 0.6),
+    ]
+    critic = ScriptedCritic(
+        relevance_of={"n1": 0.9, "n2": 0.8, "n3": 0.7, "r1": 0.9},
+        drafts={
+            "n1": (" Normandy is a region.", -1.0, "eos"),
+            "n2": (" Vikings settled there.", -1.0, "eos"),
+            "n3": (" Normandy is a region.", -1.0, "eos"),
+            "r1": (" Rollo led Vikings.", -1.0, "eos"),
+            None: (" x.", -9.0, "eos"),
+        },
+    )
+    decoder, _ = make(critic, passages)
+    out = decoder.answer("Tell me about Normandy.", cfg(max_segments=6, top_k=1))
+    # Each step drafts from a passage about Normandy not drafted on yet; the third repeats
+    # the first (dropped), the fourth finds none left (Rollo's is not about Normandy), and
+    # after two steps in a row add nothing the answer ends, short of max_segments.
+    assert [s.citation.passage_id for s in out.segments] == ["n1", "n2"]
+    assert out.usage.steps == 4
 
 
 def test_eos_stops_decoding():
@@ -370,7 +510,10 @@ def test_max_retrievals_budget():
         drafts={"p1": (" Part.", -1.0, "sentence"), None: (" y.", -9, "sentence")}
     )
     decoder, retriever = make(critic, PASSAGES[:1])
-    out = decoder.answer("q", cfg(max_segments=3, max_retrievals=1, keep_unsupported_segments=True))
+    out = decoder.answer(
+        LISTED,
+        cfg(max_segments=3, max_retrievals=1, keep_unsupported_segments=True, min_novelty=0.0),
+    )
     assert len(retriever.queries) == 1
     assert out.usage.retrievals == 1
     assert out.segments[1].citation is None and not out.segments[1].retrieved
@@ -379,7 +522,7 @@ def test_max_retrievals_budget():
 def test_prefill_budget_stops_early():
     critic = ScriptedCritic(drafts={"p1": (" Part.", -1.0, "sentence")})
     decoder, _ = make(critic, PASSAGES[:1])
-    out = decoder.answer("q", cfg(max_segments=5, max_prefill_tokens=50))
+    out = decoder.answer(LISTED, cfg(max_segments=5, max_prefill_tokens=50, min_novelty=0.0))
     assert out.usage.stopped_by == "max_prefill_tokens"
     assert len(out.segments) == 1
 
@@ -388,7 +531,7 @@ def test_timeout_budget_stops_before_next_step():
     ticks = iter(range(0, 1000, 10))
     critic = ScriptedCritic(drafts={"p1": (" Part.", -1.0, "sentence")})
     decoder, _ = make(critic, PASSAGES[:1], clock=lambda: float(next(ticks)))
-    out = decoder.answer("q", cfg(max_segments=5, timeout_s=1.0))
+    out = decoder.answer(LISTED, cfg(max_segments=5, timeout_s=1.0, min_novelty=0.0))
     assert out.usage.stopped_by == "timeout_s"
     assert out.answer  # never empty
 
@@ -403,7 +546,9 @@ def test_beam_keeps_best_cumulative_hypotheses():
         },
     )
     decoder, _ = make(critic, PASSAGES[:2])
-    out = decoder.answer("q", cfg(beam=2, max_segments=2))
+    out = decoder.answer(
+        LISTED, cfg(beam=2, max_segments=2, min_novelty=0.0, w_new=0.0, diverse_passages=False)
+    )
     assert len(out.segments) == 2
     assert out.answer == "One. One."
     # Two hypotheses expanded at step 2: 2 x (2 passages + 1 no-retrieval) branches.

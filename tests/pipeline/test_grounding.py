@@ -7,6 +7,7 @@ from selfrag.pipeline.grounding import (
     missing_terms,
     sentence_share,
     term_share,
+    word_share,
 )
 
 PASSAGE = (
@@ -130,3 +131,11 @@ def test_an_invented_identifier_is_missing_and_a_copied_one_is_found():
     assert missing_terms("Pass --skip-calibration.", passage) == ["--skip-calibration"]
     assert missing_terms("It reads settings.yaml.", passage) == ["settings.yaml"]
     assert missing_terms("Set retry_budget.", passage) == ["retry_budget"]
+
+
+def test_word_share_counts_content_words_found_anywhere_in_the_evidence():
+    # Content words: rollo, swore, fealty, charles, west, francia: all but "swore" (the
+    # passage has "swear") are found, in different sentences.
+    assert word_share("Rollo swore fealty to Charles of West Francia.", PASSAGE) == 5 / 6
+    assert word_share("It is.", PASSAGE) is None
+    assert word_share("ロロはノルマンディーを", PASSAGE) is None

@@ -1,4 +1,7 @@
-"""pipeline/ranking.py: segment flags, and a later unsupported segment ending the answer."""
+"""pipeline/ranking.py: segment flags, a later unsupported or repeating segment dropped, and
+what a later segment adds scored."""
+
+import pytest
 
 from selfrag.pipeline.critics import Branch, LabelProbs
 from selfrag.pipeline.protocols import Generation, Passage
@@ -13,6 +16,7 @@ CFG = DecodingConfig(
 
 
 def drafted(text: str, *, cited: bool, retrieved: bool = True, full: float = 0.9, **kw) -> Drafted:
+    kw.setdefault("novelty", 1.0)
     return Drafted(
         parent=0,
         retrieved=retrieved,
@@ -48,15 +52,17 @@ def test_flags_say_what_to_check_in_a_first_segment():
     assert h.segments[0].unsupported_terms == ["876"]
 
 
-def test_a_later_uncited_segment_ends_the_answer_unless_kept():
+def test_a_later_uncited_segment_is_dropped_and_the_answer_goes_on_unless_kept():
     first = rank_step([Hypothesis()], [Hypothesis()], [drafted(" Rollo.", cited=True)], CFG)
     parent = first.beam[0]
     assert parent.segments[0].flags == []
+    assert (parent.part, parent.misses) == (1, 0)
     later = [drafted(" He died in 932.", cited=False, retrieved=False)]
-    ended = rank_step([parent], [parent], later, CFG)
-    assert ended.filtered == 1
-    (h,) = ended.beam
-    assert h.done and not h.abstained and len(h.segments) == 1
+    dropped = rank_step([parent], [parent], later, CFG)
+    assert dropped.filtered == 1
+    (h,) = dropped.beam
+    # Not ended here: the stop rule (pipeline.coverage.settle) decides whether it goes on.
+    assert not h.done and len(h.segments) == 1 and (h.part, h.misses) == (2, 1)
     kept = rank_step(
         [parent], [parent], later, CFG.model_copy(update={"keep_unsupported_segments": True})
     )
@@ -64,13 +70,58 @@ def test_a_later_uncited_segment_ends_the_answer_unless_kept():
     assert len(h.segments) == 2 and h.segments[1].flags == ["uncited"]
 
 
-def test_a_later_segment_stating_what_its_passage_lacks_ends_the_answer():
+def test_a_later_segment_stating_what_its_passage_lacks_is_dropped():
     parent = rank_step([Hypothesis()], [Hypothesis()], [drafted(" Rollo.", cited=True)], CFG).beam[
         0
     ]
     later = [drafted(" In 876.", cited=True, unsupported_terms=("876",))]
     (h,) = rank_step([parent], [parent], later, CFG).beam
-    assert h.done and len(h.segments) == 1
+    assert len(h.segments) == 1 and h.misses == 1
+
+
+def test_a_later_segment_that_says_nothing_new_is_dropped():
+    parent = rank_step([Hypothesis()], [Hypothesis()], [drafted(" Rollo.", cited=True)], CFG).beam[
+        0
+    ]
+    repeat = [drafted(" Rollo founded it.", cited=True, novelty=0.1)]
+    (h,) = rank_step([parent], [parent], repeat, CFG).beam
+    assert len(h.segments) == 1
+    lenient = CFG.model_copy(update={"min_novelty": 0.0})
+    (h,) = rank_step([parent], [parent], repeat, lenient).beam
+    assert len(h.segments) == 2 and h.segments[1].novelty == 0.1
+
+
+def test_a_later_segment_that_adds_more_ranks_higher():
+    parent = rank_step([Hypothesis()], [Hypothesis()], [drafted(" Rollo.", cited=True)], CFG).beam[
+        0
+    ]
+    same = drafted(" Rollo led them.", cited=True, novelty=0.3)
+    more = drafted(" He was baptised in 912.", cited=True, novelty=0.9)
+    beam = rank_step([parent], [parent], [same, more], CFG.model_copy(update={"beam": 2})).beam
+    assert [h.segments[1].text for h in beam] == [" He was baptised in 912.", " Rollo led them."]
+    assert beam[0].score - beam[1].score == pytest.approx(CFG.w_new * (0.9 - 0.3))
+
+
+def test_the_first_segment_scores_no_novelty():
+    novel = drafted(" Rollo.", cited=True, novelty=1.0)
+    plain = drafted(" Rollo.", cited=True, novelty=0.0)
+    (a,) = rank_step([Hypothesis()], [Hypothesis()], [novel], CFG).beam
+    (b,) = rank_step([Hypothesis()], [Hypothesis()], [plain], CFG).beam
+    assert a.score == b.score
+
+
+def test_a_draft_cut_mid_sentence_stays_on_its_part():
+    (h,) = rank_step(
+        [Hypothesis()], [Hypothesis()], [drafted(" Rollo and", cited=True, cut=True)], CFG
+    ).beam
+    assert h.cut and h.part == 0
+
+
+def test_a_drafted_branch_knows_what_it_adds_to_the_question_and_answer_so_far():
+    c = Candidate(0, Branch("Who founded Normandy?", " Rollo did.", ROLLO), True, None)
+    c.draft = Generation([1], " Rollo founded Normandy in 911.", [-0.1], "length", 0)
+    d = c.drafted()
+    assert d.cut and d.novelty == 0.25  # "rollo", "founded", "normandy" were said; "911" is new
 
 
 def test_a_closed_book_answer_is_not_flagged_uncited():

@@ -38,6 +38,7 @@ from bench.data.questions import (
     to_squad,
     wiki_problems,
 )
+from selfrag.pipeline.coverage import plan_question
 from selfrag.pipeline.protocols import Passage
 
 
@@ -275,3 +276,21 @@ def test_a_docs_fact_cut_between_two_passages_is_reported():
         [record], sections | {"README.md": sections["README.md"] | {"Install": "make install"}}, cut
     )
     assert "d1: fact a: 'TOOL_HOME' is in no one passage of README.md § Settings" in found.problems
+
+
+def test_the_planner_cuts_each_long_form_question_into_its_facts_and_no_short_one():
+    """`coverage.plan_question` on the sets as written: a long-form question listing parts
+    plans one part per fact, a biography without a list an open account; a question of the
+    short-answer sets (and of the shared SQuAD sample, when present) asks one thing."""
+    for path in (LONGFORM_WIKI, LONGFORM_BIO, LONGFORM_DOCS):
+        for r in load(path):
+            plan = plan_question(r["question"])
+            assert len(plan.parts) == len(r["facts"]) or (
+                path == LONGFORM_BIO and plan.open_ended
+            ), r["id"]
+    short = [r["question"] for path in (WIKI, DOCS) for r in load(path)]
+    squad = WIKI_CORPUS.parent / "squad_v2_small.json"
+    if squad.exists():
+        data = json.loads(squad.read_text(encoding="utf-8"))["data"]
+        short += [q["question"] for a in data for p in a["paragraphs"] for q in p["qas"]]
+    assert [q for q in short if plan_question(q).long] == []

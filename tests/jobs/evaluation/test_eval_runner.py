@@ -81,10 +81,19 @@ class FakeRag:
     """What the evaluation uses of `LocalRuntime`: engine, store, critic(), answer_path (its
     critique facts), and what its answer client decodes with (decode, cache_identity)."""
 
-    def __init__(self) -> None:
-        self.engine = WordModel(draft_text=" Rollo founded it.")
-        self.store = ListRetriever([Passage("p1", "Rollo founded Normandy in France.", "Normans")])
-        self.critic_obj = ScriptedCritic(drafts={"p1": (" Rollo founded it.", -1.0, "eos")})
+    def __init__(
+        self,
+        passages: list[Passage] | None = None,
+        baseline_answer: str = " Rollo founded it.",
+        critic: ScriptedCritic | None = None,
+    ) -> None:
+        self.engine = WordModel(draft_text=baseline_answer)
+        self.store = ListRetriever(
+            passages or [Passage("p1", "Rollo founded Normandy in France.", "Normans")]
+        )
+        self.critic_obj = critic or ScriptedCritic(
+            drafts={"p1": (" Rollo founded it.", -1.0, "eos")}
+        )
         self.decoder = BeamDecoder(lambda _: self.critic_obj, self.store, "fake")
         self.answer_path = AnswerPath(DecodingConfig(), facts=self)
 
@@ -356,6 +365,204 @@ def test_baselines_put_passages_in_one_prompt_and_detect_abstention():
     assert closed.passages == [] and "Rollo" not in model.prompts[-1]
     assert is_abstention("I don't know.") and is_abstention("")
     assert not is_abstention("Rollo founded it.")
+
+
+LONGFORM = [
+    {
+        "id": "lf-1",
+        "split": "tune",
+        "question": "Who founded Normandy, and where is it?",
+        "golden_answers": ["Rollo", "France"],
+        "facts": [
+            {"id": "a", "part": "founder", "answers": ["Rollo"], "passage_id": "p1"},
+            {"id": "b", "part": "where", "answers": ["France", "French"], "passage_id": "p2"},
+        ],
+        "how": "by hand",
+    },
+    {
+        "id": "lf-2",
+        "split": "report",
+        "question": "Who founded Normandy?",
+        "facts": [{"id": "a", "answers": ["Rollo"]}],
+    },
+]
+
+
+def _jsonl(path: Path, rows: list[dict[str, Any]]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_long_form_records_load_with_facts_split_and_default_systems(tmp_path: Path):
+    path = _jsonl(tmp_path / "long.jsonl", LONGFORM)
+    q1, q2 = load_questions(path)
+    assert [f.id for f in q1.facts] == ["a", "b"] and q1.facts[1].answers == ("France", "French")
+    assert q1.facts[0].part == "founder" and q1.split == "tune"
+    assert q2.golds == ("Rollo",) and q2.answerable  # golds default to each fact's answers[0]
+    assert [q.id for q in load_questions(path, split="report")] == ["lf-2"]
+    assert parse_systems(None, [q1]) == [
+        "closed-book",
+        "vanilla-rag-long",
+        "selfrag-likelihood",
+        "selfrag-learned",
+    ]
+    assert "vanilla-rag" in parse_systems(None, [])
+    bad = [
+        ({**LONGFORM[0], "facts": [{"id": "a", "answers": []}]}, "non-empty list"),
+        ({**LONGFORM[0], "facts": [{"id": "a", "answers": ["x"]}] * 2}, "unique"),
+        ({**LONGFORM[0], "facts": {"a": "x"}}, "must be a list"),
+    ]
+    for row, message in bad:
+        with pytest.raises(EvalError, match=message):
+            load_questions(_jsonl(tmp_path / "bad.jsonl", [row]))
+    with pytest.raises(EvalError, match="used twice"):
+        load_questions(_jsonl(tmp_path / "twice.jsonl", [LONGFORM[0], LONGFORM[0]]))
+    with pytest.raises(EvalError, match="no question of split"):
+        load_questions(_jsonl(tmp_path / "one.jsonl", LONGFORM[:1]), split="report")
+
+
+def test_long_form_report_judges_citations_alike_for_self_rag_and_vanilla_rag(tmp_path: Path):
+    passages = [
+        Passage("p1", "Rollo founded Normandy.", "Normandy"),
+        Passage("p2", "Normandy lies in the north of France.", "Normandy"),
+    ]
+    critic = ScriptedCritic(
+        relevance_of={"p1": 0.9, "p2": 0.1},
+        drafts={"p1": (" Rollo founded it.", -1.0, "eos"), "p2": (" It is big.", -1.0, "eos")},
+    )
+    rag = FakeRag(
+        passages,
+        # Two sentences, each citing the passage that states it; a third cites a number
+        # naming no passage.
+        baseline_answer=" Rollo founded it [1]. It lies in France. [2] The end [3].",
+        critic=critic,
+    )
+    out = tmp_path / "out"
+    qs = load_questions(_jsonl(tmp_path / "long.jsonl", LONGFORM[:1]))
+    systems = ["vanilla-rag-long", "selfrag-prompted"]
+    cfg = DecodingConfig(mode="always", max_segments=1, top_k=2)
+    report = run_evaluation(_client(rag), rag, qs, systems, out, cfg, progress=False)  # type: ignore[arg-type]
+    # The long-form prompt numbers the passages and asks for a citation after each sentence,
+    # within Self-RAG's budget (one segment of 48 tokens here).
+    prompt = rag.engine.prompts[-1]
+    assert "Passage [1]" in prompt and "Passage [2]" in prompt
+    assert "Answer every part of the question" in prompt and "[1], [2]" in prompt
+    vanilla, selfrag = (
+        report["longform"]["vanilla-rag-long"],
+        report["longform"]["selfrag-prompted"],
+    )
+    # Vanilla: both facts stated, each in a sentence citing the passage holding it; the third
+    # sentence states no fact and cites [3], which names no passage: an unsupported filler.
+    assert vanilla["fact_recall"] == 1.0 and vanilla["fully_covered"] == 1.0
+    assert vanilla["citation_recall"] == 1.0
+    assert vanilla["citation_precision"] == pytest.approx(2 / 3)
+    assert vanilla["citation_precision_facts"] == 1.0
+    assert vanilla["filler_units"] == 1 and vanilla["filler_precision"] == 0.0
+    assert vanilla["units_per_answer"] == 3.0 and vanilla["abstain_rate"] == 0.0
+    assert vanilla["decode_tokens"] > 0 and vanilla["prefill_tokens"] > 0
+    # Self-RAG: one segment, drafted on p1, stating Rollo and citing p1.
+    assert selfrag["fact_recall"] == 0.5 and selfrag["fully_covered"] == 0.0
+    assert selfrag["citation_recall"] == 1.0 and selfrag["citation_precision"] == 1.0
+    assert selfrag["facts_retrieved"] == 1.0 and selfrag["units_per_answer"] == 1.0
+    # Short-form summaries leave the long-form questions out.
+    assert report["systems"]["selfrag-prompted"]["questions"] == 0
+    assert report["longform_questions"] == 1
+    (pair,) = report["paired"]
+    assert "answerable" not in pair
+    assert pair["fully_covered"] == {
+        "questions": 1,
+        **{"both": 0, "only_first": 1, "only_second": 0, "neither": 0},
+        "p_value": 1.0,
+    }
+    assert pair["facts_stated"] == {
+        "facts": 2,
+        **{"both": 1, "only_first": 1, "only_second": 0, "neither": 0},
+        "p_value": 1.0,
+    }
+    # The records keep what the judgement needs; the answers file shows it unit by unit.
+    records = {r["system"]: r for r in read_records(out / "records.jsonl")}
+    assert records["vanilla-rag-long"]["units"][1] == {
+        "text": "It lies in France.",
+        "cited": ["p2"],
+    }
+    assert [p["id"] for p in records["selfrag-prompted"]["passages"]] == ["p1", "p2"]
+    answers = {
+        r["system"]: r
+        for r in map(json.loads, (out / "longform_answers.jsonl").read_text().splitlines())
+    }
+    assert answers["vanilla-rag-long"]["stated"] == ["a", "b"]
+    assert [u["supported"] for u in answers["vanilla-rag-long"]["units"]] == [True, True, False]
+    # report.json has every answer's own rates, units, tokens and time, without the texts.
+    one = {a["system"]: a for a in report["longform_answers"]}
+    assert one["vanilla-rag-long"]["citation_precision"] == pytest.approx(2 / 3)
+    assert one["vanilla-rag-long"]["units"][2] == {
+        "cited": ["[3]"],
+        "states": [],
+        "supported": False,
+    }
+    assert one["selfrag-prompted"]["fact_recall"] == 0.5
+    assert one["selfrag-prompted"]["latency_ms"] == answers["selfrag-prompted"]["latency_ms"]
+    assert "answer" not in one["selfrag-prompted"]
+    table = (out / "report.md").read_text()
+    assert table.startswith("| system | n | facts | fact_recall |")
+    assert "| vanilla-rag-long | 1 | 2 | 100.0% | 100.0% |" in table
+    assert (
+        "| vanilla-rag-long | selfrag-prompted | facts (stated) | 2 | 1 | 1 | 0 | 0 | 1.000 |"
+        in table
+    )
+    assert (
+        "| lf-1 | vanilla-rag-long | 2/2 | 2/2 | 100.0% | 100.0% | 66.7% | 3 | a+ b+ ·- |" in table
+    )
+    assert "| lf-1 | selfrag-prompted | 1/2 | 1/2 | 50.0% | 100.0% | 100.0% | 1 | a+ |" in table
+    summary = render_summary(report).splitlines()
+    assert summary[0].split() == [
+        "system",
+        "n",
+        "facts",
+        "covered",
+        "cite",
+        "prec",
+        "cite",
+        "rec",
+        "p50",
+        "ms",
+    ]
+    assert "facts stated: first / second" in summary[4]
+    assert max(len(line) for line in summary) < 80
+    # Short records are written without the long-form fields.
+    short = load_questions(
+        _jsonl(
+            tmp_path / "short.jsonl", [{"id": "s", "question": "Who?", "golden_answers": ["Rollo"]}]
+        )
+    )
+    run_evaluation(
+        _client(rag), rag, short, ["selfrag-prompted"], tmp_path / "short", cfg, progress=False
+    )  # type: ignore[arg-type]
+    (record,) = read_records(tmp_path / "short" / "records.jsonl")
+    assert "units" not in record and "passages" not in record
+
+
+def test_long_form_baseline_abstains_only_when_every_sentence_declines():
+    from selfrag.pipeline.evaluation.baselines import BaselineAnswerer, declines_every_part
+
+    assert declines_every_part("I don't know.") and declines_every_part("")
+    assert declines_every_part("I don't know [1]. The passages do not contain it.")
+    assert not declines_every_part("Rollo founded it [1]. I don't know where it is.")
+    budgets: list[int] = []
+
+    class BudgetModel(WordModel):
+        def generate(self, requests):  # type: ignore[no-untyped-def]
+            budgets.extend(r.max_tokens for r in requests)
+            return super().generate(requests)
+
+    model = BudgetModel(draft_text=" I don't know.")
+    answerer = BaselineAnswerer(model, ListRetriever([Passage("a", "Rollo.", "N")]))
+    cfg = DecodingConfig(max_segments=3, max_segment_tokens=10)
+    r = answerer.answer("Who?", cfg, retrieve=True, long_form=True)
+    assert r.abstained
+    assert budgets == [30]  # Self-RAG's budget: max_segments x max_segment_tokens
+    with pytest.raises(ValueError, match="needs retrieval"):
+        answerer.answer("Who?", cfg, retrieve=False, long_form=True)
 
 
 def test_vanilla_rag_reads_the_passages_its_answer_client_retrieves():

@@ -123,3 +123,52 @@ def test_calibrate_dry_run_fits_every_signal(
     rows = [json.loads(line) for line in samples.read_text().splitlines()]
     assert {r["signal"] for r in rows} == {"relevance", "support", "retrieval", "utility"}
     assert not (indexed_home / "calibration.toml").exists()
+
+
+LONGFORM_FIXTURE = Path(__file__).with_name("longform_fixture.jsonl")
+
+
+def test_eval_reports_long_answers_end_to_end(
+    indexed_home: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+):
+    out = tmp_path / "long"
+    args = [
+        "--home",
+        str(indexed_home),
+        "eval",
+        str(LONGFORM_FIXTURE),
+        "--split",
+        "tune",
+        "--limit",
+        "2",
+    ]
+    args += ["--systems", "vanilla-rag-long,selfrag-learned", "--out", str(out), "--no-progress"]
+    args += ["--top-k", "2", "--max-segments", "2", "--max-segment-tokens", "24"]
+    assert main(args) == 0
+    printed = capsys.readouterr().out
+    assert "facts stated: first / second" in printed
+    report = json.loads((out / "report.json").read_text())
+    assert report["longform_questions"] == 2
+    for name in ("vanilla-rag-long", "selfrag-learned"):
+        row = report["longform"][name]
+        assert row["questions"] == 2 and row["facts"] == 6, name
+        for col in ("fact_recall", "fully_covered", "facts_retrieved", "abstain_rate"):
+            assert 0.0 <= row[col] <= 1.0, (name, col)
+        for col in ("citation_recall", "citation_precision", "citation_precision_facts"):
+            assert row[col] is None or 0.0 <= row[col] <= 1.0, (name, col)
+        assert row["prefill_tokens"] > 0 and row["mean_ms"] > 0
+    pair = report["paired"][0]
+    assert pair["facts_stated"]["facts"] == 6 and pair["fully_covered"]["questions"] == 2
+    records = [json.loads(x) for x in (out / "records.jsonl").read_text().splitlines()]
+    for r in records:
+        given = {p["id"] for p in r["passages"]}
+        assert given, r["system"]
+        for unit in r["units"]:
+            # A baseline's [n] names one of the passages it was shown, or stays "[n]".
+            assert all(c in given or c.startswith("[") for c in unit["cited"]), unit
+    answers = (out / "longform_answers.jsonl").read_text().splitlines()
+    assert len(answers) == 4
+    for a in report["longform_answers"]:
+        assert a["latency_ms"] > 0 and len(a["facts"]) == 3, a
+        assert all(u["supported"] in (True, False, None) for u in a["units"]), a
+    assert "| vanilla-rag-long | 2 | 6 |" in (out / "report.md").read_text()
