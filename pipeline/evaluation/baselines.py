@@ -45,8 +45,8 @@ _TASK_RAG = (
     f"contain the answer, reply exactly: {ABSTAIN_REPLY}."
 )
 # No instruction to decline: with one, the small models reply "I don't know." to a question of
-# several parts as soon as one part is missing from the passages (the tuning half of the wiki
-# set: every question); a part they cannot answer they decline or get wrong on their own.
+# several parts as soon as one part is missing from the passages (notes/long-answers.md); a
+# part they cannot answer they decline or get wrong on their own.
 _TASK_RAG_LONG = (
     "Answer every part of the question using the passages above, one sentence for each part. "
     "End each sentence with the passages it uses, as [1], [2] and so on."
