@@ -5,8 +5,8 @@
 #
 #   bash scripts/install.sh [--dev] [--portable] [--plan]
 #
-# llama-cpp-python has no prebuilt wheel here, and pip's own build compiles ggml with
-# -march=native and caches that wheel under the package's name, so a wheel built on one
+# llama-cpp-python has no prebuilt wheel here, and pip's own build compiles ggml for the build
+# machine's CPU only and caches that wheel under the package's name, so a wheel built on one
 # machine was reused on another. This script builds it once per build configuration, with the
 # CPU backend as one library per instruction-set level, of which selfrag chooses one at run
 # time (infra/engine/cpu_builds/). By default the levels are this CPU's best one and the
@@ -38,7 +38,7 @@ LLAMA_CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_BACKEND_DL=ON -DGGML_CPU_ALL_VARIANTS
 # What scripts/llama_build.py patches into the sdist; a change here is a new wheel cache key.
 BUILD_RECIPE="variants by scripts/llama_build.py; no llama.cpp common library"
 BUILD_KIND=${PORTABLE:+portable}
-BUILD_KIND=${BUILD_KIND:-native}
+BUILD_KIND=${BUILD_KIND:-this-cpu-and-baseline}
 
 if [ -n "$PLAN" ]; then
     echo "extras: ${EXTRAS:-none}"

@@ -126,7 +126,7 @@ def test_install_flags_combine_in_any_order() -> None:
         assert "portable build" in done.stdout
     done = _install("--plan")
     assert done.returncode == 0, done.stderr
-    assert "extras: none" in done.stdout and "native build" in done.stdout
+    assert "extras: none" in done.stdout and "this-cpu-and-baseline build" in done.stdout
     levels = done.stdout.rstrip().split("CPU backends: ")[1].split()
     assert levels == ["all"] or levels[0] == "x64"  # the baseline on x86-64
 
