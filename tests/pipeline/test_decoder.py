@@ -388,6 +388,19 @@ def test_a_first_segment_cut_mid_sentence_goes_on_searching_with_it():
     assert retriever.queries[1] == "q Rollo and"
 
 
+class ByPart(ListRetriever):
+    """A retriever for `LISTED`: `settle` for the part asking where they settled, `first`
+    for any other query."""
+
+    def __init__(self, first: list[Passage], settle: list[Passage]) -> None:
+        super().__init__([])
+        self.first, self.settle = first, settle
+
+    def search(self, query, k):
+        self.queries.append(query)
+        return self.settle if "settle" in query else self.first
+
+
 def test_a_part_whose_evidence_fails_is_dropped_and_the_next_part_answered():
     critic = ScriptedCritic(
         relevance_of={"p1": 0.9, "p2": 0.9},
@@ -395,13 +408,8 @@ def test_a_part_whose_evidence_fails_is_dropped_and_the_next_part_answered():
         support_of={"p1": {"full": 0.9, "none": 0.1}, "p2": {"none": 1.0}},
     )
 
-    class ByPart(ListRetriever):
-        def search(self, query, k):
-            self.queries.append(query)
-            # The second part finds only a passage that supports nothing it drafts.
-            return [PASSAGES[1]] if "settle" in query else [PASSAGES[0]]
-
-    retriever = ByPart([])
+    # The second part finds only a passage that supports nothing it drafts.
+    retriever = ByPart(first=[PASSAGES[0]], settle=[PASSAGES[1]])
     decoder = BeamDecoder(lambda _: critic, retriever, "test-model")
     out = decoder.answer(LISTED, cfg(max_segments=5, min_support_score=0.5, min_novelty=0.0))
     assert out.usage.steps == 3
@@ -425,12 +433,8 @@ def test_a_later_draft_that_would_be_dropped_lets_the_next_passage_draft():
         },
     )
 
-    class ByPart(ListRetriever):
-        def search(self, query, k):
-            self.queries.append(query)
-            return passages[1:] if "settle" in query else passages[:1]
-
-    decoder = BeamDecoder(lambda _: critic, ByPart([]), "test-model")
+    retriever = ByPart(first=passages[:1], settle=passages[1:])
+    decoder = BeamDecoder(lambda _: critic, retriever, "test-model")
     config = cfg(max_segments=2, max_drafts=1, draft_order_margin=0.5)
     out = decoder.answer(LISTED, config)
     assert [s.citation.passage_id for s in out.segments] == ["p1", "s2"]
