@@ -48,14 +48,14 @@ class _Run:
     config: DecodingConfig
     clock: Callable[[], float]
     started: float
+    plan: QuestionPlan
+    """What the question asks for (`coverage.plan_question`): which parts each step answers,
+    when the answer is complete."""
     usage: Usage = field(default_factory=Usage)
     timings: dict[str, float] = field(default_factory=dict)
     passages: dict[str, Passage] = field(default_factory=dict)
     support: SupportRead | None = None
     """`best_support` of the first step: what decides abstention (`AnswerResponse.support`)."""
-    plan: QuestionPlan | None = None
-    """What the question asks for (`coverage.plan_question`): which parts each step answers,
-    when the answer is complete."""
     static: list[Passage] | None = None
     """The first step's passages, which every later step chooses among when
     `segment_retrieval` is static."""
@@ -118,8 +118,7 @@ class BeamDecoder:
                 "(AnswerPath.config, pipeline.critics.filters.settle_filters)"
             )
         worker = branch_worker(self._critic_for(config.critique), clock=self._clock)
-        run = _Run(config=config, clock=self._clock, started=self._clock())
-        run.plan = plan_question(question)
+        run = _Run(config, self._clock, self._clock(), plan_question(question))
         beam: list[Hypothesis] = [Hypothesis()]
         # Each step adds a segment (at most max_segments) or moves its answer on to the next
         # part or miss (`coverage.settle` ends it): this bound is never what stops it.
@@ -162,14 +161,12 @@ class BeamDecoder:
         with timed(run.timings, "rank", run.clock):
             ranking = self._ranker(beam, live, work.drafted, cfg)
         run.usage.branches_filtered += ranking.filtered
-        assert run.plan is not None
         return [settle(run.plan, h) for h in ranking.beam]
 
     def _open_branches(
         self, live: list[Hypothesis], worker: BranchWorker, run: _Run
     ) -> list[Candidate]:
         cfg = run.config
-        assert run.plan is not None
         asked = [asked_question(branch_question(run.plan, h), cfg) for h in live]
         p_rets: list[float | None] = [None] * len(live)
         closed: list[Generation | None] = [None] * len(live)
@@ -233,11 +230,8 @@ class BeamDecoder:
         step's search, shared by every later step. Past its first segment an account of a
         topic draws only on passages about it (`coverage.about_topic`)."""
         cfg = run.config
-        assert run.plan is not None
         hyps = [live[i] for i in retrieving]
-        cited = [set(h.drafted_from) for h in hyps]
-        if not cfg.diverse_passages:
-            cited = [set() for _ in hyps]
+        cited = [set(h.drafted_from) if cfg.diverse_passages else set() for h in hyps]
         static = cfg.segment_retrieval == "static" and run.plan.long
         if static and run.static is not None:
             results = [run.static] * len(hyps)
