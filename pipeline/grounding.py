@@ -141,8 +141,8 @@ def sentence_share(segment: str, evidence: str, question: str = "") -> float | N
     of `question` that the sentence lacks counts half (restating the question is not evidence,
     and not an invention either); None when the segment has no content word, or is written in
     a script without spaces between words."""
-    words = _content_words(segment)
-    if not words or _UNSPACED.search(segment):
+    words = _countable_words(segment)
+    if words is None:
         return None
     asked = _content_words(question)
     best = 0.0
@@ -156,10 +156,17 @@ def word_share(segment: str, evidence: str) -> float | None:
     """The share of `segment`'s content words (as `sentence_share` counts them) that occur
     anywhere in `evidence`; None when the segment has no content word, or is written in a
     script without spaces between words."""
-    words = _content_words(segment)
-    if not words or _UNSPACED.search(segment):
+    words = _countable_words(segment)
+    if words is None:
         return None
     return len(words & _content_words(evidence)) / len(words)
+
+
+def _countable_words(segment: str) -> set[str] | None:
+    """`segment`'s content words, or None when it has none or is written in a script without
+    spaces between words (whose words cannot be counted so)."""
+    words = _content_words(segment)
+    return None if not words or _UNSPACED.search(segment) else words
 
 
 def _content_words(text: str) -> set[str]:
@@ -189,7 +196,7 @@ def novelty(segment: str, said: str) -> float | None:
     """The share of `segment`'s content words (as `sentence_share` counts them) that `said`
     (the question and the answer so far) lacks: 0 for a segment that only restates them; None
     when the segment has no content word, or is written in a script without spaces."""
-    words = _content_words(segment)
-    if not words or _UNSPACED.search(segment):
+    words = _countable_words(segment)
+    if words is None:
         return None
     return len(words - _content_words(said)) / len(words)
