@@ -49,7 +49,7 @@ from typing import Any
 import httpx
 
 from bench.serve_load import served, wait_ready
-from selfrag.pipeline.evaluation.longform_metrics import strip_markers
+from selfrag.pipeline.evaluation.longform_metrics import Fact, judge_answer
 from selfrag.pipeline.evaluation.qa_metrics import contains_answer
 
 K = 3
@@ -88,12 +88,11 @@ def long_form_questions(path: Path, split: str, n: int) -> list[Question]:
     facts the answer states (`[n]` markers aside)."""
     from selfrag.jobs.evaluation.eval_questions import load_questions
 
-    def share(answer: str, facts: Sequence[tuple[str, ...]]) -> float:
-        text = strip_markers(answer)
-        return sum(contains_answer(text, f) for f in facts) / len(facts)
+    def share(answer: str, facts: Sequence[Fact]) -> float:
+        return len(judge_answer(answer, (), {}, facts, abstained=False).stated) / len(facts)
 
     qs = load_questions(path, split=split, limit=n)
-    return [(q.question, lambda a, f=tuple(f.answers for f in q.facts): share(a, f)) for q in qs]
+    return [(q.question, lambda a, f=q.facts: share(a, f)) for q in qs]
 
 
 # --- the baselines' server (a child process) ---------------------------------------------------
@@ -163,10 +162,11 @@ def serve_baselines(home: str, port: int) -> None:
             "decode_tokens": decode,
         }
 
-    @app.post("/vanilla")
-    def vanilla_answer(body: dict[str, str]) -> dict[str, Any]:
+    def vanilla_reply(question: str, long_form: bool) -> dict[str, Any]:
         with engine_lock:
-            r = vanilla.answer(body["question"], config, retrieve=True)
+            r = vanilla.answer(
+                question, long_config if long_form else config, retrieve=True, long_form=long_form
+            )
         return {
             "answer": r.answer,
             "abstained": r.abstained,  # its "I don't know"
@@ -174,16 +174,13 @@ def serve_baselines(home: str, port: int) -> None:
             "decode_tokens": r.usage.decode_tokens,
         }
 
+    @app.post("/vanilla")
+    def vanilla_answer(body: dict[str, str]) -> dict[str, Any]:
+        return vanilla_reply(body["question"], long_form=False)
+
     @app.post("/vanilla-long")
     def vanilla_long_answer(body: dict[str, str]) -> dict[str, Any]:
-        with engine_lock:
-            r = vanilla.answer(body["question"], long_config, retrieve=True, long_form=True)
-        return {
-            "answer": r.answer,
-            "abstained": r.abstained,  # its "I don't know"
-            "prefill_tokens": r.usage.prefill_tokens,
-            "decode_tokens": r.usage.decode_tokens,
-        }
+        return vanilla_reply(body["question"], long_form=True)
 
     @app.post("/pack")
     def pack_answer(body: dict[str, str]) -> dict[str, Any]:
