@@ -144,7 +144,7 @@ def score_pairs(
 
     critic = rag.critic(critique)
     # The filters an answer with the default request would use, save the threshold itself
-    # (settled as every answer is; a first-use calibration's own settling finds none yet).
+    # (settled as every answer is; `calibrate_support` holds off a first-use calibration).
     cfg = rag.answer_path.settle(rag.settings.decoding.model_copy(update={"critique": critic.name}))
     started = clock()
     out: list[PairScore] = []
@@ -226,7 +226,8 @@ def calibrate_support(
     if progress:
         previous = rag.calibrated.calibration(rag.critique_name(source))
         print(announce_line(len(to_read), previous), file=sys.stderr)
-    scores = score_pairs(rag, source, to_read, plan, progress=progress)
+    with rag.calibrating(rag.critique_name(source)):
+        scores = score_pairs(rag, source, to_read, plan, progress=progress)
     answerable = [s.score for s in scores if s.pair.answerable and s.score is not None]
     unanswerable = [s.score for s in scores if not s.pair.answerable and s.score is not None]
     _enough(len(answerable))

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import re
 import threading
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from functools import cached_property
 from typing import TYPE_CHECKING, Protocol
 
@@ -155,6 +156,21 @@ class LocalRuntime(Closeable):
             except BaseException:
                 self._first_use_tried.discard(critique)  # the next request tries again
                 raise
+
+    @contextmanager
+    def calibrating(self, critique: str) -> Iterator[None]:
+        """Hold off first use for the concrete source `critique` while a calibration of it
+        runs here (`selfrag index`, `selfrag calibrate`): the calibration settles its reads'
+        config, which must not start a second calibration of the same source."""
+        with self._first_use_lock:
+            held = critique in self._first_use_tried
+            self._first_use_tried.add(critique)
+        try:
+            yield
+        finally:
+            if not held:
+                with self._first_use_lock:
+                    self._first_use_tried.discard(critique)
 
     def critique_name(self, source: str) -> str:
         """The concrete critique source `source` stands for on this model: `auto` as the model

@@ -160,6 +160,30 @@ def test_a_failed_calibration_is_tried_again_by_the_next_request(tmp_path: Path)
     assert rt.calibrated_filters("learned") == {} and len(calls) == 2
 
 
+def test_a_calibration_running_here_is_its_sources_first_use(tmp_path: Path) -> None:
+    """`selfrag index` calibrates in a runtime that calibrates on first use: the reads it
+    settles must not start a second calibration of the same source, and other sources and
+    later settles keep theirs."""
+    calls: list[str] = []
+
+    def first_use(rt: LocalRuntime, critique: str) -> bool:
+        calls.append(critique)
+        return False
+
+    rt = _runtime(tmp_path, first_use)
+    with rt.calibrating("learned"):
+        assert rt.calibrated_filters("learned") == {}
+        assert calls == []
+        rt.calibrated_filters("likelihood")
+        assert calls == ["likelihood"]
+    rt.calibrated_filters("learned")  # the calibration wrote none: the next request tries
+    assert calls == ["likelihood", "learned"]
+    with rt.calibrating("learned"):  # tried already: still tried after
+        pass
+    rt.calibrated_filters("learned")
+    assert calls == ["likelihood", "learned"]
+
+
 def test_a_runtime_without_first_use_only_reads(tmp_path: Path) -> None:
     rt = LocalRuntime(Settings(home=tmp_path))
     rt.__dict__["model"] = Model()

@@ -8,7 +8,8 @@ import json
 import logging
 import random
 import shutil
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import SimpleNamespace
@@ -331,7 +332,23 @@ def _fake_rag(
     rag.calibrated = CalibratedDefaults(
         tmp_path, lambda: file_sha256(model), lambda: "fake-fp", collection
     )
-    facts = SimpleNamespace(critique_name=lambda source: source, calibrated_filters=lambda _: {})
+    rag.held = []  # the sources a calibration holds first use off for, while it runs
+    rag.settled_holding = []  # what was held each time the reads' config was settled
+
+    @contextmanager
+    def calibrating(name: str) -> Iterator[None]:
+        rag.held.append(name)
+        yield
+        rag.held.remove(name)
+
+    def calibrated_filters(name: str) -> dict[str, object]:
+        rag.settled_holding.append(list(rag.held))
+        return {}
+
+    rag.calibrating = calibrating
+    facts = SimpleNamespace(
+        critique_name=lambda source: source, calibrated_filters=calibrated_filters
+    )
     rag.answer_path = AnswerPath(rag.settings.decoding, facts=facts)
     return rag
 
@@ -358,6 +375,8 @@ def test_the_job_reads_each_pair_as_a_first_step_branch_and_saves_the_threshold(
     assert json.loads(path.read_text())["min_support_score"] == cal.min_support_score
     assert cal.critique == "learned" and cal.fingerprint == "fake-fp"
     assert cal.questions == 12 and cal.answerable["n"] == 12
+    # Its reads were settled with first use held off: no second calibration from inside.
+    assert rag.settled_holding == [["learned"]] and rag.held == []
     assert cal.answerable_abstain <= 0.05
     assert cal.corpus_passages == {"": 16}
     # Every read is a first-step branch: the question, nothing written yet, one passage.
