@@ -101,10 +101,8 @@ class CorpusCalibrationPlan:
     for a model or machine far slower than expected, not a budget: a threshold read from part
     of the pairs is noisier, so the limit sits well above the unloaded time of the default
     model (notes/evaluation.md has it)."""
-    batch: int = 16
-    """Pairs per critique call (the engine decodes them together, as the decoder's branches;
-    the default engine holds 16 sequences). Drafted 16 at a time, a pair's draft costs about a
-    quarter less than 8 at a time (notes/first-answer.md); the reads are prefill-bound."""
+    batch: int = 8
+    """Pairs per critique call (the engine decodes them together, as the decoder's branches)."""
     report: bool = False
     """Also read the unanswerable pairs: the AUROC and what the threshold abstains on among
     them, which the threshold does not depend on."""
