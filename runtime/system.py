@@ -81,6 +81,7 @@ class LocalRuntime(Closeable):
         # Re-entrant: the calibration's own settling must not start it again.
         self._first_use_lock = threading.RLock()
         self._first_use_tried: set[str] = set()
+        self._calibrating: dict[str, int] = {}  # source: calibrations of it running here
 
     # --- components -----------------------------------------------------------------------------
 
@@ -139,6 +140,9 @@ class LocalRuntime(Closeable):
         """The filter defaults calibrated on the served collection for the critique source
         `critique` (`selfrag calibrate`, or on first use here); none for a model without a
         file to key them by."""
+        with self._first_use_lock:  # a first use running in another thread: wait for it
+            if critique in self._calibrating and self.calibrated.calibration(critique) is None:
+                return {}  # its calibration is running here: none yet, and none to start
         self._calibrate_on_first_use(critique)
         return self.model.calibrated_filters(self.calibrated, critique)
 
@@ -159,18 +163,18 @@ class LocalRuntime(Closeable):
 
     @contextmanager
     def calibrating(self, critique: str) -> Iterator[None]:
-        """Hold off first use for the concrete source `critique` while a calibration of it
-        runs here (`selfrag index`, `selfrag calibrate`): the calibration settles its reads'
-        config, which must not start a second calibration of the same source."""
+        """Mark the concrete source `critique` as being calibrated here (`selfrag index`,
+        `selfrag calibrate`, a first use): the calibration settles its reads' config, which
+        must neither start a second calibration of the source nor warn that it has none."""
         with self._first_use_lock:
-            held = critique in self._first_use_tried
-            self._first_use_tried.add(critique)
+            self._calibrating[critique] = self._calibrating.get(critique, 0) + 1
         try:
             yield
         finally:
-            if not held:
-                with self._first_use_lock:
-                    self._first_use_tried.discard(critique)
+            with self._first_use_lock:
+                self._calibrating[critique] -= 1
+                if not self._calibrating[critique]:
+                    del self._calibrating[critique]
 
     def critique_name(self, source: str) -> str:
         """The concrete critique source `source` stands for on this model: `auto` as the model

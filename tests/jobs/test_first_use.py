@@ -82,8 +82,10 @@ class Model:
 
     def __init__(self) -> None:
         self.written: dict[str, float] = {}
+        self.asked: list[str] = []  # where the real one warns that there is none
 
     def calibrated_filters(self, calibrated: object, critique: str) -> dict[str, object]:
+        self.asked.append(critique)
         if critique in self.written:
             return {"min_support_score": self.written[critique]}
         return {}
@@ -160,10 +162,10 @@ def test_a_failed_calibration_is_tried_again_by_the_next_request(tmp_path: Path)
     assert rt.calibrated_filters("learned") == {} and len(calls) == 2
 
 
-def test_a_calibration_running_here_is_its_sources_first_use(tmp_path: Path) -> None:
+def test_a_calibration_running_here_settles_with_none_and_starts_none(tmp_path: Path) -> None:
     """`selfrag index` calibrates in a runtime that calibrates on first use: the reads it
-    settles must not start a second calibration of the same source, and other sources and
-    later settles keep theirs."""
+    settles must neither start a second calibration of the same source nor warn that there is
+    none; other sources, and the source once its calibration is written, settle as before."""
     calls: list[str] = []
 
     def first_use(rt: LocalRuntime, critique: str) -> bool:
@@ -171,16 +173,18 @@ def test_a_calibration_running_here_is_its_sources_first_use(tmp_path: Path) -> 
         return False
 
     rt = _runtime(tmp_path, first_use)
+    written = rt.model.written  # type: ignore[attr-defined]
+    rt.__dict__["calibrated"] = SimpleNamespace(calibration=written.get)
+    asked = rt.model.asked  # type: ignore[attr-defined]
     with rt.calibrating("learned"):
         assert rt.calibrated_filters("learned") == {}
-        assert calls == []
+        assert calls == [] and asked == []
         rt.calibrated_filters("likelihood")
         assert calls == ["likelihood"]
-    rt.calibrated_filters("learned")  # the calibration wrote none: the next request tries
-    assert calls == ["likelihood", "learned"]
-    with rt.calibrating("learned"):  # tried already: still tried after
-        pass
-    rt.calibrated_filters("learned")
+        written["learned"] = 0.4  # a recalibration: the old threshold's filters
+        assert rt.calibrated_filters("learned") == {"min_support_score": 0.4}
+        del written["learned"]
+    rt.calibrated_filters("learned")  # it wrote none: the next request's first use tries
     assert calls == ["likelihood", "learned"]
 
 
