@@ -193,9 +193,10 @@ def _clean(text: str) -> str:
     return text.strip(" \t,;:.?!").strip()
 
 
-# Steps in a row that may add nothing before an open account ends: one failed step can be a
-# passage that did not hold up; two say the evidence has no more to give.
-MAX_MISSES = 2
+# Steps in a row that may add nothing before an open account ends: a failed step can be a
+# passage that did not hold up, or a draft that ended the answer early; three in a row say the
+# evidence has no more to give.
+MAX_MISSES = 3
 # A question asking one thing is answered in one statement: a segment the token cap cut gets
 # one continuation to finish it, never an account of its own.
 SHORT_CONTINUATIONS = 1
@@ -224,8 +225,8 @@ def search_query(plan: QuestionPlan, h: Hypothesis, cfg: DecodingConfig) -> str:
     part of a question listing parts, that part (`part`), every part still to answer
     (`missing`), or the question and the answer so far (`answer`, past the first step); a
     question asking one thing, or `static`'s one search, the question; an open account the
-    question (`answer`: and the answer so far); past a first segment cut mid-sentence, the
-    question and the answer so far."""
+    question, then its topic (`answer`: the question and the answer so far); past a first
+    segment cut mid-sentence, the question and the answer so far."""
     question = " ".join(plan.question.split())
     with_answer = " ".join(f"{question} {h.text}".split())
     strategy = cfg.segment_retrieval
@@ -237,6 +238,10 @@ def search_query(plan: QuestionPlan, h: Hypothesis, cfg: DecodingConfig) -> str:
             return " ".join(f"{context} {' '.join(plan.parts[h.part :])}".split())
     if h.segments and (h.cut or not plan.long or strategy == "answer"):
         return with_answer
+    if h.segments and plan.open_ended and plan.topic and strategy in ("part", "missing"):
+        # The lead-in ("Tell me a bio of") draws other people's biographies; the topic
+        # alone reaches more of its own passages.
+        return plan.topic
     return question
 
 

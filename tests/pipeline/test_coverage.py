@@ -225,15 +225,21 @@ def test_each_step_of_a_listed_question_searches_for_what_is_missing(strategy, f
     assert search_query(LISTED, after, cfg) == second
 
 
-def test_a_short_or_open_question_searches_the_question_then_with_a_cut_answer():
+def test_a_short_or_open_question_searches_the_question_then_with_a_cut_answer_or_topic():
     cfg = DecodingConfig()
     assert search_query(SHORT, Hypothesis(), cfg) == "Who founded Rome?"
     cut = Hypothesis(segments=(segment(" Romulus and"),), cut=True)
     assert search_query(SHORT, cut, cfg) == "Who founded Rome? Romulus and"
+    assert search_query(OPEN, Hypothesis(), cfg) == "Tell me about Rome."
+    # Past its first segment an account searches its topic, without the lead-in.
     later = Hypothesis(segments=(segment(" Rome is a city."),), part=1)
-    assert search_query(OPEN, later, cfg) == "Tell me about Rome."
+    assert search_query(OPEN, later, cfg) == "Rome"
+    missing = DecodingConfig(segment_retrieval="missing")
+    assert search_query(OPEN, later, missing) == "Rome"
     answer = DecodingConfig(segment_retrieval="answer")
     assert search_query(OPEN, later, answer) == "Tell me about Rome. Rome is a city."
+    static = DecodingConfig(segment_retrieval="static")
+    assert search_query(OPEN, later, static) == "Tell me about Rome."
 
 
 def test_each_step_drafts_on_the_part_it_answers():

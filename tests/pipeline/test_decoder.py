@@ -1,6 +1,7 @@
 import pytest
 
 from selfrag.pipeline.branching import draft_order
+from selfrag.pipeline.coverage import MAX_MISSES
 from selfrag.pipeline.critics import Branch, LabelProbs, settle_filters
 from selfrag.pipeline.decoder import ABSTAIN_MESSAGE, BeamDecoder
 from selfrag.pipeline.protocols import Passage
@@ -493,13 +494,15 @@ def test_an_account_of_a_topic_goes_on_until_its_evidence_gives_nothing_new():
             None: (" x.", -9.0, "eos"),
         },
     )
-    decoder, _ = make(critic, passages)
+    decoder, retriever = make(critic, passages)
     out = decoder.answer("Tell me about Normandy.", cfg(max_segments=6, top_k=1))
     # Each step drafts from a passage about Normandy not drafted on yet; the third repeats
-    # the first (dropped), the fourth finds none left (Rollo's is not about Normandy), and
-    # after two steps in a row add nothing the answer ends, short of max_segments.
+    # the first (dropped), the later ones find none left (Rollo's is not about Normandy), and
+    # after MAX_MISSES steps in a row add nothing the answer ends, short of max_segments.
     assert [s.citation.passage_id for s in out.segments] == ["n1", "n2"]
-    assert out.usage.steps == 4
+    assert out.usage.steps == 2 + MAX_MISSES
+    # The first step searches the question; the later ones its topic alone.
+    assert retriever.queries == ["Tell me about Normandy."] + ["Normandy"] * (1 + MAX_MISSES)
 
 
 def test_eos_stops_decoding():
