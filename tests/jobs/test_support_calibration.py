@@ -786,6 +786,41 @@ def test_selfrag_index_calibrates_at_its_end_unless_told_not_to(
     assert rag.settings.retrieval.collection == "docs"
 
 
+def test_selfrag_index_on_a_fresh_home_calibrates_once_and_quietly(
+    llama_model: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """It calibrated twice, and warned midway that there was no threshold: the calibration's
+    own settling of its reads started a first-use calibration of the same source."""
+    from selfrag.cli import main
+    from selfrag.jobs import support_calibration
+
+    calls: list[str | None] = []
+    calibrate = support_calibration.calibrate_support
+
+    def counted(rag: Any, plan: Any, **kwargs: Any) -> Any:
+        calls.append(kwargs.get("critique"))
+        return calibrate(rag, plan, **kwargs)
+
+    monkeypatch.setattr(support_calibration, "calibrate_support", counted)
+    # The suite turns first use off; a user's `selfrag index` has it on.
+    monkeypatch.setenv("SELFRAG_MODEL__CALIBRATE_ON_FIRST_USE", "true")
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text(
+        "".join(json.dumps({"id": p.id, "text": p.text}) + "\n" for p in _four_copies())
+    )
+    home = tmp_path / "home"
+    with caplog.at_level(logging.WARNING):
+        assert main(["--home", str(home), "index", "--no-progress", str(corpus)]) == 0
+    assert len(calls) == 1
+    assert "support threshold (" in capsys.readouterr().out
+    assert "no support threshold" not in caplog.text
+    assert len(list((home / "calibration").glob("*/*.json"))) == 1
+
+
 def test_selfrag_calibrate_on_the_real_model_sets_the_default_threshold(
     normans_api_home: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
