@@ -140,9 +140,12 @@ class LocalRuntime(Closeable):
         """The filter defaults calibrated on the served collection for the critique source
         `critique` (`selfrag calibrate`, or on first use here); none for a model without a
         file to key them by."""
-        with self._first_use_lock:  # a first use running in another thread: wait for it
-            if critique in self._calibrating and self.calibrated.calibration(critique) is None:
-                return {}  # its calibration is running here: none yet, and none to start
+        if critique in self._calibrating:
+            # Being calibrated: by this thread (the calibration's own reads), which must find
+            # none and start none; or by a first use in another, which this waits for.
+            with self._first_use_lock:
+                if critique in self._calibrating and self.calibrated.calibration(critique) is None:
+                    return {}
         self._calibrate_on_first_use(critique)
         return self.model.calibrated_filters(self.calibrated, critique)
 
