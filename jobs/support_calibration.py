@@ -223,10 +223,11 @@ def calibrate_support(
     pairs = draw_pairs(rag, plan)
     _enough(sum(1 for p in pairs if p.answerable))  # before any model work
     to_read = pairs_to_read(pairs, plan)
+    concrete = rag.critique_name(source)
     if progress:
-        previous = rag.calibrated.calibration(rag.critique_name(source))
+        previous = rag.calibrated.calibration(concrete)
         print(announce_line(len(to_read), previous), file=sys.stderr)
-    with rag.calibrating(rag.critique_name(source)):
+    with rag.calibrating(concrete):
         scores = score_pairs(rag, source, to_read, plan, progress=progress)
     answerable = [s.score for s in scores if s.pair.answerable and s.score is not None]
     unanswerable = [s.score for s in scores if not s.pair.answerable and s.score is not None]
