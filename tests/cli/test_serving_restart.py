@@ -1,8 +1,6 @@
-"""`selfrag serve` stopped the way a supervisor stops it (SIGTERM to its process group, SIGKILL
-after 8 s) and started again on the same port: it must stop in time leaving no process of its
-Ray instance behind, and the new server, not a stale proxy sharing the port, must answer.
-
-The port guard (`wait_for_port`) is checked here without Ray too.
+"""`selfrag serve` as a supervisor runs it (`Server`: its own process group; SIGTERM, SIGKILL
+after 8 s), for the tests that start and restart it (`test_serving_exposure.py`); and the port
+guard (`wait_for_port`), checked here without Ray.
 """
 
 from __future__ import annotations
@@ -14,14 +12,12 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 
 from selfrag.runtime.ray_cluster import OWNER_ENV, PortInUse, port_holder, wait_for_port
-from tests.real import real
 from tests.redis_proc import free_port
 
 SMALL = {"mode": "always", "top_k": 2, "max_segments": 1, "max_segment_tokens": 16}
@@ -132,43 +128,3 @@ class Server:
             self.proc.wait()
             return float("inf")
         return time.monotonic() - started
-
-
-@pytest.fixture
-@real
-def servers(tmp_path: Path) -> Iterator[list[Server]]:
-    started: list[Server] = []
-    yield started
-    for server in started:  # a failed test leaves nothing running
-        if server.proc.poll() is None:
-            server.stop()
-        for pid in _owned(server.proc.pid):
-            os.kill(pid, signal.SIGKILL)
-
-
-def test_a_server_restarted_on_the_same_port_answers(
-    normans_api_home: Path, tmp_path: Path, servers: list[Server]
-) -> None:
-    port = free_port()
-    body = {"question": "Who was the Norse leader of the Normans?", "config": SMALL}
-    for n in (1, 2):
-        server = Server(normans_api_home, port, tmp_path / f"serve{n}.log")
-        servers.append(server)
-        # While it starts (the model check, Ray), the port answers 503 with Retry-After: a
-        # client retries instead of meeting a refused connection or Serve's 404.
-        starting = server.first_answer(body)
-        assert starting.status_code == 503, starting.text
-        assert starting.json()["error"] == "not_ready" and starting.headers["retry-after"]
-        server.wait_ready()
-        with httpx.Client(base_url=server.url, timeout=120) as client:
-            for _ in range(2):  # the first answer, and the next one after it
-                r = client.post("/v1/answer", json=body)
-                assert r.status_code == 200 and r.json()["answer"] is not None, r.text
-        took = server.stop()
-        assert took < STOP_GRACE_S, f"server {n} needed SIGKILL: {server.log.read_text()[-3000:]}"
-        assert server.proc.returncode == 0, server.log.read_text()[-3000:]
-        # Nothing of its Ray instance is left, the proxy included: the port is free within a
-        # few seconds (a killed proxy's listening socket can outlive its process by a moment:
-        # seen once in 2 CI-like runs with 0 s; `selfrag serve` itself waits up to 60 s).
-        assert _owned(server.proc.pid) == []
-        wait_for_port("127.0.0.1", port, 5.0)
