@@ -24,6 +24,9 @@ from tests.paths import ROOT
 from tests.redis_proc import free_port
 
 RAY = Path(sys.executable).with_name("ray")
+# The head's GCS checks each node every second instead of every 3 s (5 misses declare it dead),
+# so a test that kills a node waits about 5 s for Ray to say so, not 15.
+HEAD_ENV = {"RAY_health_check_period_ms": "1000"}
 
 
 class ClusterStartError(RuntimeError):
@@ -147,7 +150,7 @@ def running_cluster(timeout_s: float = 90) -> Iterator[Cluster]:
         log = temp_dir / "head.log"
         with log.open("wb") as out:
             proc = subprocess.Popen(
-                head, env=cluster.env, stdout=out, stderr=subprocess.STDOUT,
+                head, env=cluster.env | HEAD_ENV, stdout=out, stderr=subprocess.STDOUT,
                 start_new_session=True,
             )  # fmt: skip
         cluster.procs.append(proc)

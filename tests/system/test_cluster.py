@@ -642,7 +642,7 @@ def _kill_worker_mid_batch(
         try:
             os.kill(_raylet_of(dead), signal.SIGKILL)
             killed = time.monotonic()
-            while worker in _actors(cluster)["nodes"]:  # ~15 s of missed health checks
+            while worker in _actors(cluster)["nodes"]:  # ~5 s of missed health checks (HEAD_ENV)
                 assert time.monotonic() - killed < 120, "the killed node still counts as alive"
                 time.sleep(1.0)
         finally:
@@ -664,7 +664,7 @@ def test_a_worker_raylet_killed_mid_batch_whose_pool_fits_the_head_finishes_ther
     cluster: Cluster, indexed_home: Path, normans_squad: Path, tmp_path: Path
 ):
     """Two engine actors of 0.4 CPU, one on each node (Ray Data spreads them). SIGKILL the
-    worker's raylet: once Ray declares the node dead (~15 s), the head's one CPU still holds
+    worker's raylet: once Ray declares the node dead (~5 s here), the head's one CPU still holds
     both actors and the retriever, so the driver leaves the lost actor to Ray Data, which
     restarts it on the head and retries its batches; the run finishes there with exit 0 and
     one record per id. A new worker joins afterwards."""
@@ -690,7 +690,7 @@ def test_a_worker_raylet_killed_mid_batch_stops_the_run_cleanly_and_the_rerun_co
 ):
     """SIGKILL the worker node's raylet while `selfrag batch --address` runs one engine actor
     of 0.9 CPU on each node (the default pool): Ray declares the node dead after its missed
-    health checks (~15 s), and the lost actor cannot restart (the head's one CPU holds the
+    health checks (~5 s here), and the lost actor cannot restart (the head's one CPU holds the
     other actor and the retriever), so the run stops with exit status 2 and a message naming
     the node, instead of waiting for ever; the records it wrote stay. The same command, on the
     head alone, answers the rest: one record per id. A new worker joins afterwards."""
