@@ -172,7 +172,7 @@ def trained_heads(indexed_home: Path, tmp_path_factory: pytest.TempPathFactory) 
     from selfrag.cli import main
 
     out = tmp_path_factory.mktemp("heads") / "heads.json"
-    args = ["--home", str(indexed_home), "train", "--passages", "20", "--seed", "3"]
+    args = ["--home", str(indexed_home), "train", "--passages", "12", "--seed", "3"]
     args += ["--out", str(out), "--no-progress", "--critic", "smollm2", "--critic-mode", "add"]
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
