@@ -212,8 +212,11 @@ class BeamDecoder:
             # sentence or two ends its turn after an answer so far); a segment cut
             # mid-sentence, or an account of a topic, goes on from the answer so far.
             prefix = h.text if h.cut or not run.plan.parts else ""
+            # After the answer so far a small model ends its turn, though the new passage
+            # holds more of the account: its draft must say something.
+            goes_on = 1 if run.plan.open_ended and prefix else 0
             for p in passages:
-                branch = Branch(asked[index], prefix, p, sampling)
+                branch = Branch(asked[index], prefix, p, sampling, min_tokens=goes_on)
                 candidates.append(Candidate(index, branch, True, p_ret, said=h.text))
             branch = Branch(asked[index], prefix, None, sampling)
             draft = closed[index] if prefix == asking_prefix(h, run.plan) else None

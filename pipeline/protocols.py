@@ -76,6 +76,9 @@ class GenerationRequest:
     sampling: Sampling | None = None
     """None (or a temperature of 0): greedy. `Generation.logprobs` are the model's own
     log-probabilities of the chosen tokens either way."""
+    min_tokens: int = 0
+    """No end-of-generation or stop token is chosen before this many tokens (vLLM's
+    `min_tokens`): the next most likely token is taken instead."""
 
 
 @dataclass(frozen=True)

@@ -42,6 +42,7 @@ class ScriptedCritic:
     utility_of: dict[str | None, dict[str, float]] = field(default_factory=dict)
     name: str = "scripted"
     calls: list[str] = field(default_factory=list)
+    drafted_branches: list[Branch] = field(default_factory=list)
 
     @staticmethod
     def _key(b: Branch) -> str | None:
@@ -62,6 +63,7 @@ class ScriptedCritic:
 
     def draft(self, branches: Sequence[Branch], max_tokens: int) -> list[Generation]:
         self.calls.append(f"draft:{len(branches)}")
+        self.drafted_branches.extend(branches)
         out = []
         for b in branches:
             text, logprob, finish = self.drafts.get(self._key(b), (" An answer.", -1.0, "eos"))

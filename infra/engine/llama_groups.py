@@ -11,12 +11,14 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 import llama_cpp
+import numpy as np
+import numpy.typing as npt
 
 from selfrag.infra.cache.kv_cache import ContextLayout, PrefixStateStore
 from selfrag.infra.engine.engine_stats import EngineStats
 from selfrag.infra.engine.kv_slots import KVJob, Plan, Slot, SlotPlanner
 from selfrag.infra.engine.kv_staging import PrefixStager
-from selfrag.infra.engine.llama_batch import BatchDecoder, EngineError, Feed
+from selfrag.infra.engine.llama_batch import BatchDecoder, EngineError, Feed, greedy_logprob
 from selfrag.infra.engine.llama_context import LlamaMemory
 from selfrag.infra.engine.llama_layers import LayerTap
 from selfrag.infra.engine.llama_threads import ThreadChooser
@@ -99,7 +101,13 @@ class GroupRunner:
         choosers = {i: TokenChooser(requests[i].sampling, requests[i].prompt) for i in group}
 
         def choose(job: int, pos: int, batch_index: int) -> None:
-            pending[job] = choosers[job].choose(self.decoder.logits_view(batch_index))
+            logits = self.decoder.logits_view(batch_index)
+            if len(tokens[job]) < requests[job].min_tokens:
+                # Chosen among the others; its log-probability stays the model's own.
+                token, _ = choosers[job].choose(self._without_ends(logits, requests[job]))
+                pending[job] = (token, greedy_logprob(logits, token))
+            else:
+                pending[job] = choosers[job].choose(logits)
 
         self.prefill(jobs, group, choose)
         while True:
@@ -137,6 +145,15 @@ class GroupRunner:
             )
             for i in group
         ]
+
+    def _without_ends(
+        self, logits: npt.NDArray[np.float32], req: GenerationRequest
+    ) -> npt.NDArray[np.float32]:
+        """`logits` with every end-of-generation and stop token ruled out (`min_tokens`)."""
+        out = np.array(logits, copy=True)
+        out[self._vocab.eog_tokens] = -np.inf
+        out[sorted(req.stop_token_ids)] = -np.inf
+        return out
 
     def _take(
         self,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ctypes
 from collections.abc import Sequence
+from functools import cached_property
 
 import llama_cpp
 
@@ -65,6 +66,11 @@ class LlamaVocab:
     def is_eog(self, token: int) -> bool:
         """True for end-of-generation tokens (EOS, end-of-turn, ...)."""
         return bool(llama_cpp.llama_vocab_is_eog(self._vocab, token))
+
+    @cached_property
+    def eog_tokens(self) -> list[int]:
+        """Every end-of-generation token id (read once: one call per vocabulary entry)."""
+        return [t for t in range(self.n_tokens) if self.is_eog(t)]
 
     def check_tokens(self, tokens: Sequence[int], what: str) -> list[int]:
         """`tokens` as ints; a ValueError naming `what` for one outside the vocabulary."""

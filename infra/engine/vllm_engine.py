@@ -282,9 +282,9 @@ class VLLMEngine(Closeable):
 
     def generate(self, requests: Sequence[GenerationRequest]) -> list[Generation]:
         """Continuations (greedy, or sampled as a request says); requests with the same stop
-        tokens, budget and sampling share a call."""
+        tokens, budget, sampling and `min_tokens` share a call."""
         outputs: list[Generation | None] = [None] * len(requests)
-        groups: dict[tuple[frozenset[int], int, Sampling | None], list[int]] = {}
+        groups: dict[tuple[frozenset[int], int, Sampling | None, int], list[int]] = {}
         for i, req in enumerate(requests):
             _prompt(req.prompt, f"requests[{i}].prompt")
             if req.max_tokens < 0:
@@ -293,11 +293,12 @@ class VLLMEngine(Closeable):
                 outputs[i] = Generation([], "", [], "length", 0)
             else:
                 sampling = req.sampling if req.sampling and req.sampling.temperature > 0 else None
-                groups.setdefault((req.stop_token_ids, req.max_tokens, sampling), []).append(i)
-        for (stops, max_tokens, sampling), members in groups.items():
-            drawn: dict[str, Any] = {}
+                key = (req.stop_token_ids, req.max_tokens, sampling, req.min_tokens)
+                groups.setdefault(key, []).append(i)
+        for (stops, max_tokens, sampling, min_tokens), members in groups.items():
+            drawn: dict[str, Any] = {"min_tokens": min_tokens} if min_tokens else {}
             if sampling is not None:
-                drawn = {"temperature": sampling.temperature, "top_p": sampling.top_p}
+                drawn |= {"temperature": sampling.temperature, "top_p": sampling.top_p}
                 if sampling.seed is not None:
                     drawn["seed"] = sampling.seed
             choices = self._completions(

@@ -31,6 +31,9 @@ class Branch:
     passage: Passage | None
     sampling: Sampling | None = None
     """How the branch's draft picks its tokens (None: greedily); critique reads ignore it."""
+    min_tokens: int = 0
+    """Tokens its draft must write before it may end (`GenerationRequest.min_tokens`): an
+    account's continuation, where a small model would end its turn after the answer so far."""
 
 
 @dataclass(frozen=True)

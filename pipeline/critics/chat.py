@@ -180,6 +180,7 @@ class ChatCritic:
                     self._stop_tokens(),
                     reusable_prefix=reusable,
                     sampling=b.sampling,
+                    min_tokens=b.min_tokens,
                 )
             )
         return self._model.generate(requests) if requests else []

@@ -222,7 +222,13 @@ class LikelihoodCritic:
         for b in branches:
             prompt, reusable = self._answer_split(b.question, b.prefix, b.passage)
             requests.append(
-                GenerationRequest(prompt, max_tokens, reusable_prefix=reusable, sampling=b.sampling)
+                GenerationRequest(
+                    prompt,
+                    max_tokens,
+                    reusable_prefix=reusable,
+                    sampling=b.sampling,
+                    min_tokens=b.min_tokens,
+                )
             )
         return self._model.generate(requests) if requests else []
 

@@ -89,6 +89,7 @@ class NativeCritic:
                 max_tokens,
                 self._stops,
                 sampling=b.sampling,
+                min_tokens=b.min_tokens,
             )
             for b in branches
         ]

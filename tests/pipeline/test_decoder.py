@@ -363,6 +363,9 @@ def test_a_question_listing_parts_gets_a_segment_per_part_each_searched_for():
         "Where did they settle (Vikings)?",
         "When did they arrive (Vikings)?",
     ]
+    # Each part is drafted on its own, free to end at once (only an account's continuation
+    # must say something).
+    assert {b.min_tokens for b in critic.drafted_branches} == {0}
     answer = decoder.answer(
         LISTED, cfg(max_segments=5, min_novelty=0.0, segment_retrieval="answer")
     )
@@ -503,6 +506,11 @@ def test_an_account_of_a_topic_goes_on_until_its_evidence_gives_nothing_new():
     assert out.usage.steps == 2 + MAX_MISSES
     # The first step searches the question; the later ones its topic alone.
     assert retriever.queries == ["Tell me about Normandy."] + ["Normandy"] * (1 + MAX_MISSES)
+    # A later step's evidence drafts continue the answer so far and may not end at once.
+    drafted = [(b.passage.id if b.passage else None, b.min_tokens) for b in critic.drafted_branches]
+    assert drafted[0] == ("n1", 0)
+    assert {m for p, m in drafted[1:] if p is not None} == {1}
+    assert {m for p, m in drafted if p is None} <= {0}
 
 
 def test_eos_stops_decoding():

@@ -251,6 +251,19 @@ def test_finish_reasons(engine: LlamaEngine) -> None:
     assert empty.tokens == [] and empty.finish_reason == "length"
 
 
+def test_min_tokens_holds_off_the_end_of_the_turn(engine: LlamaEngine) -> None:
+    """A turn the model would end at once writes the most likely other token first; its
+    log-probability stays the model's own."""
+    chat = "<|im_start|>user\nWhat is 2+2? Answer with a number only.<|im_end|>\n"
+    prompt = engine.tokenize(chat + "<|im_start|>assistant\n4.", special=True)
+    ends = engine.generate([GenerationRequest(prompt, max_tokens=8)])[0]
+    assert ends.finish_reason == "eos" and ends.tokens == []  # the premise: it ends here
+    goes_on = engine.generate([GenerationRequest(prompt, max_tokens=8, min_tokens=1)])[0]
+    assert goes_on.tokens and not engine.is_eog(goes_on.tokens[0])
+    [scores] = engine.next_token_logprobs([TokenScoreRequest(prompt, [goes_on.tokens[0]])])
+    assert goes_on.logprobs[0] == pytest.approx(scores.logprobs[0], abs=1e-4)
+
+
 def test_follow_up_call_reuses_generation_from_cache(engine: LlamaEngine) -> None:
     prompt = prompts(engine)[2]
     critique = engine.tokenize(" [Relevant] The passage supports it.")

@@ -237,6 +237,14 @@ def test_generation_stops_like_the_llama_engine(engine: VLLMEngine):
     assert sentence.logprobs[0] == pytest.approx(lp)
 
 
+def test_min_tokens_goes_to_the_server_as_vllms_own(engine: VLLMEngine):
+    FakeVLLM.calls = []
+    prompt = [BOS, ord("R")]
+    engine.generate([GenerationRequest(prompt, 5), GenerationRequest(prompt, 5, min_tokens=2)])
+    sent = [body.get("min_tokens") for path, body in FakeVLLM.calls if path == "/v1/completions"]
+    assert sorted(sent, key=str) == [2, None]  # one call each: a request differing in it
+
+
 def test_prompted_critic_runs_on_the_vllm_adapter(engine: VLLMEngine):
     from selfrag.pipeline.critics import Branch
     from selfrag.pipeline.protocols import Passage
