@@ -59,23 +59,14 @@ def _instance(server_pid: int) -> set[int]:
     return pids
 
 
-def _running(pid: int) -> bool:
-    """Whether `pid` has not yet been killed: a zombie counts as gone (it holds no port), since
-    it stays until its parent, here whatever adopted the orphan, collects it."""
+def _process_state(pid: int) -> tuple[str, str] | None:
+    """(name, state letter) of a live process or a zombie, from /proc; None once it is gone."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-
-
-def _described(pid: int) -> str:
-    """`name (state)` of a process, for a failure's message."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return "gone"
-    return f"{stat.split('(', 1)[1].rsplit(')', 1)[0]} ({stat.rsplit(')', 1)[1].split()[0]})"
+        return None
+    name, rest = stat.split("(", 1)[1].rsplit(")", 1)
+    return name, rest.split()[0]
 
 
 def _routed_address() -> str | None:
@@ -133,7 +124,10 @@ def test_an_open_server_listens_off_loopback_on_its_port_only_and_a_killed_ones_
         # The next start reaps them before it opens the store or the port.
         again = Server(normans_api_home, port, tmp_path / "again.log")
         again.wait_ready()
-        running = {p: _described(p) for p in left if _running(p)}
+        # A zombie counts as gone: it holds no port, and stays until whatever adopted the
+        # orphan collects it.
+        states = {p: _process_state(p) for p in left}
+        running = {p: s for p, s in states.items() if s and s[1] not in ("Z", "X")}
         assert not running, running
         assert "whose starter was killed" in again.log.read_text()
         with httpx.Client(base_url=again.url, timeout=120) as client:
