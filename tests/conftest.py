@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import itertools
 import json
 import logging
 import os
@@ -19,7 +20,7 @@ import redis
 
 from tests.real import real, uses_real_component
 from tests.redis_proc import RedisProcess, redis_or_skip
-from tests.suite import SUITE_ENV, TrainedHeads
+from tests.suite import SUITE_ENV, WIKI_PASSAGES, TrainedHeads
 
 SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 
@@ -142,16 +143,24 @@ def normans_api_home(tmp_path_factory: pytest.TempPathFactory, normans_squad: Pa
 
 
 @pytest.fixture(scope="session")
-def indexed_corpus(normans_squad: Path, shared_data: Path) -> list[str]:
-    """The files `indexed_home` holds: as a command's `--corpus`, nothing new to index."""
-    return [str(normans_squad), str(shared_data / "wiki_sample_1000.jsonl")]
+def indexed_corpus(
+    normans_squad: Path, shared_data: Path, tmp_path_factory: pytest.TempPathFactory
+) -> list[str]:
+    """The files `indexed_home` holds: as a command's `--corpus`, nothing new to index. The
+    Normans paragraphs and the first WIKI_PASSAGES records of the wiki sample."""
+    with (shared_data / "wiki_sample_1000.jsonl").open() as f:
+        records = list(itertools.islice(f, WIKI_PASSAGES))
+    wiki = tmp_path_factory.mktemp("data") / "wiki_sample.jsonl"
+    wiki.write_text("".join(records))
+    return [str(normans_squad), str(wiki)]
 
 
 @pytest.fixture(scope="session")
 @real
 def indexed_home(tmp_path_factory: pytest.TempPathFactory, indexed_corpus: list[str]) -> Path:
-    """A data folder indexed once per session: the Normans paragraphs + 1,000 Wikipedia
-    passages, through the real CLI, embedder and embedded Qdrant."""
+    """A data folder indexed once per session: the Normans paragraphs and WIKI_PASSAGES
+    Wikipedia passages (`indexed_corpus`), through the real CLI, embedder and embedded
+    Qdrant."""
     from selfrag.cli import main
 
     home = tmp_path_factory.mktemp("home")

@@ -12,6 +12,11 @@ SUITE_ENV = {
     "SELFRAG_MODEL__CALIBRATE_ON_FIRST_USE": "false",
 }
 
+WIKI_PASSAGES = 200
+"""Wikipedia records beside the Normans paragraphs in the session's `indexed_home`: distractors
+for its retrieval. No test asks about them, and each costs its embedding in the session's
+setup."""
+
 # How far a cosine of two embeddings may move when a text is embedded in another batch (other
 # texts beside it, another length): the embedder's weights are float16, and llama.cpp rounds a
 # matmul's inputs to float16 on some kernel paths and not others, as the batch's shape and the
