@@ -8,13 +8,17 @@ One home, a copy of the session's Normans home, first without a support calibrat
 model (the filter settles off everywhere), then with one (its threshold settles everywhere,
 the Serve replicas' included). Without a calibration the HTTP routes are the app in this
 process over the Python API's client; with one, a real `selfrag serve`, which is costly to
-start, so it runs once.
+start, so it runs once, and `selfrag batch` as a command of its own: what these two write to
+stderr, start to stop, is quiet (`tests/quiet_logs.py`).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,8 +28,9 @@ import httpx
 import pytest
 
 from selfrag.cli import main
-from tests.cli.test_serving_restart import Server
+from tests.cli.test_serving_restart import STOP_GRACE_S, Server
 from tests.fakes import support_calibration
+from tests.quiet_logs import assert_quiet
 from tests.redis_proc import free_port
 from tests.suite import SUITE_ENV
 
@@ -83,14 +88,41 @@ def _python() -> Outcome:
         return Outcome.of(rag.answer(QUESTION, **DIALS))
 
 
-def _batch(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Outcome:
+def _batch_args(tmp_path: Path) -> list[str]:
+    """`batch` of the question, one actor, into tmp_path/answers.jsonl (`_batch_outcome`)."""
     questions, out = tmp_path / "questions.jsonl", tmp_path / "answers.jsonl"
     questions.write_text(json.dumps({"id": "q", "question": QUESTION, "config": DIALS}) + "\n")
-    assert main(["batch", str(questions), "--out", str(out), "--actors", "1", "--no-progress"]) == 0
-    capsys.readouterr()
-    [record] = [json.loads(line) for line in out.read_text().splitlines()]
+    return ["batch", str(questions), "--out", str(out), "--actors", "1", "--no-progress"]
+
+
+def _batch_outcome(tmp_path: Path) -> Outcome:
+    [record] = [json.loads(line) for line in (tmp_path / "answers.jsonl").read_text().splitlines()]
     assert record["status"] == "ok", record
     return Outcome.of(record["response"])
+
+
+def _batch(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Outcome:
+    """`selfrag batch` in this process, on the module's Ray instance."""
+    assert main(_batch_args(tmp_path)) == 0
+    capsys.readouterr()
+    return _batch_outcome(tmp_path)
+
+
+def _batch_command(tmp_path: Path) -> Outcome:
+    """`selfrag batch` as a user runs it: a command of its own, which starts its own Ray
+    instance; what it writes to stderr is quiet (`assert_quiet`)."""
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    done = subprocess.run(
+        [sys.executable, "-m", "selfrag", *_batch_args(tmp_path)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "answered=1 failed=0" in done.stdout, done.stdout
+    assert_quiet(done.stderr)
+    return _batch_outcome(tmp_path)
 
 
 def _eval(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Outcome:
@@ -194,7 +226,7 @@ def test_with_a_calibration_every_way_in_holds_the_answer_to_it(
         "python": _python(),
         "cli": _cli(capsys),
         "eval": _eval(tmp_path, capsys),
-        "batch": _batch(tmp_path, capsys),
+        "batch": _batch_command(tmp_path),
     }
     served: Server = request.getfixturevalue("server")
     with httpx.Client(base_url=served.url, timeout=300) as http:
@@ -207,3 +239,12 @@ def test_with_a_calibration_every_way_in_holds_the_answer_to_it(
     outcomes["cli-remote"] = _cli(capsys)
     agreed = _agree(outcomes)
     assert agreed.config["min_support_score"] == THRESHOLD and agreed.abstained
+
+    # The server's start, its answers and its stop wrote nothing a user should not see, and
+    # it said once where its API, playground and API docs are.
+    assert served.stop() < STOP_GRACE_S and served.proc.returncode == 0
+    log = served.log.read_text()
+    assert_quiet(log)
+    (start,) = [line for line in log.splitlines() if "serving at" in line]
+    assert f"{served.url}/v1" in start and f"playground {served.url}/" in start
+    assert f"{served.url}/openapi.json" in start
