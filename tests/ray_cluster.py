@@ -8,18 +8,23 @@ deploy/serve.yaml pins the Retriever to."""
 
 from __future__ import annotations
 
+import json
 import os
+import queue
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+from tests.cluster_probe import PREFIX
 from tests.paths import ROOT
 from tests.redis_proc import free_port
 
@@ -33,6 +38,61 @@ class ClusterStartError(RuntimeError):
     """A node did not come up or join in time; the message ends with its log's tail."""
 
 
+class ClusterProbe:
+    """`python -m tests.cluster_probe`, one driver of the cluster for its whole life: `state()`
+    asks it for the cluster's state (`tests.cluster_probe.cluster_state`)."""
+
+    def __init__(self, address: str, env: dict[str, str], log: Path, timeout_s: float = 60):
+        self.log = log  # its stderr
+        self.timeout_s = timeout_s
+        with log.open("wb") as err:
+            self._proc = subprocess.Popen(
+                [sys.executable, "-m", "tests.cluster_probe", address],
+                cwd=ROOT,
+                env=env,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=err,
+                text=True,
+                start_new_session=True,
+            )
+        self._lines: queue.Queue[str | None] = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+        self._answer()  # connected
+
+    def _read(self) -> None:
+        assert self._proc.stdout is not None
+        for line in self._proc.stdout:
+            if line.startswith(PREFIX):
+                self._lines.put(line.removeprefix(PREFIX))
+        self._lines.put(None)  # it ended
+
+    def _answer(self) -> Any:
+        try:
+            line = self._lines.get(timeout=self.timeout_s)
+        except queue.Empty:
+            raise AssertionError(
+                f"the cluster probe gave no answer in {self.timeout_s:.0f} s: {self._tail()}"
+            ) from None
+        if line is None:
+            raise AssertionError(f"the cluster probe ended: {self._tail()}")
+        return json.loads(line)
+
+    def _tail(self) -> str:
+        return self.log.read_text(errors="replace")[-3000:]
+
+    def state(self) -> dict[str, Any]:
+        assert self._proc.stdin is not None
+        self._proc.stdin.write("state\n")
+        self._proc.stdin.flush()
+        return self._answer()
+
+    def close(self) -> None:
+        if self._proc.poll() is None:
+            os.killpg(self._proc.pid, signal.SIGKILL)
+        self._proc.wait()
+
+
 @dataclass
 class Cluster:
     address: str
@@ -43,6 +103,13 @@ class Cluster:
     # stops them all. `worker` is the live worker's.
     procs: list[subprocess.Popen[bytes]]
     worker: subprocess.Popen[bytes] | None = None
+    # Once the head is up: one driver that answers what the cluster holds.
+    probe: ClusterProbe | None = None
+
+    def state(self) -> dict[str, Any]:
+        """The cluster's alive nodes, head and actors, as `tests.cluster_probe` gives them."""
+        assert self.probe is not None, "the cluster's head is not up yet"
+        return self.probe.state()
 
 
 def ray_env() -> dict[str, str]:
@@ -102,10 +169,16 @@ def alive_nodes(address: str, env: dict[str, str]) -> int:
         return 0
 
 
+def _alive(cluster: Cluster) -> int:
+    if cluster.probe is None:
+        return alive_nodes(cluster.address, cluster.env)
+    return len(cluster.state()["nodes"])
+
+
 def _wait_for_nodes(cluster: Cluster, proc: subprocess.Popen[bytes], nodes: int, log: Path,
                     timeout_s: float) -> None:  # fmt: skip
     deadline = time.monotonic() + timeout_s
-    while alive_nodes(cluster.address, cluster.env) < nodes:
+    while _alive(cluster) < nodes:
         if proc.poll() is not None or time.monotonic() > deadline:
             tail = log.read_text(errors="replace")[-2000:]
             raise ClusterStartError(f"{log.stem} did not come up in {timeout_s:.0f} s:\n{tail}")
@@ -155,9 +228,12 @@ def running_cluster(timeout_s: float = 90) -> Iterator[Cluster]:
             )  # fmt: skip
         cluster.procs.append(proc)
         _wait_for_nodes(cluster, proc, 1, log, timeout_s)
+        cluster.probe = ClusterProbe(cluster.address, cluster.env, temp_dir / "probe.log")
         start_worker(cluster, nodes=2, timeout_s=timeout_s)
         yield cluster
     finally:
+        if cluster.probe is not None:
+            cluster.probe.close()
         for proc in reversed(cluster.procs):
             stop_node(proc)
         shutil.rmtree(temp_dir, ignore_errors=True)
