@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import logging
 import random
-import shutil
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
@@ -794,7 +793,8 @@ def test_selfrag_index_on_a_fresh_home_calibrates_once_and_quietly(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     """It calibrated twice, and warned midway that there was no threshold: the calibration's
-    own settling of its reads started a first-use calibration of the same source."""
+    own settling of its reads started a first-use calibration of the same source. The one
+    calibration reads the answerable pairs alone, and an answer applies its threshold."""
     from selfrag.cli import main
     from selfrag.jobs import support_calibration
 
@@ -816,27 +816,14 @@ def test_selfrag_index_on_a_fresh_home_calibrates_once_and_quietly(
     with caplog.at_level(logging.WARNING):
         assert main(["--home", str(home), "index", "--no-progress", str(corpus)]) == 0
     assert len(calls) == 1
-    assert "support threshold (" in capsys.readouterr().out
+    assert "support threshold (learned" in capsys.readouterr().out
     assert "no support threshold" not in caplog.text
-    assert len(list((home / "calibration").glob("*/*.json"))) == 1
-
-
-def test_selfrag_calibrate_on_the_real_model_sets_the_default_threshold(
-    normans_api_home: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
-    from selfrag.cli import main
-
-    home = tmp_path / "home"
-    shutil.copytree(normans_api_home, home)
-    flags = ["--home", str(home)]
-    assert main([*flags, "calibrate", "--no-progress", "--questions", "10"]) == 0
-    out = capsys.readouterr().out
-    assert "support threshold (learned" in out
     [path] = (home / "calibration").glob("*/learned.json")
     cal = SupportCalibration.model_validate_json(path.read_text())
-    assert cal.questions == 10 and cal.answerable["n"] >= 8
+    assert cal.answerable["n"] >= 8
     assert cal.unanswerable == {"n": 0}  # read only with --report
-    assert main([*flags, "ask", "--json", "--mode", "always", "Who led the Normans?"]) == 0
+    ask = ["--home", str(home), "ask", "--json", "--mode", "always", "Who led the Norse raiders?"]
+    assert main(ask) == 0
     response = json.loads(capsys.readouterr().out)
     # The response shows the threshold that applied: the calibrated one.
     assert response["config"]["min_support_score"] == cal.min_support_score
