@@ -415,8 +415,8 @@ def test_the_branch_pool_autoscales_to_two_replicas_under_load_and_back_to_one(
 ):
     """deploy/serve.yaml, deployed with `serve deploy` through the head's dashboard, with the
     BranchPool's CPUs halved (so that two replicas fit these 1-CPU nodes) and its autoscaling
-    shortened for a test: target 1 ongoing call, at most 2 replicas, 2 s to scale up, 4 s to
-    scale down, 5 s of look-back, metrics every second (production: target 24, max 8, 30 s
+    shortened for a test: target 1 ongoing call, at most 2 replicas, 1 s to scale up, 2 s to
+    scale down, 3 s of look-back, metrics every second (production: target 24, max 8, 30 s
     and 300 s; serve.yaml says why). Four clients asking distinct
     questions keep ~4 calls at the pool: it goes to 2 replicas, and back to 1 once they stop.
     The Retriever lands on the node labelled `selfrag-index=true` (the worker), as the file
@@ -434,9 +434,9 @@ def test_the_branch_pool_autoscales_to_two_replicas_under_load_and_back_to_one(
     pool["autoscaling_config"] |= {
         "max_replicas": 2,
         "target_ongoing_requests": 1,
-        "upscale_delay_s": 2,
-        "downscale_delay_s": 4,
-        "look_back_period_s": 5,
+        "upscale_delay_s": 1,
+        "downscale_delay_s": 2,
+        "look_back_period_s": 3,
         "metrics_interval_s": 1,
     }
     # A replica's CPUs must be free on one node. The app's first replicas leave 0.8 of these
