@@ -22,7 +22,7 @@ def test_train_small_corpus_then_answer_with_the_heads(
     capsys: pytest.CaptureFixture[str],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    # The session's one training run (tests/conftest.py): 20 passages, seed 3, on the index.
+    # The session's one training run (tests/conftest.py): 12 passages, seed 3, on the index.
     home, out = trained_heads.home, trained_heads.path
     printed = trained_heads.printed
     assert "validation AUC" in printed and " at L2 " in printed and str(out) in printed
