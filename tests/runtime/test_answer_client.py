@@ -23,6 +23,9 @@ from selfrag.schemas.errors import Cancelled, DeadlineExceeded
 from tests.fakes import ListRetriever, ScriptedCritic
 from tests.http_fakes import metric_value
 
+# Sub-second deadlines raced against threads and timers: not for a CPU-starved process.
+pytestmark = pytest.mark.deadline
+
 OPEN = {"mode": "always", "top_k": 1, "min_relevance": 0.0, "min_support_score": 0.0}
 
 

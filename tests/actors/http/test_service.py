@@ -31,6 +31,9 @@ from tests.fakes import ScriptedCritic
 from tests.http_fakes import metric_value
 from tests.serve_fakes import Decider, DictCache, Pool, Rig, Store, make_service
 
+# Sub-second deadlines raced against threads and timers: not for a CPU-starved process.
+pytestmark = pytest.mark.deadline
+
 
 def _service(
     *,
