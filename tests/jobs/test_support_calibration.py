@@ -818,6 +818,7 @@ def test_selfrag_index_on_a_fresh_home_calibrates_once_and_quietly(
     assert len(calls) == 1
     assert "support threshold (learned" in capsys.readouterr().out
     assert "no support threshold" not in caplog.text
+    assert len(list((home / "calibration").glob("*/*.json"))) == 1
     [path] = (home / "calibration").glob("*/learned.json")
     cal = SupportCalibration.model_validate_json(path.read_text())
     assert cal.answerable["n"] >= 8
