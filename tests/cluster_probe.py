@@ -16,7 +16,7 @@ PREFIX = "PROBE "
 def cluster_state() -> dict[str, Any]:
     """The alive nodes' ids and their exports (id, address, metrics export port), the head's
     id, and every actor the cluster ran (GCS keeps the dead ones): id, class, node (the last it
-    ran on), and the ids and classes of those alive and the ids of those restarted."""
+    ran on), the classes of those alive and the ids of those restarted."""
     import ray
     from ray._private import state
 
@@ -31,8 +31,7 @@ def cluster_state() -> dict[str, Any]:
             if n["Alive"]
         ],
         "actors": [[i, a["ActorClassName"], a["Address"]["NodeID"]] for i, a in actors.items()],
-        "alive": [i for i, a in actors.items() if a["State"] == "ALIVE"],
-        "alive_classes": [a["ActorClassName"] for a in actors.values() if a["State"] == "ALIVE"],
+        "alive": [a["ActorClassName"] for a in actors.values() if a["State"] == "ALIVE"],
         "restarted": [i for i, a in actors.items() if a["NumRestarts"] > 0],
     }
 

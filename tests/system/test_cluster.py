@@ -31,6 +31,7 @@ import yaml
 
 from tests.netns import LoopbackNamespace, NamespaceUnavailable
 from tests.paths import ROOT
+from tests.procfs import process_stat
 from tests.ray_cluster import Cluster, ClusterStartError, running_cluster, start_worker
 from tests.real import real
 from tests.redis_proc import free_port
@@ -338,7 +339,7 @@ def _scrape_every_node(cluster: Cluster, timeout_s: float) -> dict[str, str]:
 
 def _selfrag_replicas(cluster: Cluster) -> list[str]:
     """The classes of the selfrag app's alive Serve replicas."""
-    return [a for a in cluster.state()["alive_classes"] if a.startswith("ServeReplica:selfrag:")]
+    return [a for a in cluster.state()["alive"] if a.startswith("ServeReplica:selfrag:")]
 
 
 def _serve_cli(cluster: Cluster, *args: str) -> subprocess.CompletedProcess[str]:
@@ -525,15 +526,10 @@ def test_the_branch_pool_autoscales_to_two_replicas_under_load_and_back_to_one(
 
 def _raylet_of(proc: subprocess.Popen[bytes]) -> int:
     """The pid of the raylet in `proc`'s process group (a node's `ray start --block`)."""
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)
-            comm = fields[0].split("(", 1)[1]
-            pgid = int(fields[1].split()[2])
-        except (OSError, IndexError, ValueError):
-            continue
-        if pgid == proc.pid and comm == "raylet":
-            return int(stat.parent.name)
+    for entry in Path("/proc").glob("[0-9]*"):
+        stat = process_stat(entry.name)
+        if stat is not None and stat[0] == "raylet" and int(stat[1][2]) == proc.pid:
+            return int(entry.name)
     raise AssertionError(f"no raylet in process group {proc.pid}")
 
 
