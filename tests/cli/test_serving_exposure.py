@@ -16,6 +16,7 @@ import pytest
 from selfrag.actors.http.guards import HostCheck
 from selfrag.runtime.ray_cluster import OWNER_FILE, wait_for_port
 from tests.cli.test_serving_restart import SMALL, STOP_GRACE_S, Server, _owned
+from tests.procfs import process_stat
 from tests.redis_proc import free_port
 from tests.runtime.test_ray_cluster import _is_loopback, listening_sockets
 
@@ -60,13 +61,9 @@ def _instance(server_pid: int) -> set[int]:
 
 
 def _process_state(pid: int) -> tuple[str, str] | None:
-    """(name, state letter) of a live process or a zombie, from /proc; None once it is gone."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    name, rest = stat.split("(", 1)[1].rsplit(")", 1)
-    return name, rest.split()[0]
+    """(name, state letter) of a live process or a zombie; None once it is gone."""
+    stat = process_stat(pid)
+    return None if stat is None else (stat[0], stat[1][0])
 
 
 def _routed_address() -> str | None:
