@@ -1,8 +1,10 @@
 """Indexing throughput: one process against `selfrag index --ray` with two Ray Data actors on
 this machine, and against the same on a two-node loopback cluster (`--address`), side by side in
 one run, each mode in a process of its own. `one` embeds on every core, as `selfrag index` does;
-`one1` on one thread (the read-ahead alone); `before` runs `one` on another checkout of selfrag
-(`--before DIR`, e.g. a worktree of an older commit): the documents/s before and after a change.
+`one1` on one thread (the read-ahead alone); `one16` is `one` with the embedder in F16 whatever
+the CPU (`retrieval.embedding_format`; `auto` may pick BF16); `before` runs `one` on another
+checkout of selfrag (`--before DIR`, e.g. a worktree of an older commit): the documents/s before
+and after a change.
 
 The corpus is generated from the wiki sample (`wiki_sample_1000.jsonl`): its passages repeated
 until there are `--passages` of them, each copy's text ending with its copy number, so every
@@ -19,7 +21,7 @@ wall times only on an idle one).
 Last line: name=value.
 
     .venv/bin/python -m bench.indexing [--passages 10000] [--actors 2] [--data ../shared/data]
-        [--modes before,one,one1,ray,cluster --before DIR]
+        [--modes before,one,one16,one1,ray,cluster --before DIR]
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ from typing import TYPE_CHECKING
 from bench.processes import descendants, vm_rss
 
 REPO = Path(__file__).resolve().parent.parent
-MODES = ("before", "one", "one1", "ray", "cluster")
+MODES = ("before", "one", "one16", "one1", "ray", "cluster")
 
 if TYPE_CHECKING:
     from tests.ray_cluster import Cluster
@@ -66,13 +68,15 @@ def run_mode(mode: str, corpus: Path, actors: int, address: str | None) -> dict[
     from selfrag.jobs.ray_indexing import index_corpus_ray
     from selfrag.schemas.settings import RetrievalSettings
 
-    settings = RetrievalSettings()
+    # Defaults unless `one16`: an older checkout (`before`) may know no format.
+    pinned = {"embedding_format": "f16"} if mode == "one16" else {}
+    settings = RetrievalSettings(**pinned)
     with tempfile.TemporaryDirectory() as home:
-        embedder = SentenceEmbedder(threads=1)
+        embedder = SentenceEmbedder(threads=1, **{"fmt": "f16"} if pinned else {})
         embedder.embed(["load"])  # the model's conversion and load are not indexing
         with QdrantStore.open(settings, Path(home), embedder) as store:
             started, cpu = time.perf_counter(), _cpu_seconds()
-            if mode in ("one", "before"):  # `before`: `one` of the checkout on PYTHONPATH
+            if mode in ("one", "one16", "before"):  # `before`: `one` of the checkout on PYTHONPATH
                 report = index_corpus(corpus, store, progress=False, retrieval=settings)
             elif mode == "one1":
                 report = index_corpus(corpus, store, progress=False, retrieval=settings, threads=1)

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import numpy as np
 
+from selfrag.infra.embeddings.bert_gguf import BertFormat
+from selfrag.infra.embeddings.embedder import resolved_format
 from selfrag.infra.store.passage_points import (
     doc_id,
     document_batches,
@@ -34,10 +36,10 @@ CHUNK_PASSAGES = 4096
 class PassageEmbedder:
     """A Ray Data actor: one embedding model, loaded once, embedding batches of texts."""
 
-    def __init__(self, model: str | None, threads: int) -> None:
+    def __init__(self, model: str | None, fmt: BertFormat, threads: int) -> None:
         from selfrag.infra.embeddings.embedder import SentenceEmbedder
 
-        self._embedder = SentenceEmbedder(model, threads=threads)
+        self._embedder = SentenceEmbedder(model, threads=threads, fmt=fmt)
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         vectors = self._embedder.embed([str(t) for t in batch["text"]])
@@ -49,12 +51,13 @@ def embed_on_ray(
     model: str | None,
     dim: int,
     *,
+    fmt: BertFormat,
     actors: int,
     batch_size: int = 64,
     progress: bool = True,
 ) -> np.ndarray:
     """The vectors of `texts`, in their order, embedded by `actors` Ray Data actors of one CPU
-    each (one llama.cpp thread)."""
+    each (one llama.cpp thread), all in the weight format `fmt`, whatever their node's CPU."""
     import ray.data
 
     if not texts:
@@ -65,7 +68,7 @@ def embed_on_ray(
     blocks = max(1, min(len(rows) // batch_size, actors * 8))
     ds = ray.data.from_items(rows, override_num_blocks=blocks).map_batches(
         PassageEmbedder,
-        fn_constructor_kwargs={"model": model, "threads": 1},
+        fn_constructor_kwargs={"model": model, "fmt": fmt, "threads": 1},
         batch_size=batch_size,
         batch_format="numpy",
         concurrency=actors,
@@ -105,6 +108,8 @@ def index_corpus_ray(
     report = IndexReport()
     corpus = CorpusRead(path, retrieval, store.embedder, report, follow_links=follow_links)
     indexed = indexed_documents(store)  # listed once: what to skip, then what is gone
+    # Resolved here: every actor writes the vectors of the format this index records.
+    fmt = resolved_format(retrieval.embedding_format)
     documents = corpus.documents(indexed)
     connected = started_ray = changed = False
     try:
@@ -115,6 +120,7 @@ def index_corpus_ray(
                 [embedded_text(p) for p in chunk],
                 retrieval.embedding_model,
                 store.embedder.dim,
+                fmt=fmt,
                 actors=actors,
                 progress=progress,
             )

@@ -58,7 +58,8 @@ def open_embedder(settings: Settings, model: ModelArtefacts | None = None) -> Se
     from selfrag.infra.embeddings.embedder import SentenceEmbedder
 
     (model or model_artefacts(settings)).before_embedder()
-    return SentenceEmbedder(settings.retrieval.embedding_model)
+    retrieval = settings.retrieval
+    return SentenceEmbedder(retrieval.embedding_model, fmt=retrieval.embedding_format)
 
 
 class ModelArtefacts(Closeable, ABC):

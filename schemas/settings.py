@@ -187,6 +187,13 @@ class RetrievalSettings(BaseModel):
         description="sentence-transformers BERT model folder (safetensors), converted to GGUF "
         "once and run on llama.cpp; default: the embedded all-MiniLM-L6-v2.",
     )
+    embedding_format: Literal["auto", "f32", "f16", "bf16"] = Field(
+        "auto",
+        description="Weights of the converted embedding model; auto: BF16 where the CPU "
+        "backend multiplies BF16 natively (AVX512-BF16), else F16. The three embed alike, and "
+        "an index built in one is reused in another after a sample re-embeds alike; pin one "
+        "for a cluster of mixed CPUs.",
+    )
     hybrid: bool = Field(
         True,
         description="Fuse dense and BM25 sparse results (a better hit@1 than dense-only on "

@@ -19,13 +19,23 @@ from typing import Any, Literal
 import numpy as np
 
 from selfrag.infra.corpus.bounded_reads import load_json
-from selfrag.infra.models.model_files import FTYPE_ALL_F32, FTYPE_MOSTLY_F16, ModelFileError
+from selfrag.infra.models.model_files import (
+    FTYPE_ALL_F32,
+    FTYPE_MOSTLY_BF16,
+    FTYPE_MOSTLY_F16,
+    ModelFileError,
+)
 
-BertFormat = Literal["f32", "f16"]
+BertFormat = Literal["f32", "f16", "bf16"]
+BERT_FORMATS: tuple[BertFormat, ...] = ("f32", "f16", "bf16")
 CONVERTER_VERSION = 2
 """Part of the converted file's name: a change to what `convert_bert` writes converts again."""
 
-_FTYPES: dict[BertFormat, int] = {"f32": FTYPE_ALL_F32, "f16": FTYPE_MOSTLY_F16}
+_FTYPES: dict[BertFormat, int] = {
+    "f32": FTYPE_ALL_F32,
+    "f16": FTYPE_MOSTLY_F16,
+    "bf16": FTYPE_MOSTLY_BF16,
+}
 # Hugging Face tensors llama.cpp does not use for embeddings (position ids are implicit; the
 # pooler is a CLS-classification head sentence-transformers does not apply).
 _UNUSED = ("embeddings.position_ids", "pooler.dense.weight", "pooler.dense.bias")
@@ -164,9 +174,13 @@ def convert_bert(folder: BertFolder, target: Path, fmt: BertFormat) -> None:
         data = array.astype(np.float32)
         # Only the matrices that are multiplied or looked up: llama.cpp adds the token-type
         # row to the embeddings as it is, and ggml cannot add F16 to F32.
-        if fmt == "f16" and data.ndim == 2 and gguf_name not in _F32_ALWAYS:
-            data = data.astype(np.float16)
-        writer.add_tensor(gguf_name, data)
+        if data.ndim != 2 or gguf_name in _F32_ALWAYS or fmt == "f32":
+            writer.add_tensor(gguf_name, data)
+        elif fmt == "f16":
+            writer.add_tensor(gguf_name, data.astype(np.float16))
+        else:
+            bf16 = gguf.GGMLQuantizationType.BF16
+            writer.add_tensor(gguf_name, gguf.quants.quantize(data, bf16), raw_dtype=bf16)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -23,11 +23,12 @@ from collections.abc import Sequence
 from hashlib import blake2b
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
 from selfrag.infra.embeddings.bert_gguf import (
+    BERT_FORMATS,
     CONVERTER_VERSION,
     TOKENIZER_FILES,
     BertFolder,
@@ -35,6 +36,7 @@ from selfrag.infra.embeddings.bert_gguf import (
     convert_bert,
 )
 from selfrag.infra.embeddings.wordpiece import WordPiece
+from selfrag.infra.engine.cpu_builds.cpu_variants import expected_features
 from selfrag.infra.models.model_files import derive_once, file_sha256
 
 log = logging.getLogger(__name__)
@@ -45,9 +47,8 @@ _CONFIG_FILES = (
     "sentence_bert_config.json",
     "1_Pooling/config.json",
 )
-DEFAULT_FORMAT: BertFormat = "f16"
-"""Weights of the converted file: F16 embeds faster than F32 on one thread, with the same
-agreement with sentence-transformers (notes/benchmarks.md, *Embeddings through llama.cpp*)."""
+EmbeddingFormat = Literal["auto", "f32", "f16", "bf16"]
+"""The converted file's weights; `auto` is `fastest_format()`."""
 BATCH_TOKENS = 512
 """Tokens per llama.cpp call. Sequences of one call attend within a mask over all its tokens,
 so the attention cost grows with the square of this: 512 keeps it a small part of the work."""
@@ -66,6 +67,22 @@ def default_model_dir() -> Path:
     return Path(str(folder))
 
 
+def fastest_format() -> BertFormat:
+    """BF16 where the CPU backend this process is expected to load multiplies BF16 natively
+    (AVX512-BF16), else F16, which embeds faster there than BF16 or F32; the three embed alike
+    (notes/first-answer.md, *The embedder in BF16*)."""
+    return "bf16" if "AVX512_BF16" in expected_features() else "f16"
+
+
+def resolved_format(fmt: EmbeddingFormat) -> BertFormat:
+    """`fmt`, with `auto` resolved on this machine (`fastest_format`)."""
+    if fmt == "auto":
+        return fastest_format()
+    if fmt not in BERT_FORMATS:
+        raise ValueError(f"fmt must be auto or one of {', '.join(BERT_FORMATS)}, got {fmt!r}")
+    return fmt
+
+
 def default_cache_dir() -> Path:
     """Where converted embedding models are kept: `$XDG_CACHE_HOME/selfrag/models`."""
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
@@ -77,10 +94,11 @@ class SentenceEmbedder:
     machine) and loaded on first use, under a lock.
 
     `threads` llama.cpp threads per call (one by default, so embedding leaves the other cores
-    to the language model). `model_id` names the folder and the converted format; `replaces`
-    names the sentence-transformers embedder of the same folder, whose vectors this one
-    reproduces (cosine >= 0.999 on the corpus, notes/benchmarks.md): the store re-embeds a
-    sample of an index built by it before reusing it.
+    to the language model). `fmt` is the converted file's weights (`auto`: `fastest_format`).
+    `model_id` names the folder and the format; `replaces` names the sentence-transformers
+    embedder of the same folder, whose vectors this one reproduces (cosine >= 0.999 on the
+    corpus, notes/benchmarks.md), and this embedder in the other formats: the store re-embeds a
+    sample of an index built by one of them before reusing it.
     """
 
     def __init__(
@@ -88,7 +106,7 @@ class SentenceEmbedder:
         model_dir: str | Path | None = None,
         *,
         threads: int = 1,
-        fmt: BertFormat = DEFAULT_FORMAT,
+        fmt: EmbeddingFormat = "auto",
         cache_dir: Path | None = None,
     ) -> None:
         folder = Path(model_dir) if model_dir is not None else default_model_dir()
@@ -101,7 +119,7 @@ class SentenceEmbedder:
         self._dir = folder
         self._bert = BertFolder.read(folder)
         self._threads = threads
-        self._fmt: BertFormat = fmt
+        self._fmt = resolved_format(fmt)
         self._cache_dir = cache_dir if cache_dir is not None else default_cache_dir()
         self._native: _Native | None = None
         self._wordpiece: tuple[WordPiece, int, int] | None = None  # with [CLS] and [SEP]
@@ -110,11 +128,19 @@ class SentenceEmbedder:
         # A bare "model" folder (as packaged) says nothing; its parent names the model then.
         name = folder.parent.name if folder.name == "model" else folder.name
         self._st_id = f"{name}-{_config_hash(folder)}"
-        self._model_id = f"{self._st_id}-llama-{fmt}"
+        self._model_id = self._llama_id(self._fmt)
+
+    def _llama_id(self, fmt: BertFormat) -> str:
+        return f"{self._st_id}-llama-{fmt}"
 
     @property
     def model_dir(self) -> Path:
         return self._dir
+
+    @property
+    def fmt(self) -> BertFormat:
+        """The converted file's weight format."""
+        return self._fmt
 
     @property
     def model_id(self) -> str:
@@ -124,8 +150,10 @@ class SentenceEmbedder:
 
     @property
     def replaces(self) -> frozenset[str]:
-        """Ids of embedders whose indexes this one may reuse once a sample re-embeds alike."""
-        return frozenset({self._st_id})
+        """Ids of embedders whose indexes this one may reuse once a sample re-embeds alike:
+        sentence-transformers on the same folder, and this one in the other formats."""
+        others = {self._llama_id(f) for f in BERT_FORMATS if f != self._fmt}
+        return frozenset({self._st_id, *others})
 
     @property
     def dim(self) -> int:

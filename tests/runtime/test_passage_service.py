@@ -55,7 +55,7 @@ def test_the_service_opens_a_store_after_the_chat_model_chose_the_cpu_build(
     monkeypatch.setattr(
         embedder_module,
         "SentenceEmbedder",
-        lambda name: order.append("embedder") or HashEmbedder(),
+        lambda name, **_: order.append("embedder") or HashEmbedder(),
     )
     service = PassageService(Settings(home=tmp_path / "home"))
     try:

@@ -25,7 +25,7 @@ def test_the_chat_model_chooses_the_cpu_backend_before_the_embedder_loads(
         backend_module, "ensure_backend", lambda path, **_: order.append(f"backend {path.name}")
     )
     monkeypatch.setattr(
-        embedder_module, "SentenceEmbedder", lambda name: order.append("embedder") or object()
+        embedder_module, "SentenceEmbedder", lambda name, **_: order.append("embedder") or object()
     )
     rag = LocalRuntime(Settings(home=tmp_path))
     rag.model.__dict__["path"] = tmp_path / "chat.gguf"

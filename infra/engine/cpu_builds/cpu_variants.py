@@ -7,6 +7,7 @@ an install builds, before anything else is installed."""
 from __future__ import annotations
 
 import importlib.util
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -160,3 +161,20 @@ def variant_files() -> list[Path]:
 
 def variant_name(path: Path) -> str:
     return path.name.removeprefix("libggml-cpu-").removesuffix(".so")
+
+
+def expected_features(flags: set[str] | None = None) -> tuple[str, ...]:
+    """The instruction sets of the variant a process on this CPU (cpuinfo `flags`, default this
+    one's) is expected to load, known without loading or probing anything: the one
+    `CPU_BACKEND_ENV` names, else the best built variant it runs that needs no AMX (a probe may
+    still fall to a lower one). Empty for a build with one built-in backend, or an unknown CPU."""
+    forced = os.environ.get(CPU_BACKEND_ENV, "").strip()
+    if forced:
+        return VARIANT_FEATURES.get(forced, ())
+    try:
+        built = {variant_name(path) for path in variant_files()}
+    except BackendError:
+        return ()
+    mine = {name: features for name, features in VARIANT_FEATURES.items() if name in built}
+    best = best_level(mine, cpu_flags() if flags is None else flags, amx=False)
+    return VARIANT_FEATURES[best] if best is not None else ()

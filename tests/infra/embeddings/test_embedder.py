@@ -6,6 +6,7 @@ sentence-transformers embedder it replaces, reused or refused."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from collections.abc import Sequence
 from pathlib import Path
@@ -13,10 +14,18 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from selfrag.infra.embeddings.bert_gguf import BertFolder, read_safetensors
+import selfrag.infra.embeddings.embedder as embedder_module
+from selfrag.infra.embeddings.bert_gguf import BERT_FORMATS, BertFolder, read_safetensors
 from selfrag.infra.embeddings.embedder import SentenceEmbedder, default_model_dir
 from selfrag.infra.embeddings.wordpiece import WordPiece
-from selfrag.infra.models.model_files import ModelFileError, read_gguf_metadata
+from selfrag.infra.engine.cpu_builds.cpu_variants import VARIANT_FEATURES
+from selfrag.infra.models.model_files import (
+    FTYPE_ALL_F32,
+    FTYPE_MOSTLY_BF16,
+    FTYPE_MOSTLY_F16,
+    ModelFileError,
+    read_gguf_metadata,
+)
 from selfrag.infra.store.qdrant_store import QdrantStore, StoreMisconfigured
 from selfrag.pipeline.protocols import Passage
 from selfrag.schemas.settings import RetrievalSettings
@@ -35,12 +44,17 @@ def embedder() -> SentenceEmbedder:
     return SentenceEmbedder()
 
 
+def sentence_transformers_id(embedder: SentenceEmbedder) -> str:
+    [found] = [i for i in embedder.replaces if "-llama-" not in i]
+    return found
+
+
 class OldEmbedder:
     """Stands for the sentence-transformers embedder an index was built with: its model id,
     and vectors that are the real ones (`noise` 0) or not."""
 
     def __init__(self, inner: SentenceEmbedder, noise: float) -> None:
-        [self.model_id] = inner.replaces
+        self.model_id = sentence_transformers_id(inner)
         self.dim = inner.dim
         self._inner = inner
         self._noise = noise
@@ -57,7 +71,7 @@ class OldEmbedder:
 def test_the_model_is_converted_once_into_the_cache(llama_model: Path, tmp_path: Path) -> None:
     first = SentenceEmbedder(cache_dir=tmp_path)
     path = first.gguf_path()
-    assert path.parent == tmp_path and path.name.endswith(".f16.gguf")
+    assert path.parent == tmp_path and path.name.endswith(f".{first.fmt}.gguf")
     assert read_gguf_metadata(path, "general.architecture") == "bert"
     assert read_gguf_metadata(path, "bert.pooling_type") == 1  # mean, as the folder says
     made = path.stat().st_mtime_ns
@@ -67,7 +81,54 @@ def test_the_model_is_converted_once_into_the_cache(llama_model: Path, tmp_path:
     vectors = second.embed(["a volcano erupts", "bread rises"])
     assert vectors.shape == (2, 384) and vectors.dtype == np.float32
     assert np.allclose(np.linalg.norm(vectors, axis=1), 1.0, atol=1e-5)
-    assert second.model_id.endswith("-llama-f16") and second.replaces == first.replaces
+    assert second.model_id.endswith(f"-llama-{first.fmt}") and second.replaces == first.replaces
+
+
+def test_auto_converts_to_bf16_only_for_a_backend_that_multiplies_it_natively(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    for variant, fmt in [("zen4", "bf16"), ("icelake", "f16"), ("haswell", "f16"), ("x64", "f16")]:
+        monkeypatch.setattr(
+            embedder_module, "expected_features", lambda v=variant: VARIANT_FEATURES[v]
+        )
+        chosen = SentenceEmbedder()  # nothing converted or loaded
+        assert (chosen.fmt, chosen.model_id.endswith(f"-llama-{fmt}")) == (fmt, True)
+        others = {f"{chosen.model_id.rsplit('-', 1)[0]}-{f}" for f in BERT_FORMATS if f != fmt}
+        assert chosen.replaces == {sentence_transformers_id(chosen), *others}
+    assert SentenceEmbedder(fmt="f32").fmt == "f32"
+    with pytest.raises(ValueError, match="fmt must be auto or one of f32, f16, bf16, got 'q8_0'"):
+        SentenceEmbedder(fmt="q8_0")  # type: ignore[arg-type]
+
+
+def test_each_format_converts_with_its_file_type_and_embeds_as_f32_does(
+    llama_model: Path, tmp_path: Path
+) -> None:
+    texts = [p.text for p in PASSAGES] + ["Who ruled Normandy first?", "a volcano erupts"]
+    ftypes = {"f32": FTYPE_ALL_F32, "f16": FTYPE_MOSTLY_F16, "bf16": FTYPE_MOSTLY_BF16}
+    vectors = {}
+    for fmt in BERT_FORMATS:
+        embedder = SentenceEmbedder(fmt=fmt, cache_dir=tmp_path)
+        assert read_gguf_metadata(embedder.gguf_path(), "general.file_type") == ftypes[fmt]
+        vectors[fmt] = embedder.embed(texts)
+        embedder.close()
+    for fmt in ("f16", "bf16"):
+        cosine = np.sum(vectors[fmt] * vectors["f32"], axis=1)
+        assert cosine.min() >= 0.9999, (fmt, cosine.min())
+    assert not np.array_equal(vectors["bf16"], vectors["f16"])  # three files, not one
+
+
+def test_an_index_built_in_another_format_is_reused_after_a_sample_check(
+    tmp_path: Path, embedder: SentenceEmbedder, caplog: pytest.LogCaptureFixture
+) -> None:
+    other = SentenceEmbedder(fmt="f16" if embedder.fmt != "f16" else "bf16")
+    with QdrantStore.open(RetrievalSettings(), tmp_path, other) as store:
+        store.upsert(PASSAGES)
+    with caplog.at_level("WARNING", logger="selfrag.store"):
+        store = QdrantStore.open(RetrievalSettings(), tmp_path, embedder)
+    with store:
+        assert f"indexed with {other.model_id}" in caplog.text and "reused" in caplog.text
+        assert store.search("Who ruled Normandy first?", 1)[0].id == "rollo#0"
+    other.close()
 
 
 def test_long_texts_are_cut_at_256_word_pieces_like_sentence_transformers(
@@ -178,7 +239,7 @@ def test_an_index_of_the_replaced_embedder_with_the_same_vectors_is_reused(
     facts = json.loads((tmp_path / "edge" / "passages" / "index.json").read_text())
     assert facts["embedding_model"] == embedder.model_id
     # Recorded: the next open checks nothing, and the old embedder is now the stranger.
-    with pytest.raises(StoreMisconfigured, match=r"indexed with .*-llama-f16"):
+    with pytest.raises(StoreMisconfigured, match=f"indexed with {re.escape(embedder.model_id)}"):
         QdrantStore.open(RetrievalSettings(), tmp_path, old)
 
 
@@ -204,7 +265,7 @@ def test_a_local_mode_index_of_the_replaced_embedder_is_migrated_then_reused(
 
     from selfrag.infra.store.qdrant_store import point_id
 
-    [old_id] = embedder.replaces
+    old_id = sentence_transformers_id(embedder)
     client = QdrantClient(path=str(tmp_path / "qdrant"))
     client.create_collection(
         "passages",

@@ -60,7 +60,7 @@ def test_the_same_word_piece_ids_as_sentence_transformers(reference, texts) -> N
 
 def test_the_same_vectors_as_sentence_transformers(reference, texts) -> None:
     expected = reference.encode(texts, batch_size=16, normalize_embeddings=True)
-    for fmt in ("f32", "f16"):
+    for fmt in ("f32", "f16", "bf16"):
         vectors = SentenceEmbedder(fmt=fmt).embed(texts)
         cosine = np.sum(vectors * expected, axis=1)
         assert cosine.min() >= 0.999, (fmt, texts[int(cosine.argmin())][:80], cosine.min())

@@ -19,11 +19,13 @@ from pathlib import Path
 import pytest
 
 from selfrag.infra.engine.cpu_builds.cpu_variants import (
+    CPU_BACKEND_ENV,
     VARIANT_FEATURES,
     BackendError,
     Variant,
     best_level,
     cpu_flags,
+    expected_features,
     missing_level_warning,
     variant_files,
 )
@@ -157,6 +159,34 @@ def test_the_best_level_follows_cpuinfo_flags(tmp_path: Path) -> None:
     amx |= {"avx512vbmi", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_int8"}
     assert best_level(VARIANT_FEATURES, amx) == "sapphirerapids"
     assert best_level(VARIANT_FEATURES, amx, amx=False) == "zen4"
+
+
+def test_the_expected_backend_is_the_best_built_one_without_amx_or_the_forced_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import selfrag.infra.engine.cpu_builds.cpu_variants as variants
+
+    built = ["x64", "haswell", "zen4", "sapphirerapids"]
+    monkeypatch.setattr(
+        variants, "variant_files", lambda: [Path(f"libggml-cpu-{n}.so") for n in built]
+    )
+    monkeypatch.delenv(CPU_BACKEND_ENV, raising=False)
+    amx = AVX2_FLAGS | {"avx512f", "avx512cd", "avx512vl", "avx512dq", "avx512bw"}
+    amx |= {"avx512vbmi", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_int8"}
+    assert expected_features(amx) == VARIANT_FEATURES["zen4"]  # AMX may trap: not expected
+    assert expected_features(AVX2_FLAGS) == VARIANT_FEATURES["haswell"]
+    assert expected_features(set()) == ()  # flags unknown
+    built[:] = ["x64", "haswell"]
+    assert expected_features(amx) == VARIANT_FEATURES["haswell"]  # the build lacks zen4
+    monkeypatch.setenv(CPU_BACKEND_ENV, "x64")
+    assert expected_features(amx) == ()
+    monkeypatch.delenv(CPU_BACKEND_ENV)
+
+    def no_build() -> list[Path]:
+        raise BackendError("llama-cpp-python is not installed")
+
+    monkeypatch.setattr(variants, "variant_files", no_build)
+    assert expected_features(amx) == ()
 
 
 # --- the real build ------------------------------------------------------------------------------
