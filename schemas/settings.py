@@ -21,6 +21,8 @@ from selfrag.schemas.calibration import CalibrationSettings
 from selfrag.schemas.decoding import DecodingConfig
 
 WeightFormat = Literal["auto", "original", "bf16", "f16", "q8_0", "q4_0"]
+EmbeddingFormat = Literal["auto", "f32", "f16", "bf16"]
+"""The converted embedding model's weights; `auto` picks by CPU (`retrieval.embedding_format`)."""
 Backend = Literal["llama_cpp", "vllm"]
 # The model presets (infra/models/model_presets.py holds their files, checksums and licenses).
 ModelPresetName = Literal["smollm2", "qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b"]
@@ -187,7 +189,7 @@ class RetrievalSettings(BaseModel):
         description="sentence-transformers BERT model folder (safetensors), converted to GGUF "
         "once and run on llama.cpp; default: the embedded all-MiniLM-L6-v2.",
     )
-    embedding_format: Literal["auto", "f32", "f16", "bf16"] = Field(
+    embedding_format: EmbeddingFormat = Field(
         "auto",
         description="Weights of the converted embedding model; auto: BF16 where the CPU "
         "backend multiplies BF16 natively (AVX512-BF16), else F16. The three embed alike, and "

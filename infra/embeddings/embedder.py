@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from hashlib import blake2b
 from importlib import resources
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 
@@ -38,6 +38,7 @@ from selfrag.infra.embeddings.bert_gguf import (
 from selfrag.infra.embeddings.wordpiece import WordPiece
 from selfrag.infra.engine.cpu_builds.cpu_variants import expected_features
 from selfrag.infra.models.model_files import derive_once, file_sha256
+from selfrag.schemas.settings import EmbeddingFormat
 
 log = logging.getLogger(__name__)
 # Files whose content defines what the model computes; their hash goes into `model_id`.
@@ -47,8 +48,6 @@ _CONFIG_FILES = (
     "sentence_bert_config.json",
     "1_Pooling/config.json",
 )
-EmbeddingFormat = Literal["auto", "f32", "f16", "bf16"]
-"""The converted file's weights; `auto` is `fastest_format()`."""
 BATCH_TOKENS = 512
 """Tokens per llama.cpp call. Sequences of one call attend within a mask over all its tokens,
 so the attention cost grows with the square of this: 512 keeps it a small part of the work."""

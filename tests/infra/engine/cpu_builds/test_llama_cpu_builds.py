@@ -133,6 +133,8 @@ def test_probe_results_are_keyed_by_model_file(tmp_path: Path, cache: ProbeCache
 
 
 AVX2_FLAGS = {"sse4_2", "avx", "f16c", "fma", "avx2", "bmi2"}
+AMX_FLAGS = AVX2_FLAGS | {"avx512f", "avx512cd", "avx512vl", "avx512dq", "avx512bw"}
+AMX_FLAGS |= {"avx512vbmi", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_int8"}
 
 
 def test_the_baseline_warns_where_the_build_lacks_this_cpus_level() -> None:
@@ -155,8 +157,7 @@ def test_the_best_level_follows_cpuinfo_flags(tmp_path: Path) -> None:
     assert cpu_flags(cpuinfo) == {"fpu", *AVX2_FLAGS}
     assert best_level(VARIANT_FEATURES, cpu_flags(cpuinfo)) == "haswell"
     assert cpu_flags(tmp_path / "absent") == set()
-    amx = AVX2_FLAGS | {"avx512f", "avx512cd", "avx512vl", "avx512dq", "avx512bw"}
-    amx |= {"avx512vbmi", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_int8"}
+    amx = AMX_FLAGS
     assert best_level(VARIANT_FEATURES, amx) == "sapphirerapids"
     assert best_level(VARIANT_FEATURES, amx, amx=False) == "zen4"
 
@@ -171,8 +172,7 @@ def test_the_expected_backend_is_the_best_built_one_without_amx_or_the_forced_on
         variants, "variant_files", lambda: [Path(f"libggml-cpu-{n}.so") for n in built]
     )
     monkeypatch.delenv(CPU_BACKEND_ENV, raising=False)
-    amx = AVX2_FLAGS | {"avx512f", "avx512cd", "avx512vl", "avx512dq", "avx512bw"}
-    amx |= {"avx512vbmi", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_int8"}
+    amx = AMX_FLAGS
     assert expected_features(amx) == VARIANT_FEATURES["zen4"]  # AMX may trap: not expected
     assert expected_features(AVX2_FLAGS) == VARIANT_FEATURES["haswell"]
     assert expected_features(set()) == ()  # flags unknown
