@@ -14,7 +14,7 @@ import json
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import numpy as np
 
@@ -27,7 +27,7 @@ from selfrag.infra.models.model_files import (
 )
 
 BertFormat = Literal["f32", "f16", "bf16"]
-BERT_FORMATS: tuple[BertFormat, ...] = ("f32", "f16", "bf16")
+BERT_FORMATS: tuple[BertFormat, ...] = get_args(BertFormat)
 CONVERTER_VERSION = 2
 """Part of the converted file's name: a change to what `convert_bert` writes converts again."""
 

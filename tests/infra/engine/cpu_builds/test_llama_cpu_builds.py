@@ -157,9 +157,8 @@ def test_the_best_level_follows_cpuinfo_flags(tmp_path: Path) -> None:
     assert cpu_flags(cpuinfo) == {"fpu", *AVX2_FLAGS}
     assert best_level(VARIANT_FEATURES, cpu_flags(cpuinfo)) == "haswell"
     assert cpu_flags(tmp_path / "absent") == set()
-    amx = AMX_FLAGS
-    assert best_level(VARIANT_FEATURES, amx) == "sapphirerapids"
-    assert best_level(VARIANT_FEATURES, amx, amx=False) == "zen4"
+    assert best_level(VARIANT_FEATURES, AMX_FLAGS) == "sapphirerapids"
+    assert best_level(VARIANT_FEATURES, AMX_FLAGS, amx=False) == "zen4"
 
 
 def test_the_expected_backend_is_the_best_built_one_without_amx_or_the_forced_one(
@@ -172,21 +171,20 @@ def test_the_expected_backend_is_the_best_built_one_without_amx_or_the_forced_on
         variants, "variant_files", lambda: [Path(f"libggml-cpu-{n}.so") for n in built]
     )
     monkeypatch.delenv(CPU_BACKEND_ENV, raising=False)
-    amx = AMX_FLAGS
-    assert expected_features(amx) == VARIANT_FEATURES["zen4"]  # AMX may trap: not expected
+    assert expected_features(AMX_FLAGS) == VARIANT_FEATURES["zen4"]  # AMX may trap: not expected
     assert expected_features(AVX2_FLAGS) == VARIANT_FEATURES["haswell"]
     assert expected_features(set()) == ()  # flags unknown
     built[:] = ["x64", "haswell"]
-    assert expected_features(amx) == VARIANT_FEATURES["haswell"]  # the build lacks zen4
+    assert expected_features(AMX_FLAGS) == VARIANT_FEATURES["haswell"]  # the build lacks zen4
     monkeypatch.setenv(CPU_BACKEND_ENV, "x64")
-    assert expected_features(amx) == ()
+    assert expected_features(AMX_FLAGS) == ()
     monkeypatch.delenv(CPU_BACKEND_ENV)
 
     def no_build() -> list[Path]:
         raise BackendError("llama-cpp-python is not installed")
 
     monkeypatch.setattr(variants, "variant_files", no_build)
-    assert expected_features(amx) == ()
+    assert expected_features(AMX_FLAGS) == ()
 
 
 # --- the real build ------------------------------------------------------------------------------
