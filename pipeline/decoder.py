@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from selfrag.pipeline.branching import BranchWorker, branch_worker, reusable_draft
 from selfrag.pipeline.coverage import (
@@ -59,6 +59,14 @@ class _Run:
     static: list[Passage] | None = None
     """The first step's passages, which every later step chooses among when
     `segment_retrieval` is static."""
+
+    def can_add(self, h: Hypothesis) -> bool:
+        """Whether a step could add a segment to `h`: not when `max_retrievals` is spent and
+        it retrieved, since a later segment citing nothing is dropped
+        (`ranking.drops_later_segment`, unless `keep_unsupported_segments`)."""
+        spent = self.usage.retrievals >= self.config.max_retrievals
+        retrieved = any(s.retrieved for s in h.segments)
+        return not (spent and retrieved) or self.config.keep_unsupported_segments
 
     def budget_exceeded(self) -> StopReason | None:
         if self.clock() - self.started > self.config.timeout_s:
@@ -119,10 +127,12 @@ class BeamDecoder:
             )
         worker = branch_worker(self._critic_for(config.critique), clock=self._clock)
         run = _Run(config, self._clock, self._clock(), plan_question(question))
-        beam: list[Hypothesis] = [Hypothesis()]
+        breadth = config.segments_per_step if run.plan.open_ended else 1
+        beam: list[Hypothesis] = [Hypothesis(step_segments=breadth)]
         # Each step adds a segment (at most max_segments) or moves its answer on to the next
         # part or miss (`coverage.settle` ends it): this bound is never what stops it.
         for _ in range(2 * config.max_segments + len(run.plan.parts) + 1):
+            beam = [h if h.done or run.can_add(h) else replace(h, done=True) for h in beam]
             live = [h for h in beam if not h.done]
             if not live:
                 break
@@ -147,8 +157,8 @@ class BeamDecoder:
         worker: BranchWorker,
         run: _Run,
     ) -> list[Hypothesis]:
-        cfg = run.config
-        candidates = self._open_branches(live, worker, run)
+        cfg = step_config(run.config, live)
+        candidates = self._open_branches(live, worker, run, cfg)
         work = worker.expand(candidates, cfg)
         run.usage.prefill_tokens += work.prefill_tokens
         run.usage.decode_tokens += work.decode_tokens
@@ -164,9 +174,8 @@ class BeamDecoder:
         return [settle(run.plan, h) for h in ranking.beam]
 
     def _open_branches(
-        self, live: list[Hypothesis], worker: BranchWorker, run: _Run
+        self, live: list[Hypothesis], worker: BranchWorker, run: _Run, cfg: DecodingConfig
     ) -> list[Candidate]:
-        cfg = run.config
         asked = [asked_question(branch_question(run.plan, h), cfg) for h in live]
         p_rets: list[float | None] = [None] * len(live)
         closed: list[Generation | None] = [None] * len(live)
@@ -274,6 +283,20 @@ class BeamDecoder:
             critique=critique,
             config=run.config,
         )
+
+
+def step_config(config: DecodingConfig, live: Sequence[Hypothesis]) -> DecodingConfig:
+    """`config` as one step of the `live` hypotheses uses it: drafts no longer than the
+    answer's budget has room for, and at least as many drafted passages as a step may keep
+    segments (`Hypothesis.step_segments`)."""
+    update: dict[str, int] = {}
+    room = min(config.answer_budget - h.tokens for h in live)
+    if room < config.max_segment_tokens:
+        update["max_segment_tokens"] = max(room, 1)
+    breadth = max(h.step_segments for h in live)
+    if breadth > config.max_drafts:
+        update["max_drafts"] = breadth
+    return config.model_copy(update=update) if update else config
 
 
 def asking_prefix(h: Hypothesis, plan: QuestionPlan) -> str:

@@ -192,6 +192,17 @@ def grounding_score(segment: str, evidence: str, question: str = "") -> float | 
     return found * share
 
 
+def new_words(segment: str, said: str) -> frozenset[str]:
+    """`segment`'s content words (as `novelty` counts them) that `said` lacks."""
+    return frozenset((_countable_words(segment) or set()) - _content_words(said))
+
+
+def content_words(text: str) -> frozenset[str]:
+    """The words of `text` that `novelty` and `word_share` count: no function word, none
+    under three letters, case folded."""
+    return frozenset(_content_words(text))
+
+
 def novelty(segment: str, said: str) -> float | None:
     """The share of `segment`'s content words (as `sentence_share` counts them) that `said`
     (the question and the answer so far) lacks: 0 for a segment that only restates them; None

@@ -7,7 +7,7 @@ from dataclasses import dataclass, replace
 
 from selfrag.pipeline.critics import RELEVANCE_LABELS, SUPPORT_LABELS, Branch, LabelProbs
 from selfrag.pipeline.evidence import evidence_span
-from selfrag.pipeline.grounding import missing_terms, novelty
+from selfrag.pipeline.grounding import content_words, missing_terms, new_words, novelty
 from selfrag.pipeline.prompts import passage_text
 from selfrag.pipeline.protocols import COLLECTION, Generation
 from selfrag.pipeline.scoring import (
@@ -43,10 +43,18 @@ class Hypothesis:
     drafted_from: frozenset[str] = frozenset()
     """The passages its steps have drafted on, whether their segments were kept or not: a
     later search ranks them last (`DecodingConfig.diverse_passages`)."""
+    step_segments: int = 1
+    """Segments a step may add to it: `DecodingConfig.segments_per_step` in an open account
+    (`coverage.QuestionPlan.open_ended`), else 1."""
 
     @property
     def text(self) -> str:
         return "".join(s.text for s in self.segments)
+
+    @property
+    def tokens(self) -> int:
+        """The tokens its segments hold, which `DecodingConfig.answer_budget` bounds."""
+        return sum(s.n_tokens for s in self.segments)
 
 
 @dataclass
@@ -71,6 +79,7 @@ class Candidate:
         so far is set apart from it by a space."""
         assert self.draft is not None
         d, p = self.draft, self.branch.passage
+        said = f"{self.branch.question} {self.said or self.branch.prefix}"
         text = d.text
         if self.said and not self.branch.prefix and text[:1] not in ("", " ", "\n"):
             text = f" {text}"
@@ -92,7 +101,8 @@ class Candidate:
             n_tokens=len(d.tokens),
             finished=d.finish_reason == "eos",
             cut=d.finish_reason == "length",
-            novelty=novelty(d.text, f"{self.branch.question} {self.said or self.branch.prefix}"),
+            novelty=novelty(d.text, said),
+            new_words=new_words(d.text, said),
             later=bool((self.said or self.branch.prefix).strip()),
             rel=self.rel.probs if self.rel is not None else None,
             sup=self.sup.probs if self.sup is not None else None,
@@ -133,6 +143,9 @@ class Drafted:
     novelty: float | None = None
     """The share of the segment's content words that neither the question nor the answer so
     far holds (`grounding.novelty`); None when it has no content word."""
+    new_words: frozenset[str] = frozenset()
+    """Those content words (`grounding.new_words`): what a segment kept before it in the same
+    step may already say (`Hypothesis.step_segments`)."""
     later: bool = False
     """The segment would follow an answer so far (not the answer's first)."""
 
@@ -309,8 +322,10 @@ def rank_step(
     drafted: Sequence[Drafted],
     cfg: DecodingConfig,
 ) -> StepRanking:
-    """Score the drafted branches, drop those failing hard filters (or `dropped_after`), keep
-    the best `cfg.beam`.
+    """Score the drafted branches, drop those failing hard filters (or `dropped_after`, or
+    past the answer's token budget), keep the best `cfg.beam`. Each available draft extends
+    its hypothesis by its segment, and, in a step of an open account, by the other drafts'
+    that add something (`more_segments`); `done` at `max_segments` or the budget.
 
     A live hypothesis whose branches all fail stays as it is, with one more miss, unless
     `on_unsupported` lets its no-retrieval draft through: whether it goes on is the stop
@@ -320,13 +335,14 @@ def rank_step(
     filtered = 0
     pool: list[Hypothesis] = [h for h in beam if h.done]
     for index, parent in enumerate(live):
-        available: list[tuple[float, SegmentOut, Drafted]] = []
-        fallback: tuple[float, SegmentOut, Drafted] | None = None
+        available: list[Scored] = []
+        fallback: Scored | None = None
         for c in (c for c in drafted if c.parent == index):
             score, segment = score_candidate(c, cfg, parent)
             if not c.grounded and c.retrieved:
                 fallback = (score, segment, c)
-            if passes_filters(c, cfg) and not dropped_after(parent, segment, cfg):
+            fits = parent.tokens + c.n_tokens <= cfg.answer_budget
+            if fits and passes_filters(c, cfg) and not dropped_after(parent, segment, cfg):
                 available.append((score, segment, c))
             else:
                 filtered += 1
@@ -346,20 +362,59 @@ def rank_step(
                 )
             )
             continue
-        for score, segment, c in available:
-            n = len(parent.segments) + 1
-            pool.append(
-                Hypothesis(
-                    segments=(*parent.segments, segment),
-                    score=parent.score + score,
-                    done=n >= cfg.max_segments,
-                    part=parent.part + (0 if c.cut else 1),
-                    cut=c.cut,
-                    drafted_from=tried,
-                )
+        available.sort(key=lambda a: a[0], reverse=True)
+        for first in available:
+            kept = [first, *more_segments(parent, first, available, cfg)]
+            segments = (*parent.segments, *(segment for _, segment, _ in kept))
+            last = kept[-1][2]
+            h = Hypothesis(
+                segments=segments,
+                score=parent.score + sum(score for score, _, _ in kept),
+                part=parent.part + (0 if last.cut else 1),
+                cut=last.cut,
+                drafted_from=tried,
+                step_segments=parent.step_segments,
             )
+            full = len(segments) >= cfg.max_segments or h.tokens >= cfg.answer_budget
+            pool.append(replace(h, done=full))
     pool.sort(key=lambda h: h.score, reverse=True)
     return StepRanking(beam=pool[: cfg.beam], filtered=filtered)
+
+
+Scored = tuple[float, SegmentOut, Drafted]
+
+
+def more_segments(
+    parent: Hypothesis, first: Scored, available: Sequence[Scored], cfg: DecodingConfig
+) -> list[Scored]:
+    """What a step adds to `parent` after its segment `first`, up to `parent.step_segments`
+    in all: the other `available` drafts (best first) of passages not cited yet in this step,
+    each finished, within the answer's budget and the segment count, and saying something
+    that neither the question, the answer so far nor the segments kept before it say
+    (`min_novelty`). None after a segment cut mid-sentence, which the next step goes on."""
+    if parent.step_segments < 2 or first[2].cut:
+        return []
+    kept: list[Scored] = []
+    cited = {first[2].citation.passage_id} if first[2].citation is not None else set()
+    said = content_words(first[1].text)
+    tokens = parent.tokens + first[2].n_tokens
+    room = min(parent.step_segments, cfg.max_segments - len(parent.segments)) - 1
+    for score, segment, c in available:
+        if len(kept) >= room:
+            break
+        if c.citation is None or c.citation.passage_id in cited or c.cut:
+            continue
+        if tokens + c.n_tokens > cfg.answer_budget:
+            continue
+        share = len(c.new_words - said) / len(c.new_words) if c.new_words else 0.0
+        fresh = (c.novelty or 0.0) * share
+        if fresh < cfg.min_novelty:
+            continue
+        kept.append((score, segment.model_copy(update={"novelty": fresh}), c))
+        cited.add(c.citation.passage_id)
+        said |= content_words(segment.text)
+        tokens += c.n_tokens
+    return kept
 
 
 def _page(value: str | None) -> int | None:

@@ -36,8 +36,8 @@ class AnswerRequest(BaseModel):
         None,
         ge=4,
         le=MAX_ANSWER_TOKENS,
-        description="Caps the answer's length: max_segments × max_segment_tokens is brought "
-        "within it (OpenAI's max_tokens).",
+        description="Caps the answer's length: max_answer_tokens and max_segment_tokens are "
+        "brought within it (OpenAI's max_tokens).",
     )
 
     @classmethod

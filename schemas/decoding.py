@@ -22,7 +22,8 @@ MAX_SEGMENTS = 32
 MAX_SEGMENT_TOKENS = 512
 MAX_ANSWER_TOKENS = MAX_SEGMENTS * MAX_SEGMENT_TOKENS
 """The longest answer any request can get (`max_segments` × `max_segment_tokens` at their
-bounds): a larger token cap (`max_tokens`) would change nothing, so it is refused."""
+bounds): a larger budget (`max_answer_tokens`, `max_tokens`) would change nothing, so it is
+refused."""
 MAX_INSTRUCTIONS_CHARS = 4_000
 MAX_SEED = 2**63 - 1
 SupportScore = Annotated[float, Field(ge=0.0, le=1.0)]
@@ -44,13 +45,34 @@ class DecodingConfig(BaseModel):
     beam: int = Field(1, ge=1, le=8, description="Segment-level beam width (B).")
     # Defaults below marked "measured" won on the Normans questions (notes/evaluation.md).
     max_segments: int = Field(
-        5,
+        10,
         ge=1,
         le=MAX_SEGMENTS,
-        description="Segments per answer at most (measured on long answers; a question "
-        "asking one thing takes one, or two when the first was cut mid-sentence).",
+        description="Segments per answer at most, within max_answer_tokens (measured on long "
+        "answers; a question asking one thing takes one, or two when the first was cut "
+        "mid-sentence).",
     )
     max_segment_tokens: int = Field(48, ge=4, le=MAX_SEGMENT_TOKENS)
+    # 240: the budget long answers were measured at (notes/long-answers.md), five segments'
+    # worth, which the baselines get too.
+    max_answer_tokens: int = Field(
+        240,
+        ge=4,
+        le=MAX_ANSWER_TOKENS,
+        description="Tokens of answer at most, over all its segments: the last segment is cut "
+        "where the answer reaches it. The baselines generate within the same budget "
+        "(OpenAI's max_tokens lowers it).",
+    )
+    # 3, by measurement on the biographies' tuning half (notes/long-answers.md).
+    segments_per_step: int = Field(
+        3,
+        ge=1,
+        le=50,
+        description="Segments one step of an open account ('Tell me about X') may add: its "
+        "passages draft (at least this many, past max_drafts), and each draft that passes "
+        "the hard filters and says something new is kept as a segment of its own, best "
+        "first. Other questions add one segment a step. 1: one in every step.",
+    )
     w_rel: float = Field(2.0, ge=0.0, le=100.0, description="Weight of s_rel in S (measured).")
     w_sup: float = Field(1.0, ge=0.0, le=100.0, description="Weight of s_sup in S.")
     w_use: float = Field(0.5, ge=0.0, le=100.0, description="Weight of s_use in S.")
@@ -234,16 +256,25 @@ class DecodingConfig(BaseModel):
         return own if own is not None else self.min_support_score or 0.0
 
     @property
+    def answer_budget(self) -> int:
+        """The most tokens an answer can hold: `max_answer_tokens`, or fewer when
+        `max_segments` segments of `max_segment_tokens` hold fewer."""
+        return min(self.max_answer_tokens, self.max_segments * self.max_segment_tokens)
+
+    @property
     def repeatable(self) -> bool:
         """Whether the same request gets the same answer: greedy, or sampled with a seed."""
         return self.temperature == 0 or self.seed is not None
 
     def within_tokens(self, max_tokens: int) -> DecodingConfig:
-        """This config with an answer of at most `max_tokens` tokens: shorter segments first,
-        then fewer of them."""
-        seg = min(self.max_segment_tokens, max_tokens)
-        segments = min(self.max_segments, max(1, max_tokens // seg))
-        return self.model_copy(update={"max_segment_tokens": seg, "max_segments": segments})
+        """This config with an answer of at most `max_tokens` tokens: a smaller budget, and
+        segments no longer than it."""
+        return self.model_copy(
+            update={
+                "max_segment_tokens": min(self.max_segment_tokens, max_tokens),
+                "max_answer_tokens": min(self.max_answer_tokens, max_tokens),
+            }
+        )
 
 
 class _Overrides(BaseModel):

@@ -99,8 +99,8 @@ class _CompletionFields(BaseModel):
         None,
         ge=4,
         le=MAX_ANSWER_TOKENS,
-        description="Caps the answer's tokens: segments × tokens per segment (at most "
-        "max_segments × max_segment_tokens at their bounds, the longest answer there is).",
+        description="Caps the answer's tokens (max_answer_tokens, and each segment's; at "
+        "most max_segments × max_segment_tokens at their bounds, the longest answer there is).",
     )
     temperature: float | None = Field(
         None,

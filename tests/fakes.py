@@ -43,6 +43,8 @@ class ScriptedCritic:
     name: str = "scripted"
     calls: list[str] = field(default_factory=list)
     drafted_branches: list[Branch] = field(default_factory=list)
+    draft_budgets: list[int] = field(default_factory=list)
+    """The `max_tokens` of each draft call."""
 
     @staticmethod
     def _key(b: Branch) -> str | None:
@@ -64,9 +66,12 @@ class ScriptedCritic:
     def draft(self, branches: Sequence[Branch], max_tokens: int) -> list[Generation]:
         self.calls.append(f"draft:{len(branches)}")
         self.drafted_branches.extend(branches)
+        self.draft_budgets.append(max_tokens)
         out = []
         for b in branches:
             text, logprob, finish = self.drafts.get(self._key(b), (" An answer.", -1.0, "eos"))
+            if len(text.split()) > max_tokens:
+                text, finish = " ".join(text.split()[:max_tokens]), "length"
             n = max(len(text.split()), 1)
             out.append(
                 Generation(

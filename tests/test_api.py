@@ -42,7 +42,8 @@ def test_answer_takes_dials_and_cites(rag: SelfRAG):
     assert r.config.top_k == 2 and r.config.max_segment_tokens == 12
     assert all(s.n_tokens <= 12 for s in r.segments)
     capped = rag.answer("Who was the Norse leader?", max_tokens=6, **SMALL, **OPEN)
-    assert capped.config.max_segment_tokens == 6 and capped.config.max_segments == 1
+    assert capped.config.max_segment_tokens == 6 and capped.config.max_answer_tokens == 6
+    assert sum(s.n_tokens for s in capped.segments) <= 6
 
 
 def test_stream_yields_segments_then_keeps_the_response(rag: SelfRAG):

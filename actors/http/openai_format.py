@@ -87,7 +87,9 @@ def finish_reason(response: AnswerResponse) -> FinishReason:
     cfg, segments = response.config, response.segments
     if response.usage.stopped_by is not None:
         return "length"
-    full = len(segments) == cfg.max_segments and segments[-1].n_tokens >= cfg.max_segment_tokens
+    spent = sum(s.n_tokens for s in segments)
+    last_full = bool(segments) and segments[-1].n_tokens >= cfg.max_segment_tokens
+    full = spent >= cfg.answer_budget or (len(segments) == cfg.max_segments and last_full)
     return "length" if full else "stop"
 
 

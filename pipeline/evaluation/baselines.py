@@ -108,10 +108,10 @@ class BaselineAnswerer:
     def answer(
         self, question: str, config: DecodingConfig, *, retrieve: bool, long_form: bool = False
     ) -> AnswerResponse:
-        """One answer within `config.max_segments` × `config.max_segment_tokens` (Self-RAG's
-        budget); `retrieve` picks vanilla RAG (top `config.top_k`) over closed-book, and
-        `long_form` its long-form prompt (the passages numbered [1]..[k] are
-        `AnswerResponse.passages` in order; the answer keeps its `[n]` markers)."""
+        """One answer within `config.answer_budget` tokens (Self-RAG's budget); `retrieve`
+        picks vanilla RAG (top `config.top_k`) over closed-book, and `long_form` its long-form
+        prompt (the passages numbered [1]..[k] are `AnswerResponse.passages` in order; the
+        answer keeps its `[n]` markers)."""
         if long_form and not retrieve:
             raise ValueError("a long-form baseline answer cites passages: it needs retrieval")
         started = self._clock()
@@ -122,7 +122,7 @@ class BaselineAnswerer:
                 raise ValueError("vanilla RAG needs a retriever")
             with timed(timings, "retrieve", self._clock):
                 passages = self._retriever.search(question, config.top_k)
-        budget = config.max_segment_tokens * config.max_segments
+        budget = config.answer_budget
         with timed(timings, "draft", self._clock):
             prompt = self.prompt(question, passages, long_form=long_form)
             request = GenerationRequest(prompt, budget, stop_at_sentence_end=False)

@@ -534,6 +534,15 @@ def test_max_retrievals_budget():
     assert out.segments[1].citation is None and not out.segments[1].retrieved
 
 
+def test_an_answer_that_retrieved_ends_when_its_retrievals_are_spent():
+    critic = ScriptedCritic(drafts={"p1": (" Part one.", -1.0, "eos"), None: (" y.", -9, "eos")})
+    decoder, retriever = make(critic, PASSAGES[:1])
+    out = decoder.answer("Tell me about Normandy.", cfg(max_segments=6, max_retrievals=1))
+    # A later segment could only cite nothing, which is dropped: no step is drafted for it.
+    assert out.usage.steps == 1 and len(retriever.queries) == 1
+    assert [s.citation.passage_id for s in out.segments] == ["p1"]
+
+
 def test_prefill_budget_stops_early():
     critic = ScriptedCritic(drafts={"p1": (" Part.", -1.0, "sentence")})
     decoder, _ = make(critic, PASSAGES[:1])
@@ -613,3 +622,45 @@ def test_with_retry_flagged_a_more_relevant_passage_answers_where_the_first_was_
     out = decoder.answer("q", config.model_copy(update={"retry_flagged": True}))
     assert out.answer == "Rollo." and out.segments[0].citation.passage_id == "p2"
     assert out.segments[0].flags == []
+
+
+def test_an_account_step_keeps_a_segment_from_each_passage_that_adds_something():
+    passages = [
+        Passage("n1", "Normandy is a region of France.", "Normandy", 0.9),
+        Passage("n2", "Vikings settled Normandy in 911.", "Normandy", 0.8),
+        Passage("n3", "Normandy is a region of France.", "Normandy", 0.7),
+    ]
+    critic = ScriptedCritic(
+        relevance_of={"n1": 0.9, "n2": 0.8, "n3": 0.7},
+        drafts={
+            "n1": (" Normandy is a region.", -1.0, "eos"),
+            "n2": (" Vikings settled there.", -1.0, "eos"),
+            "n3": (" Normandy is a region.", -1.0, "eos"),
+        },
+    )
+    decoder, _ = make(critic, passages)
+    settings = {"max_segments": 6, "max_drafts": 1, "segments_per_step": 3}
+    out = decoder.answer("Tell me about Normandy.", cfg(**settings))
+    # Its first step drafts all three passages (max_drafts is raised to segments_per_step),
+    # with the no-retrieval branch, and keeps n1's and n2's segments; n3's says what n1's did.
+    assert [s.citation.passage_id for s in out.segments] == ["n1", "n2"]
+    assert critic.calls[2] == "draft:4"
+    one = ScriptedCritic(relevance_of=critic.relevance_of, drafts=critic.drafts)
+    decoder, _ = make(one, passages)
+    single = decoder.answer("Where is Normandy?", cfg(**settings))
+    assert [s.citation.passage_id for s in single.segments] == ["n1"]  # one thing asked
+    assert "draft:4" not in one.calls
+
+
+def test_an_answer_stops_at_its_token_budget_and_its_last_draft_is_cut_to_fit():
+    facts = [" Rollo founded it.", " Vikings settled there.", " Caen is its capital."]
+    passages = [Passage(f"n{i}", t, "Normandy", 0.9 - i / 10) for i, t in enumerate(facts)]
+    critic = ScriptedCritic(drafts={f"n{i}": (t, -1.0, "eos") for i, t in enumerate(facts)})
+    decoder, _ = make(critic, passages)
+    out = decoder.answer(
+        "Tell me about Normandy.", cfg(max_segments=6, top_k=1, max_answer_tokens=8)
+    )
+    # Three words a draft: two fit, the third is drafted with the two tokens left (cut
+    # mid-sentence), and the budget spent ends the answer.
+    assert [s.n_tokens for s in out.segments] == [3, 3, 2]
+    assert critic.draft_budgets[-1] == 2 and out.usage.steps == 3

@@ -1,9 +1,12 @@
 """pipeline/ranking.py: segment flags, a later unsupported or repeating segment dropped, and
 what a later segment adds scored."""
 
+from dataclasses import replace
+
 import pytest
 
 from selfrag.pipeline.critics import Branch, LabelProbs
+from selfrag.pipeline.grounding import new_words
 from selfrag.pipeline.protocols import Generation, Passage
 from selfrag.pipeline.ranking import Candidate, Drafted, Hypothesis, rank_step
 from selfrag.schemas.answer import Citation
@@ -129,3 +132,60 @@ def test_a_closed_book_answer_is_not_flagged_uncited():
         [Hypothesis()], [Hypothesis()], [drafted(" Paris.", cited=False, retrieved=False)], CFG
     ).beam
     assert h.segments[0].flags == []
+
+
+def cited_draft(passage: str, text: str, *, score: float = 0.9, **kw) -> Drafted:
+    """A grounded draft of `passage` whose support read is `score` (ranked by it)."""
+    kw.setdefault("new_words", new_words(text, ""))
+    return replace(
+        drafted(text, cited=True, full=score, **kw), citation=Citation(passage_id=passage)
+    )
+
+
+def test_an_account_step_keeps_each_new_supported_draft_of_its_passages_best_first():
+    parent = Hypothesis(step_segments=3)
+    drafts = [
+        cited_draft("p2", " She was born in Evesham.", score=0.6),
+        cited_draft("p1", " She founded Twycross Zoo.", score=0.9),
+        cited_draft("p3", " The zoo opened in 1963.", score=0.7),
+    ]
+    (h,) = rank_step([parent], [parent], drafts, CFG).beam
+    assert [s.citation.passage_id for s in h.segments] == ["p1", "p3", "p2"]
+    assert h.step_segments == 3 and h.part == 1 and not h.done
+    (one,) = rank_step([Hypothesis()], [Hypothesis()], drafts, CFG).beam
+    assert [s.citation.passage_id for s in one.segments] == ["p1"]
+
+
+def test_an_account_step_skips_what_its_first_segment_said_a_second_draft_of_a_passage_and_a_cut():
+    parent = Hypothesis(step_segments=4)
+    drafts = [
+        cited_draft("p1", " She founded Twycross Zoo.", score=0.9),
+        cited_draft("p2", " She founded Twycross Zoo.", score=0.8),  # nothing new after p1's
+        cited_draft("p1", " She bred dogs.", score=0.7),  # p1 is cited already this step
+        cited_draft("p3", " The zoo opened in", score=0.6, cut=True),
+        cited_draft("p4", " Chimpanzees starred in adverts.", score=0.5),
+    ]
+    (h,) = rank_step([parent], [parent], drafts, CFG).beam
+    # The beam keeps the step's best total: p2's draft, then p1's other one, then p4's.
+    assert [(s.citation.passage_id, s.text) for s in h.segments] == [
+        ("p2", " She founded Twycross Zoo."),
+        ("p1", " She bred dogs."),
+        ("p4", " Chimpanzees starred in adverts."),
+    ]
+    assert not h.cut
+    (first,) = rank_step([parent], [parent], drafts[:2], CFG).beam
+    assert len(first.segments) == 1  # the same statement from another passage adds nothing
+
+
+def test_a_segment_past_the_answer_budget_is_not_kept_and_a_full_budget_ends_the_answer():
+    cfg = CFG.model_copy(update={"max_answer_tokens": 10})
+    parent = Hypothesis(step_segments=3)
+    facts = [" Born in Evesham.", " Founded Twycross Zoo.", " Trained chimpanzees."]
+    drafts = [cited_draft(f"p{i}", t, score=0.9 - i / 10) for i, t in enumerate(facts)]
+    (h,) = rank_step([parent], [parent], drafts, cfg).beam  # 4 tokens each: two fit in 10
+    assert len(h.segments) == 2 and h.tokens == 8 and not h.done
+    (h,) = rank_step([h], [h], [cited_draft("p9", " Kept studbooks.")], cfg).beam
+    assert len(h.segments) == 2 and h.misses == 1
+    exact = cfg.model_copy(update={"max_answer_tokens": 8})
+    (h,) = rank_step([parent], [parent], drafts, exact).beam
+    assert h.tokens == 8 and h.done

@@ -11,13 +11,14 @@ import openai
 import pytest
 
 from selfrag.actors.http.metrics import Metrics
+from selfrag.actors.http.openai_format import finish_reason
 from selfrag.actors.http.openai_requests import conversation_question
 from selfrag.actors.http.routes import build_http_app, parse_api_keys
 from selfrag.schemas.answer import MAX_QUESTION_CHARS
 from selfrag.schemas.decoding import MAX_ANSWER_TOKENS, DecodingConfig
 from selfrag.schemas.errors import DeadlineExceeded, Overloaded
 from selfrag.schemas.openai import ChatMessage
-from tests.http_fakes import FakeService, live_server
+from tests.http_fakes import FakeService, live_server, scripted_response
 from tests.serve_fakes import make_service
 
 KEY = "sk-test-key"
@@ -408,15 +409,29 @@ def test_conversation_turns_become_the_questions_context():
     assert conversation_question([ChatMessage(role="user", content=" hi ")]) == "hi"
 
 
-def test_max_tokens_shortens_segments_then_drops_them():
+def test_max_tokens_lowers_the_answer_budget_and_the_segments_to_fit_it():
     cfg = DecodingConfig(max_segments=3, max_segment_tokens=48)
-    assert cfg.within_tokens(100).max_segment_tokens == 48
-    assert cfg.within_tokens(100).max_segments == 2
-    assert (cfg.within_tokens(20).max_segment_tokens, cfg.within_tokens(20).max_segments) == (
-        20,
-        1,
+    assert (cfg.within_tokens(100).max_answer_tokens, cfg.within_tokens(100).answer_budget) == (
+        100,
+        100,
     )
+    assert cfg.within_tokens(100).max_segment_tokens == 48
+    short = cfg.within_tokens(20)
+    assert (short.max_segment_tokens, short.max_answer_tokens, short.max_segments) == (20, 20, 3)
     assert cfg.within_tokens(1000) == cfg
+    assert cfg.answer_budget == 3 * 48  # three segments hold less than max_answer_tokens
+
+
+def test_an_answer_that_spent_its_token_budget_finishes_for_length():
+    # The scripted answer holds two segments of four tokens each.
+    spent = scripted_response("q", DecodingConfig(max_answer_tokens=8))
+    assert finish_reason(spent) == "length"
+    room = scripted_response("q", DecodingConfig(max_answer_tokens=9))
+    assert finish_reason(room) == "stop"
+    assert (
+        finish_reason(scripted_response("q", DecodingConfig(max_segments=2, max_segment_tokens=4)))
+        == "length"
+    )
 
 
 def test_langchain_chat_openai_talks_to_it(url: str):
