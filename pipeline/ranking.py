@@ -410,7 +410,10 @@ def more_segments(
         fresh = (c.novelty or 0.0) * share
         if fresh < cfg.min_novelty:
             continue
-        kept.append((score, segment.model_copy(update={"novelty": fresh}), c))
+        # Drafted side by side, not one after another: a draft that starts a sentence without
+        # a space would run into the segment before it.
+        text = segment.text if segment.text[:1].isspace() else f" {segment.text}"
+        kept.append((score, segment.model_copy(update={"novelty": fresh, "text": text}), c))
         cited.add(c.citation.passage_id)
         said |= content_words(segment.text)
         tokens += c.n_tokens

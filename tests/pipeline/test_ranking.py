@@ -154,6 +154,10 @@ def test_an_account_step_keeps_each_new_supported_draft_of_its_passages_best_fir
     assert h.step_segments == 3 and h.part == 1 and not h.done
     (one,) = rank_step([Hypothesis()], [Hypothesis()], drafts, CFG).beam
     assert [s.citation.passage_id for s in one.segments] == ["p1"]
+    # An answer's first step drafts without a leading space; its segments still read apart.
+    firsts = [replace(d, text=d.text.strip()) for d in drafts]
+    (h,) = rank_step([parent], [parent], firsts, CFG).beam
+    assert h.text == "She founded Twycross Zoo. The zoo opened in 1963. She was born in Evesham."
 
 
 def test_an_account_step_skips_what_its_first_segment_said_a_second_draft_of_a_passage_and_a_cut():
