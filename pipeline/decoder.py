@@ -65,8 +65,7 @@ class _Run:
         it retrieved, since a later segment citing nothing is dropped
         (`ranking.drops_later_segment`, unless `keep_unsupported_segments`)."""
         spent = self.usage.retrievals >= self.config.max_retrievals
-        retrieved = any(s.retrieved for s in h.segments)
-        return not (spent and retrieved) or self.config.keep_unsupported_segments
+        return not (spent and h.retrieved) or self.config.keep_unsupported_segments
 
     def budget_exceeded(self) -> StopReason | None:
         if self.clock() - self.started > self.config.timeout_s:

@@ -52,6 +52,12 @@ class Hypothesis:
         return "".join(s.text for s in self.segments)
 
     @property
+    def retrieved(self) -> bool:
+        """Whether a step of it retrieved: a later segment then cites or is dropped
+        (`drops_later_segment`)."""
+        return any(s.retrieved for s in self.segments)
+
+    @property
     def tokens(self) -> int:
         """The tokens its segments hold, which `DecodingConfig.answer_budget` bounds."""
         return sum(s.n_tokens for s in self.segments)
@@ -264,7 +270,7 @@ def score_candidate(
     with no segment yet, that did not retrieve). A segment after the first also scores what
     it adds (`w_new` times its novelty): one that restates the answer so far ranks below one
     that states something new."""
-    answer_retrieved = parent is not None and any(seg.retrieved for seg in parent.segments)
+    answer_retrieved = parent is not None and parent.retrieved
     later = parent is not None and bool(parent.segments)
     s_rel = relevance_score(c.rel) if c.rel is not None else None
     s_sup = support_score(c.sup) if c.sup is not None else None
